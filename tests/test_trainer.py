@@ -1,0 +1,220 @@
+"""`GRPOTrainerExt` against stock TRL, its LoRA behaviour and the options it refuses."""
+
+import gc
+
+import pytest
+import torch
+from helpers import count_a_reward, tiny_grpo_args
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+from trl_grpo_ext.trainer import unsupported_options
+
+# Metrics both trainers log. Equal within float32 rounding: the two losses are the same formula, evaluated in a
+# different order (selection instead of multiplication by the mask), so the per-step results agree to ~1e-7
+# relative; over four steps of lr 1e-2 the weights stay within ~1e-6 of each other. A different sampled completion
+# (the only way the runs could diverge further) would move `reward` by >= 0.1, far outside the tolerance.
+COMPARED = [
+    "loss",
+    "grad_norm",
+    "kl",
+    "entropy",
+    "reward",
+    "reward_std",
+    "rewards/count_a_reward/mean",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_max",
+    "completions/mean_length",
+]
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def train_logs(trainer_cls, config_cls, model_path, tokenizer, dataset, output_dir, peft_config=None, **config):
+    args = config_cls(**tiny_grpo_args(output_dir, num_iterations=2, gradient_accumulation_steps=2, **config))
+    trainer = trainer_cls(
+        model=model_path,
+        reward_funcs=count_a_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+    trainer.train()
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+@pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
+def test_trains_step_for_step_like_stock_trl_grpo(use_lora, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    def lora():
+        return LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if use_lora else None
+
+    stock = train_logs(
+        GRPOTrainer,
+        GRPOConfig,
+        tiny_model_path,
+        tiny_tokenizer,
+        prompt_dataset,
+        tmp_path / "stock",
+        peft_config=lora(),
+        loss_type="grpo",
+        beta=0.04,
+        epsilon=0.2,
+        use_bias_correction_kl=False,
+    )
+    ours = train_logs(
+        GRPOTrainerExt, GRPOConfigExt, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "ours", lora()
+    )
+
+    assert len(stock) == len(ours) == 4
+    compared = 0
+    for step, (expected, got) in enumerate(zip(stock, ours, strict=True), start=1):
+        for key in COMPARED:
+            assert (key in expected) == (key in got), (step, key)
+            if key in expected and expected[key] is not None:
+                assert got[key] == pytest.approx(expected[key], rel=RTOL, abs=ATOL), (step, key)
+                compared += 1
+    # Steps 2 and 4 reuse the generation batch (num_iterations=2): their ratios move and some tokens clip.
+    assert any(entry["clip_ratio/region_mean"] > 0 for entry in ours)
+    assert any(entry["kl"] > 0 for entry in ours)
+    assert compared >= 40
+
+
+def test_lora_trains_only_adapters_and_uses_the_base_model_as_reference(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    seen_ref_logps = []
+
+    class RecordingTrainer(GRPOTrainerExt):
+        def _compute_loss(self, model, inputs):
+            seen_ref_logps.append(
+                (
+                    inputs["prompt_ids"],
+                    inputs["prompt_mask"],
+                    inputs["completion_ids"],
+                    inputs["completion_mask"],
+                    inputs["ref_per_token_logps"],
+                )
+            )
+            return super()._compute_loss(model, inputs)
+
+    args = GRPOConfigExt(**tiny_grpo_args(tmp_path, num_iterations=2, learning_rate=5e-2))
+    trainer = RecordingTrainer(
+        model=tiny_model_path,
+        reward_funcs=count_a_reward,
+        args=args,
+        train_dataset=prompt_dataset,
+        processing_class=tiny_tokenizer,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+    )
+    trainable = [name for name, param in trainer.model.named_parameters() if param.requires_grad]
+    assert trainable and all("lora_" in name for name in trainable)
+    base_before = {
+        name: param.detach().clone() for name, param in trainer.model.named_parameters() if "lora_" not in name
+    }
+    adapters_before = {name: trainer.model.get_parameter(name).detach().clone() for name in trainable}
+
+    # No second model in memory: the reference is the policy with its adapters disabled.
+    assert trainer.ref_model is None
+    gc.collect()
+    causal_lm_class = type(trainer.model.get_base_model())
+    assert sum(type(obj) is causal_lm_class for obj in gc.get_objects()) == 1
+
+    trainer.train()
+
+    for name, before in base_before.items():
+        assert torch.equal(trainer.model.get_parameter(name), before), name
+    assert any(not torch.equal(trainer.model.get_parameter(name), before) for name, before in adapters_before.items())
+
+    # The reference log-probs used in every step are those of the untouched base model, loaded afresh.
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    assert len(seen_ref_logps) == 4
+    for prompt_ids, prompt_mask, completion_ids, completion_mask, ref_logps in seen_ref_logps:
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        with torch.no_grad():
+            logits = base(input_ids, attention_mask=torch.cat([prompt_mask, completion_mask], dim=1)).logits
+        logps = torch.log_softmax(logits[:, -completion_ids.size(1) - 1 : -1].float(), dim=-1)
+        expected = logps.gather(-1, completion_ids[..., None]).squeeze(-1)
+        mask = completion_mask.bool()
+        torch.testing.assert_close(ref_logps[mask], expected[mask], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("option", "fix"),
+    [
+        (dict(loss_type="dapo"), "loss_type='grpo'"),
+        (dict(loss_type="dr_grpo"), "loss_type='grpo'"),
+        (dict(loss_type="bnpo"), "loss_type='grpo'"),
+        (dict(loss_type="cispo"), "loss_type='grpo'"),
+        (dict(loss_type="sapo"), "loss_type='grpo'"),
+        (dict(loss_type="luspo"), "loss_type='grpo'"),
+        (dict(loss_type="vespo"), "loss_type='grpo'"),
+        (dict(importance_sampling_level="sequence"), "importance_sampling_level='token'"),
+        (dict(top_entropy_quantile=0.2), "top_entropy_quantile=1.0"),
+        (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold=None"),
+        (dict(entropy_coef=0.01), "entropy_coef=0.0"),
+        (dict(use_adaptive_entropy=True), "use_adaptive_entropy=False"),
+        (dict(delta=1.5), "delta=None"),
+        (dict(use_bias_correction_kl=True), "use_bias_correction_kl=False"),
+        (dict(use_vllm=True), "vllm_importance_sampling_correction=False"),
+        (dict(scale_rewards="batch"), "scale_rewards='group'"),
+        (dict(multi_objective_aggregation="normalize_then_sum"), "multi_objective_aggregation='sum_then_normalize'"),
+    ],
+)
+def test_unsupported_trl_options_are_refused_at_construction(option, fix, tiny_model_path, prompt_dataset, tmp_path):
+    args = GRPOConfigExt(**tiny_grpo_args(tmp_path, **option))
+    with pytest.raises(ValueError, match="cannot honour") as error:
+        GRPOTrainerExt(model=tiny_model_path, reward_funcs=count_a_reward, args=args, train_dataset=prompt_dataset)
+    assert fix in str(error.value)
+    assert list(option)[0] in str(error.value)
+
+
+def test_every_refusal_is_listed_at_once(tmp_path):
+    args = GRPOConfig(**tiny_grpo_args(tmp_path, loss_type="dapo", delta=2.0, entropy_coef=0.1))
+    problems = unsupported_options(args)
+    assert len(problems) == 3
+    # TRL's own defaults (dapo loss) are refused, with the fix spelled out.
+    assert any("loss_type='grpo'" in problem for problem in problems)
+
+
+def test_default_ext_config_and_equivalent_stock_config_are_supported(tmp_path):
+    assert unsupported_options(GRPOConfigExt(**tiny_grpo_args(tmp_path))) == []
+    stock = GRPOConfig(**tiny_grpo_args(tmp_path, loss_type="grpo", beta=0.04, use_bias_correction_kl=False))
+    assert unsupported_options(stock) == []
+    # scale_rewards='none' only centres the advantages inside each group, which the loss accepts.
+    assert unsupported_options(GRPOConfigExt(**tiny_grpo_args(tmp_path, scale_rewards="none"))) == []
+    # The bias-correction flag has no effect without a KL term.
+    assert unsupported_options(GRPOConfigExt(**tiny_grpo_args(tmp_path, beta=0.0, use_bias_correction_kl=True))) == []
+
+
+def test_model_card_carries_the_project_tag(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    args = GRPOConfigExt(**tiny_grpo_args(tmp_path))
+    trainer = GRPOTrainerExt(
+        model=tiny_model_path,
+        reward_funcs=count_a_reward,
+        args=args,
+        train_dataset=prompt_dataset,
+        processing_class=tiny_tokenizer,
+    )
+    trainer.create_model_card(model_name="tiny-grpo")
+    card = (tmp_path / "README.md").read_text()
+    front_matter = card.split("---")[1]
+    for tag in ("trl", "grpo", "trl_grpo_ext"):
+        assert f"- {tag}\n" in front_matter
+
+
+def test_default_args_are_the_documents_config(tiny_model_path, tiny_tokenizer, prompt_dataset, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    trainer = GRPOTrainerExt(
+        model=tiny_model_path,
+        reward_funcs=count_a_reward,
+        train_dataset=prompt_dataset,
+        processing_class=tiny_tokenizer,
+    )
+    assert isinstance(trainer.args, GRPOConfigExt)
+    assert trainer.args.output_dir.endswith("-GRPO")
+    assert (trainer.beta, trainer.loss_type, trainer.epsilon_low) == (0.04, "grpo", 0.2)

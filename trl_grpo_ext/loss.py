@@ -1,0 +1,306 @@
+"""The GRPO objective of the DeepSeekMath paper, as pure tensor code.
+
+For one prompt with G sampled completions o_1..o_G (token t of completion i):
+
+    r_it = exp(logp_it - old_logp_it)                              importance ratio
+    S_it = min(r_it * A_i, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i)
+    D_it = ref_logp_it - logp_it
+    K_it = exp(D_it) - D_it - 1                                    "k3" KL estimator, >= 0
+    J    = (1/G) * sum_i (1/|o_i|) * sum_t (S_it - beta * K_it)
+    loss = -J
+
+Each line of `grpo_loss` below is one line of this block. Nothing here imports TRL: the functions work on any
+device and dtype and can be copied into another training loop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["GRPOLossOutput", "grpo_loss", "group_relative_advantages", "EXP_LINEAR_ABOVE"]
+
+# Above this exponent, exp(x) is continued by its tangent line instead (see `_exp_linear_above`).
+# exp(20) ~ 4.9e8: every ratio or KL term with |log difference| <= 20 is computed exactly, and a sum of a billion
+# such terms still fits comfortably in float32 (max ~3.4e38).
+EXP_LINEAR_ABOVE = 20.0
+
+
+@dataclass
+class GRPOLossOutput:
+    """What `grpo_loss` returns.
+
+    Scalars are 0-dim tensors. Per-token tensors are `(N, T)`, detached, in the computation dtype (float32 or wider),
+    and hold 0 (or `False`) at masked positions.
+
+    Attributes:
+        loss: `-J`, differentiable with respect to `logps`. Equals `policy_loss + beta * kl`.
+        policy_loss: `-(1/N) sum_i (1/|o_i|) sum_t S_it`, detached.
+        kl: `(1/N) sum_i (1/|o_i|) sum_t K_it`, detached (0 when `beta == 0` and no `ref_logps` were given).
+        kl_penalty: `beta * kl`, detached.
+        ratio: `r_it` per token.
+        log_ratio: `logp_it - old_logp_it` per token.
+        per_token_kl: `K_it` per token (zeros when no `ref_logps` were given).
+        advantages: `A_i` broadcast to `(N, T)`.
+        is_low_clipped: `r_it < 1 - eps_low` and `A_i < 0`: the surrogate is flat there (TRL's definition).
+        is_high_clipped: `r_it > 1 + eps_high` and `A_i > 0`: the surrogate is flat there.
+        mask: the completion mask as `bool`.
+        beta: the KL coefficient that was used.
+    """
+
+    loss: torch.Tensor
+    policy_loss: torch.Tensor
+    kl: torch.Tensor
+    kl_penalty: torch.Tensor
+    ratio: torch.Tensor
+    log_ratio: torch.Tensor
+    per_token_kl: torch.Tensor
+    advantages: torch.Tensor
+    is_low_clipped: torch.Tensor
+    is_high_clipped: torch.Tensor
+    mask: torch.Tensor
+    beta: float
+
+    @property
+    def is_region_clipped(self) -> torch.Tensor:
+        """Tokens whose surrogate is in either flat (zero-gradient) region, `(N, T)` bool."""
+        return self.is_low_clipped | self.is_high_clipped
+
+
+def _exp_linear_above(x: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE) -> torch.Tensor:
+    """`exp(x)` for `x <= threshold`, continued by its tangent line `exp(t) * (1 + x - t)` above it.
+
+    Plain `exp` overflows float32 at x ~ 88.7 and turns the loss into `inf` (then NaN once multiplied by a zero
+    advantage). Clamping `x` (as verl and OpenRLHF do) keeps it finite but zeroes the gradient of exactly the tokens
+    that drifted furthest. The tangent keeps the value continuous, the gradient continuous, positive and bounded by
+    `exp(threshold)`, and the function convex, so `exp(d) - d - 1` stays >= 0.
+    """
+    x_below = x.clamp(max=threshold)
+    return torch.exp(x_below) * (1.0 + (x - x_below))
+
+
+def _per_sequence_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`(1/N) sum_i (1/|o_i|) sum_t x_it` over the masked tokens; a row with no tokens adds 0 and still counts in N.
+
+    Args:
+        per_token: `(N, T)`, already 0 at masked positions.
+        mask: `(N, T)` bool.
+
+    Returns:
+        0-dim tensor.
+    """
+    tokens_per_row = mask.sum(dim=-1).clamp(min=1)
+    return (per_token.sum(dim=-1) / tokens_per_row).mean()
+
+
+def _check_hyperparameters(epsilon: float, epsilon_high: float, beta: float) -> None:
+    if not (isinstance(epsilon, (int, float)) and math.isfinite(epsilon) and epsilon > 0):
+        raise ValueError(f"`epsilon` must be a finite number > 0, got {epsilon!r}.")
+    if not (isinstance(epsilon_high, (int, float)) and math.isfinite(epsilon_high) and epsilon_high >= 0):
+        raise ValueError(f"`epsilon_high` must be a finite number >= 0 (or None for `epsilon`), got {epsilon_high!r}.")
+    if not (isinstance(beta, (int, float)) and math.isfinite(beta) and beta >= 0):
+        raise ValueError(f"`beta` must be a finite number >= 0, got {beta!r}.")
+
+
+def _check_tensor(name: str, tensor: torch.Tensor, shape: torch.Size, device: torch.device) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"`{name}` must be a torch.Tensor, got {type(tensor).__name__}.")
+    if tensor.shape != shape:
+        raise ValueError(f"`{name}` has shape {tuple(tensor.shape)}, expected {tuple(shape)} (the shape of `logps`).")
+    if tensor.device != device:
+        raise ValueError(f"`{name}` is on {tensor.device}, but `logps` is on {device}; move it to the same device.")
+
+
+def _broadcast_advantages(advantages: torch.Tensor, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    if not isinstance(advantages, torch.Tensor):
+        raise ValueError(f"`advantages` must be a torch.Tensor, got {type(advantages).__name__}.")
+    if advantages.device != device:
+        raise ValueError(
+            f"`advantages` is on {advantages.device}, but `logps` is on {device}; move it to the same device."
+        )
+    num_rows, num_tokens = shape
+    if advantages.shape == (num_rows,):
+        return advantages.unsqueeze(-1).expand(shape)
+    if advantages.shape in ((num_rows, 1), (num_rows, num_tokens)):
+        return advantages.expand(shape)
+    raise ValueError(
+        f"`advantages` has shape {tuple(advantages.shape)}; expected ({num_rows},), ({num_rows}, 1) or "
+        f"({num_rows}, {num_tokens}) for `logps` of shape {tuple(shape)}."
+    )
+
+
+def grpo_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    beta: float = 0.04,
+) -> GRPOLossOutput:
+    """The GRPO loss `-J` with per-sequence length normalisation and the `exp(d) - d - 1` KL estimator.
+
+    Args:
+        logps (`torch.Tensor` of shape `(N, T)`):
+            Log-probabilities of the sampled completion tokens under the policy being trained. The gradient flows
+            into this tensor only. `N = B * G` rows, ordered so that the G completions of a prompt are consecutive.
+        old_logps (`torch.Tensor` of shape `(N, T)` or `None`):
+            Log-probabilities under the policy that sampled the completions. `None` means on-policy
+            (`logps.detach()`, every ratio is exactly 1).
+        ref_logps (`torch.Tensor` of shape `(N, T)` or `None`):
+            Log-probabilities under the reference policy. May be `None` only when `beta == 0`.
+        advantages (`torch.Tensor` of shape `(N,)`, `(N, 1)` or `(N, T)`):
+            Advantage of each completion (or token), e.g. from `group_relative_advantages`.
+        completion_mask (`torch.Tensor` of shape `(N, T)`, bool, int or float):
+            Non-zero at the completion tokens that count. Everything at the other positions is ignored, even NaN or
+            infinity (padding, prompt tokens): those values are selected away before any arithmetic.
+        epsilon (`float`, defaults to `0.2`):
+            Lower clipping width: ratios below `1 - epsilon` with a negative advantage are clipped. Must be > 0.
+        epsilon_high (`float`, *optional*):
+            Upper clipping width; `None` means `epsilon`. Must be >= 0.
+        beta (`float`, defaults to `0.04`):
+            KL coefficient. Must be >= 0.
+
+    Returns:
+        [`GRPOLossOutput`]: `loss` (0-dim, differentiable), `policy_loss` and `kl` (0-dim, detached, with
+        `loss == policy_loss + beta * kl`), and the per-token ratios, KL terms and clip masks for diagnostics.
+
+    `old_logps`, `ref_logps` and `advantages` are treated as constants: no gradient flows into them. All arithmetic is
+    done in float32 (or in the inputs' dtype if it is wider), whatever the input dtype. Exponentials are exact for
+    log differences up to `EXP_LINEAR_ABOVE` (20) and continue linearly above it, so extreme ratios give a large but
+    finite loss and gradient instead of `inf`/NaN. Non-finite values at unmasked positions are bad input and make the
+    loss non-finite.
+
+    Raises:
+        ValueError: naming the offending argument, for a shape or device mismatch, an empty batch, `epsilon <= 0`,
+            `epsilon_high < 0`, `beta < 0`, or `ref_logps=None` with `beta > 0`.
+    """
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    _check_hyperparameters(epsilon, epsilon_high, beta)
+    if not isinstance(logps, torch.Tensor) or logps.dim() != 2:
+        shape = tuple(logps.shape) if isinstance(logps, torch.Tensor) else type(logps).__name__
+        raise ValueError(f"`logps` must be a 2-dim (N, T) tensor, got {shape}.")
+    if not logps.is_floating_point():
+        raise ValueError(f"`logps` must be a floating-point tensor, got {logps.dtype}.")
+    if logps.numel() == 0:
+        raise ValueError(f"`logps` is empty (shape {tuple(logps.shape)}): a batch needs at least one row and token.")
+    shape, device = logps.shape, logps.device
+    _check_tensor("completion_mask", completion_mask, shape, device)
+    if old_logps is not None:
+        _check_tensor("old_logps", old_logps, shape, device)
+    if ref_logps is None and beta > 0:
+        raise ValueError(f"`ref_logps` is None but `beta` is {beta}; pass reference log-probs or set beta=0.")
+    if ref_logps is not None:
+        _check_tensor("ref_logps", ref_logps, shape, device)
+    advantages = _broadcast_advantages(advantages, shape, device)
+
+    dtype = torch.promote_types(logps.dtype, torch.float32)
+    mask = completion_mask.bool() if completion_mask.dtype == torch.bool else completion_mask != 0
+
+    def select(x: torch.Tensor) -> torch.Tensor:
+        # torch.where, not x * mask: NaN * 0 is NaN, and its gradient would be NaN too.
+        return torch.where(mask, x.to(dtype), 0.0)
+
+    logp = select(logps)
+    old_logp = logp.detach() if old_logps is None else select(old_logps.detach())
+    adv = select(advantages.detach())
+    zeros = torch.zeros_like(logp)
+
+    # r_it = exp(logp_it - old_logp_it)
+    log_ratio = logp - old_logp
+    ratio = _exp_linear_above(log_ratio)
+    # S_it = min(r_it * A_i, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i)
+    clipped_ratio = ratio.clamp(1.0 - epsilon, 1.0 + epsilon_high)
+    surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
+
+    if ref_logps is not None:
+        # D_it = ref_logp_it - logp_it ;  K_it = exp(D_it) - D_it - 1
+        log_ref_ratio = select(ref_logps.detach()) - logp
+        per_token_kl = _exp_linear_above(log_ref_ratio) - log_ref_ratio - 1.0
+    else:
+        per_token_kl = zeros
+
+    # J = (1/G) * sum_i (1/|o_i|) * sum_t (S_it - beta * K_it) ;  loss = -J
+    objective = _per_sequence_mean(surrogate - beta * per_token_kl, mask)
+    loss = -objective
+
+    policy_loss = -_per_sequence_mean(surrogate.detach(), mask)
+    kl = _per_sequence_mean(per_token_kl.detach(), mask)
+
+    return GRPOLossOutput(
+        loss=loss,
+        policy_loss=policy_loss,
+        kl=kl,
+        kl_penalty=beta * kl,
+        ratio=ratio.detach(),
+        log_ratio=log_ratio.detach(),
+        per_token_kl=per_token_kl.detach(),
+        advantages=adv,
+        is_low_clipped=(ratio.detach() < 1.0 - epsilon) & (adv < 0) & mask,
+        is_high_clipped=(ratio.detach() > 1.0 + epsilon_high) & (adv > 0) & mask,
+        mask=mask,
+        beta=float(beta),
+    )
+
+
+def group_relative_advantages(
+    rewards: torch.Tensor, num_generations: int, *, scale: bool = True, eps: float = 1e-4
+) -> torch.Tensor:
+    """Group-relative advantages `A_i = (R_i - mean_group(R)) / (std_group(R) + eps)`.
+
+    Args:
+        rewards (`torch.Tensor` of shape `(N,)`):
+            One reward per completion, ordered group-contiguously: rows `g*G .. g*G + G - 1` share a prompt. NaN
+            marks a completion that could not be scored (a reward function returned `None`, as in TRL): it is left
+            out of its group's mean and std, and gets advantage 0.
+        num_generations (`int`):
+            G, the number of completions per prompt; at least 2, and it must divide N.
+        scale (`bool`, defaults to `True`):
+            Divide by the group's standard deviation (unbiased, torch's default). `False` only centres the rewards.
+        eps (`float`, defaults to `1e-4`):
+            Added to the standard deviation. A group whose rewards are all equal gets advantage 0.
+
+    Returns:
+        `torch.Tensor` of shape `(N,)`, float32 or wider.
+
+    Raises:
+        ValueError: for a `rewards` tensor that is not 1-dim or is empty, `num_generations < 2`, `num_generations`
+            not dividing the number of rewards, or `eps < 0`.
+    """
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1:
+        shape = tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__
+        raise ValueError(f"`rewards` must be a 1-dim (N,) tensor, got {shape}.")
+    if rewards.numel() == 0:
+        raise ValueError("`rewards` is empty.")
+    if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 2:
+        raise ValueError(f"`num_generations` must be an int >= 2 (a group needs a baseline), got {num_generations!r}.")
+    if rewards.numel() % num_generations != 0:
+        raise ValueError(
+            f"`num_generations` ({num_generations}) does not divide the number of rewards ({rewards.numel()}); "
+            "rewards must come in whole groups."
+        )
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"`eps` must be a finite number >= 0, got {eps!r}.")
+
+    dtype = torch.promote_types(rewards.dtype, torch.float32) if rewards.is_floating_point() else torch.float32
+    grouped = rewards.detach().to(dtype).reshape(-1, num_generations)  # (B, G)
+    scored = ~torch.isnan(grouped)
+    count = scored.sum(dim=1, keepdim=True)
+    # Averaging around a value of the group itself makes a group of equal rewards centre to exactly 0.
+    shift = torch.where(scored, grouped, -math.inf).amax(dim=1, keepdim=True)
+    shift = torch.where(count > 0, shift, 0.0)
+    offsets = torch.where(scored, grouped - shift, 0.0)
+    mean = shift + offsets.sum(dim=1, keepdim=True) / count.clamp(min=1)
+    centred = torch.where(scored, grouped - mean, 0.0)
+    if not scale:
+        return centred.reshape(-1)
+    # Unbiased variance over the scored completions; a group with fewer than 2 scored completions has no spread.
+    variance = centred.pow(2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)
+    std = torch.where(count > 1, variance.sqrt(), 0.0)
+    denominator = std + eps
+    advantages = torch.where(denominator > 0, centred / denominator, 0.0)
+    return advantages.reshape(-1)

@@ -1,0 +1,187 @@
+"""`GRPOTrainerExt`: TRL's `GRPOTrainer` whose loss is `trl_grpo_ext.grpo_loss`.
+
+Generation, rewards, advantages, reference log-probs, PEFT and distributed training are TRL's, unchanged. Only the
+loss computation (`_compute_loss`) is replaced, and TRL options that this loss does not implement are refused at
+construction instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import get_config_model_id, nanmax, nanmin
+
+from .config import GRPOConfigExt
+from .loss import GRPOLossOutput, grpo_loss
+
+__all__ = ["GRPOTrainerExt", "unsupported_options"]
+
+# Extra model inputs that TRL's batches may carry (vision-language models); forwarded untouched.
+_FORWARD_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+def unsupported_options(args: GRPOConfig) -> list[str]:
+    """The TRL 1.16 options set in `args` that `GRPOTrainerExt`'s loss does not implement, each with its fix.
+
+    Args:
+        args (`trl.GRPOConfig`): the training configuration.
+
+    Returns:
+        `list[str]`: one message per unsupported option; empty when the configuration is supported.
+    """
+    problems = []
+    if args.loss_type != "grpo":
+        problems.append(
+            f"loss_type={args.loss_type!r}: only 'grpo' (per-sequence length normalisation) is implemented; "
+            "set loss_type='grpo'."
+        )
+    if args.importance_sampling_level != "token":
+        problems.append(
+            f"importance_sampling_level={args.importance_sampling_level!r}: the objective uses token-level ratios; "
+            "set importance_sampling_level='token'."
+        )
+    if args.top_entropy_quantile != 1.0:
+        problems.append(
+            f"top_entropy_quantile={args.top_entropy_quantile}: entropy-based token masking is not part of the "
+            "objective; set top_entropy_quantile=1.0."
+        )
+    if args.off_policy_mask_threshold is not None:
+        problems.append(
+            f"off_policy_mask_threshold={args.off_policy_mask_threshold}: off-policy sequence masking is not part of "
+            "the objective; set off_policy_mask_threshold=None."
+        )
+    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
+        problems.append(
+            f"entropy_coef={args.entropy_coef}, use_adaptive_entropy={args.use_adaptive_entropy}: an entropy bonus is "
+            "not part of the objective; set entropy_coef=0.0 and use_adaptive_entropy=False."
+        )
+    if args.delta is not None:
+        problems.append(
+            f"delta={args.delta}: two-sided clipping of the ratio is not part of the objective; set delta=None."
+        )
+    if args.use_bias_correction_kl and args.beta != 0.0:
+        problems.append(
+            "use_bias_correction_kl=True: the objective's KL estimator exp(d) - d - 1 is not multiplied by the "
+            "importance ratio; set use_bias_correction_kl=False."
+        )
+    if args.use_vllm and args.vllm_importance_sampling_correction:
+        problems.append(
+            "use_vllm=True with vllm_importance_sampling_correction=True: the vLLM/trainer importance-sampling "
+            "correction is not part of the objective; set vllm_importance_sampling_correction=False."
+        )
+    if args.scale_rewards not in ("group", "none"):
+        problems.append(
+            f"scale_rewards={args.scale_rewards!r}: advantages are normalised inside each group; set "
+            "scale_rewards='group' (or 'none' to only centre them)."
+        )
+    if args.multi_objective_aggregation != "sum_then_normalize":
+        problems.append(
+            f"multi_objective_aggregation={args.multi_objective_aggregation!r}: advantages are computed from the "
+            "weighted sum of the rewards, per group; set multi_objective_aggregation='sum_then_normalize'."
+        )
+    return problems
+
+
+class GRPOTrainerExt(GRPOTrainer):
+    """[`trl.GRPOTrainer`] that trains with [`grpo_loss`]: the documents' GRPO objective.
+
+    Takes the same arguments as `trl.GRPOTrainer`. `args` defaults to a [`GRPOConfigExt`]; a plain `trl.GRPOConfig`
+    is accepted if it only sets options this trainer implements (`loss_type="grpo"`, no entropy bonus, ...).
+    With `peft_config=LoraConfig(...)` only the adapter is trained, and the reference log-probs come from the same
+    model with its adapters disabled.
+
+    Raises:
+        ValueError: at construction, listing every TRL option set in `args` that this loss does not implement, with
+            the value to use instead.
+    """
+
+    _tag_names = ["trl", "grpo", "trl_grpo_ext"]
+
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, **kwargs):
+        if args is None:
+            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = GRPOConfigExt(f"{model_name.split('/')[-1]}-GRPO")
+        problems = unsupported_options(args)
+        if problems:
+            raise ValueError(
+                f"{type(self).__name__} computes the GRPO loss of trl_grpo_ext.grpo_loss and cannot honour these "
+                "options:\n- " + "\n- ".join(problems)
+            )
+        super().__init__(model, reward_funcs, args=args, **kwargs)
+        if self.aux_loss_enabled:
+            raise ValueError(
+                f"{type(self).__name__} does not add the Mixture-of-Experts load-balancing loss "
+                f"(router_aux_loss_coef={self.router_aux_loss_coef}); set router_aux_loss_coef=0.0."
+            )
+
+    def _compute_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        logps, entropies = self._policy_logps_and_entropies(model, inputs)
+        out = grpo_loss(
+            logps,
+            inputs.get("old_per_token_logps"),
+            inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
+            inputs["advantages"],
+            mask,
+            epsilon=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            beta=self.beta,
+        )
+        mode = "train" if self.model.training else "eval"
+        self._record_loss_metrics(mode, out, entropies)
+        # TRL sets `loss_is_scaled_for_ga`: the trainer, not Trainer, divides by the accumulation steps.
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        return out.loss / normalizer
+
+    def _policy_logps_and_entropies(self, model, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs `(N, T)` (with gradient) and entropies `(N, T)` of the completion tokens."""
+        completion_ids = inputs["completion_ids"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        logps, entropies, _ = self._get_per_token_logps_and_entropies(
+            model,
+            input_ids,
+            attention_mask,
+            completion_ids.size(1),
+            compute_entropy=True,
+            **{key: inputs.get(key) for key in _FORWARD_KEYS},
+        )
+        return logps, entropies
+
+    def _record_loss_metrics(self, mode: str, out: GRPOLossOutput, entropies: torch.Tensor) -> None:
+        """TRL's loss metrics, with TRL's names and definitions: token means over all processes."""
+        mask = out.mask
+
+        def global_token_mean(values: torch.Tensor) -> float:
+            local = torch.stack([torch.where(mask, values, 0.0).sum(), mask.sum().to(values.dtype)])
+            total = self.accelerator.reduce(local, reduction="sum")
+            return (total[0] / total[1].clamp(min=1.0)).item()
+
+        def per_sequence_means(values: torch.Tensor) -> torch.Tensor:
+            return torch.where(mask, values, 0.0).sum(-1) / mask.sum(-1)  # NaN for rows without tokens
+
+        metrics = self._metrics[mode]
+        if self.beta != 0.0:
+            metrics["kl"].append(global_token_mean(out.per_token_kl))
+        metrics["entropy"].append(global_token_mean(entropies.detach().to(out.ratio.dtype)))
+        low, high = out.is_low_clipped.to(out.ratio.dtype), out.is_high_clipped.to(out.ratio.dtype)
+        metrics["clip_ratio/low_mean"].append(global_token_mean(low))
+        metrics["clip_ratio/high_mean"].append(global_token_mean(high))
+        metrics["clip_ratio/region_mean"].append(global_token_mean(out.is_region_clipped.to(out.ratio.dtype)))
+        metrics["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(per_sequence_means(low))).item())
+        metrics["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(per_sequence_means(high))).item())
