@@ -59,7 +59,35 @@ class GRPOConfigExt(GRPOConfig):
         },
     )
 
+    # Diagnostics
+    log_diagnostics: bool = field(
+        default=True,
+        metadata={
+            "help": "Log the importance-ratio distribution (ratio/*), the reward spread inside each group "
+            "(reward_std/group_*) and the loss split (loss/policy, loss/kl_penalty). TRL's own metrics (kl, "
+            "entropy, clip_ratio/*) are logged either way."
+        },
+    )
+    log_histograms: bool = field(
+        default=True,
+        metadata={
+            "help": "With log_diagnostics, also write histograms of the importance ratio and of the per-group reward "
+            "std at every logging step, to the loggers that draw histograms (TensorBoard). Others ignore them."
+        },
+    )
+    ratio_quantiles: list[float] = field(
+        default_factory=lambda: [0.05, 0.5, 0.95],
+        metadata={
+            "help": "Quantiles of the importance ratio to log, each in [0, 1]; 0.05 is logged as ratio/p05. "
+            "Resolution: 2.5e-4 relative for ratios in [0.61, 1.65]."
+        },
+    )
+
     def __post_init__(self):
         if self.bf16 is None:
             self.bf16 = not self.fp16 and not self.use_cpu and is_torch_bf16_gpu_available()
+        self.ratio_quantiles = [float(q) for q in self.ratio_quantiles]
+        bad = [q for q in self.ratio_quantiles if not 0.0 <= q <= 1.0]
+        if bad:
+            raise ValueError(f"`ratio_quantiles` must lie in [0, 1], got {bad}.")
         super().__post_init__()

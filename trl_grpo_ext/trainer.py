@@ -11,10 +11,12 @@ from typing import Any
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import get_config_model_id, nanmax, nanmin
+from trl.trainer.utils import get_config_model_id
 
 from .config import GRPOConfigExt
-from .loss import GRPOLossOutput, grpo_loss
+from .diagnostics import DiagnosticsAccumulator
+from .loggers import write_histograms
+from .loss import grpo_loss
 
 __all__ = ["GRPOTrainerExt", "unsupported_options"]
 
@@ -126,6 +128,16 @@ class GRPOTrainerExt(GRPOTrainer):
                 f"{type(self).__name__} does not add the Mixture-of-Experts load-balancing loss "
                 f"(router_aux_loss_coef={self.router_aux_loss_coef}); set router_aux_loss_coef=0.0."
             )
+        # A plain trl.GRPOConfig has none of the extra fields: it gets GRPOConfigExt's defaults.
+        defaults = GRPOConfigExt.__dataclass_fields__
+        self._diagnostics = {
+            mode: DiagnosticsAccumulator(
+                ratio_stats=getattr(args, "log_diagnostics", defaults["log_diagnostics"].default),
+                quantiles=getattr(args, "ratio_quantiles", None),
+                histograms=getattr(args, "log_histograms", defaults["log_histograms"].default),
+            )
+            for mode in ("train", "eval")
+        }
 
     def _compute_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
         mask = inputs["completion_mask"]
@@ -143,7 +155,7 @@ class GRPOTrainerExt(GRPOTrainer):
             beta=self.beta,
         )
         mode = "train" if self.model.training else "eval"
-        self._record_loss_metrics(mode, out, entropies)
+        self._diagnostics[mode].add_loss_step(out, entropies)
         # TRL sets `loss_is_scaled_for_ga`: the trainer, not Trainer, divides by the accumulation steps.
         normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         return out.loss / normalizer
@@ -163,25 +175,30 @@ class GRPOTrainerExt(GRPOTrainer):
         )
         return logps, entropies
 
-    def _record_loss_metrics(self, mode: str, out: GRPOLossOutput, entropies: torch.Tensor) -> None:
-        """TRL's loss metrics, with TRL's names and definitions: token means over all processes."""
-        mask = out.mask
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        mode = "train" if self.model.training else "eval"
+        # The total reward TRL builds its advantages from; rows that no function scored stay NaN.
+        weights = self.reward_weights.to(rewards_per_func.device)
+        rewards = (rewards_per_func * weights).nansum(dim=1)
+        rewards = torch.where(torch.isnan(rewards_per_func).all(dim=1), torch.nan, rewards)
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        self._diagnostics[mode].add_rewards(rewards, num_generations)
+        return rewards_per_func
 
-        def global_token_mean(values: torch.Tensor) -> float:
-            local = torch.stack([torch.where(mask, values, 0.0).sum(), mask.sum().to(values.dtype)])
-            total = self.accelerator.reduce(local, reduction="sum")
-            return (total[0] / total[1].clamp(min=1.0)).item()
-
-        def per_sequence_means(values: torch.Tensor) -> torch.Tensor:
-            return torch.where(mask, values, 0.0).sum(-1) / mask.sum(-1)  # NaN for rows without tokens
-
-        metrics = self._metrics[mode]
-        if self.beta != 0.0:
-            metrics["kl"].append(global_token_mean(out.per_token_kl))
-        metrics["entropy"].append(global_token_mean(entropies.detach().to(out.ratio.dtype)))
-        low, high = out.is_low_clipped.to(out.ratio.dtype), out.is_high_clipped.to(out.ratio.dtype)
-        metrics["clip_ratio/low_mean"].append(global_token_mean(low))
-        metrics["clip_ratio/high_mean"].append(global_token_mean(high))
-        metrics["clip_ratio/region_mean"].append(global_token_mean(out.is_region_clipped.to(out.ratio.dtype)))
-        metrics["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(per_sequence_means(low))).item())
-        metrics["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(per_sequence_means(high))).item())
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        accumulator = self._diagnostics[mode]
+        packed = accumulator.pack()
+        # The diagnostics' only collective: every process's sums since the last log, in one gather.
+        gathered = self.accelerator.gather(packed[None]) if packed is not None else None
+        summary = accumulator.summarize(gathered)
+        if self.beta == 0.0:
+            summary.per_step.pop("kl", None)
+        for name, values in summary.per_step.items():
+            self._metrics[mode][name].extend(values)
+        for name, value in summary.scalars.items():
+            self._metrics[mode][name].append(value)
+        super().log(logs, start_time)
+        if summary.histograms and self.accelerator.is_main_process:
+            write_histograms(self.callback_handler, summary.histograms, mode, self.state.global_step)

@@ -1,0 +1,347 @@
+"""Diagnostics: each statistic against an independent recomputation, and what a training run logs."""
+
+import math
+
+import pytest
+import torch
+from helpers import count_a_reward, tiny_grpo_args
+
+from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt, grpo_loss
+from trl_grpo_ext.diagnostics import (
+    CORE_BIN_WIDTH,
+    CORE_LOG_RATIO,
+    DiagnosticsAccumulator,
+    histogram_quantiles,
+    log_ratio_bin_edges,
+    quantile_metric_name,
+)
+
+QUANTILES = [0.0, 0.05, 0.25, 0.5, 0.95, 1.0]
+
+
+def captured_batch(seed, num_rows=8, num_tokens=12, spread=0.15):
+    generator = torch.Generator().manual_seed(seed)
+    logps = -torch.rand(num_rows, num_tokens, generator=generator) * 4
+    old_logps = logps + spread * torch.randn(num_rows, num_tokens, generator=generator)
+    ref_logps = logps + spread * torch.randn(num_rows, num_tokens, generator=generator)
+    lengths = torch.randint(0, num_tokens + 1, (num_rows,), generator=generator)
+    mask = torch.arange(num_tokens)[None] < lengths[:, None]
+    advantages = torch.randn(num_rows, generator=generator)
+    entropies = torch.rand(num_rows, num_tokens, generator=generator) * 3
+    return grpo_loss(logps, old_logps, ref_logps, advantages, mask), entropies
+
+
+def summarize(accumulators):
+    """What the log step does, with `num_processes = len(accumulators)`."""
+    gathered = torch.stack([accumulator.pack() for accumulator in accumulators])
+    return accumulators[0].summarize(gathered)
+
+
+def accumulate(batches, **kwargs):
+    accumulator = DiagnosticsAccumulator(quantiles=QUANTILES, **kwargs)
+    for out, entropies in batches:
+        accumulator.add_loss_step(out, entropies)
+    return accumulator
+
+
+class TestAgainstRecomputation:
+    @pytest.fixture
+    def batches(self):
+        return [captured_batch(seed) for seed in range(3)]
+
+    def test_ratio_moments_and_extremes_are_exact(self, batches):
+        summary = summarize([accumulate(batches)])
+        ratios = torch.cat([out.ratio[out.mask] for out, _ in batches]).double()
+        assert summary.scalars["ratio/mean"] == pytest.approx(ratios.mean().item(), rel=1e-12)
+        assert summary.scalars["ratio/std"] == pytest.approx(ratios.std().item(), rel=1e-9)
+        assert summary.scalars["ratio/min"] == ratios.min().item()
+        assert summary.scalars["ratio/max"] == ratios.max().item()
+
+    def test_quantiles_lie_within_one_bin_of_the_sample_quantiles(self, batches):
+        summary = summarize([accumulate(batches)])
+        log_ratios = torch.cat([out.log_ratio[out.mask] for out, _ in batches]).double()
+        for quantile in QUANTILES:
+            got = math.log(summary.scalars[quantile_metric_name(quantile)])
+            lower = torch.quantile(log_ratios, quantile, interpolation="lower").item()
+            higher = torch.quantile(log_ratios, quantile, interpolation="higher").item()
+            assert lower - CORE_BIN_WIDTH - 1e-12 <= got <= higher + CORE_BIN_WIDTH + 1e-12, quantile
+        assert summary.scalars["ratio/p00"] == summary.scalars["ratio/min"]
+        assert summary.scalars["ratio/p100"] == summary.scalars["ratio/max"]
+
+    def test_loss_split_is_the_mean_over_micro_batches(self, batches):
+        summary = summarize([accumulate(batches)])
+        assert summary.scalars["loss/policy"] == pytest.approx(
+            sum(out.policy_loss.item() for out, _ in batches) / 3, rel=1e-6
+        )
+        assert summary.scalars["loss/kl_penalty"] == pytest.approx(
+            sum(out.kl_penalty.item() for out, _ in batches) / 3, rel=1e-6
+        )
+        total = sum(out.loss.item() for out, _ in batches) / 3
+        assert summary.scalars["loss/policy"] + summary.scalars["loss/kl_penalty"] == pytest.approx(total, rel=1e-6)
+
+    def test_trl_metrics_per_micro_batch_use_trl_definitions(self, batches):
+        summary = summarize([accumulate(batches)])
+        for step, (out, entropies) in enumerate(batches):
+            mask = out.mask
+            tokens = mask.sum().item()
+
+            def token_mean(values, mask=mask, tokens=tokens):
+                return values[mask].double().sum().item() / tokens
+
+            assert summary.per_step["kl"][step] == pytest.approx(token_mean(out.per_token_kl), rel=1e-6)
+            assert summary.per_step["entropy"][step] == pytest.approx(token_mean(entropies), rel=1e-6)
+            low, high = out.is_low_clipped.double(), out.is_high_clipped.double()
+            assert summary.per_step["clip_ratio/low_mean"][step] == pytest.approx(token_mean(low))
+            assert summary.per_step["clip_ratio/high_mean"][step] == pytest.approx(token_mean(high))
+            assert summary.per_step["clip_ratio/region_mean"][step] == pytest.approx(token_mean(low + high))
+            rows = mask.any(dim=1)
+            low_rows = (low * mask).sum(1)[rows] / mask.sum(1)[rows]
+            high_rows = (high * mask).sum(1)[rows] / mask.sum(1)[rows]
+            assert summary.per_step["clip_ratio/low_min"][step] == pytest.approx(low_rows.min().item())
+            assert summary.per_step["clip_ratio/high_max"][step] == pytest.approx(high_rows.max().item())
+
+    def test_two_processes_report_the_statistics_of_their_pooled_tokens(self, batches):
+        first, second = accumulate(batches[:2]), accumulate([batches[2], captured_batch(7)])
+        pooled_batches = batches + [captured_batch(7)]
+        split = summarize([first, second])
+        ratios = torch.cat([out.ratio[out.mask] for out, _ in pooled_batches]).double()
+        assert split.scalars["ratio/mean"] == pytest.approx(ratios.mean().item(), rel=1e-12)
+        assert split.scalars["ratio/std"] == pytest.approx(ratios.std().item(), rel=1e-9)
+        assert split.scalars["ratio/min"] == ratios.min().item()
+        assert split.scalars["ratio/max"] == ratios.max().item()
+        # Per micro-batch metrics pool the two processes' micro-batch k (TRL's global means).
+        out_a, out_b = batches[0][0], batches[2][0]
+        kl = (out_a.per_token_kl[out_a.mask].sum() + out_b.per_token_kl[out_b.mask].sum()).item()
+        assert split.per_step["kl"][0] == pytest.approx(kl / (out_a.mask.sum() + out_b.mask.sum()).item(), rel=1e-6)
+
+    def test_nan_ratios_are_counted_not_hidden(self):
+        out, entropies = captured_batch(0)
+        out.log_ratio[0, 0], out.ratio[0, 0], out.mask[0, 0] = math.nan, math.nan, True
+        summary = summarize([accumulate([(out, entropies)])])
+        assert summary.scalars["ratio/nan_count"] == 1
+
+    def test_without_ratio_stats_only_trl_metrics_remain(self, batches):
+        summary = summarize([accumulate(batches, ratio_stats=False)])
+        assert not summary.scalars and not summary.histograms
+        assert len(summary.per_step["kl"]) == 3
+
+
+class TestRewardSpread:
+    def test_group_std_statistics(self):
+        accumulator = DiagnosticsAccumulator()
+        accumulator.add_rewards(torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0]), 4)
+        accumulator.add_rewards(torch.tensor([0.0, 3.0, 1.0, 1.0]), 4)
+        summary = accumulator.summarize(None)
+        stds = [torch.tensor([1.0, 0, 0, 0]).std().item(), 0.0, torch.tensor([0.0, 3, 1, 1]).std().item()]
+        assert summary.scalars["reward_std/group_mean"] == pytest.approx(sum(stds) / 3)
+        assert summary.scalars["reward_std/group_min"] == 0.0
+        assert summary.scalars["reward_std/group_max"] == pytest.approx(max(stds))
+        assert summary.histograms["reward_std/group"][4] == 3  # number of groups
+
+    def test_unscored_completions_are_left_out_of_their_group(self):
+        accumulator = DiagnosticsAccumulator()
+        accumulator.add_rewards(torch.tensor([1.0, math.nan, 3.0, math.nan, math.nan, math.nan]), 3)
+        summary = accumulator.summarize(None)
+        # The first group's std is that of [1, 3]; the second group has no scored completion and no spread.
+        assert summary.scalars["reward_std/group_mean"] == pytest.approx(torch.tensor([1.0, 3.0]).std().item())
+
+
+class TestHistogram:
+    def test_bin_edges_are_ascending_with_the_core_resolution(self):
+        edges = log_ratio_bin_edges()
+        assert torch.all(edges[1:] > edges[:-1])
+        core = edges[edges.abs() <= CORE_LOG_RATIO]
+        assert (core[1:] - core[:-1]).max().item() <= CORE_BIN_WIDTH + 1e-15
+        assert CORE_BIN_WIDTH < 1e-3  # relative resolution of the ratio near 1
+        assert edges.numel() < 5000  # the gathered vector stays small
+
+    def test_quantiles_of_a_known_histogram(self):
+        edges = torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64)
+        counts = torch.tensor([0.0, 2.0, 2.0, 0.0])  # two values in (0, 1], two in (1, 2]
+        low, median, high = histogram_quantiles(counts, edges, [0.0, 0.5, 1.0], 0.2, 1.9)
+        assert (low, high) == (0.2, 1.9)
+        assert 0.75 <= median <= 1.25
+
+    def test_quantile_names(self):
+        names = [quantile_metric_name(q) for q in (0.05, 0.5, 0.95, 0.999, 0.0, 1.0)]
+        assert names == ["ratio/p05", "ratio/p50", "ratio/p95", "ratio/p99.9", "ratio/p00", "ratio/p100"]
+
+    def test_ratio_histogram_counts_every_token(self):
+        batches = [captured_batch(seed) for seed in range(2)]
+        summary = summarize([accumulate(batches)])
+        limits, counts, minimum, maximum, number, total, squares = summary.histograms["ratio"]
+        ratios = torch.cat([out.ratio[out.mask] for out, _ in batches]).double()
+        assert number == sum(counts) == ratios.numel()
+        assert limits == sorted(limits) and limits[-1] == maximum == ratios.max().item()
+        assert total == pytest.approx(ratios.sum().item()) and squares == pytest.approx(ratios.pow(2).sum().item())
+        assert len(counts) <= 70
+
+
+def train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, trainer_class=GRPOTrainerExt, **config):
+    args = GRPOConfigExt(**tiny_grpo_args(tmp_path, **config))
+    trainer = trainer_class(
+        model=tiny_model_path,
+        reward_funcs=count_a_reward,
+        args=args,
+        train_dataset=prompt_dataset,
+        eval_dataset=prompt_dataset.select(range(8)) if config.get("eval_strategy") else None,
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    return trainer, [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+DIAGNOSTIC_NAMES = [
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "ratio/mean",
+    "ratio/std",
+    "ratio/min",
+    "ratio/max",
+    "ratio/p05",
+    "ratio/p50",
+    "ratio/p95",
+    "loss/policy",
+    "loss/kl_penalty",
+    "kl",
+    "entropy",
+    "grad_norm",
+    "learning_rate",
+]
+# Logged at the steps that generate (TRL's convention: with num_iterations=2, every other step).
+GENERATION_NAMES = [
+    "reward",
+    "rewards/count_a_reward/mean",
+    "completions/mean_length",
+    "reward_std/group_mean",
+    "reward_std/group_min",
+    "reward_std/group_max",
+    "frac_reward_zero_std",
+]
+
+
+def test_every_log_step_has_every_metric_with_consistent_values(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    _, logs = train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, num_iterations=2, max_steps=6)
+    assert len(logs) == 6
+    for step, entry in enumerate(logs, start=1):
+        assert set(DIAGNOSTIC_NAMES) <= set(entry), step
+        if step % 2 == 1:  # generating steps carry the reward statistics (TRL's convention)
+            assert set(GENERATION_NAMES) <= set(entry), step
+            assert entry["reward_std/group_min"] <= entry["reward_std/group_mean"] <= entry["reward_std/group_max"]
+        assert entry["ratio/min"] <= entry["ratio/p05"] <= entry["ratio/p50"] <= entry["ratio/p95"]
+        assert entry["ratio/p95"] <= entry["ratio/max"]
+        assert entry["loss/policy"] + entry["loss/kl_penalty"] == pytest.approx(entry["loss"], rel=1e-4, abs=1e-7)
+
+
+def test_reused_generations_move_the_ratios_and_clip(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    _, logs = train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, num_iterations=2)
+    reused = logs[1::2]
+    assert all(entry["ratio/std"] > 0 and entry["ratio/max"] > entry["ratio/min"] for entry in reused)
+    assert any(entry["clip_ratio/region_mean"] > 0 for entry in reused)
+
+
+def test_on_policy_ratios_are_exactly_one(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    _, logs = train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, num_iterations=1)
+    for entry in logs:
+        for name in ("ratio/mean", "ratio/min", "ratio/max", "ratio/p05", "ratio/p50", "ratio/p95"):
+            assert entry[name] == 1.0, name
+        assert entry["ratio/std"] == 0.0
+        assert entry["clip_ratio/region_mean"] == entry["clip_ratio/low_mean"] == entry["clip_ratio/high_mean"] == 0
+
+
+def test_eval_logs_the_diagnostics_with_the_eval_prefix(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    trainer, _ = train(
+        tmp_path,
+        tiny_model_path,
+        tiny_tokenizer,
+        prompt_dataset,
+        max_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        per_device_eval_batch_size=4,
+    )
+    evals = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+    assert evals
+    for name in ("eval_ratio/p50", "eval_loss/policy", "eval_reward_std/group_mean", "eval_clip_ratio/region_mean"):
+        assert name in evals[0], name
+    assert evals[0]["eval_loss/policy"] + evals[0]["eval_loss/kl_penalty"] == pytest.approx(
+        evals[0]["eval_loss"], rel=1e-4, abs=1e-7
+    )
+
+
+def test_switching_diagnostics_off_keeps_trl_metrics(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    _, logs = train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, max_steps=2, log_diagnostics=False)
+    assert not any(key.startswith(("ratio/", "loss/", "reward_std/group")) for key in logs[0])
+    assert {"kl", "entropy", "clip_ratio/region_mean", "reward"} <= set(logs[0])
+
+
+def test_tensorboard_receives_the_ratio_and_reward_spread_histograms(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train(
+        tmp_path,
+        tiny_model_path,
+        tiny_tokenizer,
+        prompt_dataset,
+        max_steps=2,
+        num_iterations=2,
+        report_to=["tensorboard"],
+    )
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    events = EventAccumulator(str(run_dir), size_guidance={"histograms": 0}).Reload()
+    assert "train/ratio/histogram" in events.Tags()["histograms"]
+    assert "train/reward_std/group/histogram" in events.Tags()["histograms"]
+    ratio = events.Histograms("train/ratio/histogram")
+    assert [event.step for event in ratio] == [1, 2]
+    assert ratio[1].histogram_value.num == sum(ratio[1].histogram_value.bucket)
+    assert ratio[1].histogram_value.max > ratio[1].histogram_value.min  # step 2 reuses step 1's completions
+    assert "train/ratio/p95" in events.Tags()["scalars"]
+
+
+def test_loggers_without_histograms_are_not_broken(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    _, logs = train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, max_steps=2, report_to="none")
+    assert "ratio/p50" in logs[0]
+
+
+def test_quantiles_are_configurable(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    _, logs = train(
+        tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, max_steps=2, ratio_quantiles=[0.01, 0.999]
+    )
+    assert {"ratio/p01", "ratio/p99.9"} <= set(logs[0]) and "ratio/p50" not in logs[0]
+
+
+def test_bad_quantiles_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="`ratio_quantiles`"):
+        GRPOConfigExt(output_dir=str(tmp_path), ratio_quantiles=[0.5, 1.5])
+
+
+def test_no_host_sync_per_micro_batch(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, monkeypatch):
+    # `.item()` and `.tolist()` in the loss path would force a device sync per micro-batch on a GPU.
+    calls = {"loss_path": 0}
+    in_loss = [False]
+    original_item, original_tolist = torch.Tensor.item, torch.Tensor.tolist
+
+    def counting(original):
+        def wrapper(self, *args, **kwargs):
+            calls["loss_path"] += in_loss[0]
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    class Watched(GRPOTrainerExt):
+        def _compute_loss(self, model, inputs):
+            in_loss[0] = True
+            try:
+                return super()._compute_loss(model, inputs)
+            finally:
+                in_loss[0] = False
+
+    monkeypatch.setattr(torch.Tensor, "item", counting(original_item))
+    monkeypatch.setattr(torch.Tensor, "tolist", counting(original_tolist))
+    train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, trainer_class=Watched, max_steps=2)
+    assert calls["loss_path"] == 0

@@ -1,0 +1,375 @@
+"""Training diagnostics: the importance-ratio distribution, clip fractions, reward spread inside groups, loss split.
+
+Everything is accumulated on the device between two log steps, with no host synchronisation per micro-batch. At a
+log step, each process packs its running sums into one fixed-size vector and a single `gather` brings all of them
+to every process; the statistics are then read off the pooled sums. The vector's size depends on the histogram
+resolution and on the number of micro-batches since the last log, never on the batch size or sequence length.
+
+Importance ratios are binned by their logarithm. Bins are uniform, `2**-12` wide, for |log r| <= 0.5 (ratios in
+[0.61, 1.65]) and geometric (7.9% of |log r| wide) out to |log r| = 64, with one bin each for what lies beyond and
+one for NaN. A reported quantile is within one bin width (in log space) of the sample's lower and upper order
+statistics at that rank: within 2.5e-4 relative to the true value for ratios near 1, which is what p05/p50/p95
+of a healthy run need. Minimum and maximum are exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .loss import GRPOLossOutput, _exp_linear_above
+
+__all__ = [
+    "CORE_LOG_RATIO",
+    "CORE_BIN_WIDTH",
+    "DiagnosticsAccumulator",
+    "DiagnosticsSummary",
+    "histogram_quantiles",
+    "log_ratio_bin_edges",
+    "quantile_metric_name",
+]
+
+CORE_LOG_RATIO = 0.5
+CORE_BIN_WIDTH = 2.0**-12
+TAIL_LOG_RATIO = 64.0
+TAIL_BINS = 64
+EXACT_BIN_WIDTH = 1e-9
+
+# Per micro-batch, the sums behind TRL's own metrics (TRL averages its per-micro-batch global means over the log
+# window; keeping them per micro-batch reproduces its numbers exactly).
+_STEP_FIELDS = ("kl", "entropy", "low", "high", "region", "tokens", "low_min", "high_max")
+
+
+def log_ratio_bin_edges() -> torch.Tensor:
+    """The edges of the log-ratio histogram, ascending, float64 `(K + 1,)`.
+
+    Values at or below the first edge fall in an underflow bin, above the last edge in an overflow bin.
+    """
+    core = torch.arange(-CORE_LOG_RATIO, CORE_LOG_RATIO + CORE_BIN_WIDTH / 2, CORE_BIN_WIDTH, dtype=torch.float64)
+    # A bin (-1e-9, 0] of its own for log ratios of exactly 0 (on-policy tokens), so that a quantile falling among
+    # them reads as 1 rather than somewhere inside a 2**-12 wide bin.
+    exact = torch.tensor([-EXACT_BIN_WIDTH, EXACT_BIN_WIDTH], dtype=torch.float64)
+    steps = torch.arange(1, TAIL_BINS + 1, dtype=torch.float64) / TAIL_BINS
+    tail = CORE_LOG_RATIO * (TAIL_LOG_RATIO / CORE_LOG_RATIO) ** steps
+    return torch.cat([-tail.flip(0), core, exact, tail]).sort().values
+
+
+def quantile_metric_name(quantile: float) -> str:
+    """`0.05 -> "ratio/p05"`, `0.5 -> "ratio/p50"`, `0.999 -> "ratio/p99.9"`."""
+    percent = round(quantile * 100, 6)
+    text = f"{percent:02.0f}" if percent == int(percent) else f"{percent:g}"
+    return f"ratio/p{text}"
+
+
+def histogram_quantiles(
+    counts: torch.Tensor, edges: torch.Tensor, quantiles: list[float], minimum: float, maximum: float
+) -> list[float]:
+    """Quantiles of the values behind a histogram, as `torch.quantile` (linear interpolation) would give them.
+
+    Args:
+        counts (`torch.Tensor` of shape `(K + 2,)`): counts of the underflow bin, the K bins, the overflow bin.
+        edges (`torch.Tensor` of shape `(K + 1,)`): the bin edges, ascending.
+        quantiles (`list[float]`): in [0, 1].
+        minimum, maximum (`float`): the exact extremes of the values, the outer edges of the outer bins.
+
+    Returns:
+        `list[float]`: one value per quantile, in the units of `edges`. The values inside a bin are taken as evenly
+        spread over it, so each result is within one bin width of the sample's order statistics at that rank; the
+        0 and 1 quantiles are exactly `minimum` and `maximum`.
+    """
+    counts = counts.to(torch.float64).cpu()
+    total = int(counts.sum().item())
+    if total == 0:
+        return [math.nan] * len(quantiles)
+    lower_edges = torch.cat([torch.tensor([minimum], dtype=torch.float64), edges.cpu().to(torch.float64)])
+    upper_edges = torch.cat([edges.cpu().to(torch.float64), torch.tensor([maximum], dtype=torch.float64)])
+    cumulative = counts.cumsum(0)
+
+    def value_at_rank(rank: int) -> float:
+        if rank <= 0:
+            return minimum
+        if rank >= total - 1:
+            return maximum
+        index = int(torch.searchsorted(cumulative, torch.tensor(float(rank), dtype=torch.float64), right=True))
+        before = cumulative[index - 1].item() if index > 0 else 0.0
+        low = max(lower_edges[index].item(), minimum)
+        high = min(upper_edges[index].item(), maximum)
+        position = (rank - before + 0.5) / counts[index].item()
+        return low + position * (high - low)
+
+    results = []
+    for quantile in quantiles:
+        position = quantile * (total - 1)
+        below = math.floor(position)
+        fraction = position - below
+        value = value_at_rank(below)
+        if fraction > 0:
+            value += fraction * (value_at_rank(below + 1) - value)
+        results.append(value)
+    return results
+
+
+@dataclass
+class DiagnosticsSummary:
+    """What one log step reports: scalars for every logger, and raw histograms for those that draw them.
+
+    Attributes:
+        scalars: metric name -> value.
+        per_step: metric name -> one value per micro-batch since the last log (TRL's own metrics, which TRL
+            averages over the log window itself).
+        histograms: name -> (bucket upper limits, counts, minimum, maximum, number, sum, sum of squares).
+    """
+
+    scalars: dict[str, float] = field(default_factory=dict)
+    per_step: dict[str, list[float]] = field(default_factory=dict)
+    histograms: dict[str, tuple] = field(default_factory=dict)
+
+
+class DiagnosticsAccumulator:
+    """Running sums of the diagnostics of one mode (train or eval) between two log steps.
+
+    Args:
+        ratio_stats (`bool`): accumulate the ratio distribution, the loss split and the reward spread; when `False`
+            only TRL's own metrics (kl, entropy, clip ratios) are kept.
+        quantiles (`list[float]`): ratio quantiles to report.
+        histograms (`bool`): build the histograms for loggers that draw them.
+    """
+
+    def __init__(self, *, ratio_stats: bool = True, quantiles: list[float] | None = None, histograms: bool = True):
+        self.ratio_stats = ratio_stats
+        self.quantiles = list(quantiles) if quantiles is not None else [0.05, 0.5, 0.95]
+        self.histograms = histograms and ratio_stats
+        self._edges: torch.Tensor | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        self._steps: list[torch.Tensor] = []
+        self._pooled: torch.Tensor | None = None
+        self._group_stds: list[torch.Tensor] = []
+
+    @property
+    def num_bins(self) -> int:
+        # underflow, the bins between edges, overflow, NaN
+        return log_ratio_bin_edges().numel() + 2
+
+    @staticmethod
+    def _accumulator_dtype(device: torch.device) -> torch.dtype:
+        return torch.float32 if device.type == "mps" else torch.float64
+
+    def add_loss_step(self, out: GRPOLossOutput, entropies: torch.Tensor | None) -> None:
+        """Add one micro-batch. Device ops only: no `.item()`, no boolean indexing.
+
+        Args:
+            out: what `grpo_loss` returned for the micro-batch.
+            entropies (`torch.Tensor` of shape `(N, T)`, *optional*): per-token entropies of the policy.
+        """
+        mask = out.mask
+        dtype = self._accumulator_dtype(mask.device)
+
+        def masked_sum(values: torch.Tensor) -> torch.Tensor:
+            return torch.where(mask, values, 0).to(dtype).sum()
+
+        def sequence_means(values: torch.Tensor) -> torch.Tensor:
+            return torch.where(mask, values, 0).to(dtype).sum(-1) / mask.sum(-1)  # NaN for rows without tokens
+
+        low, high = out.is_low_clipped, out.is_high_clipped
+        low_per_seq, high_per_seq = sequence_means(low), sequence_means(high)
+        nan = torch.tensor(math.nan, dtype=dtype, device=mask.device)
+        entropy_sum = masked_sum(entropies.detach()) if entropies is not None else nan
+        step = torch.stack(
+            [
+                masked_sum(out.per_token_kl),
+                entropy_sum,
+                masked_sum(low),
+                masked_sum(high),
+                masked_sum(low | high),
+                mask.sum().to(dtype),
+                torch.where(torch.isnan(low_per_seq), math.inf, low_per_seq).min(),
+                torch.where(torch.isnan(high_per_seq), -math.inf, high_per_seq).max(),
+            ]
+        )
+        self._steps.append(step)
+        if not self.ratio_stats:
+            return
+
+        if self._edges is None or self._edges.device != mask.device or self._edges.dtype != dtype:
+            self._edges = log_ratio_bin_edges().to(device=mask.device, dtype=dtype)
+        log_ratio = out.log_ratio.to(dtype)
+        deviation = torch.where(mask, out.ratio.to(dtype) - 1.0, 0.0)
+        bins = torch.bucketize(log_ratio, self._edges)
+        bins = torch.where(torch.isnan(log_ratio), self.num_bins - 1, bins)
+        counts = torch.zeros(self.num_bins, dtype=dtype, device=mask.device)
+        counts.index_add_(0, bins.reshape(-1), mask.reshape(-1).to(dtype))
+        pooled = torch.cat(
+            [
+                torch.stack(
+                    [
+                        deviation.sum(),
+                        deviation.pow(2).sum(),
+                        torch.where(mask, out.ratio.to(dtype), math.inf).min(),
+                        torch.where(mask, out.ratio.to(dtype), -math.inf).max(),
+                        out.policy_loss.detach().to(dtype),
+                        out.kl_penalty.detach().to(dtype),
+                        torch.ones((), dtype=dtype, device=mask.device),
+                    ]
+                ),
+                counts,
+            ]
+        )
+        if self._pooled is None:
+            self._pooled = pooled
+        else:
+            # min and max combine by min and max; everything else adds up.
+            combined = self._pooled + pooled
+            combined[2] = torch.minimum(self._pooled[2], pooled[2])
+            combined[3] = torch.maximum(self._pooled[3], pooled[3])
+            self._pooled = combined
+
+    def add_rewards(self, rewards: torch.Tensor, num_generations: int) -> None:
+        """Add the rewards of one generation batch, already gathered from every process.
+
+        Args:
+            rewards (`torch.Tensor` of shape `(N,)`): total reward per completion, NaN for unscored ones, ordered
+                group-contiguously.
+            num_generations (`int`): the group size G.
+        """
+        if not self.ratio_stats:
+            return
+        grouped = rewards.detach().to(self._accumulator_dtype(rewards.device)).reshape(-1, num_generations)
+        scored = ~torch.isnan(grouped)
+        count = scored.sum(dim=1)
+        mean = torch.where(scored, grouped, 0.0).sum(dim=1) / count.clamp(min=1)
+        squares = torch.where(scored, grouped - mean[:, None], 0.0).pow(2).sum(dim=1)
+        std = torch.where(count > 1, (squares / (count - 1).clamp(min=1)).sqrt(), math.nan)
+        self._group_stds.append(std)
+
+    def is_empty(self) -> bool:
+        return not self._steps and not self._group_stds
+
+    def pack(self) -> torch.Tensor | None:
+        """This process's sums as one 1-dim vector (what the log step gathers), or `None` if nothing was added."""
+        if not self._steps:
+            return None
+        parts = [torch.cat(self._steps)]
+        if self._pooled is not None:
+            parts.append(self._pooled)
+        return torch.cat(parts)
+
+    def summarize(self, gathered: torch.Tensor | None) -> DiagnosticsSummary:
+        """Read the statistics off the gathered sums of all processes and reset.
+
+        Args:
+            gathered (`torch.Tensor` of shape `(num_processes, L)`, *optional*): the packed vectors of every
+                process, `None` when no micro-batch was added since the last log (reward statistics only).
+        """
+        summary = DiagnosticsSummary()
+        if gathered is not None:
+            gathered = gathered.to(torch.float64).cpu()
+            num_steps = len(self._steps)
+            steps = gathered[:, : num_steps * len(_STEP_FIELDS)].reshape(-1, num_steps, len(_STEP_FIELDS))
+            self._summarize_trl_metrics(steps, summary)
+            if self._pooled is not None:
+                self._summarize_ratio_and_loss(gathered[:, num_steps * len(_STEP_FIELDS) :], summary)
+        if self._group_stds:
+            self._summarize_rewards(torch.cat(self._group_stds).to(torch.float64).cpu(), summary)
+        self.reset()
+        return summary
+
+    def _summarize_trl_metrics(self, steps: torch.Tensor, summary: DiagnosticsSummary) -> None:
+        index = {name: position for position, name in enumerate(_STEP_FIELDS)}
+        totals = steps.sum(dim=0)  # (num_steps, fields)
+        tokens = totals[:, index["tokens"]].clamp(min=1.0)
+        for metric, name in (
+            ("kl", "kl"),
+            ("entropy", "entropy"),
+            ("clip_ratio/low_mean", "low"),
+            ("clip_ratio/high_mean", "high"),
+            ("clip_ratio/region_mean", "region"),
+        ):
+            summary.per_step[metric] = (totals[:, index[name]] / tokens).tolist()
+        low_min = steps[:, :, index["low_min"]].min(dim=0).values
+        high_max = steps[:, :, index["high_max"]].max(dim=0).values
+        summary.per_step["clip_ratio/low_min"] = torch.where(torch.isinf(low_min), math.nan, low_min).tolist()
+        summary.per_step["clip_ratio/high_max"] = torch.where(torch.isinf(high_max), math.nan, high_max).tolist()
+
+    def _summarize_ratio_and_loss(self, pooled: torch.Tensor, summary: DiagnosticsSummary) -> None:
+        counts = pooled[:, 7:].sum(dim=0)
+        deviation_sum, square_sum = pooled[:, 0].sum().item(), pooled[:, 1].sum().item()
+        minimum, maximum = pooled[:, 2].min().item(), pooled[:, 3].max().item()
+        num_micro_batches = pooled[:, 6].sum().item()
+        summary.scalars["loss/policy"] = pooled[:, 4].sum().item() / num_micro_batches
+        summary.scalars["loss/kl_penalty"] = pooled[:, 5].sum().item() / num_micro_batches
+
+        finite_counts = counts[:-1]  # drop the NaN bin
+        total = finite_counts.sum().item()
+        if total == 0:
+            return
+        mean_deviation = deviation_sum / total
+        variance = (square_sum - total * mean_deviation**2) / (total - 1) if total > 1 else 0.0
+        summary.scalars["ratio/mean"] = 1.0 + mean_deviation
+        summary.scalars["ratio/std"] = math.sqrt(max(variance, 0.0))
+        summary.scalars["ratio/min"] = minimum
+        summary.scalars["ratio/max"] = maximum
+        edges = log_ratio_bin_edges()
+        log_min, log_max = _log_of_ratio(minimum), _log_of_ratio(maximum)
+        log_quantiles = histogram_quantiles(finite_counts, edges, self.quantiles, log_min, log_max)
+        for quantile, log_value in zip(self.quantiles, log_quantiles, strict=True):
+            value = _exp_linear_above(torch.tensor(log_value, dtype=torch.float64)).item()
+            summary.scalars[quantile_metric_name(quantile)] = min(max(value, minimum), maximum)
+        if counts[-1] > 0:
+            summary.scalars["ratio/nan_count"] = counts[-1].item()
+        if self.histograms:
+            ratio_sum = total + deviation_sum
+            ratio_squares = total + 2.0 * deviation_sum + square_sum
+            summary.histograms["ratio"] = _ratio_histogram(finite_counts, edges, minimum, maximum)
+            summary.histograms["ratio"] += (total, ratio_sum, ratio_squares)
+
+    def _summarize_rewards(self, group_stds: torch.Tensor, summary: DiagnosticsSummary) -> None:
+        valid = group_stds[~torch.isnan(group_stds)]
+        if valid.numel() == 0:
+            return
+        summary.scalars["reward_std/group_mean"] = valid.mean().item()
+        summary.scalars["reward_std/group_min"] = valid.min().item()
+        summary.scalars["reward_std/group_max"] = valid.max().item()
+        if self.histograms:
+            summary.histograms["reward_std/group"] = _value_histogram(valid)
+
+
+def _log_of_ratio(ratio: float) -> float:
+    """Inverse of `_exp_linear_above` for the extremes: exact below exp(20), linear above it."""
+    threshold = 20.0
+    if ratio <= 0:
+        return -math.inf
+    if ratio <= math.exp(threshold):
+        return math.log(ratio)
+    return threshold + ratio / math.exp(threshold) - 1.0
+
+
+def _ratio_histogram(counts: torch.Tensor, edges: torch.Tensor, minimum: float, maximum: float) -> tuple:
+    """(bucket upper limits in ratio units, counts, minimum, maximum): at most ~64 buckets over the occupied bins."""
+    occupied = torch.nonzero(counts).flatten()
+    first, last = occupied[0].item(), occupied[-1].item()
+    upper_log_edges = torch.cat([edges, torch.tensor([math.inf], dtype=torch.float64)])
+    group = max(1, math.ceil((last - first + 1) / 64))
+    bucket_limits, bucket_counts = [], []
+    for start in range(first, last + 1, group):
+        stop = min(start + group, last + 1)
+        bucket_counts.append(counts[start:stop].sum().item())
+        upper = _exp_linear_above(upper_log_edges[stop - 1].clamp(max=80.0)).item()
+        bucket_limits.append(min(upper, maximum))
+    bucket_limits[-1] = maximum
+    return bucket_limits, bucket_counts, minimum, maximum
+
+
+def _value_histogram(values: torch.Tensor, num_buckets: int = 20) -> tuple:
+    """Histogram of a handful of values, in the tuple layout of `DiagnosticsSummary.histograms`."""
+    minimum, maximum = values.min().item(), values.max().item()
+    if maximum == minimum:
+        limits, counts = [maximum], [float(values.numel())]
+    else:
+        edges = torch.linspace(minimum, maximum, num_buckets + 1, dtype=torch.float64)
+        counts = torch.histc(values, bins=num_buckets, min=minimum, max=maximum).tolist()
+        limits = edges[1:].tolist()
+    return (limits, counts, minimum, maximum, float(values.numel()), values.sum().item(), values.pow(2).sum().item())
