@@ -20,10 +20,12 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The offline demo recipe: ~2 minutes on a CPU; prints held-out accuracy before and after GRPO.
+demo: $(STAMP)
+	$(BIN)/python recipes/grpo.py --config recipes/tiny/config_demo.yaml
+
 quickstart: $(STAMP)
 	$(BIN)/python recipes/quickstart.py
-
-demo: quickstart
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

@@ -59,6 +59,7 @@ def build_tiny_model(
     num_hidden_layers: int = 2,
     num_attention_heads: int = 4,
     num_key_value_heads: int = 2,
+    head_dim: int | None = None,
     max_position_embeddings: int = 128,
     seed: int = 0,
 ) -> Qwen3ForCausalLM:
@@ -69,8 +70,9 @@ def build_tiny_model(
 
     Args:
         tokenizer: gives the vocabulary size and the pad/eos ids.
-        hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
-        max_position_embeddings: the Qwen3 configuration (intermediate size defaults to 4 * hidden).
+        hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
+        max_position_embeddings: the Qwen3 configuration (intermediate size defaults to 4 * hidden, head_dim to
+            hidden / heads as in Qwen2, where Qwen3's own default is 128).
         seed (`int`): seed of the weight initialisation; the same seed gives the same weights.
 
     Returns:
@@ -83,6 +85,7 @@ def build_tiny_model(
         num_hidden_layers=num_hidden_layers,
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim or hidden_size // num_attention_heads,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,

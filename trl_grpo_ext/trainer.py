@@ -7,9 +7,11 @@ construction instead of being silently ignored.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
@@ -17,6 +19,9 @@ from .config import GRPOConfigExt
 from .diagnostics import DiagnosticsAccumulator
 from .loggers import write_histograms
 from .loss import grpo_loss
+from .model_card import CARD_CONFIG_FIELDS, build_model_card, final_metrics
+
+logger = logging.get_logger(__name__)
 
 __all__ = ["GRPOTrainerExt", "unsupported_options"]
 
@@ -112,6 +117,9 @@ class GRPOTrainerExt(GRPOTrainer):
 
     _tag_names = ["trl", "grpo", "trl_grpo_ext"]
 
+    #: Extra rows for the model card's metrics table (e.g. held-out accuracy measured by a recipe).
+    card_metrics: dict[str, float] | None = None
+
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, **kwargs):
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
@@ -202,3 +210,63 @@ class GRPOTrainerExt(GRPOTrainer):
         super().log(logs, start_time)
         if summary.histograms and self.accelerator.is_main_process:
             write_histograms(self.callback_handler, summary.histograms, mode, self.state.global_step)
+
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+        **kwargs,
+    ) -> None:
+        """Write `README.md` (a Hub model card) and `report.png` (training curves) into `args.output_dir`.
+
+        Called by `Trainer.push_to_hub` and at every checkpoint, like TRL's own card, which it replaces: front matter
+        with `library_name`, `base_model` (when it is a Hub id), tags (`trl`, `grpo`, `trl_grpo_ext`, and `lora` for
+        adapters); the objective; the training configuration; the final metrics; the report image; usage.
+        """
+        if not self.is_world_process_zero():
+            return
+        from peft import PeftModel
+
+        output_dir = self.args.output_dir
+        os.makedirs(output_dir, exist_ok=True)
+        model_id = get_config_model_id(self.model.config)
+        base_model = model_id if model_id and not os.path.isdir(model_id) else None
+        is_adapter = isinstance(self.accelerator.unwrap_model(self.model), PeftModel)
+        report = None
+        try:
+            from .report import plot_training_report
+
+            report = plot_training_report(
+                self.state.log_history,
+                os.path.join(output_dir, "report.png"),
+                title=model_name,
+                clip_range=(self.epsilon_low, self.epsilon_high),
+            )
+        except ImportError:
+            logger.warning("matplotlib is not installed: no report.png (pip install 'trl-grpo-ext[recipes]').")
+        lora = None
+        if is_adapter:
+            peft_config = self.accelerator.unwrap_model(self.model).peft_config["default"]
+            lora = {
+                "r": getattr(peft_config, "r", None),
+                "alpha": getattr(peft_config, "lora_alpha", None),
+                "target_modules": sorted(peft_config.target_modules)
+                if isinstance(peft_config.target_modules, (set, list))
+                else peft_config.target_modules,
+            }
+        card = build_model_card(
+            model_name=model_name or os.path.basename(os.path.normpath(output_dir)),
+            base_model=base_model,
+            is_adapter=is_adapter,
+            config={key: getattr(self.args, key, None) for key in CARD_CONFIG_FIELDS},
+            metrics=final_metrics(self.state.log_history),
+            extra_metrics=self.card_metrics,
+            tags=[tags] if isinstance(tags, str) else tags,
+            dataset_name=dataset_name,
+            hub_model_id=self.hub_model_id,
+            report_image="report.png" if report else None,
+            lora=lora,
+        )
+        with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as handle:
+            handle.write(card)

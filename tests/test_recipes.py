@@ -1,0 +1,235 @@
+"""The recipe script and its configs: parsing, a short demo run and its output folder, push, resume, launch."""
+
+import glob
+import importlib.util
+import os
+import subprocess
+import sys
+
+import matplotlib.image
+import pytest
+import yaml
+from test_distributed import free_port
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = os.path.join(REPO, "recipes")
+DEMO_CONFIG = os.path.join(RECIPES, "tiny", "config_demo.yaml")
+RECIPE_CONFIGS = sorted(
+    path
+    for path in glob.glob(os.path.join(RECIPES, "**", "*.yaml"), recursive=True)
+    if os.sep + "accelerate_configs" + os.sep not in path
+)
+ACCELERATE_CONFIGS = sorted(glob.glob(os.path.join(RECIPES, "accelerate_configs", "*.yaml")))
+
+
+def recipe_module():
+    spec = importlib.util.spec_from_file_location("grpo_recipe", os.path.join(RECIPES, "grpo.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def demo_args(output_dir, *extra):
+    """The demo config, made short: 4 steps of 4 prompts x 8 completions, a checkpoint every 2 steps."""
+    return [
+        "--config",
+        DEMO_CONFIG,
+        "--model_name_or_path",
+        os.path.join(RECIPES, "tiny", "base_model"),
+        "--dataset_name",
+        os.path.join(RECIPES, "tiny", "data"),
+        "--output_dir",
+        str(output_dir),
+        "--max_steps",
+        "4",
+        "--per_device_train_batch_size",
+        "32",
+        "--logging_steps",
+        "1",
+        "--save_steps",
+        "2",
+        "--eval_samples",
+        "16",
+        *extra,
+    ]
+
+
+def run_recipe(args):
+    module = recipe_module()
+    parsed = module.make_parser().parse_args_and_config(args=args)
+    return module.main(*parsed), parsed
+
+
+def test_there_are_configs_to_check():
+    names = {os.path.relpath(path, RECIPES) for path in RECIPE_CONFIGS}
+    assert {
+        os.path.join("tiny", "config_demo.yaml"),
+        os.path.join("Qwen2.5-0.5B-Instruct", "grpo", "config_gsm8k_lora.yaml"),
+        os.path.join("Qwen2.5-1.5B-Instruct", "grpo", "config_gsm8k_full.yaml"),
+    } <= names
+    assert {os.path.basename(path) for path in ACCELERATE_CONFIGS} >= {
+        "ddp.yaml",
+        "zero2.yaml",
+        "zero3.yaml",
+        "fsdp2.yaml",
+    }
+
+
+@pytest.mark.parametrize("config", RECIPE_CONFIGS, ids=lambda path: os.path.relpath(path, RECIPES))
+def test_every_recipe_config_parses_without_unknown_fields(config):
+    with open(config) as handle:
+        keys = set(yaml.safe_load(handle))
+    # A fresh parser per config: TrlParser keeps a config's values as its defaults.
+    script_args, training_args, model_args = (
+        recipe_module().make_parser().parse_args_and_config(args=["--config", config])
+    )
+    values = {**vars(script_args), **training_args.to_dict(), **vars(model_args)}
+    assert keys <= set(values)
+    assert training_args.loss_type == "grpo" and training_args.beta > 0
+    assert script_args.reward_funcs and model_args.model_name_or_path
+
+
+def test_an_unknown_config_field_is_refused(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("model_name_or_path: x\nlearning_rate_typo: 1.0e-3\n")
+    with pytest.raises(ValueError, match="learning_rate_typo"):
+        recipe_module().make_parser().parse_args_and_config(args=["--config", str(config)])
+
+
+def test_every_flag_overrides_the_config(tmp_path):
+    script_args, training_args, _ = (
+        recipe_module()
+        .make_parser()
+        .parse_args_and_config(
+            args=["--config", DEMO_CONFIG, "--beta", "0.1", "--ratio_quantiles", "0.1", "0.9", "--eval_samples", "3"]
+        )
+    )
+    assert training_args.beta == 0.1 and training_args.ratio_quantiles == [0.1, 0.9]
+    assert script_args.eval_samples == 3
+
+
+@pytest.mark.parametrize("config", ACCELERATE_CONFIGS, ids=os.path.basename)
+def test_accelerate_configs_load(config):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    loaded = load_config_from_file(config)
+    assert loaded.num_processes >= 2 and loaded.compute_environment.value == "LOCAL_MACHINE"
+
+
+@pytest.mark.slow
+def test_demo_run_leaves_a_hub_ready_output_folder(tmp_path):
+    output_dir = tmp_path / "demo"
+    result, _ = run_recipe(demo_args(output_dir))
+
+    assert set(result["before"]) == set(result["after"]) == {"exact_match"}
+    files = set(os.listdir(output_dir))
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json"} <= files
+    assert {"README.md", "report.png", "runs", "checkpoint-2", "checkpoint-4"} <= files
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run_dir,) = (output_dir / "runs").iterdir()
+    events = EventAccumulator(str(run_dir), size_guidance={"histograms": 0, "scalars": 0}).Reload()
+    for tag in ("train/ratio/p50", "train/clip_ratio/region_mean", "train/loss/policy", "train/reward_std/group_mean"):
+        assert tag in events.Tags()["scalars"], tag
+    assert "train/ratio/histogram" in events.Tags()["histograms"]
+
+    with open(output_dir / "report.png", "rb") as handle:
+        assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
+    image = matplotlib.image.imread(output_dir / "report.png")
+    height, width = image.shape[:2]
+    quadrants = [
+        image[: height // 2, : width // 2],
+        image[: height // 2, width // 2 :],
+        image[height // 2 :, : width // 2],
+        image[height // 2 :, width // 2 :],
+    ]
+    assert all(quadrant.std() > 0.01 for quadrant in quadrants)  # four drawn panels
+
+    card = (output_dir / "README.md").read_text()
+    front_matter = yaml.safe_load(card.split("---")[1])
+    assert {"trl", "grpo", "trl_grpo_ext", "lora"} <= set(front_matter["tags"])
+    assert front_matter["library_name"] == "peft" and "base_model" not in front_matter  # a local base model
+    for text in (
+        "exp(ref_logp_it - logp_it)",
+        "learning_rate",
+        "held-out exact_match (after)",
+        "report.png",
+        "AutoPeftModelForCausalLM",
+    ):
+        assert text in card, text
+
+
+@pytest.mark.slow
+def test_push_to_hub_uploads_exactly_the_output_folder(tmp_path, monkeypatch):
+    import transformers.trainer
+
+    uploads, repos = [], []
+
+    class FakeHubApi:
+        def create_repo(self, repo_id, **kwargs):
+            repos.append(repo_id)
+            return type("RepoUrl", (), {"repo_id": repo_id})()
+
+        def upload_folder(self, folder_path, repo_id, ignore_patterns=None, **kwargs):
+            listing = sorted(os.listdir(folder_path))
+            uploads.append({"folder": folder_path, "repo": repo_id, "ignore": ignore_patterns, "files": listing})
+
+    monkeypatch.setattr(transformers.trainer, "hf_api", FakeHubApi)
+    output_dir = tmp_path / "pushed"
+    run_recipe(
+        demo_args(
+            output_dir,
+            "--push_to_hub",
+            "true",
+            "--hub_model_id",
+            "someone/tiny-demo",
+            "--hub_strategy",
+            "end",
+            "--eval_samples",
+            "0",
+        )
+    )
+    assert repos == ["someone/tiny-demo"]
+    (upload,) = uploads
+    assert upload["folder"] == str(output_dir) and upload["repo"] == "someone/tiny-demo"
+    assert {"README.md", "report.png", "adapter_model.safetensors", "tokenizer.json", "runs"} <= set(upload["files"])
+    assert "checkpoint-*" in upload["ignore"]  # checkpoints stay local
+
+
+@pytest.mark.slow
+def test_a_stopped_run_resumes_from_its_last_checkpoint(tmp_path):
+    output_dir = tmp_path / "resumed"
+    run_recipe(demo_args(output_dir, "--max_steps", "2", "--eval_samples", "0"))
+    assert (output_dir / "checkpoint-2").is_dir()
+    _, (_, training_args, _) = run_recipe(
+        demo_args(output_dir, "--resume_from_checkpoint", "true", "--eval_samples", "0")
+    )
+    import json
+
+    with open(output_dir / "checkpoint-4" / "trainer_state.json") as handle:
+        state = json.load(handle)
+    steps = [entry["step"] for entry in state["log_history"] if "loss" in entry]
+    assert steps == [1, 2, 3, 4] and state["global_step"] == 4
+
+
+@pytest.mark.slow
+def test_demo_recipe_under_accelerate_launch_with_two_cpu_processes(tmp_path):
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        os.path.join(RECIPES, "accelerate_configs", "cpu_ddp.yaml"),
+        "--main_process_port",
+        str(free_port()),
+        os.path.join(RECIPES, "grpo.py"),
+        *demo_args(tmp_path / "ddp", "--max_steps", "2", "--per_device_train_batch_size", "16", "--eval_samples", "8"),
+    ]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "exact_match:" in result.stdout
+    assert (tmp_path / "ddp" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "ddp" / "README.md").is_file()

@@ -1,0 +1,70 @@
+"""Shared pieces of the benchmarks: interleaved repeats, robust summaries, tables, JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from collections.abc import Sequence
+from datetime import datetime, timezone
+
+import torch
+
+__all__ = ["environment", "summarize", "format_table", "write_json", "pin_threads"]
+
+
+def pin_threads(threads: int) -> None:
+    """Pin intra-op (and inter-op, when still allowed) CPU threads, and the env of child processes."""
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(threads)
+    except RuntimeError:  # already set, or parallel work has started
+        pass
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ["MKL_NUM_THREADS"] = str(threads)
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    """Median, min and max of a sample (`n` too)."""
+    values = list(values)
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def environment() -> dict:
+    """What the figures were measured on."""
+    info = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "device": "cpu",
+    }
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name(0)
+    try:
+        import transformers
+        import trl
+
+        info["trl"], info["transformers"] = trl.__version__, transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table (also readable in a terminal)."""
+    cells = [[str(cell) for cell in row] for row in rows]
+    widths = [max(len(str(header)), *(len(row[i]) for row in cells)) for i, header in enumerate(headers)]
+    lines = ["| " + " | ".join(str(h).ljust(w) for h, w in zip(headers, widths, strict=True)) + " |"]
+    lines.append("| " + " | ".join("-" * w for w in widths) + " |")
+    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in cells]
+    return "\n".join(lines)
+
+
+def write_json(path: str | os.PathLike, payload: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as handle:
+        json.dump(payload, handle, indent=2)

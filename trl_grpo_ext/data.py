@@ -1,0 +1,95 @@
+"""Datasets for the recipes: load a local folder/file or a Hub dataset, and turn rows into GRPO prompts."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from datasets import DatasetDict, load_dataset
+
+from .rewards import gsm8k_solution
+
+__all__ = ["DATASET_FORMATS", "load_recipe_dataset"]
+
+_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def _prompt_rows(row: dict) -> dict:
+    return {}
+
+
+def _gsm8k_rows(row: dict) -> dict:
+    return {"prompt": row["question"], "solution": gsm8k_solution(row["answer"])}
+
+
+#: dataset_format -> (columns it needs, row mapping)
+DATASET_FORMATS: dict[str, tuple[tuple[str, ...], Callable[[dict], dict]]] = {
+    "prompt": (("prompt",), _prompt_rows),
+    "gsm8k": (("question", "answer"), _gsm8k_rows),
+}
+
+
+def _load(name: str, config: str | None) -> DatasetDict:
+    if os.path.isdir(name):
+        loaded = load_dataset(name, name=config)
+    elif os.path.isfile(name):
+        extension = os.path.splitext(name)[1].lower()
+        if extension not in _FILE_BUILDERS:
+            raise ValueError(f"Cannot read dataset file {name!r}: expected one of {sorted(_FILE_BUILDERS)}.")
+        loaded = load_dataset(_FILE_BUILDERS[extension], data_files={"train": name})
+    else:
+        loaded = load_dataset(name, name=config)
+    return loaded if isinstance(loaded, DatasetDict) else DatasetDict({"train": loaded})
+
+
+def load_recipe_dataset(
+    name: str | None,
+    config: str | None = None,
+    *,
+    dataset_format: str = "prompt",
+    system_prompt: str | None = None,
+    required_splits: list[str] | tuple[str, ...] = ("train",),
+) -> DatasetDict:
+    """Load `name` (a local folder of json/jsonl/parquet/csv files named by split, one file, or a Hub id) and map its
+    rows to GRPO rows: a `prompt` (a string, or a conversation when `system_prompt` is given) plus the columns the
+    reward functions read.
+
+    Raises:
+        ValueError: with no dataset name, an unknown format, a missing required split, an empty split, or rows
+            without the columns the format needs (the message lists the columns found).
+    """
+    if not name:
+        raise ValueError("Set `dataset_name`: a local folder or file, or a Hub dataset id.")
+    if dataset_format not in DATASET_FORMATS:
+        raise ValueError(f"Unknown dataset_format {dataset_format!r}; expected one of {sorted(DATASET_FORMATS)}.")
+    needed, mapping = DATASET_FORMATS[dataset_format]
+    try:
+        dataset = _load(name, config)
+    except ValueError as error:  # e.g. a split file without rows
+        raise ValueError(f"Cannot load dataset {name!r}: {error}") from error
+    for split in required_splits:
+        if split not in dataset:
+            raise ValueError(f"Dataset {name!r} has no split {split!r}; it has {sorted(dataset)}.")
+    formatted = {}
+    for split, rows in dataset.items():
+        if len(rows) == 0:
+            raise ValueError(f"Split {split!r} of dataset {name!r} is empty.")
+        missing = [column for column in needed if column not in rows.column_names]
+        if missing:
+            raise ValueError(
+                f"Split {split!r} of dataset {name!r} has no column {missing} (dataset_format={dataset_format!r}); "
+                f"its columns are {rows.column_names}."
+            )
+        if mapping is not _prompt_rows:
+            rows = rows.map(mapping)
+        if system_prompt is not None:
+            rows = rows.map(
+                lambda row: {
+                    "prompt": [
+                        {"role": "system", "content": system_prompt},
+                        {"role": "user", "content": row["prompt"]},
+                    ]
+                }
+            )
+        formatted[split] = rows
+    return DatasetDict(formatted)
