@@ -1,8 +1,14 @@
 """trl_grpo_ext: the GRPO objective of the DeepSeekMath paper as a Hugging Face TRL trainer, with diagnostics."""
 
-from .config import GRPOConfigExt
-from .loss import group_relative_advantages, grpo_loss
-from .trainer import GRPOTrainerExt
+import trl as _trl
+
+from ._compat import check_trl_version as _check_trl_version
+
+_check_trl_version(_trl.__version__)
+
+from .config import GRPOConfigExt  # noqa: E402
+from .loss import group_relative_advantages, grpo_loss  # noqa: E402
+from .trainer import GRPOTrainerExt  # noqa: E402
 
 __version__ = "0.1.0"
 

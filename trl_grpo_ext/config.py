@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
-__all__ = ["GRPOConfigExt"]
+__all__ = ["GRPOConfigExt", "invalid_hyperparameters"]
 
 
 @dataclass
@@ -83,6 +84,50 @@ class GRPOConfigExt(GRPOConfig):
         },
     )
 
+    # Guardrails
+    nonfinite_policy: str = field(
+        default="skip",
+        metadata={
+            "help": "What happens to an optimizer step whose gradient norm is NaN or infinite (a non-finite loss or "
+            "gradient on any process): 'skip' drops the step, counted in nonfinite/skipped_steps; 'stop' saves a "
+            "checkpoint of the last good state and raises NonFiniteTrainingError; 'off' lets it reach the weights. "
+            "'skip' and 'stop' read the gradient norm once per optimizer step (one host sync).",
+            "choices": ["skip", "stop", "off"],
+        },
+    )
+    max_nonfinite_skips: int = field(
+        default=10,
+        metadata={
+            "help": "With nonfinite_policy='skip', stop like 'stop' once more than this many optimizer steps in a "
+            "row were skipped. 0: never stop."
+        },
+    )
+    warn_on_anomalies: bool = field(
+        default=True,
+        metadata={"help": "Warn (once per episode) about the conditions below, with what to change."},
+    )
+    warn_zero_std_fraction: float | None = field(
+        default=0.9,
+        metadata={"help": "Warn when at least this share of completions is in groups with equal rewards (no signal)."},
+    )
+    warn_clip_fraction: float | None = field(
+        default=0.2,
+        metadata={"help": "Warn when clip_ratio/region_mean stays above this for warn_patience log steps."},
+    )
+    warn_ratio_p95: float | None = field(
+        default=1.5, metadata={"help": "Warn when the 95th percentile of the importance ratio exceeds this."}
+    )
+    warn_ratio_max: float | None = field(
+        default=100.0, metadata={"help": "Warn when the largest importance ratio exceeds this."}
+    )
+    warn_kl_jump: float | None = field(
+        default=10.0,
+        metadata={"help": "Warn when kl exceeds this factor times the median of its previous 10 logged values."},
+    )
+    warn_patience: int = field(
+        default=3, metadata={"help": "Consecutive log steps a high clip fraction must last before a warning."}
+    )
+
     def __post_init__(self):
         if self.bf16 is None:
             self.bf16 = not self.fp16 and not self.use_cpu and is_torch_bf16_gpu_available()
@@ -90,4 +135,33 @@ class GRPOConfigExt(GRPOConfig):
         bad = [q for q in self.ratio_quantiles if not 0.0 <= q <= 1.0]
         if bad:
             raise ValueError(f"`ratio_quantiles` must lie in [0, 1], got {bad}.")
+        if self.nonfinite_policy not in ("skip", "stop", "off"):
+            raise ValueError(f"`nonfinite_policy` must be 'skip', 'stop' or 'off', got {self.nonfinite_policy!r}.")
+        if self.max_nonfinite_skips < 0:
+            raise ValueError(f"`max_nonfinite_skips` must be >= 0, got {self.max_nonfinite_skips}.")
+        for name in (
+            "warn_zero_std_fraction",
+            "warn_clip_fraction",
+            "warn_ratio_p95",
+            "warn_ratio_max",
+            "warn_kl_jump",
+        ):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"`{name}` must be > 0 (or None to switch the warning off), got {value}.")
+        problems = invalid_hyperparameters(self)
+        if problems:
+            raise ValueError(" ".join(problems))
         super().__post_init__()
+
+
+def invalid_hyperparameters(args) -> list[str]:
+    """Problems with the objective's hyper-parameters in any `trl.GRPOConfig`, one message each (empty if none)."""
+    problems = []
+    if not (math.isfinite(args.epsilon) and args.epsilon > 0):
+        problems.append(f"`epsilon` must be a finite number > 0, got {args.epsilon}.")
+    if args.epsilon_high is not None and not (math.isfinite(args.epsilon_high) and args.epsilon_high >= 0):
+        problems.append(f"`epsilon_high` must be a finite number >= 0 (or None for epsilon), got {args.epsilon_high}.")
+    if not (math.isfinite(args.beta) and args.beta >= 0):
+        problems.append(f"`beta` must be a finite number >= 0, got {args.beta}.")
+    return problems

@@ -148,6 +148,7 @@ class DiagnosticsAccumulator:
         self._steps: list[torch.Tensor] = []
         self._pooled: torch.Tensor | None = None
         self._group_stds: list[torch.Tensor] = []
+        self._unscored: list[torch.Tensor] = []  # [unscored, total] per generation batch
 
     @property
     def num_bins(self) -> int:
@@ -244,6 +245,7 @@ class DiagnosticsAccumulator:
         squares = torch.where(scored, grouped - mean[:, None], 0.0).pow(2).sum(dim=1)
         std = torch.where(count > 1, (squares / (count - 1).clamp(min=1)).sqrt(), math.nan)
         self._group_stds.append(std)
+        self._unscored.append(torch.stack([(~scored).sum(), torch.tensor(scored.numel(), device=scored.device)]))
 
     def is_empty(self) -> bool:
         return not self._steps and not self._group_stds
@@ -274,6 +276,8 @@ class DiagnosticsAccumulator:
                 self._summarize_ratio_and_loss(gathered[:, num_steps * len(_STEP_FIELDS) :], summary)
         if self._group_stds:
             self._summarize_rewards(torch.cat(self._group_stds).to(torch.float64).cpu(), summary)
+            unscored, total = torch.stack(self._unscored).sum(dim=0).tolist()
+            summary.scalars["frac_reward_unscored"] = unscored / total
         self.reset()
         return summary
 

@@ -7,16 +7,21 @@ construction instead of being silently ignored.
 
 from __future__ import annotations
 
+import math
 import os
+import shutil
 from typing import Any
 
 import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import get_config_model_id
+from trl.trainer.utils import get_callable_name, get_config_model_id, is_async_callable
 
-from .config import GRPOConfigExt
+from .checkpointing import STAGING_DIR, load_grpo_state, publish_checkpoint, save_grpo_state
+from .config import GRPOConfigExt, invalid_hyperparameters
 from .diagnostics import DiagnosticsAccumulator
+from .guardrails import AnomalyMonitor, GuardedAsyncReward, GuardedReward, NonFiniteGuard, NonFiniteTrainingError
 from .loggers import write_histograms
 from .loss import grpo_loss
 from .model_card import CARD_CONFIG_FIELDS, build_model_card, final_metrics
@@ -130,22 +135,40 @@ class GRPOTrainerExt(GRPOTrainer):
                 f"{type(self).__name__} computes the GRPO loss of trl_grpo_ext.grpo_loss and cannot honour these "
                 "options:\n- " + "\n- ".join(problems)
             )
-        super().__init__(model, reward_funcs, args=args, **kwargs)
+        problems = invalid_hyperparameters(args)
+        if problems:
+            raise ValueError(" ".join(problems))
+        _check_train_dataset(kwargs.get("train_dataset"), kwargs.get("environment_factory"))
+        super().__init__(model, _guard_reward_funcs(reward_funcs), args=args, **kwargs)
         if self.aux_loss_enabled:
             raise ValueError(
                 f"{type(self).__name__} does not add the Mixture-of-Experts load-balancing loss "
                 f"(router_aux_loss_coef={self.router_aux_loss_coef}); set router_aux_loss_coef=0.0."
             )
-        # A plain trl.GRPOConfig has none of the extra fields: it gets GRPOConfigExt's defaults.
-        defaults = GRPOConfigExt.__dataclass_fields__
+
+        def option(name):  # a plain trl.GRPOConfig has none of the extra fields: GRPOConfigExt's defaults then
+            return getattr(args, name, GRPOConfigExt.__dataclass_fields__[name].default)
+
         self._diagnostics = {
             mode: DiagnosticsAccumulator(
-                ratio_stats=getattr(args, "log_diagnostics", defaults["log_diagnostics"].default),
+                ratio_stats=option("log_diagnostics"),
                 quantiles=getattr(args, "ratio_quantiles", None),
-                histograms=getattr(args, "log_histograms", defaults["log_histograms"].default),
+                histograms=option("log_histograms"),
             )
             for mode in ("train", "eval")
         }
+        self._nonfinite_guard = NonFiniteGuard(option("nonfinite_policy"), option("max_nonfinite_skips"))
+        if option("warn_on_anomalies"):
+            self.add_callback(
+                AnomalyMonitor(
+                    zero_std_fraction=option("warn_zero_std_fraction"),
+                    clip_fraction=option("warn_clip_fraction"),
+                    ratio_p95=option("warn_ratio_p95"),
+                    ratio_max=option("warn_ratio_max"),
+                    kl_jump=option("warn_kl_jump"),
+                    patience=option("warn_patience"),
+                )
+            )
 
     def _compute_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
         mask = inputs["completion_mask"]
@@ -183,6 +206,33 @@ class GRPOTrainerExt(GRPOTrainer):
         )
         return logps, entropies
 
+    def _get_grad_norm(self, model, grad_norm=None):
+        """Trainer's gradient norm of the step about to be taken, and the non-finite guard's decision on it."""
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        if self._nonfinite_guard.policy == "off" or grad_norm is None:
+            return grad_norm
+        # The norm is global (gradients are already reduced across processes): every process decides alike.
+        decision = self._nonfinite_guard.decide(math.isfinite(float(grad_norm)))
+        if decision == "step":
+            return grad_norm
+        # Optimizers leave parameters without a gradient untouched: no update, no momentum, no weight decay.
+        model.zero_grad(set_to_none=True)
+        step = self.state.global_step + 1
+        if decision == "skip" and not self.is_deepspeed_enabled:
+            logger.warning(
+                f"Step {step}: the gradient norm is {grad_norm}; the update is skipped "
+                f"({self._nonfinite_guard.skipped} skipped so far, nonfinite_policy='skip')."
+            )
+            return grad_norm
+        self._save_checkpoint(self.model_wrapped, trial=None)
+        checkpoint = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        raise NonFiniteTrainingError(
+            f"Step {step}: the gradient norm is {grad_norm} (a NaN or infinite loss or gradient"
+            + (f", {self._nonfinite_guard.consecutive} steps in a row" if self._nonfinite_guard.consecutive else "")
+            + f"). Training stopped before the update reached the weights; the last good state is in {checkpoint}. "
+            "Lower the learning rate, check the rewards and inputs for NaN, or set nonfinite_policy='skip'."
+        )
+
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         mode = "train" if self.model.training else "eval"
@@ -207,6 +257,8 @@ class GRPOTrainerExt(GRPOTrainer):
             self._metrics[mode][name].extend(values)
         for name, value in summary.scalars.items():
             self._metrics[mode][name].append(value)
+        if mode == "train" and self._nonfinite_guard.policy != "off" and "loss" in logs:
+            self._metrics[mode]["nonfinite/skipped_steps"].append(self._nonfinite_guard.skipped)
         super().log(logs, start_time)
         if summary.histograms and self.accelerator.is_main_process:
             write_histograms(self.callback_handler, summary.histograms, mode, self.state.global_step)
@@ -270,3 +322,78 @@ class GRPOTrainerExt(GRPOTrainer):
         )
         with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as handle:
             handle.write(card)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Write the checkpoint into a staging folder and give it its final name only once it is complete."""
+        final_run_dir = self._get_output_dir(trial=trial)
+        staging_run_dir = os.path.join(final_run_dir, STAGING_DIR)
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.args.should_save:
+            shutil.rmtree(staging_run_dir, ignore_errors=True)  # left over by a process killed while saving
+        self.accelerator.wait_for_everyone()
+        # Trainer writes `<run dir>/checkpoint-<step>`; pointing the run dir at the staging folder for the
+        # duration of the save is the narrowest way to redirect it without rewriting Trainer's save logic.
+        self._get_output_dir = lambda trial=None: staging_run_dir
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            del self._get_output_dir
+        staged = os.path.join(staging_run_dir, folder)
+        os.makedirs(staged, exist_ok=True)
+        save_grpo_state(staged, self.accelerator.process_index, self._step, self._buffered_inputs)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            final = os.path.join(final_run_dir, folder)
+            publish_checkpoint(staged, final)
+            shutil.rmtree(staging_run_dir, ignore_errors=True)
+            if self.state.best_model_checkpoint and STAGING_DIR in self.state.best_model_checkpoint:
+                self.state.best_model_checkpoint = self.state.best_model_checkpoint.replace(
+                    os.path.join(STAGING_DIR, ""), ""
+                )
+            rotate_checkpoints(
+                output_dir=final_run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+            )
+        self.accelerator.wait_for_everyone()
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        state = load_grpo_state(checkpoint, self.accelerator.process_index, self.accelerator.device)
+        if state is not None:
+            # Resume TRL's generation schedule where the checkpoint left it, with the completions it had buffered.
+            self._step = state["step"]
+            self._buffered_inputs = state["buffered_inputs"]
+
+
+def _check_train_dataset(train_dataset, environment_factory) -> None:
+    """Refuse, before any model is loaded, a training set that cannot produce a batch."""
+    from datasets import Dataset
+
+    if not isinstance(train_dataset, Dataset):
+        return  # an IterableDataset cannot be checked without reading it; None is TRL's to judge
+    if len(train_dataset) == 0:
+        raise ValueError("`train_dataset` is empty: GRPO needs at least one prompt.")
+    if environment_factory is None and "prompt" not in train_dataset.column_names:
+        raise ValueError(
+            f"`train_dataset` has no 'prompt' column (its columns are {train_dataset.column_names}); rename the "
+            "column holding the prompts to 'prompt'."
+        )
+
+
+def _guard_reward_funcs(reward_funcs):
+    """Wrap callable reward functions so that their errors name the function and the failing completion."""
+    if reward_funcs is None:
+        return None
+    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+    guarded = []
+    for func in funcs:
+        if isinstance(func, (str, torch.nn.Module)) or not callable(func) or isinstance(func, GuardedReward):
+            guarded.append(func)
+        elif is_async_callable(func):
+            guarded.append(GuardedAsyncReward(func, get_callable_name(func)))
+        else:
+            guarded.append(GuardedReward(func, get_callable_name(func)))
+    return guarded

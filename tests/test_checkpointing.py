@@ -1,0 +1,128 @@
+"""Crash safety: kill -9 at random moments and during a checkpoint write, then resume exactly."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from trl_grpo_ext.checkpointing import STAGING_DIR, load_grpo_state, publish_checkpoint, save_grpo_state
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_run.py")
+COMPARED = ("loss", "grad_norm", "reward", "kl", "clip_ratio/region_mean", "ratio/mean", "entropy")
+ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+# Random kill moments per mode; raise it to run more trials: KILL_TRIALS=20 pytest tests/test_checkpointing.py
+KILL_TRIALS = int(os.environ.get("KILL_TRIALS", "3"))
+
+
+def command(output_dir, model_path, lora, *extra):
+    return [sys.executable, SCRIPT, str(output_dir), model_path, *(["--lora"] if lora else []), *extra]
+
+
+def run(output_dir, model_path, lora, *extra):
+    result = subprocess.run(command(output_dir, model_path, lora, *extra), capture_output=True, text=True, env=ENV)
+    return result
+
+
+def training_logs(output_dir):
+    with open(os.path.join(output_dir, "log_history.json")) as handle:
+        return {entry["step"]: entry for entry in json.load(handle) if "loss" in entry}
+
+
+def complete_checkpoints(output_dir):
+    return sorted(
+        int(name.split("-")[1])
+        for name in os.listdir(output_dir)
+        if name.startswith("checkpoint-") and name.split("-")[1].isdigit()
+    )
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_path, tmp_path_factory):
+    """Uninterrupted runs (full and LoRA) with the same seed."""
+    logs = {}
+    for lora in (False, True):
+        output_dir = tmp_path_factory.mktemp("reference")
+        result = run(output_dir, tiny_model_path, lora, "--save_steps", "100")
+        assert result.returncode == 0, result.stderr[-3000:]
+        logs[lora] = training_logs(output_dir)
+    return logs
+
+
+def assert_same_from(resumed, reference, first_step):
+    steps = [step for step in reference if step > first_step]
+    assert steps, "nothing left to compare"
+    for step in steps:
+        for key in COMPARED:
+            if key in reference[step]:
+                assert resumed[step][key] == reference[step][key], (step, key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("seed", range(KILL_TRIALS))
+def test_kill_at_a_random_moment_then_resume_reproduces_the_uninterrupted_run(
+    seed, lora, references, tiny_model_path, tmp_path
+):
+    output_dir = tmp_path / "run"
+    process = subprocess.Popen(
+        command(output_dir, tiny_model_path, lora, "--save_steps", "2"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=ENV,
+    )
+    deadline = time.time() + 120
+    while not (output_dir / "checkpoint-2").is_dir():
+        assert process.poll() is None and time.time() < deadline, "no first checkpoint"
+        time.sleep(0.01)
+    time.sleep(random.Random(seed).uniform(0.0, 1.0))  # anywhere in the remaining steps, saves included
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    resumed_from = complete_checkpoints(output_dir)[-1]
+
+    result = run(output_dir, tiny_model_path, lora, "--save_steps", "2", "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_from(training_logs(output_dir), references[lora], resumed_from)
+
+
+@pytest.mark.slow
+def test_a_kill_during_a_checkpoint_write_leaves_no_checkpoint_to_trip_on(references, tiny_model_path, tmp_path):
+    output_dir = tmp_path / "run"
+    # Save every 3 steps (checkpoint 3 falls between a generation and its reuse); die while writing checkpoint 6.
+    killed = run(output_dir, tiny_model_path, False, "--save_steps", "3", "--kill_during_save_of", "6")
+    assert killed.returncode == -signal.SIGKILL
+    assert complete_checkpoints(output_dir) == [3]
+    assert (output_dir / STAGING_DIR / "checkpoint-6").is_dir()  # the half-written one, out of resume's way
+
+    result = run(output_dir, tiny_model_path, False, "--save_steps", "3", "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_from(training_logs(output_dir), references[False], 3)
+    assert complete_checkpoints(output_dir) == [3, 6, 8]  # 8: Trainer's save at the end of training
+    assert not (output_dir / STAGING_DIR).exists()
+
+
+def test_publish_replaces_an_older_checkpoint_of_the_same_name(tmp_path):
+    final = tmp_path / "checkpoint-2"
+    final.mkdir()
+    (final / "old.txt").write_text("old")
+    staged = tmp_path / STAGING_DIR / "checkpoint-2"
+    staged.mkdir(parents=True)
+    (staged / "new.txt").write_text("new")
+    publish_checkpoint(str(staged), str(final))
+    assert sorted(os.listdir(final)) == ["new.txt"] and not staged.exists()
+    assert sorted(os.listdir(tmp_path)) == [STAGING_DIR, "checkpoint-2"]
+
+
+def test_grpo_state_round_trip(tmp_path):
+    buffered = [{"completion_ids": torch.arange(6).view(2, 3), "advantages": torch.tensor([0.5, -0.5]), "n": 3}]
+    save_grpo_state(str(tmp_path), 1, step=5, buffered_inputs=buffered)
+    assert load_grpo_state(str(tmp_path), 0, "cpu") is None
+    state = load_grpo_state(str(tmp_path), 1, "cpu")
+    assert state["step"] == 5 and state["buffered_inputs"][0]["n"] == 3
+    assert torch.equal(state["buffered_inputs"][0]["completion_ids"], buffered[0]["completion_ids"])

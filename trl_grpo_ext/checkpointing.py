@@ -1,0 +1,89 @@
+"""Crash-safe checkpoints and exact resume for GRPO.
+
+Two things make a GRPO run resumable to the bit:
+
+- A checkpoint appears under its final name (`checkpoint-<step>`) only once it is complete. It is written into a
+  staging folder (`_checkpoint-in-progress/`, ignored by `push_to_hub` and by `get_last_checkpoint`) and renamed
+  when every file is in place, so a process killed while writing leaves nothing that a resume would pick.
+- TRL keeps, between optimizer steps, the completions it generated for the coming steps (`num_iterations > 1`, or
+  more generation batches than accumulation steps) and a micro-step counter that schedules generation. Neither is
+  in Trainer's checkpoint; resuming without them regenerates at a different step and the run diverges. They are
+  saved per process in `grpo_state_rank<k>.pt` and restored on resume.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch
+
+__all__ = ["STAGING_DIR", "grpo_state_path", "save_grpo_state", "load_grpo_state", "publish_checkpoint"]
+
+STAGING_DIR = "_checkpoint-in-progress"
+
+
+def grpo_state_path(checkpoint_dir: str, process_index: int) -> str:
+    return os.path.join(checkpoint_dir, f"grpo_state_rank{process_index}.pt")
+
+
+def _to_device(value: Any, device: torch.device | str) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {key: _to_device(item, device) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(item, device) for item in value)
+    return value
+
+
+def save_grpo_state(checkpoint_dir: str, process_index: int, step: int, buffered_inputs: list | None) -> None:
+    """Save TRL's micro-step counter and buffered generations of this process (moved to the CPU)."""
+    state = {"step": step, "buffered_inputs": _to_device(buffered_inputs, "cpu")}
+    temporary = grpo_state_path(checkpoint_dir, process_index) + ".tmp"
+    torch.save(state, temporary)
+    os.replace(temporary, grpo_state_path(checkpoint_dir, process_index))
+
+
+def load_grpo_state(checkpoint_dir: str, process_index: int, device: torch.device | str) -> dict | None:
+    """The state `save_grpo_state` wrote for this process, with tensors on `device`; `None` if there is none."""
+    path = grpo_state_path(checkpoint_dir, process_index)
+    if not os.path.isfile(path):
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    state["buffered_inputs"] = _to_device(state["buffered_inputs"], device)
+    return state
+
+
+def _fsync_directory(path: str) -> None:
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+def publish_checkpoint(staged: str, final: str) -> None:
+    """Move a completely written checkpoint folder to its final name, replacing an older one of the same name.
+
+    The final name appears in one `rename`: a reader sees either no checkpoint or a complete one.
+    """
+    for root, _, files in os.walk(staged):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as handle:
+                os.fsync(handle.fileno())
+    if os.path.exists(final):
+        retired = final + ".replaced"
+        shutil.rmtree(retired, ignore_errors=True)
+        os.rename(final, retired)
+        os.rename(staged, final)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        os.rename(staged, final)
+    _fsync_directory(os.path.dirname(final))
