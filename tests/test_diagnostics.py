@@ -10,9 +10,12 @@ from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt, grpo_loss
 from trl_grpo_ext.diagnostics import (
     CORE_BIN_WIDTH,
     CORE_LOG_RATIO,
+    NUM_BINS,
+    TAIL_LOG_RATIO,
     DiagnosticsAccumulator,
     histogram_quantiles,
-    log_ratio_bin_edges,
+    log_ratio_bin_bounds,
+    log_ratio_bins,
     quantile_metric_name,
 )
 
@@ -147,18 +150,49 @@ class TestRewardSpread:
 
 
 class TestHistogram:
-    def test_bin_edges_are_ascending_with_the_core_resolution(self):
-        edges = log_ratio_bin_edges()
-        assert torch.all(edges[1:] > edges[:-1])
-        core = edges[edges.abs() <= CORE_LOG_RATIO]
-        assert (core[1:] - core[:-1]).max().item() <= CORE_BIN_WIDTH + 1e-15
+    def test_bins_are_ascending_contiguous_and_fine_near_one(self):
+        lower, upper = log_ratio_bin_bounds()
+        assert lower.numel() == upper.numel() == NUM_BINS - 1  # all but the NaN bin
+        assert torch.all(lower[1:] >= lower[:-1]) and torch.all(upper[:-1] <= lower[1:] + 1e-15)
+        core = (lower.abs() < CORE_LOG_RATIO) & (upper.abs() <= CORE_LOG_RATIO)
+        assert (upper[core] - lower[core]).max().item() <= CORE_BIN_WIDTH + 1e-15
         assert CORE_BIN_WIDTH < 1e-3  # relative resolution of the ratio near 1
-        assert edges.numel() < 5000  # the gathered vector stays small
+        assert NUM_BINS < 5000  # the gathered vector stays small
+
+    def test_every_value_lands_in_the_bin_that_bounds_it(self):
+        generator = torch.Generator().manual_seed(0)
+        values = torch.cat(
+            [
+                torch.randn(20000, generator=generator, dtype=torch.float64) * 3,
+                torch.rand(20000, generator=generator, dtype=torch.float64) - 0.5,
+                torch.tensor(
+                    [
+                        0.0,
+                        -CORE_LOG_RATIO,
+                        CORE_LOG_RATIO,
+                        TAIL_LOG_RATIO,
+                        -TAIL_LOG_RATIO,
+                        1e9,
+                        -1e9,
+                        1e-12,
+                        math.inf,
+                        -math.inf,
+                    ],
+                    dtype=torch.float64,
+                ),
+            ]
+        )
+        bins = log_ratio_bins(values)
+        lower, upper = log_ratio_bin_bounds()
+        assert torch.all((lower[bins] <= values) & (values <= upper[bins]))
+        assert log_ratio_bins(torch.tensor([0.0])).item() != log_ratio_bins(torch.tensor([1e-12])).item()
+        assert log_ratio_bins(torch.tensor([math.nan])).item() == NUM_BINS - 1
 
     def test_quantiles_of_a_known_histogram(self):
-        edges = torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64)
-        counts = torch.tensor([0.0, 2.0, 2.0, 0.0])  # two values in (0, 1], two in (1, 2]
-        low, median, high = histogram_quantiles(counts, edges, [0.0, 0.5, 1.0], 0.2, 1.9)
+        lower = torch.tensor([-math.inf, 0.0, 1.0, 2.0], dtype=torch.float64)
+        upper = torch.tensor([0.0, 1.0, 2.0, math.inf], dtype=torch.float64)
+        counts = torch.tensor([0.0, 2.0, 2.0, 0.0])  # two values in [0, 1], two in [1, 2]
+        low, median, high = histogram_quantiles(counts, lower, upper, [0.0, 0.5, 1.0], 0.2, 1.9)
         assert (low, high) == (0.2, 1.9)
         assert 0.75 <= median <= 1.25
 

@@ -38,9 +38,13 @@ def random_batch(num_rows, num_tokens, *, seed, spread=0.3, empty_rows=()):
     return logps, old_logps, ref_logps, advantages, lengths, mask
 
 
+EAGER = ["fused", "reference"]
+
+
+@pytest.mark.parametrize("implementation", EAGER)
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("epsilon_high", [None, 0.28])
-def test_loss_and_gradient_match_float64_reference_on_variable_lengths(seed, epsilon_high):
+def test_loss_and_gradient_match_float64_reference_on_variable_lengths(seed, epsilon_high, implementation):
     logps, old_logps, ref_logps, advantages, lengths, mask = random_batch(12, 9, seed=seed, empty_rows=(3,))
     eps_high = 0.2 if epsilon_high is None else epsilon_high
 
@@ -50,7 +54,13 @@ def test_loss_and_gradient_match_float64_reference_on_variable_lengths(seed, eps
 
     policy_input = logps.float().requires_grad_(True)
     out = grpo_loss(
-        policy_input, old_logps.float(), ref_logps.float(), advantages.float(), mask, epsilon_high=epsilon_high
+        policy_input,
+        old_logps.float(),
+        ref_logps.float(),
+        advantages.float(),
+        mask,
+        epsilon_high=epsilon_high,
+        implementation=implementation,
     )
     out.loss.backward()
 
@@ -59,13 +69,14 @@ def test_loss_and_gradient_match_float64_reference_on_variable_lengths(seed, eps
     torch.testing.assert_close(policy_input.grad.double(), reference_input.grad, rtol=1e-4, atol=1e-7)
 
 
-def test_float64_input_is_computed_in_float64_and_matches_reference_tightly():
+@pytest.mark.parametrize("implementation", EAGER)
+def test_float64_input_is_computed_in_float64_and_matches_reference_tightly(implementation):
     logps, old_logps, ref_logps, advantages, lengths, mask = random_batch(8, 7, seed=11)
     reference_input = logps.clone().requires_grad_(True)
     expected = reference_loss_float64(reference_input, old_logps, ref_logps, advantages, lengths, 0.2, 0.2, 0.04)
     expected.backward()
     policy_input = logps.clone().requires_grad_(True)
-    out = grpo_loss(policy_input, old_logps, ref_logps, advantages, mask)
+    out = grpo_loss(policy_input, old_logps, ref_logps, advantages, mask, implementation=implementation)
     out.loss.backward()
     assert out.loss.dtype == torch.float64
     torch.testing.assert_close(out.loss, expected.detach(), rtol=1e-12, atol=1e-14)
@@ -181,19 +192,24 @@ def test_zero_loss_does_not_mean_zero_gradient():
     assert logits.grad.abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("implementation", EAGER)
 @pytest.mark.parametrize("garbage", [float("nan"), float("inf"), float("-inf"), 1e30])
-def test_values_at_masked_positions_change_neither_loss_nor_gradient(garbage):
+def test_values_at_masked_positions_change_neither_loss_nor_gradient(garbage, implementation):
     logps, old_logps, ref_logps, advantages, _, mask = random_batch(6, 7, seed=8, empty_rows=(2,))
     advantages_nt = advantages[:, None].expand(6, 7).clone()
     clean_input = logps.float().requires_grad_(True)
-    clean = grpo_loss(clean_input, old_logps.float(), ref_logps.float(), advantages_nt.float(), mask)
+    clean = grpo_loss(
+        clean_input, old_logps.float(), ref_logps.float(), advantages_nt.float(), mask, implementation=implementation
+    )
     clean.loss.backward()
 
     def dirty(tensor):
         return torch.where(mask, tensor.float(), garbage)
 
     dirty_input = dirty(logps).requires_grad_(True)
-    out = grpo_loss(dirty_input, dirty(old_logps), dirty(ref_logps), dirty(advantages_nt), mask)
+    out = grpo_loss(
+        dirty_input, dirty(old_logps), dirty(ref_logps), dirty(advantages_nt), mask, implementation=implementation
+    )
     out.loss.backward()
 
     torch.testing.assert_close(out.loss, clean.loss)
@@ -203,32 +219,44 @@ def test_values_at_masked_positions_change_neither_loss_nor_gradient(garbage):
         assert torch.isfinite(per_token).all()
 
 
-def test_rows_without_tokens_add_zero_but_count_in_the_row_mean():
+@pytest.mark.parametrize("implementation", EAGER)
+def test_rows_without_tokens_add_zero_but_count_in_the_row_mean(implementation):
     logps, old_logps, ref_logps, advantages, lengths, mask = random_batch(6, 5, seed=9, empty_rows=(0, 4))
-    full = grpo_loss(logps, old_logps, ref_logps, advantages, mask)
+    full = grpo_loss(logps, old_logps, ref_logps, advantages, mask, implementation=implementation)
     keep = lengths > 0
     only_non_empty = grpo_loss(logps[keep], old_logps[keep], ref_logps[keep], advantages[keep], mask[keep])
     torch.testing.assert_close(full.loss, only_non_empty.loss * keep.sum() / len(keep))
 
 
-def test_a_batch_without_completion_tokens_gives_zero_loss_and_zero_gradient():
+@pytest.mark.parametrize("implementation", EAGER)
+def test_a_batch_without_completion_tokens_gives_zero_loss_and_zero_gradient(implementation):
     logps = torch.full((4, 3), float("nan"), requires_grad=True)
-    out = grpo_loss(logps, logps.detach(), logps.detach(), torch.ones(4), torch.zeros(4, 3))
+    out = grpo_loss(
+        logps, logps.detach(), logps.detach(), torch.ones(4), torch.zeros(4, 3), implementation=implementation
+    )
     out.loss.backward()
     assert out.loss.item() == 0.0 and out.kl.item() == 0.0 and out.policy_loss.item() == 0.0
     assert torch.all(logps.grad == 0)
 
 
+@pytest.mark.parametrize("implementation", EAGER)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("size", [20.0, 50.0, 100.0])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_extreme_log_differences_stay_finite(dtype, size, sign):
+def test_extreme_log_differences_stay_finite(dtype, size, sign, implementation):
     logps = torch.full((4, 3), -30.0 if sign > 0 else -1.0)
     old_logps = logps - sign * size  # log ratio = sign * size
     ref_logps = logps + sign * size  # ref - logp = sign * size
     advantages = torch.tensor([1.0, -1.0, 0.0, 2.0])
     policy_input = logps.to(dtype).clone().requires_grad_(True)
-    out = grpo_loss(policy_input, old_logps.to(dtype), ref_logps.to(dtype), advantages.to(dtype), torch.ones(4, 3))
+    out = grpo_loss(
+        policy_input,
+        old_logps.to(dtype),
+        ref_logps.to(dtype),
+        advantages.to(dtype),
+        torch.ones(4, 3),
+        implementation=implementation,
+    )
     out.loss.backward()
     assert out.loss.dtype == torch.float32
     assert torch.isfinite(out.loss) and torch.isfinite(out.kl) and torch.isfinite(out.policy_loss)
@@ -237,7 +265,9 @@ def test_extreme_log_differences_stay_finite(dtype, size, sign):
     if sign > 0:
         # logp far below ref: the KL gradient must push logp up (a negative gradient of the loss).
         kl_input = logps.clone().requires_grad_(True)
-        grpo_loss(kl_input, logps, ref_logps, torch.zeros(4), torch.ones(4, 3)).loss.backward()
+        grpo_loss(
+            kl_input, logps, ref_logps, torch.zeros(4), torch.ones(4, 3), implementation=implementation
+        ).loss.backward()
         assert (kl_input.grad < 0).all()
 
 
@@ -250,10 +280,19 @@ def test_log_differences_up_to_the_threshold_are_exact_in_float32():
     torch.testing.assert_close(out.ratio.double(), d.double().exp()[:, None], rtol=1e-6, atol=0.0)
 
 
-def test_above_the_threshold_exp_continues_linearly_with_a_bounded_positive_slope():
+@pytest.mark.parametrize("implementation", EAGER)
+def test_above_the_threshold_exp_continues_linearly_with_a_bounded_positive_slope(implementation):
     d = torch.tensor([[EXP_LINEAR_ABOVE + 1.0], [EXP_LINEAR_ABOVE + 100.0]], dtype=torch.float64)
     logps = torch.zeros(2, 1, dtype=torch.float64, requires_grad=True)
-    out = grpo_loss(logps, logps.detach() - d, None, torch.ones(2) * -1.0, torch.ones(2, 1), beta=0.0)
+    out = grpo_loss(
+        logps,
+        logps.detach() - d,
+        None,
+        torch.ones(2) * -1.0,
+        torch.ones(2, 1),
+        beta=0.0,
+        implementation=implementation,
+    )
     cap = math.exp(EXP_LINEAR_ABOVE)
     torch.testing.assert_close(out.ratio, cap * (1 + d - EXP_LINEAR_ABOVE))
     out.loss.backward()
@@ -331,6 +370,7 @@ class TestGrpoLossErrors:
             (dict(epsilon_high=-0.01), "`epsilon_high`"),
             (dict(beta=-0.04), "`beta`"),
             (dict(beta=float("inf")), "`beta`"),
+            (dict(implementation="triton"), "`implementation`"),
         ],
     )
     def test_bad_hyperparameters(self, kwargs, message):

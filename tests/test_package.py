@@ -11,17 +11,22 @@ def test_exports_exactly_the_public_names():
         assert getattr(trl_grpo_ext, name).__module__.startswith("trl_grpo_ext.")
 
 
-def test_loss_module_does_not_import_trl():
+def test_the_loss_modules_import_only_torch():
     import ast
     import inspect
 
-    from trl_grpo_ext import loss
+    from trl_grpo_ext import fused, loss
 
-    tree = ast.parse(inspect.getsource(loss))
-    imported = {
-        alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
-    }
-    imported |= {
-        node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
-    }
-    assert imported <= {"__future__", "math", "dataclasses", "torch"}
+    for module in (loss, fused):
+        tree = ast.parse(inspect.getsource(module))
+        absolute = {
+            alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+        }
+        absolute |= {
+            node.module.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level == 0
+        }
+        relative = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level > 0}
+        assert absolute <= {"__future__", "math", "warnings", "torch"}, module.__name__
+        assert relative <= {"loss", "fused"}, module.__name__

@@ -60,6 +60,16 @@ class GRPOConfigExt(GRPOConfig):
         },
     )
 
+    loss_implementation: str = field(
+        default="fused",
+        metadata={
+            "help": "How grpo_loss computes the objective: 'fused' (its terms and analytic gradient in place, few "
+            "passes over memory), 'reference' (the formula with autograd) or 'compiled' (the fused kernel through "
+            "torch.compile: fastest and leanest after a one-off compilation; falls back to 'fused' if it fails).",
+            "choices": ["fused", "reference", "compiled"],
+        },
+    )
+
     # Diagnostics
     log_diagnostics: bool = field(
         default=True,
@@ -135,6 +145,10 @@ class GRPOConfigExt(GRPOConfig):
         bad = [q for q in self.ratio_quantiles if not 0.0 <= q <= 1.0]
         if bad:
             raise ValueError(f"`ratio_quantiles` must lie in [0, 1], got {bad}.")
+        if self.loss_implementation not in ("fused", "reference", "compiled"):
+            raise ValueError(
+                f"`loss_implementation` must be 'fused', 'reference' or 'compiled', got {self.loss_implementation!r}."
+            )
         if self.nonfinite_policy not in ("skip", "stop", "off"):
             raise ValueError(f"`nonfinite_policy` must be 'skip', 'stop' or 'off', got {self.nonfinite_policy!r}.")
         if self.max_nonfinite_skips < 0:

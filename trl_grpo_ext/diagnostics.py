@@ -5,29 +5,34 @@ log step, each process packs its running sums into one fixed-size vector and a s
 to every process; the statistics are then read off the pooled sums. The vector's size depends on the histogram
 resolution and on the number of micro-batches since the last log, never on the batch size or sequence length.
 
-Importance ratios are binned by their logarithm. Bins are uniform, `2**-12` wide, for |log r| <= 0.5 (ratios in
-[0.61, 1.65]) and geometric (7.9% of |log r| wide) out to |log r| = 64, with one bin each for what lies beyond and
-one for NaN. A reported quantile is within one bin width (in log space) of the sample's lower and upper order
-statistics at that rank: within 2.5e-4 relative to the true value for ratios near 1, which is what p05/p50/p95
-of a healthy run need. Minimum and maximum are exact.
+Importance ratios are binned by their logarithm, with arithmetic bin indices (no search): uniform bins `2**-12`
+wide for |log r| < 0.5 (ratios in [0.61, 1.65]), geometric bins (7.9% of |log r| wide) out to |log r| = 64, one
+bin each for what lies beyond, one for log ratios of exactly 0 (on-policy tokens, so that a quantile among them
+reads exactly 1) and one for NaN. A reported quantile is within one bin width (in log space) of the sample's lower
+and upper order statistics at that rank: within 2.5e-4 relative to the true value for ratios near 1, which is what
+p05/p50/p95 of a healthy run need. Minimum and maximum are exact.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
+import numpy as np
 import torch
 
-from .loss import GRPOLossOutput, _exp_linear_above
+from .loss import EXP_LINEAR_ABOVE, GRPOLossOutput
 
 __all__ = [
     "CORE_LOG_RATIO",
     "CORE_BIN_WIDTH",
     "DiagnosticsAccumulator",
     "DiagnosticsSummary",
+    "NUM_BINS",
     "histogram_quantiles",
-    "log_ratio_bin_edges",
+    "log_ratio_bin_bounds",
+    "log_ratio_bins",
     "quantile_metric_name",
 ]
 
@@ -35,25 +40,51 @@ CORE_LOG_RATIO = 0.5
 CORE_BIN_WIDTH = 2.0**-12
 TAIL_LOG_RATIO = 64.0
 TAIL_BINS = 64
-EXACT_BIN_WIDTH = 1e-9
+_CORE_BINS = round(2 * CORE_LOG_RATIO / CORE_BIN_WIDTH)
+_TAIL_GROWTH = math.log2(TAIL_LOG_RATIO / CORE_LOG_RATIO) / TAIL_BINS  # log2 of a tail bin's width ratio
+# Ordered bins: underflow, negative tail (most negative first), core below 0, exactly 0, core from 0, positive
+# tail, overflow, NaN (last, left out of the quantiles).
+_NEGATIVE_TAIL = 1
+_CORE = _NEGATIVE_TAIL + TAIL_BINS
+_ZERO = _CORE + _CORE_BINS // 2
+_POSITIVE_TAIL = _CORE + _CORE_BINS + 1
+_OVERFLOW = _POSITIVE_TAIL + TAIL_BINS
+_NAN = _OVERFLOW + 1
+NUM_BINS = _NAN + 1
 
 # Per micro-batch, the sums behind TRL's own metrics (TRL averages its per-micro-batch global means over the log
 # window; keeping them per micro-batch reproduces its numbers exactly).
 _STEP_FIELDS = ("kl", "entropy", "low", "high", "region", "tokens", "low_min", "high_max")
 
 
-def log_ratio_bin_edges() -> torch.Tensor:
-    """The edges of the log-ratio histogram, ascending, float64 `(K + 1,)`.
+def log_ratio_bins(log_ratio: torch.Tensor) -> torch.Tensor:
+    """The histogram bin of each log ratio, int64, same shape; see `log_ratio_bin_bounds` for the bins."""
+    x = log_ratio
+    magnitude = x.abs()
+    core = torch.floor((x + CORE_LOG_RATIO) / CORE_BIN_WIDTH).clamp(0, _CORE_BINS - 1)
+    core = _CORE + core + (core >= _CORE_BINS // 2).to(core.dtype)  # leave room for the exactly-0 bin
+    tail = torch.floor(torch.log2(magnitude.clamp(min=CORE_LOG_RATIO) / CORE_LOG_RATIO) / _TAIL_GROWTH)
+    tail = tail.clamp(0, TAIL_BINS - 1)
+    tail = torch.where(x > 0, _POSITIVE_TAIL + tail, _NEGATIVE_TAIL + (TAIL_BINS - 1) - tail)
+    bins = torch.where(magnitude < CORE_LOG_RATIO, core, tail)
+    bins = torch.where(magnitude >= TAIL_LOG_RATIO, torch.where(x > 0, _OVERFLOW, 0), bins)
+    bins = torch.where(x == 0, _ZERO, bins)
+    return torch.where(torch.isnan(x), _NAN, bins).to(torch.int64)
 
-    Values at or below the first edge fall in an underflow bin, above the last edge in an overflow bin.
-    """
-    core = torch.arange(-CORE_LOG_RATIO, CORE_LOG_RATIO + CORE_BIN_WIDTH / 2, CORE_BIN_WIDTH, dtype=torch.float64)
-    # A bin (-1e-9, 0] of its own for log ratios of exactly 0 (on-policy tokens), so that a quantile falling among
-    # them reads as 1 rather than somewhere inside a 2**-12 wide bin.
-    exact = torch.tensor([-EXACT_BIN_WIDTH, EXACT_BIN_WIDTH], dtype=torch.float64)
-    steps = torch.arange(1, TAIL_BINS + 1, dtype=torch.float64) / TAIL_BINS
-    tail = CORE_LOG_RATIO * (TAIL_LOG_RATIO / CORE_LOG_RATIO) ** steps
-    return torch.cat([-tail.flip(0), core, exact, tail]).sort().values
+
+@lru_cache(maxsize=1)
+def log_ratio_bin_bounds() -> tuple[torch.Tensor, torch.Tensor]:
+    """`(lower, upper)` bounds of every bin but the NaN one, ascending, float64; the outer ones are infinite."""
+    powers = CORE_LOG_RATIO * 2.0 ** (_TAIL_GROWTH * torch.arange(TAIL_BINS + 1, dtype=torch.float64))
+    core = -CORE_LOG_RATIO + CORE_BIN_WIDTH * torch.arange(_CORE_BINS + 1, dtype=torch.float64)
+    half = _CORE_BINS // 2
+    inf = torch.tensor([math.inf], dtype=torch.float64)
+    zero = torch.zeros(1, dtype=torch.float64)
+    lower = torch.cat([-inf, -powers[1:].flip(0), core[:half], zero, core[half:-1], powers[:-1], powers[-1:]])
+    upper = torch.cat(
+        [-powers[-1:], -powers[:-1].flip(0), core[1 : half + 1], zero, core[half + 1 :], powers[1:], inf]
+    )
+    return lower, upper
 
 
 def quantile_metric_name(quantile: float) -> str:
@@ -64,39 +95,43 @@ def quantile_metric_name(quantile: float) -> str:
 
 
 def histogram_quantiles(
-    counts: torch.Tensor, edges: torch.Tensor, quantiles: list[float], minimum: float, maximum: float
+    counts: torch.Tensor,
+    lower: torch.Tensor,
+    upper: torch.Tensor,
+    quantiles: list[float],
+    minimum: float,
+    maximum: float,
 ) -> list[float]:
     """Quantiles of the values behind a histogram, as `torch.quantile` (linear interpolation) would give them.
 
     Args:
-        counts (`torch.Tensor` of shape `(K + 2,)`): counts of the underflow bin, the K bins, the overflow bin.
-        edges (`torch.Tensor` of shape `(K + 1,)`): the bin edges, ascending.
+        counts (`torch.Tensor` of shape `(K,)`): counts per bin, bins in ascending order.
+        lower, upper (`torch.Tensor` of shape `(K,)`): the bins' bounds (infinite for the outer bins).
         quantiles (`list[float]`): in [0, 1].
-        minimum, maximum (`float`): the exact extremes of the values, the outer edges of the outer bins.
+        minimum, maximum (`float`): the exact extremes of the values, which bound the outer bins.
 
     Returns:
-        `list[float]`: one value per quantile, in the units of `edges`. The values inside a bin are taken as evenly
-        spread over it, so each result is within one bin width of the sample's order statistics at that rank; the
-        0 and 1 quantiles are exactly `minimum` and `maximum`.
+        `list[float]`: one value per quantile. The values inside a bin are taken as evenly spread over it, so each
+        result is within one bin width of the sample's order statistics at that rank; the 0 and 1 quantiles are
+        exactly `minimum` and `maximum`.
     """
-    counts = counts.to(torch.float64).cpu()
-    total = int(counts.sum().item())
+    counts = counts.to(torch.float64).cpu().numpy()
+    lower, upper = lower.cpu().numpy(), upper.cpu().numpy()
+    total = int(counts.sum())
     if total == 0:
         return [math.nan] * len(quantiles)
-    lower_edges = torch.cat([torch.tensor([minimum], dtype=torch.float64), edges.cpu().to(torch.float64)])
-    upper_edges = torch.cat([edges.cpu().to(torch.float64), torch.tensor([maximum], dtype=torch.float64)])
-    cumulative = counts.cumsum(0)
+    cumulative = counts.cumsum()
 
     def value_at_rank(rank: int) -> float:
         if rank <= 0:
             return minimum
         if rank >= total - 1:
             return maximum
-        index = int(torch.searchsorted(cumulative, torch.tensor(float(rank), dtype=torch.float64), right=True))
-        before = cumulative[index - 1].item() if index > 0 else 0.0
-        low = max(lower_edges[index].item(), minimum)
-        high = min(upper_edges[index].item(), maximum)
-        position = (rank - before + 0.5) / counts[index].item()
+        index = int(np.searchsorted(cumulative, rank, side="right"))
+        before = float(cumulative[index - 1]) if index > 0 else 0.0
+        low = min(max(float(lower[index]), minimum), maximum)
+        high = max(min(float(upper[index]), maximum), low)
+        position = (rank - before + 0.5) / float(counts[index])
         return low + position * (high - low)
 
     results = []
@@ -141,7 +176,6 @@ class DiagnosticsAccumulator:
         self.ratio_stats = ratio_stats
         self.quantiles = list(quantiles) if quantiles is not None else [0.05, 0.5, 0.95]
         self.histograms = histograms and ratio_stats
-        self._edges: torch.Tensor | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -149,11 +183,6 @@ class DiagnosticsAccumulator:
         self._pooled: torch.Tensor | None = None
         self._group_stds: list[torch.Tensor] = []
         self._unscored: list[torch.Tensor] = []  # [unscored, total] per generation batch
-
-    @property
-    def num_bins(self) -> int:
-        # underflow, the bins between edges, overflow, NaN
-        return log_ratio_bin_edges().numel() + 2
 
     @staticmethod
     def _accumulator_dtype(device: torch.device) -> torch.dtype:
@@ -168,41 +197,31 @@ class DiagnosticsAccumulator:
         """
         mask = out.mask
         dtype = self._accumulator_dtype(mask.device)
-
-        def masked_sum(values: torch.Tensor) -> torch.Tensor:
-            return torch.where(mask, values, 0).to(dtype).sum()
-
-        def sequence_means(values: torch.Tensor) -> torch.Tensor:
-            return torch.where(mask, values, 0).to(dtype).sum(-1) / mask.sum(-1)  # NaN for rows without tokens
-
-        low, high = out.is_low_clipped, out.is_high_clipped
-        low_per_seq, high_per_seq = sequence_means(low), sequence_means(high)
+        tokens = out.tokens_per_row.to(dtype)
+        low, high = out.low_clipped_per_row.to(dtype), out.high_clipped_per_row.to(dtype)
+        with_tokens = tokens > 0
         nan = torch.tensor(math.nan, dtype=dtype, device=mask.device)
-        entropy_sum = masked_sum(entropies.detach()) if entropies is not None else nan
+        entropy_sum = torch.where(mask, entropies.detach(), 0).to(dtype).sum() if entropies is not None else nan
         step = torch.stack(
             [
-                masked_sum(out.per_token_kl),
+                out.kl_per_row.to(dtype).sum(),
                 entropy_sum,
-                masked_sum(low),
-                masked_sum(high),
-                masked_sum(low | high),
-                mask.sum().to(dtype),
-                torch.where(torch.isnan(low_per_seq), math.inf, low_per_seq).min(),
-                torch.where(torch.isnan(high_per_seq), -math.inf, high_per_seq).max(),
+                low.sum(),
+                high.sum(),
+                (low + high).sum(),  # a token cannot be both: low needs A < 0, high A > 0
+                tokens.sum(),
+                torch.where(with_tokens, low / tokens.clamp(min=1), math.inf).min(),
+                torch.where(with_tokens, high / tokens.clamp(min=1), -math.inf).max(),
             ]
         )
         self._steps.append(step)
         if not self.ratio_stats:
             return
 
-        if self._edges is None or self._edges.device != mask.device or self._edges.dtype != dtype:
-            self._edges = log_ratio_bin_edges().to(device=mask.device, dtype=dtype)
         log_ratio = out.log_ratio.to(dtype)
         deviation = torch.where(mask, out.ratio.to(dtype) - 1.0, 0.0)
-        bins = torch.bucketize(log_ratio, self._edges)
-        bins = torch.where(torch.isnan(log_ratio), self.num_bins - 1, bins)
-        counts = torch.zeros(self.num_bins, dtype=dtype, device=mask.device)
-        counts.index_add_(0, bins.reshape(-1), mask.reshape(-1).to(dtype))
+        counts = torch.zeros(NUM_BINS, dtype=dtype, device=mask.device)
+        counts.index_add_(0, log_ratio_bins(log_ratio).reshape(-1), mask.reshape(-1).to(dtype))
         pooled = torch.cat(
             [
                 torch.stack(
@@ -316,18 +335,18 @@ class DiagnosticsAccumulator:
         summary.scalars["ratio/std"] = math.sqrt(max(variance, 0.0))
         summary.scalars["ratio/min"] = minimum
         summary.scalars["ratio/max"] = maximum
-        edges = log_ratio_bin_edges()
+        lower, upper = log_ratio_bin_bounds()
         log_min, log_max = _log_of_ratio(minimum), _log_of_ratio(maximum)
-        log_quantiles = histogram_quantiles(finite_counts, edges, self.quantiles, log_min, log_max)
+        log_quantiles = histogram_quantiles(finite_counts, lower, upper, self.quantiles, log_min, log_max)
         for quantile, log_value in zip(self.quantiles, log_quantiles, strict=True):
-            value = _exp_linear_above(torch.tensor(log_value, dtype=torch.float64)).item()
+            value = math.exp(min(log_value, EXP_LINEAR_ABOVE)) * (1.0 + max(log_value - EXP_LINEAR_ABOVE, 0.0))
             summary.scalars[quantile_metric_name(quantile)] = min(max(value, minimum), maximum)
         if counts[-1] > 0:
             summary.scalars["ratio/nan_count"] = counts[-1].item()
         if self.histograms:
             ratio_sum = total + deviation_sum
             ratio_squares = total + 2.0 * deviation_sum + square_sum
-            summary.histograms["ratio"] = _ratio_histogram(finite_counts, edges, minimum, maximum)
+            summary.histograms["ratio"] = _ratio_histogram(finite_counts, upper, minimum, maximum)
             summary.histograms["ratio"] += (total, ratio_sum, ratio_squares)
 
     def _summarize_rewards(self, group_stds: torch.Tensor, summary: DiagnosticsSummary) -> None:
@@ -351,20 +370,19 @@ def _log_of_ratio(ratio: float) -> float:
     return threshold + ratio / math.exp(threshold) - 1.0
 
 
-def _ratio_histogram(counts: torch.Tensor, edges: torch.Tensor, minimum: float, maximum: float) -> tuple:
-    """(bucket upper limits in ratio units, counts, minimum, maximum): at most ~64 buckets over the occupied bins."""
-    occupied = torch.nonzero(counts).flatten()
-    first, last = occupied[0].item(), occupied[-1].item()
-    upper_log_edges = torch.cat([edges, torch.tensor([math.inf], dtype=torch.float64)])
+def _ratio_histogram(counts: torch.Tensor, upper_log_edges: torch.Tensor, minimum: float, maximum: float) -> tuple:
+    """(bucket upper limits in ratio units, counts, minimum, maximum): at most 64 buckets over the occupied bins."""
+    counts_array = counts.numpy()
+    occupied = np.flatnonzero(counts_array)
+    first, last = int(occupied[0]), int(occupied[-1])
     group = max(1, math.ceil((last - first + 1) / 64))
-    bucket_limits, bucket_counts = [], []
-    for start in range(first, last + 1, group):
-        stop = min(start + group, last + 1)
-        bucket_counts.append(counts[start:stop].sum().item())
-        upper = _exp_linear_above(upper_log_edges[stop - 1].clamp(max=80.0)).item()
-        bucket_limits.append(min(upper, maximum))
+    starts = np.arange(first, last + 1, group)
+    bucket_counts = np.add.reduceat(counts_array[first : last + 1], starts - first)
+    ends = np.minimum(starts + group, last + 1) - 1
+    log_limits = np.minimum(upper_log_edges.numpy()[ends], EXP_LINEAR_ABOVE)  # ratios beyond e^20 end at the max
+    bucket_limits = np.minimum(np.exp(log_limits), maximum)
     bucket_limits[-1] = maximum
-    return bucket_limits, bucket_counts, minimum, maximum
+    return bucket_limits.tolist(), bucket_counts.tolist(), minimum, maximum
 
 
 def _value_histogram(values: torch.Tensor, num_buckets: int = 20) -> tuple:

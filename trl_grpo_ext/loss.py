@@ -9,64 +9,26 @@ For one prompt with G sampled completions o_1..o_G (token t of completion i):
     J    = (1/G) * sum_i (1/|o_i|) * sum_t (S_it - beta * K_it)
     loss = -J
 
-Each line of `grpo_loss` below is one line of this block. Nothing here imports TRL: the functions work on any
-device and dtype and can be copied into another training loop.
+`_token_terms` and `_reference_loss` below are this block, line by line. `grpo_loss` computes it either that way,
+with autograd (`implementation="reference"`), or with the same terms and their analytic gradient fused into fewer
+passes over memory (`"fused"`, the default, and `"compiled"`: the same kernel through `torch.compile`; see
+`fused.py`). Nothing here imports TRL: the functions work on any device and dtype and can be copied into another
+training loop.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GRPOLossOutput", "grpo_loss", "group_relative_advantages", "EXP_LINEAR_ABOVE"]
+__all__ = ["EXP_LINEAR_ABOVE", "GRPOLossOutput", "IMPLEMENTATIONS", "grpo_loss", "group_relative_advantages"]
 
 # Above this exponent, exp(x) is continued by its tangent line instead (see `_exp_linear_above`).
 # exp(20) ~ 4.9e8: every ratio or KL term with |log difference| <= 20 is computed exactly, and a sum of a billion
 # such terms still fits comfortably in float32 (max ~3.4e38).
 EXP_LINEAR_ABOVE = 20.0
-
-
-@dataclass
-class GRPOLossOutput:
-    """What `grpo_loss` returns.
-
-    Scalars are 0-dim tensors. Per-token tensors are `(N, T)`, detached, in the computation dtype (float32 or wider),
-    and hold 0 (or `False`) at masked positions.
-
-    Attributes:
-        loss: `-J`, differentiable with respect to `logps`. Equals `policy_loss + beta * kl`.
-        policy_loss: `-(1/N) sum_i (1/|o_i|) sum_t S_it`, detached.
-        kl: `(1/N) sum_i (1/|o_i|) sum_t K_it`, detached (0 when `beta == 0` and no `ref_logps` were given).
-        kl_penalty: `beta * kl`, detached.
-        ratio: `r_it` per token.
-        log_ratio: `logp_it - old_logp_it` per token.
-        per_token_kl: `K_it` per token (zeros when no `ref_logps` were given).
-        advantages: `A_i` broadcast to `(N, T)`.
-        is_low_clipped: `r_it < 1 - eps_low` and `A_i < 0`: the surrogate is flat there (TRL's definition).
-        is_high_clipped: `r_it > 1 + eps_high` and `A_i > 0`: the surrogate is flat there.
-        mask: the completion mask as `bool`.
-        beta: the KL coefficient that was used.
-    """
-
-    loss: torch.Tensor
-    policy_loss: torch.Tensor
-    kl: torch.Tensor
-    kl_penalty: torch.Tensor
-    ratio: torch.Tensor
-    log_ratio: torch.Tensor
-    per_token_kl: torch.Tensor
-    advantages: torch.Tensor
-    is_low_clipped: torch.Tensor
-    is_high_clipped: torch.Tensor
-    mask: torch.Tensor
-    beta: float
-
-    @property
-    def is_region_clipped(self) -> torch.Tensor:
-        """Tokens whose surrogate is in either flat (zero-gradient) region, `(N, T)` bool."""
-        return self.is_low_clipped | self.is_high_clipped
+IMPLEMENTATIONS = ("fused", "reference", "compiled")
 
 
 def _exp_linear_above(x: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE) -> torch.Tensor:
@@ -81,18 +43,143 @@ def _exp_linear_above(x: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE) -> t
     return torch.exp(x_below) * (1.0 + (x - x_below))
 
 
-def _per_sequence_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """`(1/N) sum_i (1/|o_i|) sum_t x_it` over the masked tokens; a row with no tokens adds 0 and still counts in N.
+def _kl_estimator(d: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE) -> torch.Tensor:
+    """`exp(d) - d - 1` with `exp` as in `_exp_linear_above`.
 
-    Args:
-        per_token: `(N, T)`, already 0 at masked positions.
-        mask: `(N, T)` bool.
-
-    Returns:
-        0-dim tensor.
+    `exp(d) - 1` is computed as `expm1(d)`: for small `d`, `exp(d) - d - 1` in float32 cancels to rounding noise
+    (and can come out negative), while `expm1(d) - d` keeps the value `d**2 / 2` it should have.
     """
-    tokens_per_row = mask.sum(dim=-1).clamp(min=1)
-    return (per_token.sum(dim=-1) / tokens_per_row).mean()
+    d_below = d.clamp(max=threshold)
+    return torch.expm1(d_below) * (1.0 + (d - d_below)) - d_below
+
+
+def _token_terms(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    epsilon: float,
+    epsilon_high: float,
+) -> dict[str, torch.Tensor]:
+    """The per-token quantities of the objective, `(N, T)` each. Inputs are already 0 at masked positions."""
+    # r_it = exp(logp_it - old_logp_it)
+    log_ratio = logp - old_logp
+    ratio = _exp_linear_above(log_ratio)
+    # S_it = min(r_it * A_i, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i)
+    clipped_ratio = ratio.clamp(1.0 - epsilon, 1.0 + epsilon_high)
+    surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    # D_it = ref_logp_it - logp_it ;  K_it = exp(D_it) - D_it - 1
+    per_token_kl = _kl_estimator(ref_logp - logp) if ref_logp is not None else torch.zeros_like(logp)
+    return {
+        "log_ratio": log_ratio,
+        "ratio": ratio,
+        "surrogate": surrogate,
+        "per_token_kl": per_token_kl,
+        # the flat, zero-gradient parts of the surrogate (TRL's clip_ratio definitions)
+        "is_low_clipped": (ratio < 1.0 - epsilon) & (advantages < 0),
+        "is_high_clipped": (ratio > 1.0 + epsilon_high) & (advantages > 0),
+    }
+
+
+def _per_sequence_mean(per_token: torch.Tensor, tokens_per_row: torch.Tensor) -> torch.Tensor:
+    """`(1/N) sum_i (1/|o_i|) sum_t x_it`; `per_token` is 0 at masked positions, a row without tokens adds 0."""
+    return (per_token.sum(dim=-1) / tokens_per_row.clamp(min=1)).mean()
+
+
+class GRPOLossOutput:
+    """What `grpo_loss` returns.
+
+    Scalars are 0-dim tensors; per-row values are `(N,)`; per-token values are `(N, T)`, detached, in the
+    computation dtype (float32 or wider), and 0 (or `False`) at masked positions.
+
+    Attributes:
+        loss: `-J`, differentiable with respect to `logps`. Equals `policy_loss + beta * kl`.
+        policy_loss: `-(1/N) sum_i (1/|o_i|) sum_t S_it`, detached.
+        kl: `(1/N) sum_i (1/|o_i|) sum_t K_it`, detached (0 when `beta == 0` and no `ref_logps` were given).
+        kl_penalty: `beta * kl`, detached.
+        beta, epsilon, epsilon_high: the hyper-parameters used.
+        tokens_per_row: completion tokens of each row, `(N,)`.
+        kl_per_row: `sum_t K_it` of each row, `(N,)`.
+        low_clipped_per_row, high_clipped_per_row: tokens of each row in the flat region, `(N,)`.
+
+    Per-token properties, computed on first access from the detached inputs and then kept (so that a caller who
+    needs none of them pays for none): `mask`, `advantages`, `log_ratio`, `ratio`, `per_token_kl`,
+    `is_low_clipped`, `is_high_clipped`, `is_region_clipped`.
+    """
+
+    def __init__(self, *, loss, policy_loss, kl, beta, epsilon, epsilon_high, rows, inputs, cache=None):
+        self.loss = loss
+        self.policy_loss = policy_loss
+        self.kl = kl
+        self.beta = float(beta)
+        self.kl_penalty = self.beta * kl
+        self.epsilon, self.epsilon_high = epsilon, epsilon_high
+        self.tokens_per_row = rows["tokens"]
+        self.kl_per_row = rows["kl"]
+        self.low_clipped_per_row = rows["low"]
+        self.high_clipped_per_row = rows["high"]
+        self._inputs = inputs  # (logps, old_logps | None, ref_logps | None, advantages, completion_mask, dtype)
+        self._cache = dict(cache or {})
+
+    def _mask(self) -> torch.Tensor:
+        if "mask" not in self._cache:
+            completion_mask = self._inputs[4]
+            self._cache["mask"] = completion_mask if completion_mask.dtype == torch.bool else completion_mask != 0
+        return self._cache["mask"]
+
+    def _selected(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.where(self._mask(), tensor.detach().to(self._inputs[5]), 0.0)
+
+    def _get(self, name: str) -> torch.Tensor:
+        if name in self._cache:
+            return self._cache[name]
+        logps, old_logps, ref_logps, advantages, _, _ = self._inputs
+        with torch.no_grad():
+            if name in ("log_ratio", "ratio"):  # what the ratio diagnostics need, without the rest
+                logp = self._selected(logps)
+                log_ratio = logp - (logp if old_logps is None else self._selected(old_logps))
+                self._cache.update(log_ratio=log_ratio, ratio=_exp_linear_above(log_ratio))
+            else:
+                logp = self._selected(logps)
+                old_logp = logp if old_logps is None else self._selected(old_logps)
+                ref_logp = None if ref_logps is None else self._selected(ref_logps)
+                adv = self._selected(advantages.expand(logps.shape))
+                terms = _token_terms(logp, old_logp, ref_logp, adv, self.epsilon, self.epsilon_high)
+                self._cache.update(terms, advantages=adv)
+        return self._cache[name]
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self._mask()
+
+    @property
+    def advantages(self) -> torch.Tensor:
+        return self._get("advantages")
+
+    @property
+    def log_ratio(self) -> torch.Tensor:
+        return self._get("log_ratio")
+
+    @property
+    def ratio(self) -> torch.Tensor:
+        return self._get("ratio")
+
+    @property
+    def per_token_kl(self) -> torch.Tensor:
+        return self._get("per_token_kl")
+
+    @property
+    def is_low_clipped(self) -> torch.Tensor:
+        return self._get("is_low_clipped") & self.mask
+
+    @property
+    def is_high_clipped(self) -> torch.Tensor:
+        return self._get("is_high_clipped") & self.mask
+
+    @property
+    def is_region_clipped(self) -> torch.Tensor:
+        """Tokens whose surrogate is in either flat (zero-gradient) region, `(N, T)` bool."""
+        return self.is_low_clipped | self.is_high_clipped
 
 
 def _check_hyperparameters(epsilon: float, epsilon_high: float, beta: float) -> None:
@@ -113,7 +200,8 @@ def _check_tensor(name: str, tensor: torch.Tensor, shape: torch.Size, device: to
         raise ValueError(f"`{name}` is on {tensor.device}, but `logps` is on {device}; move it to the same device.")
 
 
-def _broadcast_advantages(advantages: torch.Tensor, shape: torch.Size, device: torch.device) -> torch.Tensor:
+def _check_advantages(advantages: torch.Tensor, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """`advantages` as `(N, 1)` or `(N, T)`."""
     if not isinstance(advantages, torch.Tensor):
         raise ValueError(f"`advantages` must be a torch.Tensor, got {type(advantages).__name__}.")
     if advantages.device != device:
@@ -122,13 +210,43 @@ def _broadcast_advantages(advantages: torch.Tensor, shape: torch.Size, device: t
         )
     num_rows, num_tokens = shape
     if advantages.shape == (num_rows,):
-        return advantages.unsqueeze(-1).expand(shape)
+        return advantages.unsqueeze(-1)
     if advantages.shape in ((num_rows, 1), (num_rows, num_tokens)):
-        return advantages.expand(shape)
+        return advantages
     raise ValueError(
         f"`advantages` has shape {tuple(advantages.shape)}; expected ({num_rows},), ({num_rows}, 1) or "
         f"({num_rows}, {num_tokens}) for `logps` of shape {tuple(shape)}."
     )
+
+
+def _reference_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_high, beta, dtype):
+    """The objective with autograd, straight from `_token_terms`. Returns `(loss, policy_loss, kl, rows, per-token
+    values)`."""
+
+    def select(x: torch.Tensor) -> torch.Tensor:
+        # torch.where, not x * mask: NaN * 0 is NaN, and its gradient would be NaN too.
+        return torch.where(mask, x.to(dtype), 0.0)
+
+    logp = select(logps)
+    old_logp = logp.detach() if old_logps is None else select(old_logps.detach())
+    ref_logp = None if ref_logps is None else select(ref_logps.detach())
+    adv = select(advantages.detach().expand(mask.shape))
+    terms = _token_terms(logp, old_logp, ref_logp, adv, epsilon, epsilon_high)
+    tokens = mask.sum(dim=-1)
+
+    # J = (1/G) * sum_i (1/|o_i|) * sum_t (S_it - beta * K_it) ;  loss = -J
+    loss = -_per_sequence_mean(terms["surrogate"] - beta * terms["per_token_kl"], tokens)
+
+    per_token = {key: value.detach() for key, value in terms.items()}
+    rows = {
+        "tokens": tokens,
+        "kl": per_token["per_token_kl"].sum(dim=-1),
+        "low": (per_token["is_low_clipped"] & mask).sum(dim=-1),
+        "high": (per_token["is_high_clipped"] & mask).sum(dim=-1),
+    }
+    policy_loss = -_per_sequence_mean(per_token["surrogate"], tokens)
+    kl = _per_sequence_mean(per_token["per_token_kl"], tokens)
+    return loss, policy_loss, kl, rows, {**per_token, "mask": mask, "advantages": adv}
 
 
 def grpo_loss(
@@ -141,6 +259,7 @@ def grpo_loss(
     epsilon: float = 0.2,
     epsilon_high: float | None = None,
     beta: float = 0.04,
+    implementation: str = "fused",
 ) -> GRPOLossOutput:
     """The GRPO loss `-J` with per-sequence length normalisation and the `exp(d) - d - 1` KL estimator.
 
@@ -164,23 +283,29 @@ def grpo_loss(
             Upper clipping width; `None` means `epsilon`. Must be >= 0.
         beta (`float`, defaults to `0.04`):
             KL coefficient. Must be >= 0.
+        implementation (`str`, defaults to `"fused"`):
+            `"fused"`: the terms and their analytic gradient in few passes over memory, with little extra memory;
+            `"reference"`: the formula above with autograd; `"compiled"`: the fused kernel through `torch.compile`
+            (falls back to `"fused"`, with a warning, where compilation fails). All three agree to rounding.
 
     Returns:
         [`GRPOLossOutput`]: `loss` (0-dim, differentiable), `policy_loss` and `kl` (0-dim, detached, with
-        `loss == policy_loss + beta * kl`), and the per-token ratios, KL terms and clip masks for diagnostics.
+        `loss == policy_loss + beta * kl`), per-row sums, and per-token ratios, KL terms and clip masks.
 
     `old_logps`, `ref_logps` and `advantages` are treated as constants: no gradient flows into them. All arithmetic is
-    done in float32 (or in the inputs' dtype if it is wider), whatever the input dtype. Exponentials are exact for
-    log differences up to `EXP_LINEAR_ABOVE` (20) and continue linearly above it, so extreme ratios give a large but
-    finite loss and gradient instead of `inf`/NaN. Non-finite values at unmasked positions are bad input and make the
-    loss non-finite.
+    done in float32 (or in the inputs' dtype if it is wider), whatever the input dtype; the gradient comes back in
+    the dtype of `logps`. Exponentials are exact for log differences up to `EXP_LINEAR_ABOVE` (20) and continue
+    linearly above it, so extreme ratios give a large but finite loss and gradient instead of `inf`/NaN. Non-finite
+    values at unmasked positions are bad input and make the loss non-finite.
 
     Raises:
         ValueError: naming the offending argument, for a shape or device mismatch, an empty batch, `epsilon <= 0`,
-            `epsilon_high < 0`, `beta < 0`, or `ref_logps=None` with `beta > 0`.
+            `epsilon_high < 0`, `beta < 0`, `ref_logps=None` with `beta > 0`, or an unknown `implementation`.
     """
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     _check_hyperparameters(epsilon, epsilon_high, beta)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"`implementation` must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
     if not isinstance(logps, torch.Tensor) or logps.dim() != 2:
         shape = tuple(logps.shape) if isinstance(logps, torch.Tensor) else type(logps).__name__
         raise ValueError(f"`logps` must be a 2-dim (N, T) tensor, got {shape}.")
@@ -196,54 +321,41 @@ def grpo_loss(
         raise ValueError(f"`ref_logps` is None but `beta` is {beta}; pass reference log-probs or set beta=0.")
     if ref_logps is not None:
         _check_tensor("ref_logps", ref_logps, shape, device)
-    advantages = _broadcast_advantages(advantages, shape, device)
-
+    advantages = _check_advantages(advantages, shape, device)
     dtype = torch.promote_types(logps.dtype, torch.float32)
-    mask = completion_mask.bool() if completion_mask.dtype == torch.bool else completion_mask != 0
 
-    def select(x: torch.Tensor) -> torch.Tensor:
-        # torch.where, not x * mask: NaN * 0 is NaN, and its gradient would be NaN too.
-        return torch.where(mask, x.to(dtype), 0.0)
-
-    logp = select(logps)
-    old_logp = logp.detach() if old_logps is None else select(old_logps.detach())
-    adv = select(advantages.detach())
-    zeros = torch.zeros_like(logp)
-
-    # r_it = exp(logp_it - old_logp_it)
-    log_ratio = logp - old_logp
-    ratio = _exp_linear_above(log_ratio)
-    # S_it = min(r_it * A_i, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i)
-    clipped_ratio = ratio.clamp(1.0 - epsilon, 1.0 + epsilon_high)
-    surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
-
-    if ref_logps is not None:
-        # D_it = ref_logp_it - logp_it ;  K_it = exp(D_it) - D_it - 1
-        log_ref_ratio = select(ref_logps.detach()) - logp
-        per_token_kl = _exp_linear_above(log_ref_ratio) - log_ref_ratio - 1.0
+    if implementation == "reference":
+        mask = completion_mask if completion_mask.dtype == torch.bool else completion_mask != 0
+        loss, policy_loss, kl, rows, cache = _reference_loss(
+            logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_high, beta, dtype
+        )
     else:
-        per_token_kl = zeros
+        from .fused import fused_grpo_loss
 
-    # J = (1/G) * sum_i (1/|o_i|) * sum_t (S_it - beta * K_it) ;  loss = -J
-    objective = _per_sequence_mean(surrogate - beta * per_token_kl, mask)
-    loss = -objective
-
-    policy_loss = -_per_sequence_mean(surrogate.detach(), mask)
-    kl = _per_sequence_mean(per_token_kl.detach(), mask)
-
+        loss, policy_loss, kl, rows = fused_grpo_loss(
+            logps,
+            old_logps,
+            ref_logps,
+            advantages,
+            completion_mask,
+            epsilon,
+            epsilon_high,
+            beta,
+            dtype,
+            compiled=implementation == "compiled",
+        )
+        cache = None
+    inputs = (logps.detach(), old_logps, ref_logps, advantages, completion_mask, dtype)
     return GRPOLossOutput(
         loss=loss,
         policy_loss=policy_loss,
         kl=kl,
-        kl_penalty=beta * kl,
-        ratio=ratio.detach(),
-        log_ratio=log_ratio.detach(),
-        per_token_kl=per_token_kl.detach(),
-        advantages=adv,
-        is_low_clipped=(ratio.detach() < 1.0 - epsilon) & (adv < 0) & mask,
-        is_high_clipped=(ratio.detach() > 1.0 + epsilon_high) & (adv > 0) & mask,
-        mask=mask,
-        beta=float(beta),
+        beta=beta,
+        epsilon=epsilon,
+        epsilon_high=epsilon_high,
+        rows=rows,
+        inputs=inputs,
+        cache=cache,
     )
 
 

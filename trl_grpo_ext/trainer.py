@@ -157,6 +157,7 @@ class GRPOTrainerExt(GRPOTrainer):
             )
             for mode in ("train", "eval")
         }
+        self._loss_implementation = option("loss_implementation")
         self._nonfinite_guard = NonFiniteGuard(option("nonfinite_policy"), option("max_nonfinite_skips"))
         if option("warn_on_anomalies"):
             self.add_callback(
@@ -184,6 +185,7 @@ class GRPOTrainerExt(GRPOTrainer):
             epsilon=self.epsilon_low,
             epsilon_high=self.epsilon_high,
             beta=self.beta,
+            implementation=self._loss_implementation,
         )
         mode = "train" if self.model.training else "eval"
         self._diagnostics[mode].add_loss_step(out, entropies)

@@ -1,0 +1,78 @@
+"""The benchmark code runs, and its baselines compute what they claim to."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trl_grpo_ext import grpo_loss
+from trl_grpo_ext.bench import kernel
+from trl_grpo_ext.bench.common import format_table, summarize
+
+
+def test_baselines_compute_the_same_objective():
+    inputs = kernel.make_inputs(6, 10, torch.float64, "cpu")
+    full = torch.ones_like(inputs["mask"])
+    ours = grpo_loss(inputs["logps"], inputs["old"], inputs["ref"], inputs["advantages"], full).loss
+    # With every completion the same length, a token mean over the batch is the per-sequence mean.
+    seed = kernel.seed000_loss(inputs["logps"], inputs["old"], inputs["ref"], inputs["advantages"], full.double())
+    trl = kernel.trl_inline_loss(inputs["logps"], inputs["old"], inputs["ref"], inputs["advantages"], full.double())
+    torch.testing.assert_close(seed, ours)
+    torch.testing.assert_close(trl, ours)
+    # With variable lengths, TRL's per-sequence mean still agrees; the seed's token mean does not.
+    mask = inputs["mask"]
+    ours = grpo_loss(inputs["logps"], inputs["old"], inputs["ref"], inputs["advantages"], mask).loss
+    trl = kernel.trl_inline_loss(inputs["logps"], inputs["old"], inputs["ref"], inputs["advantages"], mask.double())
+    torch.testing.assert_close(trl, ours)
+
+
+@pytest.mark.parametrize("side", kernel.SIDES[:4])
+def test_every_side_runs_forward_and_backward(side):
+    inputs = kernel.make_inputs(4, 16, torch.float32, "cpu")
+    leaf = inputs["logps"].clone().requires_grad_(True)
+    kernel.side_function(side, inputs)(leaf)
+    assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
+
+
+def test_minimal_bytes_and_bandwidth_are_positive():
+    inputs = kernel.make_inputs(4, 16, torch.float32, "cpu")
+    assert kernel.minimal_bytes(inputs) == 4 * 16 * (4 * 4 + 8) + 4 * 4  # 4 fp32 tensors, int64 mask, advantages
+    assert kernel.memory_bandwidth("cpu", megabytes=16, repeats=1) > 1e8
+
+
+def test_summaries_and_tables():
+    assert summarize([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    text = format_table(["a", "bb"], [[1, "x"], [22, "yy"]])
+    assert text.splitlines()[0] == "| a  | bb |" and len(text.splitlines()) == 4
+
+
+@pytest.mark.slow
+def test_the_benchmark_command_runs_quickly_and_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "trl_grpo_ext.bench", "kernel", "--quick", "--json", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "speed-up vs seed000" in result.stdout
+    results = json.loads(out.read_text())
+    (case,) = results["kernel"]["cases"]
+    assert set(case["sides"]) == set(kernel.SIDES)
+    for stats in case["sides"].values():
+        assert stats["time_s"]["median"] > 0 and stats["extra_peak_bytes"] >= 0
+
+
+@pytest.mark.slow
+def test_the_communication_benchmark_counts_one_gather_per_log_step():
+    from trl_grpo_ext.bench import comm
+
+    results = comm.run(batch_sizes=(4, 8))
+    runs = {(run["side"], run["per_device_batch"]): run for run in results["runs"]}
+    for batch in (4, 8):
+        ours, stock = runs[("ext", batch)], runs[("trl", batch)]
+        assert ours["ext_diagnostics"]["calls"] == results["log_steps"]  # one per log step
+        assert ours["trl_loss_metrics"]["calls"] == 0
+        assert stock["trl_loss_metrics"]["calls"] == 7 * results["micro_batches"]  # 5 reductions, 2 gathers
+        assert ours["other"]["calls"] == stock["other"]["calls"]  # generation and rewards: the same on both sides
+    assert runs[("ext", 4)]["ext_diagnostics"]["bytes"] == runs[("ext", 8)]["ext_diagnostics"]["bytes"]
+    assert runs[("trl", 4)]["trl_loss_metrics"]["bytes"] < runs[("trl", 8)]["trl_loss_metrics"]["bytes"]

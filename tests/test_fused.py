@@ -1,0 +1,126 @@
+"""The fused loss (analytic gradient, eager and compiled) against the readable reference."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from trl_grpo_ext import fused, grpo_loss
+from trl_grpo_ext.fused import fused_terms, fused_terms_eager
+
+
+def batch(num_rows, num_tokens, *, seed, per_token_advantages=False, dtype=torch.float32, spread=0.3):
+    generator = torch.Generator().manual_seed(seed)
+    logps = -torch.rand(num_rows, num_tokens, generator=generator) * 3
+    old = logps + spread * torch.randn(num_rows, num_tokens, generator=generator)
+    ref = logps + spread * torch.randn(num_rows, num_tokens, generator=generator)
+    old[0, 0], ref[1, 0] = logps[0, 0] - 30.0, logps[1, 0] + 60.0  # beyond the linear threshold
+    shape = (num_rows, num_tokens) if per_token_advantages else (num_rows,)
+    advantages = torch.randn(shape, generator=generator)
+    lengths = torch.randint(0, num_tokens + 1, (num_rows, 1), generator=generator)
+    lengths[0], lengths[1] = num_tokens, num_tokens
+    mask = (torch.arange(num_tokens)[None] < lengths).long()
+    # garbage where masked, in every input
+    for tensor in (logps, old, ref):
+        tensor.masked_fill_(mask == 0, float("nan"))
+    return [t.to(dtype) for t in (logps, old, ref, advantages)] + [mask]
+
+
+def run(implementation, logps, old, ref, advantages, mask, **kwargs):
+    leaf = logps.clone().requires_grad_(True)
+    out = grpo_loss(leaf, old, ref, advantages, mask, implementation=implementation, **kwargs)
+    out.loss.backward()
+    return out, leaf.grad
+
+
+def assert_same(out, grad, expected, expected_grad, rtol=1e-5, atol=1e-6):
+    torch.testing.assert_close(out.loss, expected.loss, rtol=rtol, atol=atol)
+    torch.testing.assert_close(out.policy_loss, expected.policy_loss, rtol=rtol, atol=atol)
+    torch.testing.assert_close(out.kl, expected.kl, rtol=rtol, atol=atol)
+    torch.testing.assert_close(grad, expected_grad, rtol=rtol, atol=atol)
+    torch.testing.assert_close(out.tokens_per_row.float(), expected.tokens_per_row.float())
+    torch.testing.assert_close(out.kl_per_row, expected.kl_per_row, rtol=rtol, atol=atol)
+    torch.testing.assert_close(out.low_clipped_per_row.float(), expected.low_clipped_per_row.float())
+    torch.testing.assert_close(out.high_clipped_per_row.float(), expected.high_clipped_per_row.float())
+    for name in ("ratio", "log_ratio", "per_token_kl", "is_low_clipped", "is_high_clipped", "mask", "advantages"):
+        torch.testing.assert_close(getattr(out, name), getattr(expected, name), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("per_token_advantages", [False, True])
+@pytest.mark.parametrize("beta", [0.04, 0.0])
+@pytest.mark.parametrize("seed", range(3))
+def test_fused_agrees_with_the_reference(seed, beta, per_token_advantages):
+    inputs = batch(9, 13, seed=seed, per_token_advantages=per_token_advantages)
+    ref_logps = inputs[2] if beta > 0 else None
+    expected, expected_grad = run(
+        "reference", inputs[0], inputs[1], ref_logps, *inputs[3:], beta=beta, epsilon_high=0.28
+    )
+    out, grad = run("fused", inputs[0], inputs[1], ref_logps, *inputs[3:], beta=beta, epsilon_high=0.28)
+    assert_same(out, grad, expected, expected_grad)
+    assert math.isfinite(out.loss.item()) and torch.isfinite(grad).all()
+
+
+def test_fused_on_policy_and_bfloat16_inputs():
+    logps, _, ref, advantages, mask = batch(8, 11, seed=4, dtype=torch.bfloat16)
+    expected, expected_grad = run("reference", logps, None, ref, advantages, mask)
+    out, grad = run("fused", logps, None, ref, advantages, mask)
+    assert grad.dtype == torch.bfloat16 and out.loss.dtype == torch.float32
+    assert_same(out, grad, expected, expected_grad, rtol=1e-2, atol=1e-3)  # bf16 gradients round to 8 bits
+    torch.testing.assert_close(out.loss, expected.loss)
+
+
+@pytest.mark.parametrize("per_token_advantages", [False, True])
+def test_the_compile_ready_kernel_and_the_in_place_kernel_agree(per_token_advantages):
+    logps, old, ref, advantages, mask = batch(7, 17, seed=5, per_token_advantages=per_token_advantages)
+    advantages = advantages if per_token_advantages else advantages[:, None]
+    arguments = (logps, old, ref, advantages, mask, 0.2, 0.28, 0.04, True, torch.float32)
+    for plain, in_place in zip(fused_terms(*arguments), fused_terms_eager(*arguments), strict=True):
+        torch.testing.assert_close(plain, in_place, rtol=1e-6, atol=1e-6)
+
+
+def test_the_fused_backward_keeps_one_buffer_for_the_gradient():
+    logps, old, ref, advantages, mask = batch(4, 6, seed=6)
+    leaf = logps.clone().requires_grad_(True)
+    loss = grpo_loss(leaf, old, ref, advantages, mask).loss
+    saved = [tensor for tensor in loss.grad_fn.saved_tensors if tensor.dim() == 2]
+    assert len(saved) == 1 and saved[0].shape == logps.shape
+
+
+def test_a_failing_compiler_falls_back_to_the_eager_kernel(monkeypatch):
+    def broken_compile(function, **kwargs):
+        def raises(*args, **kw):
+            raise RuntimeError("no C++ compiler here")
+
+        return raises
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setattr(fused, "_compiled_terms", None)
+    monkeypatch.setattr(fused, "_compile_failed", False)
+    inputs = batch(5, 8, seed=7)
+    expected, expected_grad = run("fused", *inputs)
+    with pytest.warns(UserWarning, match="torch.compile of the GRPO loss failed .*no C\\+\\+ compiler here"):
+        out, grad = run("compiled", *inputs)
+    assert_same(out, grad, expected, expected_grad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once; later calls go straight to the eager kernel
+        run("compiled", *inputs)
+
+
+@pytest.mark.slow
+def test_compiled_agrees_with_the_reference_across_shapes(monkeypatch):
+    monkeypatch.setattr(fused, "_compile_failed", False)
+    for shape, seed in (((9, 13), 0), ((16, 40), 1), ((3, 7), 2)):  # dynamic shapes: one compilation
+        inputs = batch(*shape, seed=seed)
+        expected, expected_grad = run("reference", *inputs)
+        out, grad = run("compiled", *inputs)
+        assert_same(out, grad, expected, expected_grad, rtol=1e-4, atol=1e-5)
+
+
+def test_a_second_backward_through_the_fused_loss_is_refused():
+    inputs = batch(3, 5, seed=8)
+    leaf = inputs[0].clone().requires_grad_(True)
+    loss = grpo_loss(leaf, *inputs[1:]).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="cannot run backward twice"):
+        loss.backward()
