@@ -18,10 +18,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("suite", choices=["e2e", "kernel", "comm", "all"])
     parser.add_argument("--json", default=None, help="where to write the results (default: bench-<suite>.json)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 was fastest for small models)")
-    parser.add_argument("--repeats", type=int, default=10, help="interleaved repeats of each end-to-end comparison")
+    parser.add_argument("--repeats", type=int, default=5, help="repeats of each end-to-end comparison")
     parser.add_argument("--kernel-repeats", type=int, default=30, help="interleaved repeats of each kernel timing")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds: checks that it runs")
-    parser.add_argument("--e2e-steps", type=int, default=14, help="training steps per end-to-end run")
+    parser.add_argument("--e2e-steps", type=int, default=16, help="training steps per end-to-end run")
     parser.add_argument("--e2e-modes", default="full,lora", help="comma-separated: full, lora")
     args = parser.parse_args(argv)
     pin_threads(args.threads)
@@ -34,7 +34,6 @@ def main(argv: list[str] | None = None) -> None:
         steps, warmup, batch = (3, 1, 16) if args.quick else (args.e2e_steps, 2, 64)
         results["e2e"] = e2e.run(
             repeats=1 if args.quick else args.repeats,
-            memory_repeats=1 if args.quick else 2,
             steps=steps,
             warmup=warmup,
             batch=batch,

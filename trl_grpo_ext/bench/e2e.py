@@ -1,21 +1,21 @@
 """End-to-end: `GRPOTrainerExt` (diagnostics on, and off) against stock `trl.GRPOTrainer` on identical work.
 
-Every run builds a fresh trainer on the same locally built model, data and seed, so all sides do the same work step
-for step. Step times are measured in this process: the sides alternate inside every repeat, and the order flips
-from one repeat to the next, so that drifts of the machine hit every side alike; a run reports the median of its
-per-step wall times after the warm-up steps. Peak memory (RSS on CPU, `torch.cuda.max_memory_allocated` on GPU) is
-a process-wide high-water mark, so it is measured in a fresh process per run.
+Each side trains in its own process, on the same locally built model, data and seed, so all sides do the same work
+step for step. The processes take turns one training iteration at a time (the step, the logging after it, the
+fetching of the next batch), the others waiting on a pipe, the order of the sides flipping from one step to the
+next: the machine's speed drifts over seconds, and at this granularity every side meets the same drift. Each
+step's time is divided by the same step's time of the stock trainer; the ratios are pooled over steps and repeats
+(median, min, max). Peak memory is each process's own high-water mark: RSS on a CPU, both for the whole process
+and for what training added to it (peak minus the RSS before the trainer was built); on a GPU,
+`torch.cuda.max_memory_allocated`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import resource
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -66,8 +66,9 @@ class _DiagnosticsClock:
         _DiagnosticsClock.current = self
 
 
-def train_once(side: str, lora: bool, steps: int, warmup: int, model_path: str, batch: int) -> dict:
+def train_once(side: str, lora: bool, steps: int, warmup: int, model_path: str, batch: int, callbacks=()) -> dict:
     """One training run of `side`; returns the median step time after warm-up and the diagnostics' host time."""
+    import psutil
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -79,6 +80,7 @@ def train_once(side: str, lora: bool, steps: int, warmup: int, model_path: str, 
     cuda = torch.cuda.is_available()
     step_times: list[float] = []
     clock = _DiagnosticsClock()
+    rss_before = psutil.Process().memory_info().rss
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -120,44 +122,88 @@ def train_once(side: str, lora: bool, steps: int, warmup: int, model_path: str, 
         train_dataset=Dataset.from_dict({"prompt": _prompts(batch * steps, seed=1)}),
         processing_class=AutoTokenizer.from_pretrained(model_path),
         peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear") if lora else None,
-        callbacks=[StepTimer()],
+        callbacks=[StepTimer(), *callbacks],
     )
     trainer.train()
     return {
         "step_time_median": summarize(step_times[warmup:])["median"],
         "diagnostics_s_per_step": clock.seconds / max(len(step_times), 1),
+        "rss_before_trainer_bytes": rss_before,
         "final_loss": next(entry["loss"] for entry in reversed(trainer.state.log_history) if "loss" in entry),
     }
 
 
-def run_memory_worker(side: str, lora: bool, steps: int, model_path: str, batch: int, out: str) -> None:
-    """One training run in this (fresh) process; writes its peak memory as JSON to `out`."""
+def _side_worker(side, lora, steps, model_path, batch, threads, connection) -> None:
+    """Train `side` in this process, one step per "go" received, sending back each step's time, then its memory."""
     import torch
+    from transformers import TrainerCallback
 
-    train_once(side, lora, steps, 0, model_path, batch)
-    result = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    pin_threads(threads)
+
+    class Gate(TrainerCallback):
+        """Holds each iteration until its turn; times it from its start to the start of the next one (the step,
+        the logging after it and the fetching of the next batch), while every other process waits."""
+
+        start = None
+
+        def report(self):
+            if self.start is None:
+                connection.send("ready")
+                return
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            connection.send(time.perf_counter() - self.start)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.report()
+            connection.recv()  # this side's turn
+            self.start = time.perf_counter()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.report()
+
+    result = train_once(side, lora, steps, 0, model_path, batch, callbacks=[Gate()])
+    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["training_rss_bytes"] = result["peak_rss_bytes"] - result["rss_before_trainer_bytes"]
     if torch.cuda.is_available():
         result["cuda_max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated()
-    with open(out, "w") as handle:
-        json.dump(result, handle)
+    connection.send(result)
 
 
-def _peak_memory(side, lora, steps, model_path, batch, threads, workdir, index) -> dict:
-    out = os.path.join(workdir, f"memory-{index:03d}-{side}-{'lora' if lora else 'full'}.json")
-    command = [sys.executable, "-m", "trl_grpo_ext.bench.e2e", "--memory-worker", side, "--out", out]
-    command += ["--model", model_path, "--steps", str(steps), "--batch", str(batch)] + (["--lora"] if lora else [])
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    completed = subprocess.run(command, capture_output=True, text=True, env=env)
-    if completed.returncode != 0:
-        raise RuntimeError(f"memory worker {side} failed:\n{completed.stderr[-3000:]}")
-    with open(out) as handle:
-        return json.load(handle)
+def _interleaved_repeat(sides, lora, steps, model_path, batch, threads) -> dict:
+    """One repeat: a process per side, taking turns a step at a time. Returns, per side, step times and results."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    pipes, processes = {}, {}
+    for side in sides:
+        parent, child = context.Pipe()
+        process = context.Process(target=_side_worker, args=(side, lora, steps, model_path, batch, threads, child))
+        process.start()
+        pipes[side], processes[side] = parent, process
+    times = {side: [] for side in sides}
+    try:
+        for side in sides:  # every process built its trainer and waits before its first step
+            assert pipes[side].recv() == "ready"
+        for step in range(steps):
+            for side in sides if step % 2 == 0 else sides[::-1]:
+                pipes[side].send("go")
+                times[side].append(pipes[side].recv())
+        results = {side: pipes[side].recv() for side in sides}
+    finally:
+        for process in processes.values():
+            process.join(timeout=120)
+            if process.is_alive():
+                process.kill()
+    for side, process in processes.items():
+        if process.exitcode != 0:
+            raise RuntimeError(f"the benchmark process of {side} failed (exit code {process.exitcode})")
+    return {side: {"step_times": times[side], **results[side]} for side in sides}
 
 
 def run(
-    repeats: int = 10,
-    memory_repeats: int = 2,
-    steps: int = 14,
+    repeats: int = 5,
+    steps: int = 16,
     warmup: int = 2,
     batch: int = 64,
     threads: int = 1,
@@ -170,45 +216,43 @@ def run(
 
     from ..tiny import save_tiny
 
-    pin_threads(threads)
     workdir = tempfile.mkdtemp(prefix="bench-e2e-")
     model_path = save_tiny(os.path.join(workdir, "model"), alphabet="abcdefghij=", hidden_size=hidden_size)
-    config = dict(repeats=repeats, memory_repeats=memory_repeats, steps=steps, warmup=warmup, batch=batch,
-                  threads=threads, hidden_size=hidden_size)  # fmt: skip
+    config = dict(repeats=repeats, steps=steps, warmup=warmup, batch=batch, threads=threads, hidden_size=hidden_size)
     results: dict = {"config": config, "modes": {}}
     memory_key = "cuda_max_memory_allocated_bytes" if torch.cuda.is_available() else "peak_rss_bytes"
-    index = 0
     for mode in modes:
-        lora = mode == "lora"
-        runs = {side: [] for side in sides}
-        train_once(sides[0], lora, steps, warmup, model_path, batch)  # warm this process up, untimed
-        for repeat in range(repeats):
-            for side in sides if repeat % 2 == 0 else sides[::-1]:
-                runs[side].append(train_once(side, lora, steps, warmup, model_path, batch))
-        memory = {side: [] for side in sides}
-        for repeat in range(memory_repeats):
-            for side in sides if repeat % 2 == 0 else sides[::-1]:
-                memory[side].append(_peak_memory(side, lora, steps, model_path, batch, threads, workdir, index))
-                index += 1
+        runs = [_interleaved_repeat(sides, mode == "lora", steps, model_path, batch, threads) for _ in range(repeats)]
+
+        def measured(repeat, side):
+            return repeat[side]["step_times"][warmup:]
+
         mode_result = {"sides": {}, "ratios": {}}
         for side in sides:
             mode_result["sides"][side] = {
-                "step_time_s": summarize([run["step_time_median"] for run in runs[side]]),
-                "peak_memory_bytes": summarize([entry[memory_key] for entry in memory[side]]),
+                "step_time_s": summarize([t for repeat in runs for t in measured(repeat, side)]),
+                "peak_memory_bytes": summarize([repeat[side][memory_key] for repeat in runs]),
+                "training_rss_bytes": summarize([repeat[side]["training_rss_bytes"] for repeat in runs]),
                 "memory_kind": memory_key.replace("_bytes", ""),
             }
         if "ext" in sides:
-            mode_result["diagnostics_s_per_step"] = summarize([run["diagnostics_s_per_step"] for run in runs["ext"]])
+            mode_result["diagnostics_s_per_step"] = summarize(
+                [repeat["ext"]["diagnostics_s_per_step"] for repeat in runs]
+            )
         for side, baseline in (("ext", "trl"), ("ext_nodiag", "trl"), ("ext", "ext_nodiag")):
-            if side in sides and baseline in sides:
-                times = [ours["step_time_median"] / base["step_time_median"]
-                         for ours, base in zip(runs[side], runs[baseline], strict=True)]  # fmt: skip
-                memories = [ours[memory_key] / base[memory_key]
-                            for ours, base in zip(memory[side], memory[baseline], strict=True)]  # fmt: skip
-                mode_result["ratios"][f"{side}/{baseline}"] = {
-                    "step_time": summarize(times),
-                    "peak_memory": summarize(memories),
-                }
+            if side not in sides or baseline not in sides:
+                continue
+            pairs = []
+            for repeat in runs:
+                pairs += zip(measured(repeat, side), measured(repeat, baseline), strict=True)
+            mode_result["ratios"][f"{side}/{baseline}"] = {
+                "step_time": summarize([ours / base for ours, base in pairs]),
+                "total_time": sum(ours for ours, _ in pairs) / sum(base for _, base in pairs),
+                "peak_memory": summarize([repeat[side][memory_key] / repeat[baseline][memory_key] for repeat in runs]),
+                "training_rss": summarize(
+                    [repeat[side]["training_rss_bytes"] / repeat[baseline]["training_rss_bytes"] for repeat in runs]
+                ),
+            }
         results["modes"][mode] = mode_result
     return results
 
@@ -229,12 +273,16 @@ def table(results: dict) -> str:
                     side,
                     _span(stats["step_time_s"], 1e3, 1),
                     _span(ratio["step_time"]) if ratio else "1 (baseline)",
+                    f"{ratio['total_time']:.3f}" if ratio else "1",
                     f"{stats['peak_memory_bytes']['median'] / 2**20:.0f}",
                     _span(ratio["peak_memory"]) if ratio else "1 (baseline)",
+                    f"{stats['training_rss_bytes']['median'] / 2**20:.1f}",
+                    _span(ratio["training_rss"]) if ratio else "1 (baseline)",
                 ]
             )
     memory_kind = next(iter(next(iter(results["modes"].values()))["sides"].values()))["memory_kind"]
-    headers = ["mode", "side", "step ms, median [min, max]", "time / trl", f"{memory_kind} MiB", "memory / trl"]
+    headers = ["mode", "side", "step ms, median [min, max]", "step time / trl, per step", "total time / trl",
+               f"{memory_kind} MiB", "memory / trl", "training RSS MiB", "training RSS / trl"]  # fmt: skip
     notes = []
     for mode, mode_result in results["modes"].items():
         if "diagnostics_s_per_step" in mode_result:
@@ -245,25 +293,18 @@ def table(results: dict) -> str:
             on_off = mode_result["ratios"].get("ext/ext_nodiag")
             if on_off:
                 note += f"; step time with / without them {_span(on_off['step_time'])}"
+                note += f" (total time {on_off['total_time']:.3f})"
             notes.append(note)
     return format_table(headers, rows) + ("\n" + "\n".join(notes) if notes else "")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--memory-worker", choices=sorted(SIDES))
-    parser.add_argument("--out")
-    parser.add_argument("--model")
-    parser.add_argument("--lora", action="store_true")
-    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
-    pin_threads(args.threads)
-    if args.memory_worker:
-        run_memory_worker(args.memory_worker, args.lora, args.steps, args.model, args.batch, args.out)
-    else:
-        print(table(run(steps=args.steps, batch=args.batch, threads=args.threads)))
+    print(table(run(steps=args.steps, batch=args.batch, threads=args.threads)))
 
 
 if __name__ == "__main__":
