@@ -1,8 +1,14 @@
 """`GRPOTrainerExt`: TRL's `GRPOTrainer` whose loss is `trl_grpo_ext.grpo_loss`.
 
-Generation, rewards, advantages, reference log-probs, PEFT and distributed training are TRL's, unchanged. Only the
-loss computation (`_compute_loss`) is replaced, and TRL options that this loss does not implement are refused at
-construction instead of being silently ignored.
+Generation, rewards, advantages, reference log-probs, PEFT and distributed training are TRL's, unchanged. TRL options
+that the loss does not implement are refused at construction instead of being silently ignored. Each override
+wires one module in and otherwise defers to TRL:
+
+- `_compute_loss`: the loss (`loss.py`, `fused.py`) and the per-micro-batch diagnostics sums (`diagnostics.py`);
+- `_calculate_rewards`: the per-group reward spread; `log`: the one gather of the diagnostics per log step;
+- `_get_grad_norm`: the non-finite guard (`guardrails.py`);
+- `_save_checkpoint`, `_load_optimizer_and_scheduler`: crash-safe checkpoints and exact resume (`checkpointing.py`);
+- `create_model_card`: the model card and `report.png` (`model_card.py`, `report.py`).
 """
 
 from __future__ import annotations
@@ -115,9 +121,14 @@ class GRPOTrainerExt(GRPOTrainer):
     With `peft_config=LoraConfig(...)` only the adapter is trained, and the reference log-probs come from the same
     model with its adapters disabled.
 
+    Besides TRL's metrics it logs the diagnostics of `diagnostics.py` (ratio distribution, per-group reward spread,
+    loss split), keeps non-finite updates off the weights, warns about anomalies, names failing reward functions,
+    writes crash-safe checkpoints that resume exactly, and writes a model card with a training report.
+
     Raises:
         ValueError: at construction, listing every TRL option set in `args` that this loss does not implement, with
-            the value to use instead.
+            the value to use instead; also for invalid `epsilon`/`epsilon_high`/`beta`, an empty training set, or
+            one without a `prompt` column.
     """
 
     _tag_names = ["trl", "grpo", "trl_grpo_ext"]
