@@ -14,17 +14,13 @@ __all__ = ["DATASET_FORMATS", "load_recipe_dataset"]
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def _prompt_rows(row: dict) -> dict:
-    return {}
-
-
 def _gsm8k_rows(row: dict) -> dict:
     return {"prompt": row["question"], "solution": gsm8k_solution(row["answer"])}
 
 
-#: dataset_format -> (columns it needs, row mapping)
-DATASET_FORMATS: dict[str, tuple[tuple[str, ...], Callable[[dict], dict]]] = {
-    "prompt": (("prompt",), _prompt_rows),
+#: dataset_format -> (columns it needs, row mapping or None when rows are used as they are)
+DATASET_FORMATS: dict[str, tuple[tuple[str, ...], Callable[[dict], dict] | None]] = {
+    "prompt": (("prompt",), None),
     "gsm8k": (("question", "answer"), _gsm8k_rows),
 }
 
@@ -80,7 +76,7 @@ def load_recipe_dataset(
                 f"Split {split!r} of dataset {name!r} has no column {missing} (dataset_format={dataset_format!r}); "
                 f"its columns are {rows.column_names}."
             )
-        if mapping is not _prompt_rows:
+        if mapping is not None:
             rows = rows.map(mapping)
         if system_prompt is not None:
             rows = rows.map(
