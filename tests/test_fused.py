@@ -1,6 +1,10 @@
 """The fused loss (analytic gradient, eager and compiled) against the readable reference."""
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
@@ -74,7 +78,7 @@ def test_fused_on_policy_and_bfloat16_inputs():
 def test_the_compile_ready_kernel_and_the_in_place_kernel_agree(per_token_advantages):
     logps, old, ref, advantages, mask = batch(7, 17, seed=5, per_token_advantages=per_token_advantages)
     advantages = advantages if per_token_advantages else advantages[:, None]
-    arguments = (logps, old, ref, advantages, mask, 0.2, 0.28, 0.04, True, torch.float32)
+    arguments = (logps, old, ref, advantages, mask, 1.0 - 0.2, 1.0 + 0.28, 0.04, True, torch.float32)
     for plain, in_place in zip(fused_terms(*arguments), fused_terms_eager(*arguments), strict=True):
         torch.testing.assert_close(plain, in_place, rtol=1e-6, atol=1e-6)
 
@@ -124,3 +128,66 @@ def test_a_second_backward_through_the_fused_loss_is_refused():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="cannot run backward twice"):
         loss.backward()
+
+
+# (epsilon, epsilon_high, beta): each call must use its own values, whatever was compiled before.
+HYPERPARAMETERS = ((0.2, None, 0.04), (0.2, 0.28, 0.04), (0.1, 0.3, 0.0), (0.3, 0.1, 0.5))
+
+
+@pytest.mark.slow
+def test_compiled_uses_each_call_s_epsilons_and_beta(monkeypatch):
+    monkeypatch.setattr(fused, "_compile_failed", False)
+    inputs = batch(12, 20, seed=11, spread=0.5)  # wide ratios: each epsilon clips other tokens
+    for epsilon, epsilon_high, beta in HYPERPARAMETERS:
+        kwargs = dict(epsilon=epsilon, epsilon_high=epsilon_high, beta=beta)
+        ref_logps = inputs[2] if beta > 0 else None
+        expected, expected_grad = run("reference", inputs[0], inputs[1], ref_logps, *inputs[3:], **kwargs)
+        out, grad = run("compiled", inputs[0], inputs[1], ref_logps, *inputs[3:], **kwargs)
+        assert_same(out, grad, expected, expected_grad, rtol=1e-4, atol=1e-5)
+
+
+_CACHE_RUN = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_fused import batch, run
+    epsilon, epsilon_high = float(sys.argv[1]), float(sys.argv[2])
+    inputs = batch(12, 20, seed=11, spread=0.5)
+    out, grad = run("compiled", *inputs, epsilon=epsilon, epsilon_high=epsilon_high)
+    expected, expected_grad = run("reference", *inputs, epsilon=epsilon, epsilon_high=epsilon_high)
+    print(out.loss.item(), expected.loss.item(), (grad - expected_grad).abs().max().item())
+    """
+)
+
+
+@pytest.mark.slow
+def test_compiled_epsilons_survive_the_inductor_cache_of_an_earlier_process(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(_CACHE_RUN.format(tests=os.path.dirname(__file__)))
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TMPDIR": str(tmp_path)}
+    for epsilon, epsilon_high in ((0.2, 0.2), (0.2, 0.28), (0.1, 0.3)):  # the first one fills the cache
+        result = subprocess.run(
+            [sys.executable, str(script), str(epsilon), str(epsilon_high)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        compiled_loss, reference_loss, grad_error = map(float, result.stdout.split()[-3:])
+        assert compiled_loss == pytest.approx(reference_loss, rel=1e-5), (epsilon, epsilon_high)
+        assert grad_error < 1e-5
+    assert any((tmp_path / "inductor").iterdir())  # the later processes did have a cache to reuse
+
+
+def test_the_fused_loss_refuses_a_second_derivative_and_the_reference_gives_it():
+    inputs = batch(3, 5, seed=9)
+    for implementation, second_order in (("fused", False), ("reference", True)):
+        leaf = inputs[0].clone().requires_grad_(True)
+        loss = grpo_loss(leaf, *inputs[1:], implementation=implementation).loss
+        if second_order:
+            (grad,) = torch.autograd.grad(loss, leaf, create_graph=True)
+            (hessian_diagonal,) = torch.autograd.grad(grad.sum(), leaf)
+            assert torch.isfinite(hessian_diagonal).all() and hessian_diagonal.abs().sum() > 0
+        else:
+            with pytest.raises(RuntimeError, match="first-order gradient only.*implementation='reference'"):
+                torch.autograd.grad(loss, leaf, create_graph=True)

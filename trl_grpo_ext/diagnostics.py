@@ -22,7 +22,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from .loss import EXP_LINEAR_ABOVE, GRPOLossOutput
+from .loss import GRPOLossOutput
+from .numerics import EXP_LINEAR_ABOVE, log_of_exp_linear_above
 
 __all__ = [
     "CORE_LOG_RATIO",
@@ -55,6 +56,18 @@ NUM_BINS = _NAN + 1
 # Per micro-batch, the sums behind TRL's own metrics (TRL averages its per-micro-batch global means over the log
 # window; keeping them per micro-batch reproduces its numbers exactly).
 _STEP_FIELDS = ("kl", "entropy", "low", "high", "region", "tokens", "low_min", "high_max")
+# Pooled over the whole log window: these sums, then the log-ratio histogram's NUM_BINS counts.
+_POOLED_FIELDS = (
+    "deviation_sum",
+    "square_sum",
+    "ratio_min",
+    "ratio_max",
+    "policy_loss",
+    "kl_penalty",
+    "micro_batches",
+)
+_POOLED = {name: position for position, name in enumerate(_POOLED_FIELDS)}
+_COUNTS_START = len(_POOLED_FIELDS)
 
 
 def log_ratio_bins(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -222,29 +235,24 @@ class DiagnosticsAccumulator:
         deviation = torch.where(mask, out.ratio.to(dtype) - 1.0, 0.0)
         counts = torch.zeros(NUM_BINS, dtype=dtype, device=mask.device)
         counts.index_add_(0, log_ratio_bins(log_ratio).reshape(-1), mask.reshape(-1).to(dtype))
-        pooled = torch.cat(
-            [
-                torch.stack(
-                    [
-                        deviation.sum(),
-                        deviation.pow(2).sum(),
-                        torch.where(mask, out.ratio.to(dtype), math.inf).min(),
-                        torch.where(mask, out.ratio.to(dtype), -math.inf).max(),
-                        out.policy_loss.detach().to(dtype),
-                        out.kl_penalty.detach().to(dtype),
-                        torch.ones((), dtype=dtype, device=mask.device),
-                    ]
-                ),
-                counts,
-            ]
-        )
+        fields = {
+            "deviation_sum": deviation.sum(),
+            "square_sum": deviation.pow(2).sum(),
+            "ratio_min": torch.where(mask, out.ratio.to(dtype), math.inf).min(),
+            "ratio_max": torch.where(mask, out.ratio.to(dtype), -math.inf).max(),
+            "policy_loss": out.policy_loss.detach().to(dtype),
+            "kl_penalty": out.kl_penalty.detach().to(dtype),
+            "micro_batches": torch.ones((), dtype=dtype, device=mask.device),
+        }
+        pooled = torch.cat([torch.stack([fields[name] for name in _POOLED_FIELDS]), counts])
         if self._pooled is None:
             self._pooled = pooled
         else:
             # min and max combine by min and max; everything else adds up.
             combined = self._pooled + pooled
-            combined[2] = torch.minimum(self._pooled[2], pooled[2])
-            combined[3] = torch.maximum(self._pooled[3], pooled[3])
+            low, high = _POOLED["ratio_min"], _POOLED["ratio_max"]
+            combined[low] = torch.minimum(self._pooled[low], pooled[low])
+            combined[high] = torch.maximum(self._pooled[high], pooled[high])
             self._pooled = combined
 
     def add_rewards(self, rewards: torch.Tensor, num_generations: int) -> None:
@@ -318,12 +326,13 @@ class DiagnosticsAccumulator:
         summary.per_step["clip_ratio/high_max"] = torch.where(torch.isinf(high_max), math.nan, high_max).tolist()
 
     def _summarize_ratio_and_loss(self, pooled: torch.Tensor, summary: DiagnosticsSummary) -> None:
-        counts = pooled[:, 7:].sum(dim=0)
-        deviation_sum, square_sum = pooled[:, 0].sum().item(), pooled[:, 1].sum().item()
-        minimum, maximum = pooled[:, 2].min().item(), pooled[:, 3].max().item()
-        num_micro_batches = pooled[:, 6].sum().item()
-        summary.scalars["loss/policy"] = pooled[:, 4].sum().item() / num_micro_batches
-        summary.scalars["loss/kl_penalty"] = pooled[:, 5].sum().item() / num_micro_batches
+        counts = pooled[:, _COUNTS_START:].sum(dim=0)
+        total_of = {name: pooled[:, _POOLED[name]].sum().item() for name in _POOLED_FIELDS}
+        deviation_sum, square_sum = total_of["deviation_sum"], total_of["square_sum"]
+        minimum = pooled[:, _POOLED["ratio_min"]].min().item()
+        maximum = pooled[:, _POOLED["ratio_max"]].max().item()
+        summary.scalars["loss/policy"] = total_of["policy_loss"] / total_of["micro_batches"]
+        summary.scalars["loss/kl_penalty"] = total_of["kl_penalty"] / total_of["micro_batches"]
 
         finite_counts = counts[:-1]  # drop the NaN bin
         total = finite_counts.sum().item()
@@ -336,7 +345,7 @@ class DiagnosticsAccumulator:
         summary.scalars["ratio/min"] = minimum
         summary.scalars["ratio/max"] = maximum
         lower, upper = log_ratio_bin_bounds()
-        log_min, log_max = _log_of_ratio(minimum), _log_of_ratio(maximum)
+        log_min, log_max = log_of_exp_linear_above(minimum), log_of_exp_linear_above(maximum)
         log_quantiles = histogram_quantiles(finite_counts, lower, upper, self.quantiles, log_min, log_max)
         for quantile, log_value in zip(self.quantiles, log_quantiles, strict=True):
             value = math.exp(min(log_value, EXP_LINEAR_ABOVE)) * (1.0 + max(log_value - EXP_LINEAR_ABOVE, 0.0))
@@ -358,16 +367,6 @@ class DiagnosticsAccumulator:
         summary.scalars["reward_std/group_max"] = valid.max().item()
         if self.histograms:
             summary.histograms["reward_std/group"] = _value_histogram(valid)
-
-
-def _log_of_ratio(ratio: float) -> float:
-    """Inverse of `_exp_linear_above` for the extremes: exact below exp(20), linear above it."""
-    threshold = 20.0
-    if ratio <= 0:
-        return -math.inf
-    if ratio <= math.exp(threshold):
-        return math.log(ratio)
-    return threshold + ratio / math.exp(threshold) - 1.0
 
 
 def _ratio_histogram(counts: torch.Tensor, upper_log_edges: torch.Tensor, minimum: float, maximum: float) -> tuple:

@@ -14,27 +14,36 @@ loss with respect to `logp`, which is all the backward pass needs. With `r = exp
 memory; its clip indicators come from `sign` rather than comparisons because, compiled for CPUs, boolean
 intermediates go through a byte buffer and cost more than the arithmetic. `fused_terms_eager` computes the same
 values in place, for eager execution.
+
+The compiled kernel takes `1 - eps_low`, `1 + eps_high` and `beta` as 0-dim tensors, not Python floats:
+`torch.compile` bakes float arguments into the generated code as constants, and a kernel compiled (or loaded from
+the on-disk inductor cache) for one set of values silently computed the loss of another.
+
+The backward pass is first-order only and refuses `create_graph=True`: the saved tensor is the gradient itself,
+with no graph behind it. `implementation="reference"` in `grpo_loss` supports higher-order gradients.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
 
-from .loss import EXP_LINEAR_ABOVE
+from .numerics import EXP_LINEAR_ABOVE
 
 __all__ = ["fused_grpo_loss", "fused_terms", "fused_terms_eager"]
 
 
-def fused_terms(logp, old_logp, ref_logp, advantages, mask, epsilon, epsilon_high, beta, use_ref, dtype):
+def fused_terms(logp, old_logp, ref_logp, advantages, mask, low_bound, high_bound, beta, use_ref, dtype):
     """Per-row sums of the objective's terms and the per-token derivative of the loss.
 
     Args:
         logp, old_logp, ref_logp (`torch.Tensor` of shape `(N, T)`): detached; any values where `mask` is 0.
         advantages (`torch.Tensor` of shape `(N, 1)` or `(N, T)`).
         mask (`torch.Tensor` of shape `(N, T)`): non-zero at the tokens that count.
-        epsilon, epsilon_high, beta: the objective's hyper-parameters.
+        low_bound, high_bound, beta (`torch.Tensor` of shape `()` or `float`): `1 - eps_low`, `1 + eps_high` and
+            the KL coefficient (tensors when compiled, see the module docstring).
         use_ref (`bool`): whether `ref_logp` holds reference log-probs (else the KL terms are 0).
         dtype: the computation dtype.
 
@@ -52,11 +61,11 @@ def fused_terms(logp, old_logp, ref_logp, advantages, mask, epsilon, epsilon_hig
     ratio = slope * (1.0 + (x - x_below))
     advantages = torch.where(keep, advantages.to(dtype), 0.0)
     # The surrogate is flat (clipped branch) below 1 - eps_low for A < 0 and above 1 + eps_high for A > 0.
-    low = torch.relu(torch.sign((1.0 - epsilon) - ratio)) * torch.relu(-torch.sign(advantages))
-    high = torch.relu(torch.sign(ratio - (1.0 + epsilon_high))) * torch.relu(torch.sign(advantages))
+    low = torch.relu(torch.sign(low_bound - ratio)) * torch.relu(-torch.sign(advantages))
+    high = torch.relu(torch.sign(ratio - high_bound)) * torch.relu(torch.sign(advantages))
     flat = low + high
     # Selected, not blended: ratio + flat * (clipped - ratio) would cancel to noise for very large ratios.
-    surrogate = advantages * torch.where(flat > 0, ratio.clamp(1.0 - epsilon, 1.0 + epsilon_high), ratio)
+    surrogate = advantages * torch.where(flat > 0, torch.clamp(ratio, low_bound, high_bound), ratio)
     grad = advantages * slope * (1.0 - flat)  # dS/dlogp
     if use_ref:
         d = torch.where(keep, ref_logp.to(dtype), 0.0) - logp
@@ -70,7 +79,7 @@ def fused_terms(logp, old_logp, ref_logp, advantages, mask, epsilon, epsilon_hig
     return tokens, surrogate.sum(dim=-1), kl_rows, low.sum(dim=-1), high.sum(dim=-1), grad
 
 
-def fused_terms_eager(logp, old_logp, ref_logp, advantages, mask, epsilon, epsilon_high, beta, use_ref, dtype):
+def fused_terms_eager(logp, old_logp, ref_logp, advantages, mask, low_bound, high_bound, beta, use_ref, dtype):
     """`fused_terms` for eager execution: the same values, computed in place in four reused `(N, T)` buffers.
 
     Without a compiler every operation is a pass over memory and a fresh buffer; reusing buffers in place keeps
@@ -91,11 +100,11 @@ def fused_terms_eager(logp, old_logp, ref_logp, advantages, mask, epsilon, epsil
     work.sub_(slope)  # x - min(x, 20): 0 below the threshold
     slope.exp_()  # r'
     work.add_(1.0).mul_(slope)  # r (1 where masked)
-    low = (work < 1.0 - epsilon) & (advantages < 0)
-    high = (work > 1.0 + epsilon_high) & (advantages > 0)
+    low = (work < low_bound) & (advantages < 0)
+    high = (work > high_bound) & (advantages > 0)
     low_rows, high_rows = low.sum(dim=-1, dtype=dtype), high.sum(dim=-1, dtype=dtype)
     # S = A * r, with r replaced by its clip bound where the surrogate is flat
-    work.masked_fill_(low, 1.0 - epsilon).masked_fill_(high, 1.0 + epsilon_high)
+    work.masked_fill_(low, low_bound).masked_fill_(high, high_bound)
     if per_token_advantages:
         surrogate_rows = (work.mul_(advantages)).sum(dim=-1)
     else:  # sum_t A_i phi_it = A_i * (sum_t (phi_it - 1) + |o_i|): masked positions hold phi = 1 exactly
@@ -118,15 +127,23 @@ _compiled_terms = None
 _compile_failed = False
 
 
-def _terms(compiled: bool, *arguments):
+@functools.lru_cache(maxsize=32)
+def _hyperparameter_tensors(low_bound: float, high_bound: float, beta: float, device: torch.device, dtype):
+    """The compiled kernel's hyper-parameters as 0-dim tensors, made once per value, device and dtype."""
+    return tuple(torch.tensor(value, dtype=dtype, device=device) for value in (low_bound, high_bound, beta))
+
+
+def _terms(compiled: bool, logp, old_logp, ref_logp, advantages, mask, low_bound, high_bound, beta, use_ref, dtype):
     """`fused_terms`, through `torch.compile` when asked; if compiling fails, warn once and run it eagerly."""
     global _compiled_terms, _compile_failed
+    arguments = (logp, old_logp, ref_logp, advantages, mask, low_bound, high_bound, beta, use_ref, dtype)
     if not compiled or _compile_failed:
         return fused_terms_eager(*arguments)
     if _compiled_terms is None:
         _compiled_terms = torch.compile(fused_terms, dynamic=True)
+    low_t, high_t, beta_t = _hyperparameter_tensors(low_bound, high_bound, beta, logp.device, dtype)
     try:
-        return _compiled_terms(*arguments)
+        return _compiled_terms(logp, old_logp, ref_logp, advantages, mask, low_t, high_t, beta_t, use_ref, dtype)
     except Exception as error:  # noqa: BLE001 - a compiler failure of any kind: fall back to the same code
         _compile_failed = True
         warnings.warn(f"torch.compile of the GRPO loss failed ({error}); using the eager kernel.", stacklevel=3)
@@ -145,6 +162,11 @@ class _FusedGRPOLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        if torch.is_grad_enabled():  # backward(create_graph=True): a differentiable gradient is being asked for
+            raise RuntimeError(
+                "The fused GRPO loss has a first-order gradient only (it is precomputed, with no graph behind it): "
+                "create_graph=True and higher-order derivatives are not supported; use implementation='reference'."
+            )
         if ctx.used:
             raise RuntimeError(
                 "The fused GRPO loss scales its saved gradient in place and cannot run backward twice "
@@ -178,7 +200,17 @@ def fused_grpo_loss(
     use_ref = ref_logps is not None
     ref = ref_logps.detach() if use_ref else detached
     tokens, surrogate_rows, kl_rows, low_rows, high_rows, grad = _terms(
-        compiled, detached, old, ref, advantages.detach(), completion_mask, epsilon, epsilon_high, beta, use_ref, dtype
+        compiled,
+        detached,
+        old,
+        ref,
+        advantages.detach(),
+        completion_mask,
+        1.0 - epsilon,
+        1.0 + epsilon_high,
+        float(beta),
+        use_ref,
+        dtype,
     )
     loss = _FusedGRPOLoss.apply(logps, surrogate_rows, kl_rows, tokens, grad, float(beta))
     per_row_tokens = tokens.clamp(min=1)

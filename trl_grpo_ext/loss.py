@@ -19,38 +19,23 @@ training loop.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["EXP_LINEAR_ABOVE", "GRPOLossOutput", "IMPLEMENTATIONS", "grpo_loss", "group_relative_advantages"]
+from .fused import fused_grpo_loss
+from .numerics import EXP_LINEAR_ABOVE, exp_linear_above, kl_estimator
 
-# Above this exponent, exp(x) is continued by its tangent line instead (see `_exp_linear_above`).
-# exp(20) ~ 4.9e8: every ratio or KL term with |log difference| <= 20 is computed exactly, and a sum of a billion
-# such terms still fits comfortably in float32 (max ~3.4e38).
-EXP_LINEAR_ABOVE = 20.0
+__all__ = [
+    "EXP_LINEAR_ABOVE",
+    "GRPOLossOutput",
+    "IMPLEMENTATIONS",
+    "grpo_loss",
+    "group_relative_advantages",
+    "hyperparameter_problems",
+]
+
 IMPLEMENTATIONS = ("fused", "reference", "compiled")
-
-
-def _exp_linear_above(x: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE) -> torch.Tensor:
-    """`exp(x)` for `x <= threshold`, continued by its tangent line `exp(t) * (1 + x - t)` above it.
-
-    Plain `exp` overflows float32 at x ~ 88.7 and turns the loss into `inf` (then NaN once multiplied by a zero
-    advantage). Clamping `x` (as verl and OpenRLHF do) keeps it finite but zeroes the gradient of exactly the tokens
-    that drifted furthest. The tangent keeps the value continuous, the gradient continuous, positive and bounded by
-    `exp(threshold)`, and the function convex, so `exp(d) - d - 1` stays >= 0.
-    """
-    x_below = x.clamp(max=threshold)
-    return torch.exp(x_below) * (1.0 + (x - x_below))
-
-
-def _kl_estimator(d: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE) -> torch.Tensor:
-    """`exp(d) - d - 1` with `exp` as in `_exp_linear_above`.
-
-    `exp(d) - 1` is computed as `expm1(d)`: for small `d`, `exp(d) - d - 1` in float32 cancels to rounding noise
-    (and can come out negative), while `expm1(d) - d` keeps the value `d**2 / 2` it should have.
-    """
-    d_below = d.clamp(max=threshold)
-    return torch.expm1(d_below) * (1.0 + (d - d_below)) - d_below
 
 
 def _token_terms(
@@ -64,12 +49,12 @@ def _token_terms(
     """The per-token quantities of the objective, `(N, T)` each. Inputs are already 0 at masked positions."""
     # r_it = exp(logp_it - old_logp_it)
     log_ratio = logp - old_logp
-    ratio = _exp_linear_above(log_ratio)
+    ratio = exp_linear_above(log_ratio)
     # S_it = min(r_it * A_i, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i)
     clipped_ratio = ratio.clamp(1.0 - epsilon, 1.0 + epsilon_high)
     surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
     # D_it = ref_logp_it - logp_it ;  K_it = exp(D_it) - D_it - 1
-    per_token_kl = _kl_estimator(ref_logp - logp) if ref_logp is not None else torch.zeros_like(logp)
+    per_token_kl = kl_estimator(ref_logp - logp) if ref_logp is not None else torch.zeros_like(logp)
     return {
         "log_ratio": log_ratio,
         "ratio": ratio,
@@ -84,6 +69,17 @@ def _token_terms(
 def _per_sequence_mean(per_token: torch.Tensor, tokens_per_row: torch.Tensor) -> torch.Tensor:
     """`(1/N) sum_i (1/|o_i|) sum_t x_it`; `per_token` is 0 at masked positions, a row without tokens adds 0."""
     return (per_token.sum(dim=-1) / tokens_per_row.clamp(min=1)).mean()
+
+
+class _LossInputs(NamedTuple):
+    """What `GRPOLossOutput` derives its per-token values from, on first access."""
+
+    logps: torch.Tensor  # detached
+    old_logps: torch.Tensor | None
+    ref_logps: torch.Tensor | None
+    advantages: torch.Tensor  # (N, 1) or (N, T)
+    completion_mask: torch.Tensor
+    dtype: torch.dtype  # the computation dtype
 
 
 class GRPOLossOutput:
@@ -118,27 +114,27 @@ class GRPOLossOutput:
         self.kl_per_row = rows["kl"]
         self.low_clipped_per_row = rows["low"]
         self.high_clipped_per_row = rows["high"]
-        self._inputs = inputs  # (logps, old_logps | None, ref_logps | None, advantages, completion_mask, dtype)
+        self._inputs: _LossInputs = inputs
         self._cache = dict(cache or {})
 
     def _mask(self) -> torch.Tensor:
         if "mask" not in self._cache:
-            completion_mask = self._inputs[4]
+            completion_mask = self._inputs.completion_mask
             self._cache["mask"] = completion_mask if completion_mask.dtype == torch.bool else completion_mask != 0
         return self._cache["mask"]
 
     def _selected(self, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.where(self._mask(), tensor.detach().to(self._inputs[5]), 0.0)
+        return torch.where(self._mask(), tensor.detach().to(self._inputs.dtype), 0.0)
 
     def _get(self, name: str) -> torch.Tensor:
         if name in self._cache:
             return self._cache[name]
-        logps, old_logps, ref_logps, advantages, _, _ = self._inputs
+        logps, old_logps, ref_logps, advantages = self._inputs[:4]
         with torch.no_grad():
             if name in ("log_ratio", "ratio"):  # what the ratio diagnostics need, without the rest
                 logp = self._selected(logps)
                 log_ratio = logp - (logp if old_logps is None else self._selected(old_logps))
-                self._cache.update(log_ratio=log_ratio, ratio=_exp_linear_above(log_ratio))
+                self._cache.update(log_ratio=log_ratio, ratio=exp_linear_above(log_ratio))
             else:
                 logp = self._selected(logps)
                 old_logp = logp if old_logps is None else self._selected(old_logps)
@@ -182,13 +178,32 @@ class GRPOLossOutput:
         return self.is_low_clipped | self.is_high_clipped
 
 
-def _check_hyperparameters(epsilon: float, epsilon_high: float, beta: float) -> None:
-    if not (isinstance(epsilon, (int, float)) and math.isfinite(epsilon) and epsilon > 0):
-        raise ValueError(f"`epsilon` must be a finite number > 0, got {epsilon!r}.")
-    if not (isinstance(epsilon_high, (int, float)) and math.isfinite(epsilon_high) and epsilon_high >= 0):
-        raise ValueError(f"`epsilon_high` must be a finite number >= 0 (or None for `epsilon`), got {epsilon_high!r}.")
-    if not (isinstance(beta, (int, float)) and math.isfinite(beta) and beta >= 0):
-        raise ValueError(f"`beta` must be a finite number >= 0, got {beta!r}.")
+def hyperparameter_problems(epsilon: float, epsilon_high: float | None, beta: float) -> list[str]:
+    """What is wrong with the objective's hyper-parameters, one message per problem (empty when they are valid).
+
+    The one place these rules live: `grpo_loss` raises with these messages, and `GRPOConfigExt` and
+    `GRPOTrainerExt` check a configuration with them before any model is loaded.
+
+    Args:
+        epsilon (`float`): lower clipping width, finite and > 0.
+        epsilon_high (`float` or `None`): upper clipping width, finite and >= 0; `None` means `epsilon`.
+        beta (`float`): KL coefficient, finite and >= 0.
+
+    Returns:
+        `list[str]`: messages naming the offending argument and its value.
+    """
+
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    problems = []
+    if not (number(epsilon) and epsilon > 0):
+        problems.append(f"`epsilon` must be a finite number > 0, got {epsilon!r}.")
+    if epsilon_high is not None and not (number(epsilon_high) and epsilon_high >= 0):
+        problems.append(f"`epsilon_high` must be a finite number >= 0 (or None for `epsilon`), got {epsilon_high!r}.")
+    if not (number(beta) and beta >= 0):
+        problems.append(f"`beta` must be a finite number >= 0, got {beta!r}.")
+    return problems
 
 
 def _check_tensor(name: str, tensor: torch.Tensor, shape: torch.Size, device: torch.device) -> None:
@@ -302,8 +317,10 @@ def grpo_loss(
         ValueError: naming the offending argument, for a shape or device mismatch, an empty batch, `epsilon <= 0`,
             `epsilon_high < 0`, `beta < 0`, `ref_logps=None` with `beta > 0`, or an unknown `implementation`.
     """
+    problems = hyperparameter_problems(epsilon, epsilon_high, beta)
+    if problems:
+        raise ValueError(" ".join(problems))
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
-    _check_hyperparameters(epsilon, epsilon_high, beta)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"`implementation` must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
     if not isinstance(logps, torch.Tensor) or logps.dim() != 2:
@@ -330,8 +347,6 @@ def grpo_loss(
             logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_high, beta, dtype
         )
     else:
-        from .fused import fused_grpo_loss
-
         loss, policy_loss, kl, rows = fused_grpo_loss(
             logps,
             old_logps,
@@ -345,7 +360,7 @@ def grpo_loss(
             compiled=implementation == "compiled",
         )
         cache = None
-    inputs = (logps.detach(), old_logps, ref_logps, advantages, completion_mask, dtype)
+    inputs = _LossInputs(logps.detach(), old_logps, ref_logps, advantages, completion_mask, dtype)
     return GRPOLossOutput(
         loss=loss,
         policy_loss=policy_loss,

@@ -1,0 +1,63 @@
+"""The two exponentials of the objective, kept finite: the importance ratio and the `exp(d) - d - 1` KL term.
+
+Shared by the readable loss (`loss.py`), the fused kernel (`fused.py`) and the diagnostics, which all need the same
+threshold above which `exp` is continued linearly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["EXP_LINEAR_ABOVE", "exp_linear_above", "kl_estimator", "log_of_exp_linear_above"]
+
+# Above this exponent, exp(x) is continued by its tangent line instead (see `exp_linear_above`).
+# exp(20) ~ 4.9e8: every ratio or KL term with |log difference| <= 20 is computed exactly, and a sum of a billion
+# such terms still fits comfortably in float32 (max ~3.4e38).
+EXP_LINEAR_ABOVE = 20.0
+
+
+def exp_linear_above(x: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE) -> torch.Tensor:
+    """`exp(x)` for `x <= threshold`, continued by its tangent line `exp(t) * (1 + x - t)` above it.
+
+    Plain `exp` overflows float32 at x ~ 88.7 and turns the loss into `inf` (then NaN once multiplied by a zero
+    advantage). Clamping `x` (as verl and OpenRLHF do) keeps it finite but zeroes the gradient of exactly the tokens
+    that drifted furthest. The tangent keeps the value continuous, the gradient continuous, positive and bounded by
+    `exp(threshold)`, and the function convex, so `exp(d) - d - 1` stays >= 0.
+
+    Args:
+        x (`torch.Tensor` of any shape): exponents.
+        threshold (`float`): where the tangent takes over.
+
+    Returns:
+        `torch.Tensor` of the same shape and dtype.
+    """
+    x_below = x.clamp(max=threshold)
+    return torch.exp(x_below) * (1.0 + (x - x_below))
+
+
+def kl_estimator(d: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE) -> torch.Tensor:
+    """`exp(d) - d - 1` with `exp` as in `exp_linear_above`.
+
+    `exp(d) - 1` is computed as `expm1(d)`: for small `d`, `exp(d) - d - 1` in float32 cancels to rounding noise
+    (and can come out negative), while `expm1(d) - d` keeps the value `d**2 / 2` it should have.
+
+    Args:
+        d (`torch.Tensor` of any shape): `ref_logp - logp`.
+        threshold (`float`): where the exponential's tangent takes over.
+
+    Returns:
+        `torch.Tensor` of the same shape and dtype, >= 0.
+    """
+    d_below = d.clamp(max=threshold)
+    return torch.expm1(d_below) * (1.0 + (d - d_below)) - d_below
+
+
+def log_of_exp_linear_above(value: float, threshold: float = EXP_LINEAR_ABOVE) -> float:
+    """Inverse of `exp_linear_above` for one number: `log(value)` up to `exp(threshold)`, linear above it."""
+    if value <= 0:
+        return -math.inf
+    if value <= math.exp(threshold):
+        return math.log(value)
+    return threshold + value / math.exp(threshold) - 1.0
