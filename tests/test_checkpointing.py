@@ -7,9 +7,12 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import count_a_reward, tiny_grpo_args
 
 from trl_grpo_ext.checkpointing import STAGING_DIR, load_grpo_state, publish_checkpoint, save_grpo_state
 
@@ -126,3 +129,66 @@ def test_grpo_state_round_trip(tmp_path):
     state = load_grpo_state(str(tmp_path), 1, "cpu")
     assert state["step"] == 5 and state["buffered_inputs"][0]["n"] == 3
     assert torch.equal(state["buffered_inputs"][0]["completion_ids"], buffered[0]["completion_ids"])
+
+
+class DelayedHub:
+    """Stands in for the Hub API: uploads run in the background after a delay, as over a slow network."""
+
+    def __init__(self):
+        self.uploads = []  # (path_in_repo, folder_path, files present when the upload read the folder)
+        self.pool = ThreadPoolExecutor(max_workers=1)
+
+    def create_repo(self, repo_id, **kwargs):
+        return SimpleNamespace(repo_id=repo_id)
+
+    def upload_folder(self, *, folder_path, path_in_repo=None, run_as_future=False, **kwargs):
+        def upload():
+            time.sleep(0.3)
+            files = None
+            if os.path.isdir(folder_path):
+                files = sorted(name for name in os.listdir(folder_path))
+            self.uploads.append((path_in_repo, folder_path, files))
+
+        future = self.pool.submit(upload)
+        return future if run_as_future else future.result()
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint", "all_checkpoints"])
+def test_checkpoint_uploads_send_the_published_complete_folder(
+    strategy, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, monkeypatch
+):
+    import transformers.trainer
+
+    from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+
+    hub = DelayedHub()
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
+    args = GRPOConfigExt(
+        **tiny_grpo_args(
+            tmp_path,
+            save_strategy="steps",
+            save_steps=2,
+            push_to_hub=True,
+            hub_model_id="someone/tiny-grpo",
+            hub_strategy=strategy,
+            hub_always_push=True,
+        )
+    )
+    trainer = GRPOTrainerExt(
+        model=tiny_model_path,
+        reward_funcs=count_a_reward,
+        args=args,
+        train_dataset=prompt_dataset,
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    hub.pool.shutdown(wait=True)
+    checkpoint_uploads = [upload for upload in hub.uploads if upload[0] is not None]
+    expected_names = ["last-checkpoint"] * 2 if strategy == "checkpoint" else ["checkpoint-2", "checkpoint-4"]
+    assert [upload[0] for upload in checkpoint_uploads] == expected_names
+    for (_, folder, files), step in zip(checkpoint_uploads, (2, 4), strict=True):
+        assert folder == os.path.join(str(tmp_path), f"checkpoint-{step}")
+        assert files is not None, f"{folder} was gone when the upload read it"
+        for name in ("model.safetensors", "optimizer.pt", "trainer_state.json", "grpo_state_rank0.pt"):
+            assert name in files
+    assert not any(STAGING_DIR in folder for _, folder, _ in hub.uploads)

@@ -15,7 +15,13 @@ from trl import GRPOConfig
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext._compat import check_trl_version
-from trl_grpo_ext.guardrails import AnomalyMonitor, NonFiniteGuard, NonFiniteTrainingError, RewardFunctionError
+from trl_grpo_ext.guardrails import (
+    AnomalyMonitor,
+    NonFiniteGuard,
+    NonFiniteTrainingError,
+    RewardFunctionError,
+    StepVerdict,
+)
 
 
 class WeightRecorder(TrainerCallback):
@@ -111,22 +117,202 @@ class TestNonFiniteUpdates:
             trainer.train()  # the NaN weights then break sampling: what the guard prevents
         assert any(torch.isnan(p).any() for p in recorder.snapshots[2].values())
 
-    def test_guard_decisions(self):
+    def test_guard_verdicts(self):
         guard = NonFiniteGuard("skip", max_consecutive_skips=2)
-        assert [guard.decide(finite) for finite in (True, False, False, True, False, False, False)] == [
-            "step",
-            "skip",
-            "skip",
-            "step",
-            "skip",
-            "skip",
-            "stop",
-        ]
+        verdicts = [guard.judge(finite).action for finite in (True, False, False, True, False, False, False)]
+        assert verdicts == ["step", "skip", "skip", "step", "skip", "skip", "stop"]
         assert guard.skipped == 4
-        assert NonFiniteGuard("stop").decide(False) == "stop"
-        assert NonFiniteGuard("skip", max_consecutive_skips=0).decide(False) == "skip"
+        assert NonFiniteGuard("stop").judge(False) == StepVerdict("stop")
+        assert NonFiniteGuard("skip", max_consecutive_skips=0).judge(False).action == "skip"
+        assert NonFiniteGuard("off").judge(False).action == "step"
         with pytest.raises(ValueError, match="nonfinite_policy"):
             NonFiniteGuard("maybe")
+
+    def test_verdicts_under_a_loss_scaler_and_an_engine_that_steps_inside_backward(self):
+        def loss_was(nonfinite):
+            return lambda: nonfinite
+
+        for policy in ("skip", "stop"):
+            guard = NonFiniteGuard(policy)
+            # fp16: an overflow from finite losses is the scaler's business, not a broken step
+            assert guard.judge(False, loss_scaled=True, any_loss_nonfinite=loss_was(False)).action == "overflow"
+            assert guard.judge(False, loss_scaled=True, any_loss_nonfinite=loss_was(True)).action == policy
+            # DeepSpeed: the engine stepped already; it skipped the update, or the update is in the weights
+            skipped = guard.judge(False, engine_stepped=True, engine_skipped=True)
+            assert skipped == StepVerdict(policy, applied=False)
+            assert guard.judge(False, engine_stepped=True) == StepVerdict("stop", applied=True)
+            assert guard.judge(True, engine_stepped=True, engine_skipped=True).action == policy
+            assert guard.judge(True, engine_stepped=True).action == "step"
+        guard = NonFiniteGuard("skip")
+        asked = []
+        guard.judge(True, loss_scaled=True, any_loss_nonfinite=lambda: asked.append(1) or True)
+        assert not asked  # the collective behind it runs only for a non-finite norm
+
+    def test_the_loss_flag_is_kept_on_the_device_per_micro_batch(self):
+        guard = NonFiniteGuard("skip")
+        assert guard.pop_losses_finite() is None
+        guard.record_loss(torch.tensor(1.0))
+        guard.record_loss(torch.tensor(math.inf))
+        guard.record_loss(torch.tensor(2.0))
+        assert guard.pop_losses_finite().item() is False
+        guard.record_loss(torch.tensor(3.0))
+        assert guard.pop_losses_finite().item() is True
+        off = NonFiniteGuard("off")
+        off.record_loss(torch.tensor(math.nan))
+        assert off.pop_losses_finite() is None
+
+
+class SchedulerRecorder(TrainerCallback):
+    def __init__(self):
+        self.last_epochs = []
+
+    def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
+        self.last_epochs.append(lr_scheduler.last_epoch)
+
+
+class CheckpointReader(TrainerCallback):
+    """The bytes of every file of a checkpoint, read right after Trainer saved it."""
+
+    def __init__(self, step):
+        self.step, self.files = step, None
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.files = read_folder(os.path.join(args.output_dir, f"checkpoint-{self.step}"))
+
+
+def read_folder(folder):
+    contents = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as handle:
+                contents[os.path.relpath(os.path.join(root, name), folder)] = handle.read()
+    return contents
+
+
+class TestNonFiniteStepsAndTrainingState:
+    def test_a_skipped_step_does_not_advance_the_scheduler(
+        self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+    ):
+        trainer, _ = build(
+            nan_loss_trainer({2}),
+            tmp_path,
+            tiny_model_path,
+            tiny_tokenizer,
+            prompt_dataset,
+            lr_scheduler_type="linear",
+        )
+        recorder = SchedulerRecorder()
+        trainer.add_callback(recorder)
+        trainer.train()
+        assert recorder.last_epochs == [1, 1, 2, 3]
+        rates = [entry["learning_rate"] for entry in trainer.state.log_history if "loss" in entry]
+        assert rates[2] == rates[1] and rates[1] < rates[0] and rates[3] < rates[2]
+
+    def test_stop_never_rewrites_an_existing_checkpoint(
+        self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+    ):
+        trainer, _ = build(
+            nan_loss_trainer({3}),
+            tmp_path,
+            tiny_model_path,
+            tiny_tokenizer,
+            prompt_dataset,
+            nonfinite_policy="stop",
+            save_strategy="steps",
+            save_steps=1,
+            num_iterations=2,
+        )
+        reader = CheckpointReader(step=2)
+        trainer.add_callback(reader)
+        with pytest.raises(NonFiniteTrainingError, match="Step 3: .*checkpoint-2"):
+            trainer.train()
+        assert reader.files and read_folder(os.path.join(tmp_path, "checkpoint-2")) == reader.files
+        assert sorted(name for name in os.listdir(tmp_path) if name.startswith("checkpoint-")) == [
+            "checkpoint-1",
+            "checkpoint-2",
+        ]
+
+    def test_the_stop_checkpoint_is_the_state_before_the_step_and_resumes_exactly(
+        self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+    ):
+        config = dict(num_iterations=2, max_steps=4)  # step 2 reuses the completions generated at step 1
+        reference, _ = build(
+            GRPOTrainerExt, tmp_path / "ref", tiny_model_path, tiny_tokenizer, prompt_dataset, **config
+        )
+        reference.train()
+        stopped, _ = build(
+            nan_loss_trainer({2}),
+            tmp_path / "run",
+            tiny_model_path,
+            tiny_tokenizer,
+            prompt_dataset,
+            nonfinite_policy="stop",
+            **config,
+        )
+        with pytest.raises(NonFiniteTrainingError, match="Step 2: .*last good state is in .*checkpoint-1"):
+            stopped.train()
+        resumed, _ = build(GRPOTrainerExt, tmp_path / "run", tiny_model_path, tiny_tokenizer, prompt_dataset, **config)
+        resumed.train(resume_from_checkpoint=os.path.join(tmp_path, "run", "checkpoint-1"))
+
+        def logs(trainer):
+            return {entry["step"]: entry for entry in trainer.state.log_history if "loss" in entry}
+
+        expected, got = logs(reference), logs(resumed)
+        assert sorted(got) == [1, 2, 3, 4]  # step 1 from the checkpoint's trainer state
+        for step in (2, 3, 4):
+            for key in ("loss", "grad_norm", "kl", "entropy", "ratio/mean"):
+                assert got[step][key] == expected[step][key], (step, key)
+
+
+def scaled_trainer(trainer_class, *args, **kwargs):
+    """A trainer whose accelerator has a gradient scaler, as fp16 on a GPU has (here on the CPU)."""
+    trainer, recorder = build(trainer_class, *args, fp16=True, **kwargs)
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    trainer.accelerator.native_amp = True  # so that gradients are unscaled before their norm is taken, as on a GPU
+    return trainer, recorder
+
+
+def overflowing_trainer(steps):
+    class OverflowTrainer(GRPOTrainerExt):
+        """A finite loss whose scaled gradient overflows during the given steps (a routine fp16 overflow)."""
+
+        def _compute_loss(self, model, inputs):
+            loss = super()._compute_loss(model, inputs)
+            return loss * 1e36 if self.state.global_step + 1 in steps else loss
+
+    return OverflowTrainer
+
+
+class TestNonFiniteStepsWithALossScaler:
+    @pytest.mark.parametrize("policy", ["skip", "stop"])
+    def test_a_loss_scale_overflow_is_left_to_the_scaler(
+        self, policy, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+    ):
+        trainer, recorder = scaled_trainer(
+            overflowing_trainer({2}),
+            tmp_path,
+            tiny_model_path,
+            tiny_tokenizer,
+            prompt_dataset,
+            nonfinite_policy=policy,
+        )
+        trainer.train()  # no NonFiniteTrainingError, even with "stop"
+        assert same(recorder.snapshots[1], recorder.snapshots[2])  # the scaler skipped the update
+        assert not same(recorder.snapshots[2], recorder.snapshots[3])
+        assert trainer.accelerator.scaler.get_scale() == 2.0**15  # and lowered its scale once
+        assert trainer._nonfinite_guard.skipped == 0
+
+    def test_a_nan_loss_under_a_scaler_is_a_skipped_step(
+        self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+    ):
+        trainer, recorder = scaled_trainer(
+            nan_loss_trainer({2}), tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset
+        )
+        trainer.train()
+        assert same(recorder.snapshots[1], recorder.snapshots[2])
+        assert trainer._nonfinite_guard.skipped == 1
+        assert [e["nonfinite/skipped_steps"] for e in trainer.state.log_history if "loss" in e] == [0, 1, 1, 1]
 
 
 class TestAnomalyWarnings:

@@ -9,17 +9,30 @@ Two things make a GRPO run resumable to the bit:
   more generation batches than accumulation steps) and a micro-step counter that schedules generation. Neither is
   in Trainer's checkpoint; resuming without them regenerates at a different step and the run diverges. They are
   saved per process in `grpo_state_rank<k>.pt` and restored on resume.
+
+`StepStart` remembers that state, and the random number generators, at the start of an optimizer step, so that a
+step stopped half-way (a non-finite update) can still be checkpointed as the state before it.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import shutil
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["STAGING_DIR", "grpo_state_path", "save_grpo_state", "load_grpo_state", "publish_checkpoint"]
+__all__ = [
+    "STAGING_DIR",
+    "StepStart",
+    "grpo_state_path",
+    "load_grpo_state",
+    "publish_checkpoint",
+    "save_grpo_state",
+]
 
 STAGING_DIR = "_checkpoint-in-progress"
 
@@ -87,3 +100,34 @@ def publish_checkpoint(staged: str, final: str) -> None:
     else:
         os.rename(staged, final)
     _fsync_directory(os.path.dirname(final))
+
+
+def _capture_rng() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+@dataclass
+class StepStart:
+    """TRL's generation schedule and the random number generators at the start of an optimizer step.
+
+    Attributes:
+        step (`int`): TRL's micro-step counter `_step`.
+        buffered_inputs (`list` or `None`): TRL's `_buffered_inputs` (the same objects: TRL replaces the list when it
+            generates, it does not change it in place).
+        rng (`dict`): the Python, NumPy, torch CPU (and CUDA) generator states.
+    """
+
+    step: int
+    buffered_inputs: list | None
+    rng: dict[str, Any] = field(default_factory=_capture_rng)
+
+    def restore_rng(self) -> None:
+        """Put the generators back to where they were when this was captured."""
+        random.setstate(self.rng["python"])
+        np.random.set_state(self.rng["numpy"])
+        torch.random.set_rng_state(self.rng["cpu"])
+        if "cuda" in self.rng:
+            torch.cuda.set_rng_state_all(self.rng["cuda"])

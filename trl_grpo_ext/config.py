@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
-__all__ = ["GRPOConfigExt", "invalid_hyperparameters"]
+from .guardrails.nonfinite import NONFINITE_POLICIES
+from .loss import IMPLEMENTATIONS, hyperparameter_problems
+
+__all__ = ["GRPOConfigExt"]
 
 
 @dataclass
@@ -66,7 +68,7 @@ class GRPOConfigExt(GRPOConfig):
             "help": "How grpo_loss computes the objective: 'fused' (its terms and analytic gradient in place, few "
             "passes over memory), 'reference' (the formula with autograd) or 'compiled' (the fused kernel through "
             "torch.compile: fastest and leanest after a one-off compilation; falls back to 'fused' if it fails).",
-            "choices": ["fused", "reference", "compiled"],
+            "choices": list(IMPLEMENTATIONS),
         },
     )
 
@@ -99,10 +101,13 @@ class GRPOConfigExt(GRPOConfig):
         default="skip",
         metadata={
             "help": "What happens to an optimizer step whose gradient norm is NaN or infinite (a non-finite loss or "
-            "gradient on any process): 'skip' drops the step, counted in nonfinite/skipped_steps; 'stop' saves a "
-            "checkpoint of the last good state and raises NonFiniteTrainingError; 'off' lets it reach the weights. "
-            "'skip' and 'stop' read the gradient norm once per optimizer step (one host sync).",
-            "choices": ["skip", "stop", "off"],
+            "gradient on any process): 'skip' drops the update (the learning-rate scheduler does not advance), "
+            "counted in nonfinite/skipped_steps; 'stop' raises NonFiniteTrainingError naming a checkpoint of the "
+            "state before the step (written if none exists; an existing one is never rewritten); 'off' lets it "
+            "reach the weights. With fp16, a loss-scale overflow from finite losses is the scaler's to skip and "
+            "is not counted. Under DeepSpeed the engine's own overflow check skips the update and the guard "
+            "counts or stops. 'skip' and 'stop' read the gradient norm once per optimizer step (one host sync).",
+            "choices": list(NONFINITE_POLICIES),
         },
     )
     max_nonfinite_skips: int = field(
@@ -145,12 +150,12 @@ class GRPOConfigExt(GRPOConfig):
         bad = [q for q in self.ratio_quantiles if not 0.0 <= q <= 1.0]
         if bad:
             raise ValueError(f"`ratio_quantiles` must lie in [0, 1], got {bad}.")
-        if self.loss_implementation not in ("fused", "reference", "compiled"):
+        if self.loss_implementation not in IMPLEMENTATIONS:
             raise ValueError(
-                f"`loss_implementation` must be 'fused', 'reference' or 'compiled', got {self.loss_implementation!r}."
+                f"`loss_implementation` must be one of {IMPLEMENTATIONS}, got {self.loss_implementation!r}."
             )
-        if self.nonfinite_policy not in ("skip", "stop", "off"):
-            raise ValueError(f"`nonfinite_policy` must be 'skip', 'stop' or 'off', got {self.nonfinite_policy!r}.")
+        if self.nonfinite_policy not in NONFINITE_POLICIES:
+            raise ValueError(f"`nonfinite_policy` must be one of {NONFINITE_POLICIES}, got {self.nonfinite_policy!r}.")
         if self.max_nonfinite_skips < 0:
             raise ValueError(f"`max_nonfinite_skips` must be >= 0, got {self.max_nonfinite_skips}.")
         for name in (
@@ -163,19 +168,7 @@ class GRPOConfigExt(GRPOConfig):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"`{name}` must be > 0 (or None to switch the warning off), got {value}.")
-        problems = invalid_hyperparameters(self)
+        problems = hyperparameter_problems(self.epsilon, self.epsilon_high, self.beta)
         if problems:
             raise ValueError(" ".join(problems))
         super().__post_init__()
-
-
-def invalid_hyperparameters(args) -> list[str]:
-    """Problems with the objective's hyper-parameters in any `trl.GRPOConfig`, one message each (empty if none)."""
-    problems = []
-    if not (math.isfinite(args.epsilon) and args.epsilon > 0):
-        problems.append(f"`epsilon` must be a finite number > 0, got {args.epsilon}.")
-    if args.epsilon_high is not None and not (math.isfinite(args.epsilon_high) and args.epsilon_high >= 0):
-        problems.append(f"`epsilon_high` must be a finite number >= 0 (or None for epsilon), got {args.epsilon_high}.")
-    if not (math.isfinite(args.beta) and args.beta >= 0):
-        problems.append(f"`beta` must be a finite number >= 0, got {args.beta}.")
-    return problems

@@ -6,8 +6,10 @@ wires one module in and otherwise defers to TRL:
 
 - `_compute_loss`: the loss (`loss.py`, `fused.py`) and the per-micro-batch diagnostics sums (`diagnostics.py`);
 - `_calculate_rewards`: the per-group reward spread; `log`: the one gather of the diagnostics per log step;
-- `_get_grad_norm`: the non-finite guard (`guardrails.py`);
-- `_save_checkpoint`, `_load_optimizer_and_scheduler`: crash-safe checkpoints and exact resume (`checkpointing.py`);
+- `training_step`, `_get_grad_norm`: the non-finite guard (`guardrails/nonfinite.py`), with the state at the start of
+  each step kept by a callback (`_StepStartCallback`) for the checkpoint of a stopped step;
+- `_save_checkpoint`, `_get_output_dir`, `_push_from_checkpoint`, `_load_optimizer_and_scheduler`: crash-safe
+  checkpoints that are uploaded once complete, and exact resume (`checkpointing.py`);
 - `create_model_card`: the model card and `report.png` (`model_card.py`, `report.py`).
 """
 
@@ -19,17 +21,19 @@ import shutil
 from typing import Any
 
 import torch
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import get_callable_name, get_config_model_id, is_async_callable
 
-from .checkpointing import STAGING_DIR, load_grpo_state, publish_checkpoint, save_grpo_state
-from .config import GRPOConfigExt, invalid_hyperparameters
+from .checkpointing import STAGING_DIR, StepStart, load_grpo_state, publish_checkpoint, save_grpo_state
+from .config import GRPOConfigExt
 from .diagnostics import DiagnosticsAccumulator
 from .guardrails import AnomalyMonitor, GuardedAsyncReward, GuardedReward, NonFiniteGuard, NonFiniteTrainingError
+from .guardrails.nonfinite import report_step_skipped
 from .loggers import write_histograms
-from .loss import grpo_loss
+from .loss import grpo_loss, hyperparameter_problems
 from .model_card import CARD_CONFIG_FIELDS, build_model_card, final_metrics
 
 logger = logging.get_logger(__name__)
@@ -146,7 +150,7 @@ class GRPOTrainerExt(GRPOTrainer):
                 f"{type(self).__name__} computes the GRPO loss of trl_grpo_ext.grpo_loss and cannot honour these "
                 "options:\n- " + "\n- ".join(problems)
             )
-        problems = invalid_hyperparameters(args)
+        problems = hyperparameter_problems(args.epsilon, args.epsilon_high, args.beta)
         if problems:
             raise ValueError(" ".join(problems))
         _check_train_dataset(kwargs.get("train_dataset"), kwargs.get("environment_factory"))
@@ -170,6 +174,10 @@ class GRPOTrainerExt(GRPOTrainer):
         }
         self._loss_implementation = option("loss_implementation")
         self._nonfinite_guard = NonFiniteGuard(option("nonfinite_policy"), option("max_nonfinite_skips"))
+        self._step_start: StepStart | None = None
+        self._saving_into_staging = False
+        if self._nonfinite_guard.policy != "off":
+            self.add_callback(_StepStartCallback(self))
         if option("warn_on_anomalies"):
             self.add_callback(
                 AnomalyMonitor(
@@ -204,6 +212,11 @@ class GRPOTrainerExt(GRPOTrainer):
         normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         return out.loss / normalizer
 
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._nonfinite_guard.record_loss(loss)  # the loss that went into backward, judged at the optimizer step
+        return loss
+
     def _policy_logps_and_entropies(self, model, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs `(N, T)` (with gradient) and entropies `(N, T)` of the completion tokens."""
         completion_ids = inputs["completion_ids"]
@@ -220,30 +233,70 @@ class GRPOTrainerExt(GRPOTrainer):
         return logps, entropies
 
     def _get_grad_norm(self, model, grad_norm=None):
-        """Trainer's gradient norm of the step about to be taken, and the non-finite guard's decision on it."""
+        """Trainer's gradient norm of the step about to be taken, and the non-finite guard's verdict on it."""
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
-        if self._nonfinite_guard.policy == "off" or grad_norm is None:
+        guard = self._nonfinite_guard
+        losses_finite = guard.pop_losses_finite()
+        if guard.policy == "off" or grad_norm is None:
             return grad_norm
+
+        def any_loss_nonfinite() -> bool:  # one collective, reached by every process alike (see `judge`)
+            flag = torch.ones((), device=self.accelerator.device) if losses_finite is None else losses_finite.float()
+            return bool(self.accelerator.reduce(1.0 - flag, reduction="sum").item() > 0)
+
+        deepspeed = self.is_deepspeed_enabled
         # The norm is global (gradients are already reduced across processes): every process decides alike.
-        decision = self._nonfinite_guard.decide(math.isfinite(float(grad_norm)))
-        if decision == "step":
+        verdict = guard.judge(
+            math.isfinite(float(grad_norm)),
+            loss_scaled=self.accelerator.scaler is not None or (deepspeed and self.args.fp16),
+            engine_stepped=deepspeed,
+            engine_skipped=deepspeed and self.accelerator.optimizer_step_was_skipped,
+            any_loss_nonfinite=any_loss_nonfinite,
+        )
+        own_skip_flag = not deepspeed and self.accelerator.scaler is None
+        if own_skip_flag:
+            report_step_skipped(self.optimizer, verdict.action == "skip")
+        if verdict.action in ("step", "overflow"):
             return grad_norm
-        # Optimizers leave parameters without a gradient untouched: no update, no momentum, no weight decay.
-        model.zero_grad(set_to_none=True)
         step = self.state.global_step + 1
-        if decision == "skip" and not self.is_deepspeed_enabled:
+        if verdict.action == "skip":
+            if own_skip_flag:
+                # Optimizers leave parameters without a gradient untouched: no update, no momentum, no weight decay.
+                model.zero_grad(set_to_none=True)
+            # Otherwise the engine already skipped it, or the gradient scaler will: its gradients are non-finite.
             logger.warning(
                 f"Step {step}: the gradient norm is {grad_norm}; the update is skipped "
-                f"({self._nonfinite_guard.skipped} skipped so far, nonfinite_policy='skip')."
+                f"({guard.skipped} skipped so far, nonfinite_policy='skip')."
             )
             return grad_norm
-        self._save_checkpoint(self.model_wrapped, trial=None)
-        checkpoint = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        model.zero_grad(set_to_none=True)
+        self._stop_on_nonfinite_step(step, grad_norm, applied=verdict.applied)
+
+    def _stop_on_nonfinite_step(self, step: int, grad_norm: float, applied: bool) -> None:
+        """Raise `NonFiniteTrainingError`, naming a checkpoint of the state before this step (written if missing)."""
+        run_dir = self._get_output_dir(trial=None)
+        cause = f"Step {step}: the gradient norm is {grad_norm} (a NaN or infinite loss or gradient"
+        if self._nonfinite_guard.consecutive:
+            cause += f", {self._nonfinite_guard.consecutive} steps in a row"
+        if applied:
+            last = get_last_checkpoint(run_dir) if os.path.isdir(run_dir) else None
+            raise NonFiniteTrainingError(
+                f"{cause}). The DeepSpeed engine applied this update inside backward without skipping it, so the "
+                f"weights in memory are no longer good; resume from the last checkpoint ({last or 'none was saved'}). "
+                'Turn the engine\'s overflow check on (bf16: "check_grad_overflow": true) so that such steps are '
+                "skipped, lower the learning rate, or check the rewards and inputs for NaN."
+            )
+        checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if not os.path.isdir(checkpoint):  # an existing one holds this very state already, and is never rewritten
+            if self._step_start is not None:
+                self._step = self._step_start.step
+                self._buffered_inputs = self._step_start.buffered_inputs
+                self._step_start.restore_rng()
+            self._save_checkpoint(self.model_wrapped, trial=None)
         raise NonFiniteTrainingError(
-            f"Step {step}: the gradient norm is {grad_norm} (a NaN or infinite loss or gradient"
-            + (f", {self._nonfinite_guard.consecutive} steps in a row" if self._nonfinite_guard.consecutive else "")
-            + f"). Training stopped before the update reached the weights; the last good state is in {checkpoint}. "
-            "Lower the learning rate, check the rewards and inputs for NaN, or set nonfinite_policy='skip'."
+            f"{cause}). Training stopped before the update reached the weights; the last good state is in "
+            f"{checkpoint}. Lower the learning rate, check the rewards and inputs for NaN, or set "
+            "nonfinite_policy='skip'."
         )
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -336,27 +389,37 @@ class GRPOTrainerExt(GRPOTrainer):
         with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as handle:
             handle.write(card)
 
+    def _get_output_dir(self, trial) -> str:
+        """Trainer's run folder; while a checkpoint is being written, its staging folder inside it."""
+        run_dir = super()._get_output_dir(trial=trial)
+        return os.path.join(run_dir, STAGING_DIR) if self._saving_into_staging else run_dir
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        # Trainer asks for the upload from inside its save, i.e. of the staging folder, which is renamed right after;
+        # `_save_checkpoint` asks again with the published folder once it is complete.
+        if not self._saving_into_staging:
+            super()._push_from_checkpoint(checkpoint_folder)
+
     def _save_checkpoint(self, model, trial) -> None:
-        """Write the checkpoint into a staging folder and give it its final name only once it is complete."""
+        """Write the checkpoint into a staging folder, give it its final name once complete, then upload it."""
         final_run_dir = self._get_output_dir(trial=trial)
         staging_run_dir = os.path.join(final_run_dir, STAGING_DIR)
         folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         if self.args.should_save:
             shutil.rmtree(staging_run_dir, ignore_errors=True)  # left over by a process killed while saving
         self.accelerator.wait_for_everyone()
-        # Trainer writes `<run dir>/checkpoint-<step>`; pointing the run dir at the staging folder for the
-        # duration of the save is the narrowest way to redirect it without rewriting Trainer's save logic.
-        self._get_output_dir = lambda trial=None: staging_run_dir
+        # Trainer's and TRL's save code write to `<self._get_output_dir()>/checkpoint-<step>`: the staging folder.
+        self._saving_into_staging = True
         try:
             super()._save_checkpoint(model, trial)
         finally:
-            del self._get_output_dir
+            self._saving_into_staging = False
         staged = os.path.join(staging_run_dir, folder)
         os.makedirs(staged, exist_ok=True)
         save_grpo_state(staged, self.accelerator.process_index, self._step, self._buffered_inputs)
         self.accelerator.wait_for_everyone()
+        final = os.path.join(final_run_dir, folder)
         if self.args.should_save:
-            final = os.path.join(final_run_dir, folder)
             publish_checkpoint(staged, final)
             shutil.rmtree(staging_run_dir, ignore_errors=True)
             if self.state.best_model_checkpoint and STAGING_DIR in self.state.best_model_checkpoint:
@@ -369,6 +432,8 @@ class GRPOTrainerExt(GRPOTrainer):
                 best_model_checkpoint=self.state.best_model_checkpoint,
             )
         self.accelerator.wait_for_everyone()
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(final)
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -379,6 +444,16 @@ class GRPOTrainerExt(GRPOTrainer):
             # Resume TRL's generation schedule where the checkpoint left it, with the completions it had buffered.
             self._step = state["step"]
             self._buffered_inputs = state["buffered_inputs"]
+
+
+class _StepStartCallback(TrainerCallback):
+    """Keeps, at the start of every optimizer step, what a checkpoint of the state before that step needs."""
+
+    def __init__(self, trainer: GRPOTrainerExt):
+        self.trainer = trainer
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.trainer._step_start = StepStart(self.trainer._step, self.trainer._buffered_inputs)
 
 
 def _check_train_dataset(train_dataset, environment_factory) -> None:

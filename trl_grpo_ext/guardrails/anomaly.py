@@ -1,63 +1,20 @@
-"""Guardrails of a long run: non-finite updates, anomaly warnings, and reward functions that fail.
+"""`AnomalyMonitor`: warnings, from the logged metrics, about the failure modes a GRPO practitioner watches for.
 
-- `NonFiniteGuard` decides, from the gradient norm of each optimizer step, whether the step may reach the weights.
-  A non-finite norm (a NaN or infinite loss or gradient anywhere, on any process) skips the step or stops training.
-- `AnomalyMonitor` reads the logged metrics and warns, once per episode, when most groups carry no learning signal,
-  the clip fraction stays high, the importance-ratio tail explodes or the KL jumps, saying what to change.
-- `GuardedReward` wraps a reward function so that an exception names the function and the failing completion.
+It warns, once per episode, when most groups carry no learning signal, the clip fraction stays high, the
+importance-ratio tail explodes or the KL jumps, saying what to change.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import statistics
-from collections.abc import Callable
 
 from transformers import TrainerCallback
 from transformers.utils import logging
 
-__all__ = ["AnomalyMonitor", "GuardedReward", "NonFiniteGuard", "NonFiniteTrainingError", "RewardFunctionError"]
+__all__ = ["AnomalyMonitor"]
 
 logger = logging.get_logger(__name__)
-
-
-class NonFiniteTrainingError(RuntimeError):
-    """Training stopped because updates were non-finite; the last good state was checkpointed."""
-
-
-class RewardFunctionError(RuntimeError):
-    """A reward function raised; the message names it and the completion it failed on."""
-
-
-class NonFiniteGuard:
-    """Decides what happens to an optimizer step whose gradient norm is not finite.
-
-    Args:
-        policy (`str`): `"skip"` drops the step (counted), `"stop"` stops training, `"off"` lets it through.
-        max_consecutive_skips (`int`): with `"skip"`, stop once this many steps in a row were skipped.
-    """
-
-    def __init__(self, policy: str = "skip", max_consecutive_skips: int = 10):
-        if policy not in ("skip", "stop", "off"):
-            raise ValueError(f"`nonfinite_policy` must be 'skip', 'stop' or 'off', got {policy!r}.")
-        self.policy = policy
-        self.max_consecutive_skips = max_consecutive_skips
-        self.consecutive = 0
-        self.skipped = 0
-
-    def decide(self, grad_norm_is_finite: bool) -> str:
-        """`"step"`, `"skip"` or `"stop"` for the current optimizer step."""
-        if self.policy == "off" or grad_norm_is_finite:
-            self.consecutive = 0
-            return "step"
-        if self.policy == "stop":
-            return "stop"
-        self.consecutive += 1
-        if self.max_consecutive_skips > 0 and self.consecutive > self.max_consecutive_skips:
-            return "stop"
-        self.skipped += 1
-        return "skip"
 
 
 class AnomalyMonitor(TrainerCallback):
@@ -164,65 +121,3 @@ class AnomalyMonitor(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and state.is_world_process_zero and "loss" in logs:
             self.check(logs)
-
-
-def _is_batch_list(value, size: int) -> bool:
-    return isinstance(value, list) and len(value) == size
-
-
-class GuardedReward:
-    """A reward function whose exceptions say which function failed and on which completion.
-
-    On an exception, the function is called again on one completion at a time to find the first one that
-    fails; the error names the function, that completion's index in the batch, its prompt and its text. Keeps the
-    wrapped function's name (TRL logs `rewards/<name>/mean`).
-    """
-
-    def __init__(self, func: Callable, name: str):
-        self.func = func
-        self.__name__ = name
-
-    def _failing_index(self, kwargs: dict) -> int | None:
-        size = len(kwargs["completions"])
-        for index in range(size):
-            single = {key: [value[index]] if _is_batch_list(value, size) else value for key, value in kwargs.items()}
-            try:
-                result = self.func(**single)
-                if inspect.iscoroutine(result):
-                    result.close()
-                    return None
-            except Exception:  # noqa: BLE001 - looking for the completion that reproduces the error
-                return index
-        return None
-
-    def _error(self, error: Exception, kwargs: dict) -> RewardFunctionError:
-        index = self._failing_index(kwargs)
-        if index is None:
-            where = "on the batch (no single completion reproduces it)"
-        else:
-            prompt = kwargs.get("prompts", [None] * (index + 1))[index]
-            where = (
-                f"on completion {index} of the batch (prompt {prompt!r}, completion {kwargs['completions'][index]!r})"
-            )
-        return RewardFunctionError(
-            f"Reward function '{self.__name__}' raised {type(error).__name__}: {error} {where}."
-        )
-
-    def __call__(self, **kwargs):
-        try:
-            return self.func(**kwargs)
-        except Exception as error:
-            raise self._error(error, kwargs) from error
-
-
-class GuardedAsyncReward(GuardedReward):
-    """`GuardedReward` for `async` reward functions."""
-
-    async def __call__(self, **kwargs):
-        try:
-            return await self.func(**kwargs)
-        except Exception as error:
-            raise RewardFunctionError(
-                f"Reward function '{self.__name__}' raised {type(error).__name__}: {error} on a batch of "
-                f"{len(kwargs.get('completions', []))} completions."
-            ) from error

@@ -1,0 +1,137 @@
+"""`NonFiniteGuard`: what happens to an optimizer step whose loss or gradient is NaN or infinite.
+
+The guard judges each optimizer step once, from the global gradient norm that Trainer computes anyway (one host
+sync per step). Where that norm is not enough to tell a broken step from a routine one, it also reads a flag that
+`record_loss` kept on the device for every micro-batch, reduced across processes only when needed:
+
+- Plain, DDP and FSDP, fp32 or bf16: a step is non-finite when its gradient norm is. "skip" drops the gradients
+  before `optimizer.step()` and the learning-rate scheduler does not advance; "stop" checkpoints the state before
+  the step (nothing reached the weights) and raises `NonFiniteTrainingError`.
+- fp16 with a gradient scaler: a step is non-finite when the loss of any process was; then as above.
+- DeepSpeed, whose engine steps inside `backward`: a step is non-finite when the engine's own overflow check
+  skipped it (in fp16: and the loss of any process was non-finite). "skip" counts the step the engine skipped;
+  "stop" checkpoints the state before it and raises.
+
+With fp16, a non-finite gradient norm from finite losses is a routine loss-scale overflow: the scaler (or the
+DeepSpeed engine) skips that update and lowers the scale by itself, and the guard neither counts it nor stops.
+A DeepSpeed engine without an overflow check (for example bf16 with `check_grad_overflow: false`) applies a
+non-finite update before the guard can see it: the guard then stops with `applied=True` and writes no checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["NONFINITE_POLICIES", "NonFiniteGuard", "NonFiniteTrainingError", "StepVerdict", "report_step_skipped"]
+
+NONFINITE_POLICIES = ("skip", "stop", "off")
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Training stopped because an update was non-finite; the message names the last good checkpoint."""
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    """What the guard decided for one optimizer step.
+
+    Attributes:
+        action: `"step"` (let it through), `"skip"` (drop the update), `"stop"` (stop training), or `"overflow"` (a
+            routine fp16 loss-scale overflow, left to the scaler or engine that already skips it).
+        applied: with `"stop"`, whether the non-finite update had already reached the weights (an engine that
+            steps inside `backward` and did not skip it).
+    """
+
+    action: str
+    applied: bool = False
+
+
+class NonFiniteGuard:
+    """Decides what happens to an optimizer step whose loss or gradient is not finite.
+
+    Args:
+        policy (`str`): `"skip"` drops the step (counted), `"stop"` stops training, `"off"` lets it through.
+        max_consecutive_skips (`int`): with `"skip"`, stop once more than this many steps in a row were skipped
+            (0: never).
+    """
+
+    def __init__(self, policy: str = "skip", max_consecutive_skips: int = 10):
+        if policy not in NONFINITE_POLICIES:
+            raise ValueError(f"`nonfinite_policy` must be one of {NONFINITE_POLICIES}, got {policy!r}.")
+        if max_consecutive_skips < 0:
+            raise ValueError(f"`max_nonfinite_skips` must be >= 0, got {max_consecutive_skips}.")
+        self.policy = policy
+        self.max_consecutive_skips = max_consecutive_skips
+        self.consecutive = 0
+        self.skipped = 0
+        self._losses_finite: torch.Tensor | None = None
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Note whether one micro-batch's loss is finite. Device ops only: no host sync."""
+        if self.policy == "off":
+            return
+        finite = torch.isfinite(loss.detach()).all()
+        self._losses_finite = finite if self._losses_finite is None else self._losses_finite & finite
+
+    def pop_losses_finite(self) -> torch.Tensor | None:
+        """The flag `record_loss` built since the last call (a 0-dim bool tensor, `None` if nothing was recorded)."""
+        flag, self._losses_finite = self._losses_finite, None
+        return flag
+
+    def judge(
+        self,
+        grad_norm_is_finite: bool,
+        *,
+        loss_scaled: bool = False,
+        engine_stepped: bool = False,
+        engine_skipped: bool = False,
+        any_loss_nonfinite: Callable[[], bool] = lambda: True,
+    ) -> StepVerdict:
+        """The verdict on the current optimizer step.
+
+        Args:
+            grad_norm_is_finite (`bool`): whether the global gradient norm is finite.
+            loss_scaled (`bool`): fp16 with a loss scaler (gradient overflows are routine and handled by it).
+            engine_stepped (`bool`): the engine already ran its optimizer step inside `backward` (DeepSpeed).
+            engine_skipped (`bool`): that engine skipped the update (its overflow check fired).
+            any_loss_nonfinite (`Callable[[], bool]`): whether any process had a non-finite loss in this step;
+                called only when the answer matters, and then on every process alike (it may be a collective).
+
+        Returns:
+            [`StepVerdict`].
+        """
+        if self.policy == "off" or (grad_norm_is_finite and not engine_skipped):
+            self.consecutive = 0
+            return StepVerdict("step")
+        if loss_scaled and not any_loss_nonfinite():
+            return StepVerdict("overflow")
+        if engine_stepped and not engine_skipped:
+            return StepVerdict("stop", applied=True)
+        if self.policy == "stop":
+            return StepVerdict("stop")
+        self.consecutive += 1
+        if self.max_consecutive_skips > 0 and self.consecutive > self.max_consecutive_skips:
+            return StepVerdict("stop")
+        self.skipped += 1
+        return StepVerdict("skip")
+
+
+def report_step_skipped(optimizer, skipped: bool) -> None:
+    """Make `accelerator.optimizer_step_was_skipped` report a step whose gradients the guard dropped.
+
+    Trainer advances the learning-rate scheduler only when that property is false (the convention for updates that a
+    gradient scaler skips). accelerate's `AcceleratedOptimizer` reads it from `_is_overflow`, which only its gradient
+    scaler sets; without a scaler the guard sets it, for every step, to whether the step was dropped.
+
+    Raises:
+        TypeError: for an optimizer that has no such flag (not prepared by accelerate).
+    """
+    if not hasattr(optimizer, "_is_overflow"):
+        raise TypeError(
+            f"{type(optimizer).__name__} does not report skipped steps to the scheduler; nonfinite_policy='skip' "
+            "needs the optimizer that accelerate prepares (AcceleratedOptimizer)."
+        )
+    optimizer._is_overflow = skipped
