@@ -1,4 +1,5 @@
-"""`GRPOTrainerExt` against stock TRL, its LoRA behaviour and the options it refuses."""
+"""`GRPOTrainerExt` against stock TRL with the documents' objective, and its LoRA behaviour (other TRL options:
+`test_variants.py`)."""
 
 import gc
 
@@ -10,7 +11,6 @@ from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-from trl_grpo_ext.trainer import unsupported_options
 
 # Metrics both trainers log. Equal within float32 rounding: the two losses are the same formula, evaluated in a
 # different order (selection instead of multiplication by the mask), so the per-step results agree to ~1e-7
@@ -154,52 +154,24 @@ def test_lora_trains_only_adapters_and_uses_the_base_model_as_reference(
         torch.testing.assert_close(ref_logps[mask], expected[mask], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize(
-    ("option", "fix"),
-    [
-        (dict(loss_type="dapo"), "loss_type='grpo'"),
-        (dict(loss_type="dr_grpo"), "loss_type='grpo'"),
-        (dict(loss_type="bnpo"), "loss_type='grpo'"),
-        (dict(loss_type="cispo"), "loss_type='grpo'"),
-        (dict(loss_type="sapo"), "loss_type='grpo'"),
-        (dict(loss_type="luspo"), "loss_type='grpo'"),
-        (dict(loss_type="vespo"), "loss_type='grpo'"),
-        (dict(importance_sampling_level="sequence"), "importance_sampling_level='token'"),
-        (dict(top_entropy_quantile=0.2), "top_entropy_quantile=1.0"),
-        (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold=None"),
-        (dict(entropy_coef=0.01), "entropy_coef=0.0"),
-        (dict(use_adaptive_entropy=True), "use_adaptive_entropy=False"),
-        (dict(delta=1.5), "delta=None"),
-        (dict(use_bias_correction_kl=True), "use_bias_correction_kl=False"),
-        (dict(use_vllm=True), "vllm_importance_sampling_correction=False"),
-        (dict(scale_rewards="batch"), "scale_rewards='group'"),
-        (dict(multi_objective_aggregation="normalize_then_sum"), "multi_objective_aggregation='sum_then_normalize'"),
-    ],
-)
-def test_unsupported_trl_options_are_refused_at_construction(option, fix, tiny_model_path, prompt_dataset, tmp_path):
-    args = GRPOConfigExt(**tiny_grpo_args(tmp_path, **option))
-    with pytest.raises(ValueError, match="cannot honour") as error:
-        GRPOTrainerExt(model=tiny_model_path, reward_funcs=count_a_reward, args=args, train_dataset=prompt_dataset)
-    assert fix in str(error.value)
-    assert list(option)[0] in str(error.value)
+def test_the_documents_objective_takes_the_fused_loss_and_any_other_option_the_variant_path(tmp_path):
+    from trl_grpo_ext.variants import uses_grpo_loss
 
-
-def test_every_refusal_is_listed_at_once(tmp_path):
-    args = GRPOConfig(**tiny_grpo_args(tmp_path, loss_type="dapo", delta=2.0, entropy_coef=0.1))
-    problems = unsupported_options(args)
-    assert len(problems) == 3
-    # TRL's own defaults (dapo loss) are refused, with the fix spelled out.
-    assert any("loss_type='grpo'" in problem for problem in problems)
-
-
-def test_default_ext_config_and_equivalent_stock_config_are_supported(tmp_path):
-    assert unsupported_options(GRPOConfigExt(**tiny_grpo_args(tmp_path))) == []
+    assert uses_grpo_loss(GRPOConfigExt(**tiny_grpo_args(tmp_path)))
     stock = GRPOConfig(**tiny_grpo_args(tmp_path, loss_type="grpo", beta=0.04, use_bias_correction_kl=False))
-    assert unsupported_options(stock) == []
-    # scale_rewards='none' only centres the advantages inside each group, which the loss accepts.
-    assert unsupported_options(GRPOConfigExt(**tiny_grpo_args(tmp_path, scale_rewards="none"))) == []
-    # The bias-correction flag has no effect without a KL term.
-    assert unsupported_options(GRPOConfigExt(**tiny_grpo_args(tmp_path, beta=0.0, use_bias_correction_kl=True))) == []
+    assert uses_grpo_loss(stock)
+    # The bias-correction flag has no effect without a KL term; reward scaling happens before the loss.
+    assert uses_grpo_loss(GRPOConfigExt(**tiny_grpo_args(tmp_path, beta=0.0, use_bias_correction_kl=True)))
+    assert uses_grpo_loss(GRPOConfigExt(**tiny_grpo_args(tmp_path, scale_rewards="batch")))
+    for option in (
+        dict(loss_type="dapo"),
+        dict(importance_sampling_level="sequence"),
+        dict(delta=1.5),
+        dict(use_bias_correction_kl=True),
+        dict(top_entropy_quantile=0.5),
+        dict(off_policy_mask_threshold=0.5),
+    ):
+        assert not uses_grpo_loss(GRPOConfigExt(**tiny_grpo_args(tmp_path, **option))), option
 
 
 def test_model_card_carries_the_project_tag(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):

@@ -20,7 +20,8 @@ class GRPOConfigExt(GRPOConfig):
     Defaults that differ from TRL 1.16:
 
     - `beta=0.04` (TRL: 0.0): the KL penalty to the reference model is on, as in the DeepSeekMath paper.
-    - `loss_type="grpo"` (TRL: "dapo"): per-sequence length normalisation, the only loss `GRPOTrainerExt` computes.
+    - `loss_type="grpo"` (TRL: "dapo"): per-sequence length normalisation, the documents' objective (every other TRL
+      loss type is honoured as TRL computes it).
     - `use_bias_correction_kl=False` (TRL: True): the KL estimator is `exp(d) - d - 1`, not multiplied by the
       importance ratio.
     - `bf16=None` resolves to `True` only where a bf16-capable GPU is in use (TRL: always `True`, which fails on a
@@ -43,15 +44,16 @@ class GRPOConfigExt(GRPOConfig):
     loss_type: str = field(
         default="grpo",
         metadata={
-            "help": "Loss aggregation. Only 'grpo' (average the tokens of each completion, then the completions) is "
-            "implemented by GRPOTrainerExt; other values are refused at construction."
+            "help": "Loss aggregation. 'grpo' (average the tokens of each completion, then the completions) is the "
+            "documents' objective, computed by the fused grpo_loss; 'dapo', 'dr_grpo', 'bnpo', 'cispo', 'sapo', "
+            "'luspo' and 'vespo' are computed as TRL computes them (trl_grpo_ext.objectives)."
         },
     )
     use_bias_correction_kl: bool = field(
         default=False,
         metadata={
             "help": "Multiply the per-token KL by the importance ratio (TRL's default). Not part of the documents' "
-            "objective: GRPOTrainerExt refuses True."
+            "objective, whose KL estimator is exp(d) - d - 1; honoured as TRL does when True."
         },
     )
     bf16: bool | None = field(

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .loss import GRPOLossOutput
-from .numerics import EXP_LINEAR_ABOVE, log_of_exp_linear_above
+from .numerics import EXP_LINEAR_ABOVE, exp_linear_above, log_of_exp_linear_above
 
 __all__ = [
     "CORE_LOG_RATIO",
@@ -55,19 +55,17 @@ NUM_BINS = _NAN + 1
 
 # Per micro-batch, the sums behind TRL's own metrics (TRL averages its per-micro-batch global means over the log
 # window; keeping them per micro-batch reproduces its numbers exactly).
-_STEP_FIELDS = ("kl", "entropy", "low", "high", "region", "tokens", "low_min", "high_max")
+_STEP_FIELDS = ("kl", "entropy", "low", "high", "region", "tokens", "clip_units", "low_min", "high_max")
+# The terms of the loss, each in the units of the logged `loss` (they add up to it): logged as `loss/<term>`.
+LOSS_TERMS = ("policy", "kl_penalty", "entropy_bonus", "router")
+# Which clip metrics a policy term has, under TRL's names: "clip_ratio" (clip_ratio/low_mean, ... for the clipped
+# surrogate), "cispo" (cispo_clip_ratio), or "none" (SAPO, VESPO).
+CLIP_METRICS = ("clip_ratio", "cispo", "none")
 # Pooled over the whole log window: these sums, then the log-ratio histogram's NUM_BINS counts.
-_POOLED_FIELDS = (
-    "deviation_sum",
-    "square_sum",
-    "ratio_min",
-    "ratio_max",
-    "policy_loss",
-    "kl_penalty",
-    "micro_batches",
-)
+_POOLED_FIELDS = ("deviation_sum", "square_sum", "ratio_min", "ratio_max", *LOSS_TERMS, "micro_batches")
 _POOLED = {name: position for position, name in enumerate(_POOLED_FIELDS)}
 _COUNTS_START = len(_POOLED_FIELDS)
+_MISMATCH_HEADER = 6  # units, outside the bounds, min, max, sum, sum of squares; then the log-ratio bin counts
 
 
 def log_ratio_bins(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -183,12 +181,37 @@ class DiagnosticsAccumulator:
             only TRL's own metrics (kl, entropy, clip ratios) are kept.
         quantiles (`list[float]`): ratio quantiles to report.
         histograms (`bool`): build the histograms for loggers that draw them.
+        clip_metrics (`str`): one of `CLIP_METRICS`: which clip metrics the objective's policy term has.
+        loss_terms (`tuple[str, ...]`): the terms of `LOSS_TERMS` to report as `loss/<term>`.
+        extra_metrics (`tuple[str, ...]`): names of further per-micro-batch metrics, each added as a `(sum, count)`
+            pair by `add_loss_step` and reported as the pooled sum over the pooled count (like TRL's own).
+        sampler_mismatch (`bool`): also pool the raw sampler/trainer importance ratios of `add_sampler_mismatch`
+            (vLLM's importance-sampling correction), reported as `sampling/importance_sampling_ratio_raw/*`.
     """
 
-    def __init__(self, *, ratio_stats: bool = True, quantiles: list[float] | None = None, histograms: bool = True):
+    def __init__(
+        self,
+        *,
+        ratio_stats: bool = True,
+        quantiles: list[float] | None = None,
+        histograms: bool = True,
+        clip_metrics: str = "clip_ratio",
+        loss_terms: tuple[str, ...] = ("policy", "kl_penalty"),
+        extra_metrics: tuple[str, ...] = (),
+        sampler_mismatch: bool = False,
+    ):
+        if clip_metrics not in CLIP_METRICS:
+            raise ValueError(f"`clip_metrics` must be one of {CLIP_METRICS}, got {clip_metrics!r}.")
+        unknown = set(loss_terms) - set(LOSS_TERMS)
+        if unknown:
+            raise ValueError(f"unknown loss terms {sorted(unknown)}; known: {LOSS_TERMS}.")
         self.ratio_stats = ratio_stats
         self.quantiles = list(quantiles) if quantiles is not None else [0.05, 0.5, 0.95]
         self.histograms = histograms and ratio_stats
+        self.clip_metrics = clip_metrics
+        self.loss_terms = tuple(loss_terms)
+        self.extra_metrics = tuple(extra_metrics)
+        self.sampler_mismatch = sampler_mismatch
         self.reset()
 
     def reset(self) -> None:
@@ -196,37 +219,51 @@ class DiagnosticsAccumulator:
         self._pooled: torch.Tensor | None = None
         self._group_stds: list[torch.Tensor] = []
         self._unscored: list[torch.Tensor] = []  # [unscored, total] per generation batch
+        self._mismatch: torch.Tensor | None = None  # [units, outside the bounds, min, max, log-ratio bin counts]
 
     @staticmethod
     def _accumulator_dtype(device: torch.device) -> torch.dtype:
         return torch.float32 if device.type == "mps" else torch.float64
 
-    def add_loss_step(self, out: GRPOLossOutput, entropies: torch.Tensor | None) -> None:
+    def add_loss_step(
+        self,
+        out: GRPOLossOutput,
+        entropies: torch.Tensor | None,
+        loss_terms: dict[str, torch.Tensor] | None = None,
+        extras: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
         """Add one micro-batch. Device ops only: no `.item()`, no boolean indexing.
 
         Args:
-            out: what `grpo_loss` returned for the micro-batch.
+            out: what `grpo_loss` (or `objectives.policy_objective`) returned for the micro-batch.
             entropies (`torch.Tensor` of shape `(N, T)`, *optional*): per-token entropies of the policy.
+            loss_terms (`dict[str, torch.Tensor]`, *optional*): 0-dim values of the loss terms, in the units of the
+                logged `loss`; default: `out.policy_loss` and `out.kl_penalty`.
+            extras (`dict[str, tuple]`, *optional*): `(sum, count)` of each of `extra_metrics`.
         """
         mask = out.mask
         dtype = self._accumulator_dtype(mask.device)
         tokens = out.tokens_per_row.to(dtype)
+        units = out.clip_units_per_row.to(dtype)
         low, high = out.low_clipped_per_row.to(dtype), out.high_clipped_per_row.to(dtype)
-        with_tokens = tokens > 0
+        with_units = units > 0
         nan = torch.tensor(math.nan, dtype=dtype, device=mask.device)
         entropy_sum = torch.where(mask, entropies.detach(), 0).to(dtype).sum() if entropies is not None else nan
-        step = torch.stack(
-            [
-                out.kl_per_row.to(dtype).sum(),
-                entropy_sum,
-                low.sum(),
-                high.sum(),
-                (low + high).sum(),  # a token cannot be both: low needs A < 0, high A > 0
-                tokens.sum(),
-                torch.where(with_tokens, low / tokens.clamp(min=1), math.inf).min(),
-                torch.where(with_tokens, high / tokens.clamp(min=1), -math.inf).max(),
-            ]
-        )
+        values = [
+            out.kl_per_row.to(dtype).sum(),
+            entropy_sum,
+            low.sum(),
+            high.sum(),
+            (low + high).sum(),  # a token cannot be both: low needs A < 0, high A > 0
+            tokens.sum(),
+            units.sum(),
+            torch.where(with_units, low / units.clamp(min=1), math.inf).min(),
+            torch.where(with_units, high / units.clamp(min=1), -math.inf).max(),
+        ]
+        for name in self.extra_metrics:
+            total, count = extras[name]
+            values += [total.detach().to(dtype).reshape(()), torch.as_tensor(count, dtype=dtype, device=mask.device)]
+        step = torch.stack(values)
         self._steps.append(step)
         if not self.ratio_stats:
             return
@@ -235,13 +272,15 @@ class DiagnosticsAccumulator:
         deviation = torch.where(mask, out.ratio.to(dtype) - 1.0, 0.0)
         counts = torch.zeros(NUM_BINS, dtype=dtype, device=mask.device)
         counts.index_add_(0, log_ratio_bins(log_ratio).reshape(-1), mask.reshape(-1).to(dtype))
+        if loss_terms is None:
+            loss_terms = {"policy": out.policy_loss, "kl_penalty": out.kl_penalty}
+        zero = torch.zeros((), dtype=dtype, device=mask.device)
         fields = {
             "deviation_sum": deviation.sum(),
             "square_sum": deviation.pow(2).sum(),
             "ratio_min": torch.where(mask, out.ratio.to(dtype), math.inf).min(),
             "ratio_max": torch.where(mask, out.ratio.to(dtype), -math.inf).max(),
-            "policy_loss": out.policy_loss.detach().to(dtype),
-            "kl_penalty": out.kl_penalty.detach().to(dtype),
+            **{term: torch.as_tensor(loss_terms.get(term, zero)).detach().to(dtype) for term in LOSS_TERMS},
             "micro_batches": torch.ones((), dtype=dtype, device=mask.device),
         }
         pooled = torch.cat([torch.stack([fields[name] for name in _POOLED_FIELDS]), counts])
@@ -274,6 +313,46 @@ class DiagnosticsAccumulator:
         self._group_stds.append(std)
         self._unscored.append(torch.stack([(~scored).sum(), torch.tensor(scored.numel(), device=scored.device)]))
 
+    def add_sampler_mismatch(self, log_ratio: torch.Tensor, units: torch.Tensor, outside: torch.Tensor) -> None:
+        """Add the raw sampler/trainer importance ratios of one generation batch. Device ops only.
+
+        Args:
+            log_ratio (`torch.Tensor` of shape `(N, T)` or `(N, 1)`): `old_logp - sampler_logp`, per token or summed
+                per sequence, before any truncation or masking.
+            units (`torch.Tensor`, bool, same shape): which entries count (completion tokens, or every sequence).
+            outside (`torch.Tensor`, bool, same shape): entries whose ratio lies outside the correction's bounds,
+                i.e. that the correction truncates or masks.
+        """
+        if not self.sampler_mismatch:
+            return
+        dtype = self._accumulator_dtype(log_ratio.device)
+        weights = units.reshape(-1).to(dtype)
+        counts = torch.zeros(NUM_BINS, dtype=dtype, device=log_ratio.device)
+        counts.index_add_(0, log_ratio_bins(log_ratio.to(dtype)).reshape(-1), weights)
+        ratio = exp_linear_above(log_ratio.to(dtype))
+        segment = torch.cat(
+            [
+                torch.stack(
+                    [
+                        weights.sum(),
+                        (outside & units).sum().to(dtype),
+                        torch.where(units, ratio, math.inf).min(),
+                        torch.where(units, ratio, -math.inf).max(),
+                        torch.where(units, ratio, 0.0).sum(),
+                        torch.where(units, ratio, 0.0).pow(2).sum(),
+                    ]
+                ),
+                counts,
+            ]
+        )
+        if self._mismatch is None:
+            self._mismatch = segment
+        else:
+            combined = self._mismatch + segment
+            combined[2] = torch.minimum(self._mismatch[2], segment[2])
+            combined[3] = torch.maximum(self._mismatch[3], segment[3])
+            self._mismatch = combined
+
     def is_empty(self) -> bool:
         return not self._steps and not self._group_stds
 
@@ -284,7 +363,14 @@ class DiagnosticsAccumulator:
         parts = [torch.cat(self._steps)]
         if self._pooled is not None:
             parts.append(self._pooled)
+        if self.sampler_mismatch:  # fixed size, zeros when nothing was generated since the last log
+            empty = torch.zeros(_MISMATCH_HEADER + NUM_BINS, dtype=parts[0].dtype, device=parts[0].device)
+            empty[2], empty[3] = math.inf, -math.inf
+            parts.append(self._mismatch if self._mismatch is not None else empty)
         return torch.cat(parts)
+
+    def _step_width(self) -> int:
+        return len(_STEP_FIELDS) + 2 * len(self.extra_metrics)
 
     def summarize(self, gathered: torch.Tensor | None) -> DiagnosticsSummary:
         """Read the statistics off the gathered sums of all processes and reset.
@@ -296,11 +382,15 @@ class DiagnosticsAccumulator:
         summary = DiagnosticsSummary()
         if gathered is not None:
             gathered = gathered.to(torch.float64).cpu()
-            num_steps = len(self._steps)
-            steps = gathered[:, : num_steps * len(_STEP_FIELDS)].reshape(-1, num_steps, len(_STEP_FIELDS))
+            num_steps, width = len(self._steps), self._step_width()
+            steps = gathered[:, : num_steps * width].reshape(-1, num_steps, width)
             self._summarize_trl_metrics(steps, summary)
+            rest = gathered[:, num_steps * width :]
+            if self.sampler_mismatch:
+                rest, mismatch = rest[:, : -(_MISMATCH_HEADER + NUM_BINS)], rest[:, -(_MISMATCH_HEADER + NUM_BINS) :]
+                self._summarize_mismatch(mismatch, summary)
             if self._pooled is not None:
-                self._summarize_ratio_and_loss(gathered[:, num_steps * len(_STEP_FIELDS) :], summary)
+                self._summarize_ratio_and_loss(rest, summary)
         if self._group_stds:
             self._summarize_rewards(torch.cat(self._group_stds).to(torch.float64).cpu(), summary)
             unscored, total = torch.stack(self._unscored).sum(dim=0).tolist()
@@ -312,18 +402,25 @@ class DiagnosticsAccumulator:
         index = {name: position for position, name in enumerate(_STEP_FIELDS)}
         totals = steps.sum(dim=0)  # (num_steps, fields)
         tokens = totals[:, index["tokens"]].clamp(min=1.0)
-        for metric, name in (
-            ("kl", "kl"),
-            ("entropy", "entropy"),
-            ("clip_ratio/low_mean", "low"),
-            ("clip_ratio/high_mean", "high"),
-            ("clip_ratio/region_mean", "region"),
-        ):
-            summary.per_step[metric] = (totals[:, index[name]] / tokens).tolist()
-        low_min = steps[:, :, index["low_min"]].min(dim=0).values
-        high_max = steps[:, :, index["high_max"]].max(dim=0).values
-        summary.per_step["clip_ratio/low_min"] = torch.where(torch.isinf(low_min), math.nan, low_min).tolist()
-        summary.per_step["clip_ratio/high_max"] = torch.where(torch.isinf(high_max), math.nan, high_max).tolist()
+        units = totals[:, index["clip_units"]].clamp(min=1.0)
+        summary.per_step["kl"] = (totals[:, index["kl"]] / tokens).tolist()
+        summary.per_step["entropy"] = (totals[:, index["entropy"]] / tokens).tolist()
+        if self.clip_metrics == "clip_ratio":
+            for metric, name in (
+                ("clip_ratio/low_mean", "low"),
+                ("clip_ratio/high_mean", "high"),
+                ("clip_ratio/region_mean", "region"),
+            ):
+                summary.per_step[metric] = (totals[:, index[name]] / units).tolist()
+            low_min = steps[:, :, index["low_min"]].min(dim=0).values
+            high_max = steps[:, :, index["high_max"]].max(dim=0).values
+            summary.per_step["clip_ratio/low_min"] = torch.where(torch.isinf(low_min), math.nan, low_min).tolist()
+            summary.per_step["clip_ratio/high_max"] = torch.where(torch.isinf(high_max), math.nan, high_max).tolist()
+        elif self.clip_metrics == "cispo":
+            summary.per_step["cispo_clip_ratio"] = (totals[:, index["high"]] / units).tolist()
+        for position, name in enumerate(self.extra_metrics):
+            start = len(_STEP_FIELDS) + 2 * position
+            summary.per_step[name] = (totals[:, start] / totals[:, start + 1]).tolist()
 
     def _summarize_ratio_and_loss(self, pooled: torch.Tensor, summary: DiagnosticsSummary) -> None:
         counts = pooled[:, _COUNTS_START:].sum(dim=0)
@@ -331,8 +428,8 @@ class DiagnosticsAccumulator:
         deviation_sum, square_sum = total_of["deviation_sum"], total_of["square_sum"]
         minimum = pooled[:, _POOLED["ratio_min"]].min().item()
         maximum = pooled[:, _POOLED["ratio_max"]].max().item()
-        summary.scalars["loss/policy"] = total_of["policy_loss"] / total_of["micro_batches"]
-        summary.scalars["loss/kl_penalty"] = total_of["kl_penalty"] / total_of["micro_batches"]
+        for term in self.loss_terms:
+            summary.scalars[f"loss/{term}"] = total_of[term] / total_of["micro_batches"]
 
         finite_counts = counts[:-1]  # drop the NaN bin
         total = finite_counts.sum().item()
@@ -357,6 +454,29 @@ class DiagnosticsAccumulator:
             ratio_squares = total + 2.0 * deviation_sum + square_sum
             summary.histograms["ratio"] = _ratio_histogram(finite_counts, upper, minimum, maximum)
             summary.histograms["ratio"] += (total, ratio_sum, ratio_squares)
+
+    def _summarize_mismatch(self, pooled: torch.Tensor, summary: DiagnosticsSummary) -> None:
+        total = pooled[:, 0].sum().item()
+        if total == 0:
+            return
+        minimum, maximum = pooled[:, 2].min().item(), pooled[:, 3].max().item()
+        counts = pooled[:, _MISMATCH_HEADER:].sum(dim=0)[:-1]  # without the NaN bin
+        prefix = "sampling/importance_sampling_ratio_raw"
+        summary.scalars[f"{prefix}/min"] = minimum
+        summary.scalars[f"{prefix}/max"] = maximum
+        summary.scalars[f"{prefix}/outside_fraction"] = pooled[:, 1].sum().item() / total
+        lower, upper = log_ratio_bin_bounds()
+        log_quantiles = histogram_quantiles(
+            counts, lower, upper, self.quantiles, log_of_exp_linear_above(minimum), log_of_exp_linear_above(maximum)
+        )
+        for quantile, log_value in zip(self.quantiles, log_quantiles, strict=True):
+            value = math.exp(min(log_value, EXP_LINEAR_ABOVE)) * (1.0 + max(log_value - EXP_LINEAR_ABOVE, 0.0))
+            name = quantile_metric_name(quantile).replace("ratio/", f"{prefix}/")
+            summary.scalars[name] = min(max(value, minimum), maximum)
+        if self.histograms and counts.sum() > 0:
+            limits, bucket_counts, low, high = _ratio_histogram(counts, upper, minimum, maximum)
+            sums = (pooled[:, 4].sum().item(), pooled[:, 5].sum().item())
+            summary.histograms[prefix] = (limits, bucket_counts, low, high, total, *sums)
 
     def _summarize_rewards(self, group_stds: torch.Tensor, summary: DiagnosticsSummary) -> None:
         valid = group_stds[~torch.isnan(group_stds)]

@@ -97,6 +97,8 @@ class GRPOLossOutput:
         tokens_per_row: completion tokens of each row, `(N,)`.
         kl_per_row: `sum_t K_it` of each row, `(N,)`.
         low_clipped_per_row, high_clipped_per_row: tokens of each row in the flat region, `(N,)`.
+        clip_units_per_row: what the two above count per row, `(N,)`: its completion tokens (or, for sequence-level
+            importance weights in `objectives.policy_objective`, 1).
 
     Per-token properties, computed on first access from the detached inputs and then kept (so that a caller who
     needs none of them pays for none): `mask`, `advantages`, `log_ratio`, `ratio`, `per_token_kl`,
@@ -114,6 +116,7 @@ class GRPOLossOutput:
         self.kl_per_row = rows["kl"]
         self.low_clipped_per_row = rows["low"]
         self.high_clipped_per_row = rows["high"]
+        self.clip_units_per_row = rows.get("clip_units", rows["tokens"])
         self._inputs: _LossInputs = inputs
         self._cache = dict(cache or {})
 

@@ -1,11 +1,14 @@
-"""`GRPOTrainerExt`: TRL's `GRPOTrainer` whose loss is `trl_grpo_ext.grpo_loss`.
+"""`GRPOTrainerExt`: TRL's `GRPOTrainer` whose loss is this package's.
 
-Generation, rewards, advantages, reference log-probs, PEFT and distributed training are TRL's, unchanged. TRL options
-that the loss does not implement are refused at construction instead of being silently ignored. Each override
-wires one module in and otherwise defers to TRL:
+Generation, rewards, advantages, reference log-probs, PEFT and distributed training are TRL's, unchanged. Every TRL
+option of the loss is honoured as stock TRL honours it. Each override wires one module in and otherwise defers to
+TRL:
 
-- `_compute_loss`: the loss (`loss.py`, `fused.py`) and the per-micro-batch diagnostics sums (`diagnostics.py`);
-- `_calculate_rewards`: the per-group reward spread; `log`: the one gather of the diagnostics per log step;
+- `_compute_loss`: the loss (`grpo_loss` of `loss.py` and `fused.py` for the documents' objective, otherwise
+  `objectives.py` with the inputs `variants.py` takes from TRL's options) and the per-micro-batch diagnostics sums
+  (`diagnostics.py`);
+- `_calculate_rewards`: the per-group reward spread; `_generate_and_score_completions`: the sampler/trainer mismatch
+  behind vLLM's importance-sampling correction; `log`: the one gather of the diagnostics per log step;
 - `training_step`, `_get_grad_norm`: the non-finite guard (`guardrails/nonfinite.py`), with the state at the start of
   each step kept by a callback (`_StepStartCallback`) for the checkpoint of a stopped step;
 - `_save_checkpoint`, `_get_output_dir`, `_push_from_checkpoint`, `_load_optimizer_and_scheduler`: crash-safe
@@ -35,10 +38,19 @@ from .guardrails.nonfinite import report_step_skipped
 from .loggers import write_histograms
 from .loss import grpo_loss, hyperparameter_problems
 from .model_card import CARD_CONFIG_FIELDS, build_model_card, final_metrics
+from .objectives import policy_objective
+from .variants import (
+    aggregation_denominator,
+    clip_metrics_of,
+    entropy_bonus,
+    is_window_aggregation,
+    policy_weights,
+    uses_grpo_loss,
+)
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["GRPOTrainerExt", "unsupported_options"]
+__all__ = ["GRPOTrainerExt"]
 
 # Extra model inputs that TRL's batches may carry (vision-language models); forwarded untouched.
 _FORWARD_KEYS = (
@@ -55,73 +67,15 @@ _FORWARD_KEYS = (
 )
 
 
-def unsupported_options(args: GRPOConfig) -> list[str]:
-    """The TRL 1.16 options set in `args` that `GRPOTrainerExt`'s loss does not implement, each with its fix.
-
-    Args:
-        args (`trl.GRPOConfig`): the training configuration.
-
-    Returns:
-        `list[str]`: one message per unsupported option; empty when the configuration is supported.
-    """
-    problems = []
-    if args.loss_type != "grpo":
-        problems.append(
-            f"loss_type={args.loss_type!r}: only 'grpo' (per-sequence length normalisation) is implemented; "
-            "set loss_type='grpo'."
-        )
-    if args.importance_sampling_level != "token":
-        problems.append(
-            f"importance_sampling_level={args.importance_sampling_level!r}: the objective uses token-level ratios; "
-            "set importance_sampling_level='token'."
-        )
-    if args.top_entropy_quantile != 1.0:
-        problems.append(
-            f"top_entropy_quantile={args.top_entropy_quantile}: entropy-based token masking is not part of the "
-            "objective; set top_entropy_quantile=1.0."
-        )
-    if args.off_policy_mask_threshold is not None:
-        problems.append(
-            f"off_policy_mask_threshold={args.off_policy_mask_threshold}: off-policy sequence masking is not part of "
-            "the objective; set off_policy_mask_threshold=None."
-        )
-    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
-        problems.append(
-            f"entropy_coef={args.entropy_coef}, use_adaptive_entropy={args.use_adaptive_entropy}: an entropy bonus is "
-            "not part of the objective; set entropy_coef=0.0 and use_adaptive_entropy=False."
-        )
-    if args.delta is not None:
-        problems.append(
-            f"delta={args.delta}: two-sided clipping of the ratio is not part of the objective; set delta=None."
-        )
-    if args.use_bias_correction_kl and args.beta != 0.0:
-        problems.append(
-            "use_bias_correction_kl=True: the objective's KL estimator exp(d) - d - 1 is not multiplied by the "
-            "importance ratio; set use_bias_correction_kl=False."
-        )
-    if args.use_vllm and args.vllm_importance_sampling_correction:
-        problems.append(
-            "use_vllm=True with vllm_importance_sampling_correction=True: the vLLM/trainer importance-sampling "
-            "correction is not part of the objective; set vllm_importance_sampling_correction=False."
-        )
-    if args.scale_rewards not in ("group", "none"):
-        problems.append(
-            f"scale_rewards={args.scale_rewards!r}: advantages are normalised inside each group; set "
-            "scale_rewards='group' (or 'none' to only centre them)."
-        )
-    if args.multi_objective_aggregation != "sum_then_normalize":
-        problems.append(
-            f"multi_objective_aggregation={args.multi_objective_aggregation!r}: advantages are computed from the "
-            "weighted sum of the rewards, per group; set multi_objective_aggregation='sum_then_normalize'."
-        )
-    return problems
-
-
 class GRPOTrainerExt(GRPOTrainer):
-    """[`trl.GRPOTrainer`] that trains with [`grpo_loss`]: the documents' GRPO objective.
+    """[`trl.GRPOTrainer`] whose loss is this package's: the documents' GRPO objective by default, every TRL option
+    honoured.
 
-    Takes the same arguments as `trl.GRPOTrainer`. `args` defaults to a [`GRPOConfigExt`]; a plain `trl.GRPOConfig`
-    is accepted if it only sets options this trainer implements (`loss_type="grpo"`, no entropy bonus, ...).
+    Takes the same arguments as `trl.GRPOTrainer`. `args` defaults to a [`GRPOConfigExt`] (the documents' objective,
+    computed by the fused [`grpo_loss`]); with a plain `trl.GRPOConfig`, or any TRL option set (every `loss_type`,
+    sequence-level importance sampling, `delta`, entropy masking and bonus, off-policy masking, the KL bias
+    correction, vLLM's importance-sampling correction, the Mixture-of-Experts router loss, batch reward scaling,
+    normalise-then-sum), it trains step for step like stock TRL, with `objectives.policy_objective`.
     With `peft_config=LoraConfig(...)` only the adapter is trained, and the reference log-probs come from the same
     model with its adapters disabled.
 
@@ -130,9 +84,8 @@ class GRPOTrainerExt(GRPOTrainer):
     writes crash-safe checkpoints that resume exactly, and writes a model card with a training report.
 
     Raises:
-        ValueError: at construction, listing every TRL option set in `args` that this loss does not implement, with
-            the value to use instead; also for invalid `epsilon`/`epsilon_high`/`beta`, an empty training set, or
-            one without a `prompt` column.
+        ValueError: at construction, for invalid `epsilon`/`epsilon_high`/`beta`, an empty training set, or one
+            without a `prompt` column.
     """
 
     _tag_names = ["trl", "grpo", "trl_grpo_ext"]
@@ -144,31 +97,31 @@ class GRPOTrainerExt(GRPOTrainer):
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = GRPOConfigExt(f"{model_name.split('/')[-1]}-GRPO")
-        problems = unsupported_options(args)
-        if problems:
-            raise ValueError(
-                f"{type(self).__name__} computes the GRPO loss of trl_grpo_ext.grpo_loss and cannot honour these "
-                "options:\n- " + "\n- ".join(problems)
-            )
         problems = hyperparameter_problems(args.epsilon, args.epsilon_high, args.beta)
         if problems:
             raise ValueError(" ".join(problems))
         _check_train_dataset(kwargs.get("train_dataset"), kwargs.get("environment_factory"))
         super().__init__(model, _guard_reward_funcs(reward_funcs), args=args, **kwargs)
-        if self.aux_loss_enabled:
-            raise ValueError(
-                f"{type(self).__name__} does not add the Mixture-of-Experts load-balancing loss "
-                f"(router_aux_loss_coef={self.router_aux_loss_coef}); set router_aux_loss_coef=0.0."
-            )
 
         def option(name):  # a plain trl.GRPOConfig has none of the extra fields: GRPOConfigExt's defaults then
             return getattr(args, name, GRPOConfigExt.__dataclass_fields__[name].default)
 
+        self._uses_grpo_loss = uses_grpo_loss(args)
+        loss_terms = ("policy", "kl_penalty")
+        loss_terms += ("entropy_bonus",) if self._entropy_bonus_enabled else ()
+        loss_terms += ("router",) if self.aux_loss_enabled else ()
+        extra_metrics = ("policy_loss",) if self._entropy_bonus_enabled else ()  # TRL logs it with a bonus only
+        extra_metrics += ("aux_loss",) if self.aux_loss_enabled else ()
+        extra_metrics += ("vespo/phi_seq_mean",) if self.loss_type == "vespo" else ()
         self._diagnostics = {
             mode: DiagnosticsAccumulator(
                 ratio_stats=option("log_diagnostics"),
                 quantiles=getattr(args, "ratio_quantiles", None),
                 histograms=option("log_histograms"),
+                clip_metrics=clip_metrics_of(self.loss_type),
+                loss_terms=loss_terms,
+                extra_metrics=extra_metrics,
+                sampler_mismatch=self.use_vllm and self.vllm_importance_sampling_correction,
             )
             for mode in ("train", "eval")
         }
@@ -191,46 +144,90 @@ class GRPOTrainerExt(GRPOTrainer):
             )
 
     def _compute_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
+        mode = "train" if self.model.training else "eval"
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
-        logps, entropies = self._policy_logps_and_entropies(model, inputs)
-        out = grpo_loss(
-            logps,
-            inputs.get("old_per_token_logps"),
-            inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
-            inputs["advantages"],
-            mask,
-            epsilon=self.epsilon_low,
-            epsilon_high=self.epsilon_high,
-            beta=self.beta,
-            implementation=self._loss_implementation,
-        )
-        mode = "train" if self.model.training else "eval"
-        self._diagnostics[mode].add_loss_step(out, entropies)
+        logps, entropies, aux_loss = self._policy_logps_and_entropies(model, inputs)
+        ref_logps = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
         # TRL sets `loss_is_scaled_for_ga`: the trainer, not Trainer, divides by the accumulation steps.
-        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        return out.loss / normalizer
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        extras = {}
+        entropy_mask = None
+        if self._uses_grpo_loss:
+            out = grpo_loss(
+                logps,
+                inputs.get("old_per_token_logps"),
+                ref_logps,
+                inputs["advantages"],
+                mask,
+                epsilon=self.epsilon_low,
+                epsilon_high=self.epsilon_high,
+                beta=self.beta,
+                implementation=self._loss_implementation,
+            )
+        else:
+            token_weights, entropy_mask, sequence_weights = policy_weights(self, inputs, logps, entropies, mask)
+            out = policy_objective(
+                logps,
+                inputs.get("old_per_token_logps"),
+                ref_logps,
+                inputs["advantages"],
+                mask,
+                loss_type=self.loss_type,
+                importance_sampling_level=self.importance_sampling_level,
+                epsilon=self.epsilon_low,
+                epsilon_high=self.epsilon_high,
+                delta=self.args.delta,
+                beta=self.beta,
+                use_bias_correction_kl=self.args.use_bias_correction_kl,
+                sapo_temperature_pos=self.args.sapo_temperature_pos,
+                sapo_temperature_neg=self.args.sapo_temperature_neg,
+                sequence_weights=sequence_weights,
+                token_weights=token_weights,
+                denominator=aggregation_denominator(self, inputs, logps.size(0), mode),
+            )
+            if sequence_weights is not None:
+                extras["vespo/phi_seq_mean"] = (sequence_weights.sum(), sequence_weights.numel())
+        # Window-level aggregations already divide by the window's tokens; the others are per micro-batch.
+        unscaled = accumulation if is_window_aggregation(self.loss_type) else 1.0
+        loss = out.loss * unscaled / accumulation
+        # Each term in the units of the logged `loss`, so that they add up to it.
+        terms = {"policy": out.policy_loss * unscaled, "kl_penalty": out.kl_penalty * unscaled}
+        if self._entropy_bonus_enabled:
+            extras["policy_loss"] = (out.loss.detach(), 1)  # as TRL logs it: the loss before the bonus
+            coef, mean_entropy = entropy_bonus(self, entropies, mask, entropy_mask, mode)
+            loss = loss - coef * mean_entropy / accumulation
+            terms["entropy_bonus"] = -coef * mean_entropy.detach()
+            if mode == "train" and self.accelerator.sync_gradients:
+                self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
+            terms["router"] = self.router_aux_loss_coef * aux_loss.detach()
+            extras["aux_loss"] = (aux_loss, 1)
+        self._diagnostics[mode].add_loss_step(out, entropies, loss_terms=terms, extras=extras)
+        return loss
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._nonfinite_guard.record_loss(loss)  # the loss that went into backward, judged at the optimizer step
         return loss
 
-    def _policy_logps_and_entropies(self, model, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs `(N, T)` (with gradient) and entropies `(N, T)` of the completion tokens."""
+    def _policy_logps_and_entropies(self, model, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Per-token log-probs `(N, T)` (with gradient) and entropies `(N, T)` of the completion tokens, and the
+        Mixture-of-Experts router loss (0-dim, `None` unless `aux_loss_enabled`)."""
         completion_ids = inputs["completion_ids"]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        logps, entropies, _ = self._get_per_token_logps_and_entropies(
+        return self._get_per_token_logps_and_entropies(
             model,
             input_ids,
             attention_mask,
             completion_ids.size(1),
             compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled,
             **{key: inputs.get(key) for key in _FORWARD_KEYS},
         )
-        return logps, entropies
 
     def _get_grad_norm(self, model, grad_norm=None):
         """Trainer's gradient norm of the step about to be taken, and the non-finite guard's verdict on it."""
@@ -298,6 +295,35 @@ class GRPOTrainerExt(GRPOTrainer):
             f"{checkpoint}. Lower the learning rate, check the rewards and inputs for NaN, or set "
             "nonfinite_policy='skip'."
         )
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if "importance_sampling_ratio" in output and "sampling_per_token_logps" in output:
+            mode = "train" if self.model.training else "eval"
+            self._diagnostics[mode].add_sampler_mismatch(*self._sampler_mismatch(output))
+        return output
+
+    def _sampler_mismatch(self, output: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The raw sampler/trainer log ratios behind vLLM's importance-sampling correction, the entries that count,
+        and those outside its bounds (truncated or masked), as `DiagnosticsAccumulator.add_sampler_mismatch` takes
+        them."""
+        mask = output["completion_mask"].bool()
+        if output.get("tool_mask") is not None:
+            mask = mask & output["tool_mask"].bool()
+        difference = torch.where(mask, output["old_per_token_logps"] - output["sampling_per_token_logps"], 0.0)
+        difference = torch.nan_to_num(difference, nan=0.0)  # tokens the sampler could not score: no correction
+        if self.vllm_importance_sampling_mode.startswith("sequence"):
+            difference, units = difference.sum(dim=-1, keepdim=True), torch.ones_like(mask[:, :1])
+        else:
+            units = mask
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        ratio = torch.exp(difference)
+        outside = torch.zeros_like(units)
+        if low is not None:
+            outside = outside | (ratio < low)
+        if high is not None:
+            outside = outside | (ratio > high)
+        return difference, units, outside
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)

@@ -1,0 +1,174 @@
+"""`policy_objective`: every TRL loss variant, with the numerics of `grpo_loss`."""
+
+import math
+
+import pytest
+import torch
+
+from trl_grpo_ext import grpo_loss
+from trl_grpo_ext.objectives import AGGREGATIONS, LOSS_TYPES, POLICY_TERMS, policy_objective
+
+
+def batch(num_rows=8, num_tokens=12, *, seed=0, spread=0.4):
+    generator = torch.Generator().manual_seed(seed)
+    logps = -torch.rand(num_rows, num_tokens, generator=generator) * 3
+    old = logps + spread * torch.randn(num_rows, num_tokens, generator=generator)
+    ref = logps + spread * torch.randn(num_rows, num_tokens, generator=generator)
+    advantages = torch.randn(num_rows, generator=generator)
+    lengths = torch.randint(1, num_tokens + 1, (num_rows, 1), generator=generator)
+    lengths[-1] = 0  # a row without completion tokens
+    mask = torch.arange(num_tokens)[None] < lengths
+    return logps, old, ref, advantages, mask
+
+
+def variant_kwargs(loss_type, rows, num_tokens=12):
+    kwargs = {"loss_type": loss_type}
+    if LOSS_TYPES[loss_type][1] == "sum_over_denominator":
+        kwargs["denominator"] = float(rows * num_tokens)
+    if loss_type == "vespo":
+        kwargs["sequence_weights"] = torch.linspace(0.5, 1.5, rows)[:, None]
+    if loss_type == "cispo":
+        kwargs["epsilon_high"] = 1.2
+    return kwargs
+
+
+def run(logps, *args, **kwargs):
+    leaf = logps.clone().requires_grad_(True)
+    out = policy_objective(leaf, *args, **kwargs)
+    out.loss.backward()
+    return out, leaf.grad
+
+
+def test_the_catalogue_names_every_trl_loss_type():
+    assert set(LOSS_TYPES) == {"grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"}
+    for term, aggregation in LOSS_TYPES.values():
+        assert term in POLICY_TERMS and aggregation in AGGREGATIONS
+
+
+@pytest.mark.parametrize("beta", [0.04, 0.0])
+def test_the_grpo_row_is_grpo_loss(beta):
+    logps, old, ref, advantages, mask = batch(seed=1)
+    ref = ref if beta else None
+    out, grad = run(logps, old, ref, advantages, mask, beta=beta, epsilon_high=0.28)
+    leaf = logps.clone().requires_grad_(True)
+    expected = grpo_loss(leaf, old, ref, advantages, mask, beta=beta, epsilon_high=0.28, implementation="reference")
+    expected.loss.backward()
+    torch.testing.assert_close(out.loss, expected.loss)
+    torch.testing.assert_close(grad, leaf.grad)
+    torch.testing.assert_close(out.kl, expected.kl)
+    torch.testing.assert_close(out.low_clipped_per_row, expected.low_clipped_per_row)
+    torch.testing.assert_close(out.high_clipped_per_row, expected.high_clipped_per_row)
+
+
+def token_level_loop(loss_type, logps, old, ref, advantages, mask, beta, denominator, weights, epsilon_high=0.2):
+    """Each variant written out per token in float64, for comparison."""
+    rows, tokens = logps.shape
+    per_token = torch.zeros(rows, tokens, dtype=torch.float64)
+    for i in range(rows):
+        for t in range(tokens):
+            if not mask[i, t]:
+                continue
+            lp, r, a = float(logps[i, t]), math.exp(float(logps[i, t] - old[i, t])), float(advantages[i])
+            if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+                term = -min(r * a, min(max(r, 0.8), 1.0 + epsilon_high) * a)
+            elif loss_type == "cispo":
+                term = -min(r, epsilon_high) * a * lp
+            elif loss_type == "sapo":
+                tau = 1.0 if a > 0 else 1.05
+                term = -4.0 / tau / (1.0 + math.exp(-tau * (r - 1.0))) * a
+            else:  # vespo
+                term = -float(weights[i]) * a * lp
+            d = float(ref[i, t] - logps[i, t])
+            per_token[i, t] = term + beta * (math.exp(d) - d - 1.0)
+    counts = mask.sum(dim=-1).double()
+    aggregation = LOSS_TYPES[loss_type][1]
+    if aggregation == "sequence_mean":
+        return (per_token.sum(-1) / counts.clamp(min=1)).mean()
+    if aggregation == "token_mean":
+        return per_token.sum() / counts.sum()
+    if aggregation == "sequence_sum":
+        return per_token.sum(-1).mean()
+    return per_token.sum() / denominator
+
+
+@pytest.mark.parametrize("loss_type", sorted(LOSS_TYPES))
+def test_each_variant_matches_its_formula_token_by_token(loss_type):
+    logps, old, ref, advantages, mask = batch(seed=2)
+    kwargs = variant_kwargs(loss_type, logps.shape[0])
+    out, _ = run(logps, old, ref, advantages, mask, beta=0.04, **kwargs)
+    expected = token_level_loop(
+        loss_type,
+        logps.double(),
+        old.double(),
+        ref.double(),
+        advantages.double(),
+        mask,
+        0.04,
+        kwargs.get("denominator"),
+        kwargs.get("sequence_weights", torch.ones(8, 1)).reshape(-1),
+        epsilon_high=kwargs.get("epsilon_high", 0.2),
+    )
+    assert out.loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(out.loss, out.policy_loss + out.kl_penalty)
+
+
+@pytest.mark.parametrize("loss_type", sorted(LOSS_TYPES))
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_values_at_masked_positions_change_nothing_and_extremes_stay_finite(loss_type, level):
+    logps, old, ref, advantages, mask = batch(seed=3)
+    kwargs = variant_kwargs(loss_type, logps.shape[0])
+    clean, clean_grad = run(logps, old, ref, advantages, mask, importance_sampling_level=level, **kwargs)
+    dirty = [t.clone().masked_fill_(~mask, math.nan) for t in (logps, old, ref)]
+    weights = torch.ones_like(logps).masked_fill_(~mask, math.inf)
+    out, grad = run(
+        *dirty[:1], *dirty[1:], advantages, mask, importance_sampling_level=level, token_weights=weights, **kwargs
+    )
+    torch.testing.assert_close(out.loss, clean.loss)
+    torch.testing.assert_close(grad, clean_grad)
+    far = old.clone()
+    far[0, 0] = logps[0, 0] - 80.0  # exp(80) overflows float32
+    extreme, extreme_grad = run(logps, far, ref, advantages, mask, importance_sampling_level=level, **kwargs)
+    assert math.isfinite(extreme.loss.item()) and torch.isfinite(extreme_grad).all()
+
+
+def test_sequence_level_clip_indicators_count_rows():
+    logps, old, ref, advantages, mask = batch(seed=4, spread=1.0)
+    out = policy_objective(logps, old, ref, advantages, mask, importance_sampling_level="sequence")
+    assert torch.equal(out.clip_units_per_row, torch.ones(8, dtype=out.clip_units_per_row.dtype))
+    assert set(out.low_clipped_per_row.tolist()) <= {0, 1} and set(out.high_clipped_per_row.tolist()) <= {0, 1}
+    ratio = out.ratio
+    for row in range(8):  # one ratio per completion, shared by its tokens
+        values = ratio[row][mask[row]]
+        assert values.numel() == 0 or torch.allclose(values, values[0].expand_as(values))
+
+
+def test_bias_corrected_kl_is_weighted_by_the_ratio():
+    logps, old, ref, advantages, mask = batch(seed=5)
+    plain = policy_objective(logps, old, ref, advantages, mask)
+    corrected = policy_objective(logps, old, ref, advantages, mask, use_bias_correction_kl=True)
+    torch.testing.assert_close(corrected.per_token_kl, plain.per_token_kl * plain.ratio)
+
+
+def test_delta_caps_the_unclipped_ratio():
+    logps, old, ref, advantages, mask = batch(seed=6, spread=1.0)
+    advantages = advantages.abs()  # positive advantages: the high side binds
+    free = policy_objective(logps, old, None, advantages, mask, beta=0.0, epsilon_high=10.0)
+    capped = policy_objective(logps, old, None, advantages, mask, beta=0.0, epsilon_high=10.0, delta=1.5)
+    assert capped.loss > free.loss  # a smaller surrogate, a larger loss
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"loss_type": "ppo"}, "loss_type"),
+        ({"importance_sampling_level": "batch"}, "importance_sampling_level"),
+        ({"loss_type": "dapo"}, "denominator"),
+        ({"loss_type": "vespo", "denominator": 1.0}, "sequence_weights"),
+        ({"delta": -1.0}, "delta"),
+        ({"epsilon": 0.0}, "epsilon"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(kwargs, message):
+    logps, old, ref, advantages, mask = batch(seed=7)
+    with pytest.raises(ValueError, match=message):
+        policy_objective(logps, old, ref, advantages, mask, **kwargs)
