@@ -76,7 +76,7 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
 
     from trl_grpo_ext import GRPOTrainerExt
     from trl_grpo_ext.data import load_recipe_dataset
-    from trl_grpo_ext.evaluation import sampled_reward_means
+    from trl_grpo_ext.evaluation import SamplingSettings, sampled_reward_means
     from trl_grpo_ext.rewards import resolve_reward_funcs
 
     if script_args.num_threads:
@@ -128,17 +128,14 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
 
     def evaluate() -> dict[str, float]:
         rows = test_dataset.select(range(min(script_args.eval_samples, len(test_dataset)))).to_list()
-        model = trainer.accelerator.unwrap_model(trainer.model)
         return sampled_reward_means(
-            model,
-            tokenizer,
+            trainer.accelerator.unwrap_model(trainer.model),
+            trainer.processing_class,
             rows,
             reward_funcs,
-            max_new_tokens=training_args.max_completion_length,
-            temperature=training_args.temperature,
-            top_p=training_args.top_p,
-            top_k=training_args.top_k or 0,
+            SamplingSettings.from_config(training_args),  # sample as training does
             seed=training_args.seed,
+            reward_kwargs={"trainer_state": trainer.state},
         )
 
     evaluating = script_args.eval_samples > 0 and trainer.accelerator.is_main_process
