@@ -10,8 +10,10 @@ TensorBoard logs, `report.png` and a model card, ready for `push_to_hub`.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -59,6 +61,47 @@ class GRPOScriptArguments:
     )
 
 
+def output_summary(output_dir: str, since: float, logged: bool, logging_steps: float) -> str:
+    """One line naming what this run wrote into `output_dir`: files older than `since` (left by an earlier run) do not
+    count, and a missing `report.png` is named with its reason."""
+
+    def written(name: str) -> bool:
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path):
+            return any(
+                os.path.getmtime(os.path.join(root, file)) >= since
+                for root, _, files in os.walk(path)
+                for file in files
+            )
+        return os.path.isfile(path) and os.path.getmtime(path) >= since
+
+    parts = []
+    if written("adapter_model.safetensors"):
+        parts.append("LoRA adapter")
+    elif any(written(name) for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")):
+        parts.append("model")
+    parts += [
+        label
+        for name, label in (
+            ("tokenizer_config.json", "tokenizer"),
+            ("README.md", "model card README.md"),
+            ("report.png", "report.png"),
+            ("runs", "TensorBoard runs/"),
+        )
+        if written(name)
+    ]
+    line = f"Output folder: {output_dir} ({', '.join(parts) or 'nothing written'})"
+    if not written("report.png"):
+        if not logged:
+            reason = f"no training step was logged (the run was shorter than logging_steps={logging_steps:g})"
+        elif importlib.util.find_spec("matplotlib") is None:
+            reason = "matplotlib is not installed (pip install 'trl-grpo-ext[recipes]')"
+        else:
+            reason = "see the warnings above"
+        line += f"; no report.png: {reason}"
+    return line
+
+
 def make_parser():
     """The recipe's `TrlParser` over (script arguments, `GRPOConfigExt`, `trl.ModelConfig`)."""
     from trl import ModelConfig, TrlParser
@@ -76,9 +119,10 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
 
     from trl_grpo_ext import GRPOTrainerExt
     from trl_grpo_ext.data import load_recipe_dataset
-    from trl_grpo_ext.evaluation import sampled_reward_means
+    from trl_grpo_ext.evaluation import SamplingSettings, sampled_reward_means
     from trl_grpo_ext.rewards import resolve_reward_funcs
 
+    started = time.time()
     if script_args.num_threads:
         torch.set_num_threads(script_args.num_threads)
     if model_args.model_name_or_path is None:
@@ -128,17 +172,14 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
 
     def evaluate() -> dict[str, float]:
         rows = test_dataset.select(range(min(script_args.eval_samples, len(test_dataset)))).to_list()
-        model = trainer.accelerator.unwrap_model(trainer.model)
         return sampled_reward_means(
-            model,
-            tokenizer,
+            trainer.accelerator.unwrap_model(trainer.model),
+            trainer.processing_class,
             rows,
             reward_funcs,
-            max_new_tokens=training_args.max_completion_length,
-            temperature=training_args.temperature,
-            top_p=training_args.top_p,
-            top_k=training_args.top_k or 0,
+            SamplingSettings.from_config(training_args),  # sample as training does
             seed=training_args.seed,
+            reward_kwargs={"trainer_state": trainer.state},
         )
 
     evaluating = script_args.eval_samples > 0 and trainer.accelerator.is_main_process
@@ -161,7 +202,9 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
         print(f"\nHeld-out evaluation on {script_args.eval_samples} test prompts, one sampled completion each:")
         for name in before:
             print(f"  {name}: {before[name]:.3f} before GRPO -> {after[name]:.3f} after")
-        print(f"Output folder: {training_args.output_dir} (model card README.md, report.png, TensorBoard runs/)")
+    if trainer.accelerator.is_main_process:
+        logged = any("loss" in entry for entry in trainer.state.log_history)
+        print(output_summary(training_args.output_dir, started, logged, training_args.logging_steps))
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
     return {"before": before, "after": after}

@@ -1,9 +1,15 @@
 """The model card and the training report image."""
 
-import yaml
+import re
 
-from trl_grpo_ext.model_card import build_model_card, final_metrics
-from trl_grpo_ext.report import plot_training_report
+import yaml
+from matplotlib.collections import PolyCollection
+from transformers.trainer_utils import SchedulerType
+from transformers.training_args import OptimizerNames
+
+from trl_grpo_ext import GRPOConfigExt
+from trl_grpo_ext.model_card import CARD_CONFIG_FIELDS, build_model_card, final_metrics
+from trl_grpo_ext.report import build_report_figure, plot_training_report
 
 HISTORY = [
     {"loss": 0.1, "reward": 0.2, "kl": 0.01, "ratio/p05": 0.9, "ratio/p50": 1.0, "ratio/p95": 1.1, "step": 1},
@@ -68,3 +74,53 @@ def test_report_needs_training_entries_and_writes_a_png(tmp_path):
     assert not (tmp_path / "none.png").exists()
     path = plot_training_report(HISTORY, tmp_path / "report.png", title="t")
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.endswith("report.png")
+
+
+def test_the_configuration_table_shows_values_as_a_user_writes_them(tmp_path):
+    args = GRPOConfigExt(output_dir=str(tmp_path), lr_scheduler_type="constant", use_cpu=True, bf16=False)
+    config = {key: getattr(args, key) for key in CARD_CONFIG_FIELDS}
+    config["optimizers"] = [OptimizerNames.ADAMW_TORCH, SchedulerType.COSINE]  # enums inside a list too
+    text = card(config=config)
+    assert "| `lr_scheduler_type` | constant |" in text
+    assert "| `optimizers` | adamw_torch, cosine |" in text
+    assert "| `learning_rate` | 1e-06 |" in text and "| `loss_type` | grpo |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert not [row for row in rows if re.search(r"[A-Z][A-Za-z]+\.[A-Z_]+", row)]  # no `EnumClass.MEMBER`
+
+
+SPREAD_HISTORY = [
+    {
+        "loss": 0.1 * step,
+        "reward": 0.2 * step,
+        "reward_std/group_mean": 0.3 + 0.1 * step,
+        "reward_std/group_min": 0.1 * step,
+        "reward_std/group_max": 0.6 + 0.1 * step,
+        "frac_reward_zero_std": 0.5 / step,
+        "step": step,
+    }
+    for step in (1, 2, 3)
+]
+
+
+def test_the_report_draws_the_reward_spread_beside_the_reward():
+    figure = build_report_figure(SPREAD_HISTORY)
+    by_title = {ax.get_title(): ax for ax in figure.axes if ax.get_title()}
+    reward, spread = by_title["reward"], by_title["reward spread: std inside each group"]
+    # Beside the reward: same row, the next column.
+    reward_box, spread_box = reward.get_position(), spread.get_position()
+    assert abs(reward_box.y0 - spread_box.y0) < 1e-6 and spread_box.x0 > reward_box.x1
+    (mean_line,) = [line for line in spread.get_lines() if line.get_label() == "group mean"]
+    assert list(mean_line.get_ydata()) == [entry["reward_std/group_mean"] for entry in SPREAD_HISTORY]
+    (band,) = [item for item in spread.collections if isinstance(item, PolyCollection)]
+    band_y = band.get_paths()[0].vertices[:, 1]
+    assert band_y.min() == min(entry["reward_std/group_min"] for entry in SPREAD_HISTORY)
+    assert band_y.max() == max(entry["reward_std/group_max"] for entry in SPREAD_HISTORY)
+    zero_lines = [line for ax in figure.axes for line in ax.get_lines() if "frac_reward_zero_std" in line.get_label()]
+    assert list(zero_lines[0].get_ydata()) == [entry["frac_reward_zero_std"] for entry in SPREAD_HISTORY]
+
+
+def test_the_report_says_which_panels_were_not_logged():
+    figure = build_report_figure([{"loss": 0.5, "reward": 1.0, "step": 1}])
+    by_title = {ax.get_title(): ax for ax in figure.axes if ax.get_title()}
+    assert [text.get_text() for text in by_title["reward spread: std inside each group"].texts] == ["not logged"]
+    assert by_title["reward"].has_data() and not by_title["reward"].texts

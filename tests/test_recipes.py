@@ -109,6 +109,23 @@ def test_every_flag_overrides_the_config(tmp_path):
     assert script_args.eval_samples == 3
 
 
+def test_the_output_line_names_only_what_this_run_wrote(tmp_path):
+    summary = recipe_module().output_summary
+    for name in ("adapter_model.safetensors", "tokenizer_config.json", "README.md", "report.png"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "runs" / "run-1").mkdir(parents=True)
+    (tmp_path / "runs" / "run-1" / "events").write_text("x")
+    line = summary(str(tmp_path), since=0.0, logged=True, logging_steps=10)
+    assert line == (
+        f"Output folder: {tmp_path} (LoRA adapter, tokenizer, model card README.md, report.png, TensorBoard runs/)"
+    )
+    os.utime(tmp_path / "report.png", (1.0, 1.0))  # left by an earlier run in the same folder
+    since = os.path.getmtime(tmp_path / "README.md")
+    line = summary(str(tmp_path), since=since, logged=False, logging_steps=10)
+    assert "report.png," not in line and "report.png)" not in line
+    assert line.endswith("; no report.png: no training step was logged (the run was shorter than logging_steps=10)")
+
+
 @pytest.mark.parametrize("config", ACCELERATE_CONFIGS, ids=os.path.basename)
 def test_accelerate_configs_load(config):
     from accelerate.commands.config.config_args import load_config_from_file
@@ -139,13 +156,12 @@ def test_demo_run_leaves_a_hub_ready_output_folder(tmp_path):
         assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
     image = matplotlib.image.imread(output_dir / "report.png")
     height, width = image.shape[:2]
-    quadrants = [
-        image[: height // 2, : width // 2],
-        image[: height // 2, width // 2 :],
-        image[height // 2 :, : width // 2],
-        image[height // 2 :, width // 2 :],
+    cells = [
+        image[row * height // 2 : (row + 1) * height // 2, column * width // 3 : (column + 1) * width // 3]
+        for row in range(2)
+        for column in range(3)
     ]
-    assert all(quadrant.std() > 0.01 for quadrant in quadrants)  # four drawn panels
+    assert all(cell.std() > 0.01 for cell in cells)  # six drawn panels
 
     card = (output_dir / "README.md").read_text()
     front_matter = yaml.safe_load(card.split("---")[1])
@@ -159,6 +175,17 @@ def test_demo_run_leaves_a_hub_ready_output_folder(tmp_path):
         "AutoPeftModelForCausalLM",
     ):
         assert text in card, text
+
+
+@pytest.mark.slow
+def test_a_run_shorter_than_logging_steps_does_not_claim_a_report(tmp_path, capsys):
+    output_dir = tmp_path / "short"
+    run_recipe(demo_args(output_dir, "--max_steps", "1", "--logging_steps", "5", "--eval_samples", "4"))
+    last_line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert not (output_dir / "report.png").exists()
+    assert last_line.startswith(f"Output folder: {output_dir} (LoRA adapter, tokenizer, model card README.md")
+    assert last_line.endswith("no report.png: no training step was logged (the run was shorter than logging_steps=5)")
+    assert "report.png" not in (output_dir / "README.md").read_text()
 
 
 @pytest.mark.slow

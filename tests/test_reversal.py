@@ -6,7 +6,7 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_grpo_ext.evaluation import generate_completions
+from trl_grpo_ext.evaluation import SamplingSettings, generate_completions
 from trl_grpo_ext.reversal import ALPHABET, SEPARATOR, make_splits, sampled_accuracy, warm_up
 from trl_grpo_ext.tiny import build_char_tokenizer, build_tiny_model
 
@@ -63,9 +63,10 @@ def test_sampling_is_seeded_and_leaves_the_global_rng_alone():
     torch.manual_seed(5)
     expected_next = torch.rand(1)
     torch.manual_seed(5)
-    first = generate_completions(model, tokenizer, prompts, max_new_tokens=6, seed=1)
+    settings = SamplingSettings(max_completion_length=6)
+    first = generate_completions(model, tokenizer, prompts, settings, seed=1)
     assert torch.rand(1) == expected_next
-    assert first == generate_completions(model, tokenizer, prompts, max_new_tokens=6, seed=1)
+    assert first == generate_completions(model, tokenizer, prompts, settings, seed=1)
     assert all(len(completion) <= 6 for completion in first)
 
 

@@ -49,6 +49,64 @@ def test_final_number_extraction_on_realistic_completions(completion, expected):
     assert extract_final_number(completion) == expected
 
 
+# Completions whose solution is 18 (9 eggs at $2 each), in the formats models write; the comment says what a reader
+# that takes the first number of a span, stops at a brace or needs "answer is" without a colon would read.
+EIGHTEEN = [
+    "<answer>9 * 2 = 18</answer>",  # 9
+    "So the total is \\boxed{2 \\times 9 = 18}.",  # 2
+    "$\\boxed{\\text{18 dollars}}$",
+    "The answer is: 18 (she sells 9 eggs at $2 each)",  # 2: the colon was not matched
+    "The answer is: **18** dollars.",
+    "**Answer:** 18",
+    "The final answer is\n\n18",
+    "She earns 9 * 2 = 18 dollars a day. The answer is 18. Check: 2 * 9 = 18 and 1 more egg is left.",
+    "<answer>\n18\n</answer>",
+]
+
+
+@pytest.mark.parametrize("completion", EIGHTEEN)
+def test_the_final_answer_is_read_where_the_model_marks_it(completion):
+    assert extract_final_number(completion) == "18"
+    conversational = [{"role": "assistant", "content": completion}]
+    assert extract_final_number(conversational) == "18"
+    assert gsm8k_accuracy([completion, conversational], solution=["18", "18"]) == [1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("It takes 10-15 minutes", "15"),  # a range, not -15
+        ("from 3 - 5 hours", "5"),
+        ("page 12-3", "3"),
+        ("COVID-19 closed it", "19"),
+        ("(3 + 4)-2", "2"),
+        ("It is -3 degrees outside", "-3"),
+        ("x = -7.5", "-7.5"),
+        ("The loss is \u22124 dollars", "-4"),  # the typeset minus sign
+        ("<answer>-12</answer>", "-12"),
+    ],
+)
+def test_a_minus_is_a_sign_only_where_it_is_not_a_hyphen(completion, expected):
+    assert extract_final_number(completion) == expected
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("It takes .5 hours", "0.5"),  # not 5
+        ("She saves $1,234,567.25 in all.", "1234567.25"),
+        ("The answer is 1,000.", "1000"),
+        ("The numbers are 1,2,3", "3"),  # a list, not the thousands of "123"
+        ("He ran 12,5 km", "5"),  # a decimal comma is not a thousands separator
+        ("\\boxed{\\frac{3}{4}}", "3/4"),
+        ("\\boxed{1{,}250}", "1250"),
+    ],
+)
+def test_thousands_separators_decimals_and_fractions(completion, expected):
+    assert extract_final_number(completion) == expected
+    assert numbers_equal(extract_final_number(completion), expected)
+
+
 @pytest.mark.parametrize(
     ("left", "right", "equal"),
     [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 from importlib.metadata import PackageNotFoundError, version
@@ -69,10 +70,13 @@ def _is_hub_id(name: str | None) -> bool:
 
 
 def _format(value) -> str:
+    """A value as a user writes it in a config: `constant` for `SchedulerType.CONSTANT`, `0.001` for 1e-3."""
+    if isinstance(value, enum.Enum):  # str(SchedulerType.CONSTANT) is "SchedulerType.CONSTANT"
+        value = value.value
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, (list, tuple, set)):
-        return ", ".join(str(item) for item in value)
+        return ", ".join(_format(item) for item in value)
     return str(value)
 
 
@@ -157,7 +161,7 @@ def build_model_card(
             "",
             "## Training report",
             "",
-            f"![Training curves: reward, KL, clip fraction, ratio]({report_image})",
+            f"![Training curves: reward, reward spread, KL, clip fraction, ratio, loss]({report_image})",
         ]
     lines += ["", "## Usage", "", "```python"]
     if is_adapter:

@@ -1,10 +1,15 @@
-"""`report.png`: training curves of reward, KL, clip fraction and the importance-ratio band, from the log history."""
+"""`report.png`: training curves of reward, reward spread inside groups, KL, clip fraction, the importance-ratio band
+and the loss split, from the log history."""
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-__all__ = ["plot_training_report"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["build_report_figure", "plot_training_report"]
 
 
 def _series(log_history: list[dict], key: str) -> tuple[list[float], list[float]]:
@@ -17,33 +22,40 @@ def _series(log_history: list[dict], key: str) -> tuple[list[float], list[float]
     return steps, values
 
 
-def plot_training_report(
+def _band(ax, log_history: list[dict], low_key: str, high_key: str, label: str) -> tuple[list, list]:
+    """Shade `low_key`..`high_key` where both were logged at the same steps; returns the two series' values."""
+    low_steps, low = _series(log_history, low_key)
+    high_steps, high = _series(log_history, high_key)
+    if low_steps and low_steps == high_steps:
+        ax.fill_between(low_steps, low, high, alpha=0.3, label=label)
+    return low, high
+
+
+def build_report_figure(
     log_history: list[dict],
-    path: str | os.PathLike,
     title: str | None = None,
     clip_range: tuple[float, float] = (0.2, 0.2),
-) -> str | None:
-    """Draw four panels (reward, KL, clip fraction, ratio p05/p50/p95 band) over training steps into `path`.
+) -> Figure | None:
+    """The report as a matplotlib `Figure` of six panels over training steps: reward (total and per function);
+    reward spread inside groups (`reward_std/group_mean`, its `group_min`-`group_max` band, and
+    `frac_reward_zero_std`, the share of completions whose group had no spread, on its own axis); KL; clip fraction;
+    ratio p05/p50/p95 band with min and max; the loss and its split (`loss/policy`, `loss/kl_penalty`).
 
     Args:
         log_history: `trainer.state.log_history`.
-        path: the PNG to write.
         title: figure title.
         clip_range: `(epsilon_low, epsilon_high)`, drawn as dashed lines at `1 - epsilon_low` and `1 + epsilon_high`.
 
     Returns:
-        The path written, or `None` when the history holds no training metrics (nothing is written then).
+        The figure, or `None` when the history holds no training metrics (a run shorter than `logging_steps`).
     """
-    train_entries = [entry for entry in log_history if "loss" in entry]
-    if not train_entries:
+    if not any("loss" in entry for entry in log_history):
         return None
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
-    (reward_ax, kl_ax), (clip_ax, ratio_ax) = axes
+    figure = Figure(figsize=(15, 7))
+    axes = figure.subplots(2, 3, sharex=True)
+    (reward_ax, spread_ax, kl_ax), (clip_ax, ratio_ax, loss_ax) = axes
 
     reward_keys = ["reward"] + sorted(
         {key for entry in log_history for key in entry if key.startswith("rewards/") and key.endswith("/mean")}
@@ -53,6 +65,19 @@ def plot_training_report(
         if steps:
             reward_ax.plot(steps, values, label=key, linewidth=2 if key == "reward" else 1)
     reward_ax.set_title("reward")
+
+    # No spread inside a group means zero advantage: that group teaches nothing but the KL term.
+    _band(spread_ax, log_history, "reward_std/group_min", "reward_std/group_max", "group min-max")
+    steps, values = _series(log_history, "reward_std/group_mean")
+    if steps:
+        spread_ax.plot(steps, values, label="group mean", linewidth=2)
+    steps, values = _series(log_history, "frac_reward_zero_std")
+    if steps:
+        zero_ax = spread_ax.twinx()
+        zero_ax.plot(steps, values, ":", color="tab:red", label="frac_reward_zero_std (right)")
+        zero_ax.set_ylim(-0.05, 1.05)
+        zero_ax.legend(fontsize=8, loc="lower right")
+    spread_ax.set_title("reward spread: std inside each group")
 
     for key in ("kl", "loss/kl_penalty"):
         steps, values = _series(log_history, key)
@@ -66,10 +91,7 @@ def plot_training_report(
             clip_ax.plot(steps, values, label=key.split("/")[1].replace("_mean", ""))
     clip_ax.set_title("clip fraction (tokens in the flat region)")
 
-    low_steps, low = _series(log_history, "ratio/p05")
-    high_steps, high = _series(log_history, "ratio/p95")
-    if low_steps and low_steps == high_steps:
-        ratio_ax.fill_between(low_steps, low, high, alpha=0.3, label="p05-p95")
+    low, high = _band(ratio_ax, log_history, "ratio/p05", "ratio/p95", "p05-p95")
     for key, style in (("ratio/p50", "-"), ("ratio/min", ":"), ("ratio/max", ":")):
         steps, values = _series(log_history, key)
         if steps:
@@ -91,9 +113,15 @@ def plot_training_report(
         )
     ratio_ax.set_title("importance ratio r = pi / pi_old")
 
+    for key in ("loss", "loss/policy", "loss/kl_penalty"):
+        steps, values = _series(log_history, key)
+        if steps:
+            loss_ax.plot(steps, values, label=key, linewidth=2 if key == "loss" else 1)
+    loss_ax.set_title("loss = policy + kl_penalty")
+
     for ax in axes.flat:
         if ax.has_data():
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=8, loc="upper left")
         else:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
         ax.grid(alpha=0.3)
@@ -102,7 +130,23 @@ def plot_training_report(
     if title:
         figure.suptitle(title)
     figure.tight_layout()
+    return figure
+
+
+def plot_training_report(
+    log_history: list[dict],
+    path: str | os.PathLike,
+    title: str | None = None,
+    clip_range: tuple[float, float] = (0.2, 0.2),
+) -> str | None:
+    """Draw `build_report_figure` into the PNG `path`.
+
+    Returns:
+        The path written, or `None` when the history holds no training metrics (nothing is written then).
+    """
+    figure = build_report_figure(log_history, title=title, clip_range=clip_range)
+    if figure is None:
+        return None
     path = os.fspath(path)
     figure.savefig(path, dpi=100)
-    plt.close(figure)
     return path

@@ -11,7 +11,7 @@ import random
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .evaluation import generate_completions
+from .evaluation import SamplingSettings, generate_completions
 
 __all__ = ["ALPHABET", "SEPARATOR", "make_splits", "sampled_accuracy", "warm_up"]
 
@@ -36,11 +36,17 @@ def make_splits(
 
 
 def sampled_accuracy(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, rows: list[dict], *, seed: int = 0, **kwargs
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict],
+    *,
+    seed: int = 0,
+    settings: SamplingSettings | None = None,
 ) -> float:
-    """Share of rows whose sampled completion (temperature 1, up to 10 tokens) equals their solution exactly."""
-    kwargs.setdefault("max_new_tokens", 10)
-    completions = generate_completions(model, tokenizer, [row["prompt"] for row in rows], seed=seed, **kwargs)
+    """Share of rows whose sampled completion equals their solution exactly (by default: temperature 1, up to 10
+    tokens, the demo config's sampling)."""
+    settings = settings or SamplingSettings(max_completion_length=10)
+    completions = generate_completions(model, tokenizer, [row["prompt"] for row in rows], settings, seed=seed)
     return sum(c.strip() == row["solution"] for c, row in zip(completions, rows, strict=True)) / len(rows)
 
 

@@ -46,39 +46,96 @@ def exact_match(completions: list, solution: list[str], **kwargs) -> list[float]
     ]
 
 
-_NUMBER = r"-?\$?\d[\d,]*(?:\.\d+)?(?:/\d+)?"
+# One number as people write it: "1,234" (thousands separators in groups of three), "0.5", ".5", "$12", "3/4", with
+# an optional minus ("-", or the Unicode minus of typeset text). Whether the minus is a sign is decided by `_numbers`.
+_NUMBER = re.compile(
+    r"(?P<minus>[-\u2212])?\$?"
+    r"(?P<value>(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"
+    r"(?:/(?P<denominator>\d+))?"
+)
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-_HASHES = re.compile(r"####\s*(" + _NUMBER + ")")
-_ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*\**\s*(" + _NUMBER + ")", re.IGNORECASE)
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_LATEX_FRACTION = re.compile(r"\\[dt]?frac\s*\{\s*(-?\d+)\s*\}\s*\{\s*(\d+)\s*\}")
+# "#### 72" (GSM8K's own format), "The answer is 72", "The final answer is: 72", "Answer: 72".
+_MARKER = re.compile(r"####|\banswer\s*(?:is\b\s*[:=]?|[:=])", re.IGNORECASE)
+_PARENTHETICAL = re.compile(r"\([^()]*\)")
+# The end of the clause that holds a marked answer: a sentence mark before a space, a comma before a space, a line end.
+_CLAUSE_END = re.compile(r"[.!?;](?=\s|$)|,\s|\n")
 
 
-def _clean_number(text: str) -> str | None:
-    match = re.search(_NUMBER, text)
-    if match is None:
-        return None
-    number = match.group(0).replace(",", "").replace("$", "")
-    return number.rstrip(".") or None
+def _numbers(text: str) -> list[str]:
+    """Every number in `text`, in order, normalised: no thousands separators or currency sign, "0.5" for ".5"."""
+    numbers = []
+    for match in _NUMBER.finditer(text):
+        value = match.group("value").replace(",", "")
+        if value.startswith("."):
+            value = "0" + value
+        if match.group("denominator"):
+            value += "/" + match.group("denominator")
+        before = text[: match.start()]
+        # "10-15 minutes", "5 - 3", "COVID-19", "(a+b)-2": a hyphen after a digit, a word or a bracket is not a sign.
+        hyphen = before[-1:].isalnum() or before[-1:] in (")", "]", "}") or before.rstrip()[-1:].isdigit()
+        if match.group("minus") and not hyphen:
+            value = "-" + value
+        numbers.append(value)
+    return numbers
 
 
-def extract_final_number(text: str) -> str | None:
-    """The final numeric answer of a math completion, as a string without commas or currency signs.
+def _last_number(text: str) -> str | None:
+    numbers = _numbers(text)
+    return numbers[-1] if numbers else None
 
-    Looks, in order, inside `<answer>...</answer>`, `\\boxed{...}`, after `####`, after "the answer is", and
-    otherwise takes the last number in the text. Returns `None` when there is no number.
+
+def _boxed_contents(text: str) -> list[str]:
+    """The contents of every `\\boxed{...}`, braces nested inside it included (`\\boxed{\\frac{1}{2}}`)."""
+    contents = []
+    for match in _BOXED.finditer(text):
+        depth, start = 1, match.end()
+        for index in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[index], 0)
+            if depth == 0:
+                contents.append(text[start:index])
+                break
+    return contents
+
+
+def _marked_answer(text: str) -> str | None:
+    """The last number of the clause after the last "####" or "answer is" that has a number in it."""
+    for match in reversed(list(_MARKER.finditer(text))):
+        clause = text[match.end() :].lstrip().replace("*", "")
+        clause = _PARENTHETICAL.sub(" ", clause)  # "18 (she sells 9 eggs at $2 each)"
+        end = _CLAUSE_END.search(clause)
+        number = _last_number(clause[: end.start()] if end else clause)
+        if number is not None:
+            return number
+    return None
+
+
+def extract_final_number(completion: str | list[dict]) -> str | None:
+    """The final numeric answer of a math completion, as a string without thousands separators or currency signs.
+
+    In order of precedence: the last number inside the last `<answer>...</answer>` that holds one
+    (`<answer>9 * 2 = 18</answer>` gives "18"); the same for `\\boxed{...}`, nested braces included
+    (`\\boxed{2 \\times 9 = 18}` gives "18", `\\boxed{\\frac{3}{4}}` gives "3/4"); the last number of the clause
+    after "####" or "the answer is" / "answer:" (`The answer is: 18 (9 eggs at $2 each)` gives "18"); otherwise the
+    last number of the text. Numbers may have thousands separators ("1,234"), decimals ("0.5", ".5" gives "0.5")
+    or be fractions ("3/4"). A minus is a sign only where it is not a hyphen after a digit, a word or a bracket
+    ("10-15 minutes" gives "15", "it is -3" gives "-3").
+
+    Args:
+        completion: the text, or a conversational completion (a list of messages; the last one is read).
+
+    Returns:
+        `str | None`: the number, or `None` when the completion has none.
     """
-    for pattern in (_ANSWER_TAG, _BOXED):
-        found = pattern.findall(text)
-        if found:
-            number = _clean_number(found[-1])
+    text = _LATEX_FRACTION.sub(r"\1/\2", completion_text(completion)).replace("{,}", ",")
+    for contents in (_ANSWER_TAG.findall(text), _boxed_contents(text)):
+        for content in reversed(contents):
+            number = _last_number(content)
             if number is not None:
                 return number
-    for pattern in (_HASHES, _ANSWER_IS):
-        found = pattern.findall(text)
-        if found:
-            return _clean_number(found[-1])
-    numbers = re.findall(_NUMBER, text)
-    return _clean_number(numbers[-1]) if numbers else None
+    marked = _marked_answer(text)
+    return marked if marked is not None else _last_number(text)
 
 
 def numbers_equal(left: str | None, right: str | None) -> bool:
@@ -102,7 +159,7 @@ def gsm8k_solution(answer: str) -> str:
 def gsm8k_accuracy(completions: list, solution: list[str], **kwargs) -> list[float]:
     """1.0 where the completion's final number equals the `solution` column numerically, else 0.0."""
     return [
-        float(numbers_equal(extract_final_number(completion_text(completion)), str(answer)))
+        float(numbers_equal(extract_final_number(completion), str(answer)))
         for completion, answer in zip(completions, solution, strict=True)
     ]
 
