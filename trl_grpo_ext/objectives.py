@@ -216,7 +216,7 @@ def policy_objective(
         raise ValueError(f"`ref_logps` is None but `beta` is {beta}; pass reference log-probs or set beta=0.")
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
 
-    if not isinstance(logps, torch.Tensor) or logps.dim() != 2 or logps.numel() == 0:
+    if not isinstance(logps, torch.Tensor) or logps.dim() != 2 or logps.numel() == 0 or not logps.is_floating_point():
         raise ValueError("`logps` must be a non-empty 2-dim (N, T) floating-point tensor.")
     shape, device = logps.shape, logps.device
     _check_tensor("completion_mask", completion_mask, shape, device)

@@ -109,8 +109,10 @@ def policy_weights(
     elif vllm_correction:  # VESPO folds the correction into its gamma weights instead
         factors.append(inputs["importance_sampling_ratio"])
     token_weights = None
-    for factor in factors:
-        factor = factor.to(logps.dtype if logps.is_floating_point() else torch.float32)
+    for factor in factors:  # in float32 or wider, whatever the model's dtype (masks are bool or int)
+        factor = factor.to(
+            torch.promote_types(factor.dtype, torch.float32) if factor.is_floating_point() else torch.float32
+        )
         token_weights = factor if token_weights is None else token_weights * factor
     return token_weights, entropy_mask, sequence_weights
 
