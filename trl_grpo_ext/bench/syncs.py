@@ -31,10 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["SyncCounter"]
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_BENCH_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_SKIPPED_FILES = (os.path.abspath(__file__), warnings.__file__)
+# Frames of these modules are the machinery between the caller and the event, not its cause.
+_SKIPPED_MODULES = ("torch", "warnings", __name__)
 _OWNERS = ("trl", "transformers", "accelerate", "peft")
 _PHASES = {
     "_compute_loss": "loss",
@@ -60,16 +58,16 @@ _HOST_READ_OPS = (
 )
 
 
-def _owner(filename: str) -> str:
-    if filename.startswith(_BENCH_DIR):
+def _owner(module: str) -> str:
+    """`trl_grpo_ext`, `bench` (this package's benchmarks), one of `_OWNERS`, or `other`, from a module name."""
+    if module.startswith("trl_grpo_ext.bench"):
         return "bench"
-    if filename.startswith(_PACKAGE_DIR):
-        return "trl_grpo_ext"
-    parts = filename.split(os.sep)
-    for name in _OWNERS:
-        if name in parts:
-            return name
-    return "other"
+    top = module.split(".")[0]
+    return top if top in ("trl_grpo_ext", *_OWNERS) else "other"
+
+
+def _skipped(module: str) -> bool:
+    return any(module == name or module.startswith(name + ".") for name in _SKIPPED_MODULES)
 
 
 def _is_trainer(value) -> bool:
@@ -108,9 +106,10 @@ class SyncCounter:
         frame = sys._getframe(1)
         site, phase = None, "other"
         while frame is not None:
-            filename = frame.f_code.co_filename
-            if site is None and not filename.startswith(_TORCH_DIR) and filename not in _SKIPPED_FILES:
-                site = (_owner(filename), f"{os.path.basename(filename)}:{frame.f_lineno} {frame.f_code.co_name}")
+            module = frame.f_globals.get("__name__") or ""
+            if site is None and not _skipped(module):
+                filename = os.path.basename(frame.f_code.co_filename)
+                site = (_owner(module), f"{filename}:{frame.f_lineno} {frame.f_code.co_name}")
             name = frame.f_code.co_name
             if site is not None and name in _PHASES and _is_trainer(frame.f_locals.get("self")):
                 phase = _PHASES[name]
