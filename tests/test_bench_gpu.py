@@ -45,7 +45,7 @@ def test_quick_run_exercises_every_section_and_writes_json_and_markdown(tmp_path
     assert equivalence["tolerance"]["loss"] == {"rtol": 1e-5, "atol": 1e-6}
     for mode in ("full", "lora"):
         comparison = equivalence["modes"][mode]
-        assert comparison["within_tolerance"] and comparison["same_rewards_every_step"]
+        assert comparison["within_tolerance"] and comparison["samples_diverged_at_step"] is None
         assert [step["step"] for step in comparison["steps"]] == list(range(1, 9))
         assert any(step["kl"]["ext"] > 0 for step in comparison["steps"])
     # The length normalisation is exercised: some completions end before the length limit.
@@ -163,7 +163,11 @@ def test_the_summary_renders_partial_and_malformed_results():
 
 
 def _logs(values):
-    return [{"loss": loss, "grad_norm": 1.0, "kl": 0.01, "reward": 0.5} for loss in values]
+    # Steps 1, 3, 5, 7 generate (num_iterations=2) and log the rewards of what they sampled.
+    return [
+        {"loss": loss, "grad_norm": 1.0, "kl": 0.01, **({"reward": 0.5} if i % 2 == 0 else {})}
+        for i, loss in enumerate(values)
+    ]
 
 
 def test_equivalence_comparison_applies_the_stated_tolerance():
@@ -179,6 +183,16 @@ def test_equivalence_comparison_applies_the_stated_tolerance():
     nan = _logs([0.1 * step for step in range(8)])
     nan[3]["grad_norm"] = math.nan
     assert not _compare(stock, nan, "bf16")["within_tolerance"]
+    # Once the sampled completions differ (step 5's rewards), later steps are reported but not compared.
+    resampled = _logs([0.1 * step for step in range(4)] + [9.0] * 4)
+    resampled[4]["reward"] = 0.25
+    result = _compare(stock, resampled, "bf16")
+    assert result["within_tolerance"] and result["steps_compared"] == 4
+    assert result["samples_diverged_at_step"] == 5 and not result["steps"][5]["loss"]["within"]
+    resampled[2]["reward"] = 0.25  # step 3: only the first generation's two steps compare
+    assert _compare(stock, resampled, "bf16")["steps_compared"] == 2
+    resampled[0]["reward"] = 0.25  # step 1: nothing compares, nothing passes
+    assert not _compare(stock, resampled, "bf16")["within_tolerance"]
 
 
 def test_the_kernel_section_reports_a_fallback_from_compiled_to_eager(tmp_path, monkeypatch):
@@ -229,8 +243,9 @@ def test_sync_counter_attributes_each_event_to_its_code_and_trainer_phase():
     with SyncCounter("cpu") as counter:
         for implementation in ("fused", "reference"):
             leaf = inputs["logps"].clone().requires_grad_(True)
-            out = grpo_loss(leaf, inputs["old"], inputs["ref"], inputs["advantages"], inputs["mask"],
-                            implementation=implementation)  # fmt: skip
+            out = grpo_loss(
+                leaf, inputs["old"], inputs["ref"], inputs["advantages"], inputs["mask"], implementation=implementation
+            )
             out.loss.backward()
         assert counter.total() == 0  # the loss reads nothing on the host
         values.sum().item()

@@ -60,7 +60,8 @@ def _equivalence(result: dict) -> list[str]:
             for key in ("loss", "grad_norm", "kl"):
                 row += [_number(step[key]["stock"], 6), _number(step[key]["ext"], 6)]
             row += [_number(step["reward"]["stock"]), _number(step["completions/mean_length"]["stock"], 3)]
-            row.append("yes" if all(step[key]["within"] for key in ("loss", "grad_norm", "kl")) else "NO")
+            within = all(step[key]["within"] for key in ("loss", "grad_norm", "kl"))
+            row.append(("yes" if within else "NO") if step["compared"] else "(other samples)")
             rows.append(row)
         headers = [
             "step",
@@ -76,8 +77,9 @@ def _equivalence(result: dict) -> list[str]:
         ]
         worst = ", ".join(f"{k} {v:.2f}" for k, v in comparison["worst_fraction_of_tolerance"].items())
         lines += [
-            f"**{mode}**: within tolerance: {_number(comparison['within_tolerance'])}; worst |difference| / allowed: "
-            f"{worst}; same rewards at every step: {_number(comparison['same_rewards_every_step'])}.",
+            f"**{mode}**: within tolerance: {_number(comparison['within_tolerance'])} ({comparison['steps_compared']} "
+            f"steps on the same completions; samples diverged at step "
+            f"{_number(comparison['samples_diverged_at_step'])}); worst |difference| / allowed: {worst}.",
             "",
             format_table(headers, rows),
             "",
