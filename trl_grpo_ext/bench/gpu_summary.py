@@ -76,10 +76,11 @@ def _equivalence(result: dict) -> list[str]:
             "within",
         ]
         worst = ", ".join(f"{k} {v:.2f}" for k, v in comparison["worst_fraction_of_tolerance"].items())
+        diverged = comparison["samples_diverged_at_step"]
+        samples = f"the sampled completions differ from step {diverged} on" if diverged else "the same completions"
         lines += [
-            f"**{mode}**: within tolerance: {_number(comparison['within_tolerance'])} ({comparison['steps_compared']} "
-            f"steps on the same completions; samples diverged at step "
-            f"{_number(comparison['samples_diverged_at_step'])}); worst |difference| / allowed: {worst}.",
+            f"**{mode}**: within tolerance: {_number(comparison['within_tolerance'])} "
+            f"({comparison['steps_compared']} steps compared; {samples}); worst |difference| / allowed: {worst}.",
             "",
             format_table(headers, rows),
             "",
@@ -251,5 +252,6 @@ def render(results: dict) -> str:
                 lines += renderer(entry["result"])
             except Exception:  # noqa: BLE001 - the rest of the summary must still be written
                 lines += ["Could not render this section:", "```", traceback.format_exc().rstrip(), "```"]
-            lines.append("")
+            if lines[-1]:
+                lines.append("")
     return "\n".join(lines) + "\n"
