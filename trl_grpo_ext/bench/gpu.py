@@ -22,7 +22,7 @@ skips its later parts when that runs short (saying so), and is interrupted at th
 that raises is recorded with its traceback and the next one runs. Exit status: 1 if a section raised or one of its
 checks failed (performance targets are reported, not enforced), else 0.
 
-Without a CUDA device (or with `--quick`) every section runs at tiny sizes in about a minute, and what only a GPU
+Without a CUDA device (or with `--quick`) every section runs at tiny sizes in a minute or two, and what only a GPU
 can measure is skipped with its reason. On a GPU machine without trl or datasets and without network access, see
 `make gpu-wheels` and the README's Performance section.
 """
