@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo quickstart test test-fast lint format clean
+.PHONY: setup demo quickstart test test-fast lint format clean gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,22 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
+
+# Wheels that a GPU machine without network access needs for `python -m trl_grpo_ext.bench gpu` (Python 3.12,
+# x86-64): the pinned versions this project is tested with, of every package that machine lacks or has older
+# (torch, accelerate, huggingface_hub, tokenizers and the rest are there). Into .whl/ (git-ignored, ~17 MB), which
+# travels with the working tree; installed there with
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+GPU_WHEELS ?= trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 transformers==5.24.0 peft==0.21.2
+GPU_PYTHON_VERSION ?= 3.12
+WHEEL_DIR ?= .whl
+
+gpu-wheels:
+	rm -rf $(WHEEL_DIR)
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d $(WHEEL_DIR) $(GPU_WHEELS)
+	@du -sh $(WHEEL_DIR)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -21,6 +21,15 @@ def test_unknown_characters_map_to_unk():
     assert tokenizer("aXb").input_ids == [3, tokenizer.unk_token_id, 4]
 
 
+def test_vocabulary_padded_to_a_model_size_encodes_as_before_and_decodes_the_extras():
+    plain, padded = build_char_tokenizer("ab"), build_char_tokenizer("ab", vocab_size=100)
+    assert len(plain) == 5 and len(padded) == 100
+    assert padded("abba").input_ids == plain("abba").input_ids == [3, 4, 4, 3]
+    assert padded.decode([3, 99, 4, padded.eos_token_id], skip_special_tokens=True) == "a<extra_94>b"
+    with pytest.raises(ValueError, match=r"`vocab_size` \(4\) is smaller than the 5 tokens"):
+        build_char_tokenizer("ab", vocab_size=4)
+
+
 def test_empty_alphabet_is_refused():
     with pytest.raises(ValueError, match="`alphabet` is empty"):
         build_char_tokenizer("")

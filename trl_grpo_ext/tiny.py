@@ -19,7 +19,7 @@ PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 DEFAULT_ALPHABET = string.ascii_lowercase + string.digits + " =+-*/:.,?!"
 
 
-def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenizerFast:
+def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET, vocab_size: int | None = None) -> PreTrainedTokenizerFast:
     """A tokenizer with one token per character of `alphabet`, plus `<pad>`, `<eos>` and `<unk>`.
 
     Pads on the left (what generation needs). Decoding joins the characters back without spaces, so
@@ -27,6 +27,9 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenize
 
     Args:
         alphabet (`str`): the characters, each becoming one token (duplicates are ignored).
+        vocab_size (`int`, *optional*): pad the vocabulary to this size with tokens `<extra_0>`, `<extra_1>`, ...
+            so that it matches a model's embedding table (e.g. a real model's configuration). Encoding never
+            produces them (text is split into single characters); a model that samples one decodes to its name.
 
     Returns:
         `transformers.PreTrainedTokenizerFast`
@@ -34,7 +37,14 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenize
     characters = list(dict.fromkeys(alphabet))
     if not characters:
         raise ValueError("`alphabet` is empty.")
-    vocab = {token: index for index, token in enumerate([PAD, EOS, UNK, *characters])}
+    tokens = [PAD, EOS, UNK, *characters]
+    if vocab_size is not None:
+        if vocab_size < len(tokens):
+            raise ValueError(
+                f"`vocab_size` ({vocab_size}) is smaller than the {len(tokens)} tokens of the alphabet and specials."
+            )
+        tokens += [f"<extra_{index}>" for index in range(vocab_size - len(tokens))]
+    vocab = {token: index for index, token in enumerate(tokens)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     # One pre-token per character: splitting on every single character, kept as its own piece.
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")

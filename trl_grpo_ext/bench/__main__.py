@@ -2,6 +2,8 @@
 
 Every comparison runs its sides alternately in one invocation, with pinned CPU threads, and reports medians with
 min/max. See each module's docstring for what it measures.
+
+`python -m trl_grpo_ext.bench gpu [--out DIR] ...`: the prepared check on a GPU (see `gpu.py`; its own options).
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ from .common import environment, pin_threads, write_json
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gpu"]:
+        from .gpu import main as gpu_main
+
+        sys.exit(gpu_main(argv[1:]))
     parser = argparse.ArgumentParser(prog="python -m trl_grpo_ext.bench", description=__doc__)
-    parser.add_argument("suite", choices=["e2e", "kernel", "comm", "all"])
+    parser.add_argument("suite", choices=["e2e", "kernel", "comm", "all", "gpu"])
     parser.add_argument("--json", default=None, help="where to write the results (default: bench-<suite>.json)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 was fastest for small models)")
     parser.add_argument("--repeats", type=int, default=5, help="repeats of each end-to-end comparison")

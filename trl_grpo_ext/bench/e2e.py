@@ -66,8 +66,21 @@ class _DiagnosticsClock:
         _DiagnosticsClock.current = self
 
 
-def train_once(side: str, lora: bool, steps: int, warmup: int, model_path: str, batch: int, callbacks=()) -> dict:
-    """One training run of `side`; returns the median step time after warm-up and the diagnostics' host time."""
+def train_once(
+    side: str,
+    lora: bool,
+    steps: int,
+    warmup: int,
+    model_path: str,
+    batch: int,
+    callbacks=(),
+    tokenizer_path: str | None = None,
+    config_overrides: dict | None = None,
+) -> dict:
+    """One training run of `side`; returns the median step time after warm-up and the diagnostics' host time.
+
+    `tokenizer_path` defaults to `model_path`; `config_overrides` replace the common training arguments (e.g.
+    `bf16`, `max_completion_length` on a GPU)."""
     import psutil
     import torch
     from datasets import Dataset
@@ -109,6 +122,7 @@ def train_once(side: str, lora: bool, steps: int, warmup: int, model_path: str, 
         gradient_checkpointing=False,
         disable_tqdm=True,
     )
+    common.update(config_overrides or {})
     if side == "trl":
         trainer_class = GRPOTrainer
         args = GRPOConfig(**common, loss_type="grpo", beta=0.04, epsilon=0.2, use_bias_correction_kl=False)
@@ -120,7 +134,7 @@ def train_once(side: str, lora: bool, steps: int, warmup: int, model_path: str, 
         reward_funcs=_reward,
         args=args,
         train_dataset=Dataset.from_dict({"prompt": _prompts(batch * steps, seed=1)}),
-        processing_class=AutoTokenizer.from_pretrained(model_path),
+        processing_class=AutoTokenizer.from_pretrained(tokenizer_path or model_path),
         peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear") if lora else None,
         callbacks=[StepTimer(), *callbacks],
     )
@@ -133,7 +147,7 @@ def train_once(side: str, lora: bool, steps: int, warmup: int, model_path: str, 
     }
 
 
-def _side_worker(side, lora, steps, model_path, batch, threads, connection) -> None:
+def _side_worker(side, lora, steps, model_path, batch, threads, connection, options=None) -> None:
     """Train `side` in this process, one step per "go" received, sending back each step's time, then its memory."""
     import torch
     from transformers import TrainerCallback
@@ -162,7 +176,7 @@ def _side_worker(side, lora, steps, model_path, batch, threads, connection) -> N
         def on_train_end(self, args, state, control, **kwargs):
             self.report()
 
-    result = train_once(side, lora, steps, 0, model_path, batch, callbacks=[Gate()])
+    result = train_once(side, lora, steps, 0, model_path, batch, callbacks=[Gate()], **(options or {}))
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result["training_rss_bytes"] = result["peak_rss_bytes"] - result["rss_before_trainer_bytes"]
     if torch.cuda.is_available():
@@ -170,18 +184,23 @@ def _side_worker(side, lora, steps, model_path, batch, threads, connection) -> N
     connection.send(result)
 
 
-def _interleaved_repeat(sides, lora, steps, model_path, batch, threads) -> dict:
-    """One repeat: a process per side, taking turns a step at a time. Returns, per side, step times and results."""
+def _interleaved_repeat(sides, lora, steps, model_path, batch, threads, options=None) -> dict:
+    """One repeat: a process per side, taking turns a step at a time. Returns, per side, step times and results.
+
+    `options`: keyword arguments of `train_once` (`tokenizer_path`, `config_overrides`)."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
     pipes, processes = {}, {}
     for side in sides:
         parent, child = context.Pipe()
-        process = context.Process(target=_side_worker, args=(side, lora, steps, model_path, batch, threads, child))
+        process = context.Process(
+            target=_side_worker, args=(side, lora, steps, model_path, batch, threads, child, options)
+        )
         process.start()
         pipes[side], processes[side] = parent, process
     times = {side: [] for side in sides}
+    finished = False
     try:
         for side in sides:  # every process built its trainer and waits before its first step
             assert pipes[side].recv() == "ready"
@@ -190,9 +209,11 @@ def _interleaved_repeat(sides, lora, steps, model_path, batch, threads) -> dict:
                 pipes[side].send("go")
                 times[side].append(pipes[side].recv())
         results = {side: pipes[side].recv() for side in sides}
+        finished = True
     finally:
         for process in processes.values():
-            process.join(timeout=120)
+            # Interrupted (an error, a time limit): the others wait for a turn that will not come.
+            process.join(timeout=120 if finished else 1)
             if process.is_alive():
                 process.kill()
     for side, process in processes.items():
@@ -210,19 +231,36 @@ def run(
     modes: tuple[str, ...] = ("full", "lora"),
     sides: tuple[str, ...] = ("trl", "ext", "ext_nodiag"),
     hidden_size: int = 128,
+    model_path: str | None = None,
+    tokenizer_path: str | None = None,
+    config_overrides: dict | None = None,
 ) -> dict:
-    """Run the comparison and return its results (what `--json` writes)."""
+    """Run the comparison and return its results (what `--json` writes).
+
+    By default every side trains the demo-sized model (`hidden_size`) on the CPU or GPU found; `model_path` (with
+    `tokenizer_path` when the tokenizer is saved elsewhere) trains a given local model instead, and
+    `config_overrides` replace training arguments of every side (e.g. `bf16=True`)."""
     import torch
 
     from ..tiny import save_tiny
 
-    workdir = tempfile.mkdtemp(prefix="bench-e2e-")
-    model_path = save_tiny(os.path.join(workdir, "model"), alphabet="abcdefghij=", hidden_size=hidden_size)
-    config = dict(repeats=repeats, steps=steps, warmup=warmup, batch=batch, threads=threads, hidden_size=hidden_size)
+    config = dict(repeats=repeats, steps=steps, warmup=warmup, batch=batch, threads=threads)
+    if model_path is None:
+        workdir = tempfile.mkdtemp(prefix="bench-e2e-")
+        model_path = save_tiny(os.path.join(workdir, "model"), alphabet="abcdefghij=", hidden_size=hidden_size)
+        config["hidden_size"] = hidden_size
+    else:
+        config["model_path"] = model_path
+    if config_overrides:
+        config["config_overrides"] = dict(config_overrides)
+    options = {"tokenizer_path": tokenizer_path, "config_overrides": config_overrides}
     results: dict = {"config": config, "modes": {}}
     memory_key = "cuda_max_memory_allocated_bytes" if torch.cuda.is_available() else "peak_rss_bytes"
     for mode in modes:
-        runs = [_interleaved_repeat(sides, mode == "lora", steps, model_path, batch, threads) for _ in range(repeats)]
+        runs = [
+            _interleaved_repeat(sides, mode == "lora", steps, model_path, batch, threads, options)
+            for _ in range(repeats)
+        ]
 
         def measured(repeat, side):
             return repeat[side]["step_times"][warmup:]
