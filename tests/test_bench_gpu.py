@@ -288,11 +288,6 @@ def test_sync_counter_counts_cuda_sync_warnings_by_phase_and_lets_other_warnings
     assert modes == ["warn", 0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="diagnostics.py builds tensors from host values on the device (torch.tensor(nan, device=...) in "
-    "add_loss_step, torch.tensor(numel, device=...) in add_rewards): a blocking host-to-device copy on a GPU",
-)
 @pytest.mark.parametrize("step", ["add_loss_step", "add_rewards"])
 def test_diagnostics_accumulation_needs_no_host_sync(step):
     inputs = kernel.make_inputs(8, 16, torch.float32, "cpu")

@@ -247,7 +247,7 @@ class DiagnosticsAccumulator:
         units = out.clip_units_per_row.to(dtype)
         low, high = out.low_clipped_per_row.to(dtype), out.high_clipped_per_row.to(dtype)
         with_units = units > 0
-        nan = torch.tensor(math.nan, dtype=dtype, device=mask.device)
+        nan = torch.full((), math.nan, dtype=dtype, device=mask.device)  # a fill, not a host-to-device copy
         entropy_sum = torch.where(mask, entropies.detach(), 0).to(dtype).sum() if entropies is not None else nan
         values = [
             out.kl_per_row.to(dtype).sum(),
@@ -262,7 +262,9 @@ class DiagnosticsAccumulator:
         ]
         for name in self.extra_metrics:
             total, count = extras[name]
-            values += [total.detach().to(dtype).reshape(()), torch.as_tensor(count, dtype=dtype, device=mask.device)]
+            if not isinstance(count, torch.Tensor):  # a Python number: filled on the device, not copied to it
+                count = torch.full((), count, dtype=dtype, device=mask.device)
+            values += [total.detach().to(dtype).reshape(()), count.to(dtype).reshape(())]
         step = torch.stack(values)
         self._steps.append(step)
         if not self.ratio_stats:
@@ -280,7 +282,7 @@ class DiagnosticsAccumulator:
             "square_sum": deviation.pow(2).sum(),
             "ratio_min": torch.where(mask, out.ratio.to(dtype), math.inf).min(),
             "ratio_max": torch.where(mask, out.ratio.to(dtype), -math.inf).max(),
-            **{term: torch.as_tensor(loss_terms.get(term, zero)).detach().to(dtype) for term in LOSS_TERMS},
+            **{term: loss_terms.get(term, zero).detach().to(dtype).reshape(()) for term in LOSS_TERMS},
             "micro_batches": torch.ones((), dtype=dtype, device=mask.device),
         }
         pooled = torch.cat([torch.stack([fields[name] for name in _POOLED_FIELDS]), counts])
@@ -311,7 +313,8 @@ class DiagnosticsAccumulator:
         squares = torch.where(scored, grouped - mean[:, None], 0.0).pow(2).sum(dim=1)
         std = torch.where(count > 1, (squares / (count - 1).clamp(min=1)).sqrt(), math.nan)
         self._group_stds.append(std)
-        self._unscored.append(torch.stack([(~scored).sum(), torch.tensor(scored.numel(), device=scored.device)]))
+        total = torch.full((), scored.numel(), dtype=torch.int64, device=scored.device)
+        self._unscored.append(torch.stack([(~scored).sum(), total]))
 
     def add_sampler_mismatch(self, log_ratio: torch.Tensor, units: torch.Tensor, outside: torch.Tensor) -> None:
         """Add the raw sampler/trainer importance ratios of one generation batch. Device ops only.

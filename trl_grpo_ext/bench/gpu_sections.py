@@ -301,7 +301,8 @@ def section_syncs(ctx: Context, allotted: float, result: dict) -> dict:
 
 
 def section_nonfinite(ctx: Context, allotted: float, result: dict) -> dict:
-    """A NaN loss at step 2 of 3 (full fine-tuning): that update is skipped and counted, the weights stay finite."""
+    """A NaN loss at step 2 of 3 (full fine-tuning): that update is skipped and counted, the weights stay finite.
+    On CUDA also fp16 with a gradient scaler: an overflow is left to the scaler, a NaN loss is skipped and counted."""
     from transformers import TrainerCallback
 
     from trl_grpo_ext import GRPOTrainerExt
@@ -355,6 +356,52 @@ def section_nonfinite(ctx: Context, allotted: float, result: dict) -> dict:
             },
             "targets": {},
             "skipped": {},
+        }
+    )
+    snapshots.clear()
+    free_memory()
+    ctx.save()
+    if not ctx.cuda:
+        result["skipped"]["fp16"] = "fp16 with a gradient scaler needs CUDA (the CPU tests use a CPU GradScaler)"
+        return result
+
+    # fp16 with accelerate's CUDA gradient scaler: a loss-scale overflow from a finite loss (step 2) is the scaler's
+    # to skip and must not count; a NaN loss (step 3) is a non-finite step and must.
+    class OverflowThenNan(GRPOTrainerExt):
+        def _compute_loss(self, model, inputs):
+            loss = super()._compute_loss(model, inputs)
+            step = self.state.global_step + 1
+            return loss * 1e36 if step == 2 else loss * math.nan if step == 3 else loss
+
+    ctx.log("nonfinite: fp16 with a gradient scaler, overflow at step 2, NaN loss at step 3 of 4")
+    trainer = make_trainer(
+        ctx,
+        "ext",
+        os.path.join(ctx.workdir, "nonfinite-fp16"),
+        lora=False,
+        trainer_class=OverflowThenNan,
+        callbacks=[Recorder()],
+        max_steps=4,
+        max_completion_length=min(16, ctx.sizes.completion_length),
+        bf16=False,
+        fp16=True,
+    )
+    has_scaler = trainer.accelerator.scaler is not None
+    trainer.train()
+    logs = loss_logs(trainer)
+    scale = trainer.accelerator.scaler.get_scale() if has_scaler else None
+    del trainer
+    free_memory()
+    before, step1, step2, step3, step4 = snapshots[:5]
+    skipped = [entry.get("nonfinite/skipped_steps") for entry in logs]
+    result["fp16"] = {"skipped_steps_logged": skipped, "final_loss_scale": scale}
+    result["checks"].update(
+        {
+            "fp16_gradient_scaler_in_use": has_scaler,
+            "fp16_overflow_and_nan_steps_left_the_weights_unchanged": same(step1, step2) and same(step2, step3),
+            "fp16_other_steps_updated_the_weights": not same(before, step1) and not same(step3, step4),
+            "fp16_weights_finite": all(torch.isfinite(p).all().item() for p in step4.values()),
+            "fp16_only_the_nan_step_counted": skipped == [0, 0, 1, 1],
         }
     )
     snapshots.clear()
