@@ -269,7 +269,8 @@ class GRPOTrainerExt(GRPOTrainer):
                 f"({guard.skipped} skipped so far, nonfinite_policy='skip')."
             )
             return grad_norm
-        model.zero_grad(set_to_none=True)
+        if not deepspeed:  # the engine drops the gradients itself (and its `zero_grad` takes no `set_to_none`)
+            model.zero_grad(set_to_none=True)
         self._stop_on_nonfinite_step(step, grad_norm, applied=verdict.applied)
 
     def _stop_on_nonfinite_step(self, step: int, grad_norm: float, applied: bool) -> None:
