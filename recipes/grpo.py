@@ -116,6 +116,7 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
     import torch
     from transformers import AutoTokenizer
     from trl import get_peft_config, get_quantization_config
+    from trl.models import unwrap_model_for_generation
 
     from trl_grpo_ext import GRPOTrainerExt
     from trl_grpo_ext.data import load_recipe_dataset
@@ -164,25 +165,23 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
     sharded = trainer.is_fsdp_enabled or (
         trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
     )
-    if script_args.eval_samples and sharded:
-        raise ValueError(
-            "eval_samples generates on the main process alone, which sharded weights (ZeRO-3, FSDP) "
-            "cannot do; set eval_samples=0 and use eval_strategy instead."
-        )
 
     def evaluate() -> dict[str, float]:
         rows = test_dataset.select(range(min(script_args.eval_samples, len(test_dataset)))).to_list()
-        return sampled_reward_means(
-            trainer.accelerator.unwrap_model(trainer.model),
-            trainer.processing_class,
-            rows,
-            reward_funcs,
-            SamplingSettings.from_config(training_args),  # sample as training does
-            seed=training_args.seed,
-            reward_kwargs={"trainer_state": trainer.state},
-        )
+        # ZeRO-3: the whole weights gathered on every process for the generation; FSDP2: the layers gather theirs.
+        with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
+            return sampled_reward_means(
+                model,
+                trainer.processing_class,
+                rows,
+                reward_funcs,
+                SamplingSettings.from_config(training_args),  # sample as training does
+                seed=training_args.seed,
+                reward_kwargs={"trainer_state": trainer.state},
+            )
 
-    evaluating = script_args.eval_samples > 0 and trainer.accelerator.is_main_process
+    # Sharded weights: every process takes part in each generation (same prompts, same seed); the main one reports.
+    evaluating = script_args.eval_samples > 0 and (sharded or trainer.accelerator.is_main_process)
     before = evaluate() if evaluating else {}
     resume = training_args.resume_from_checkpoint
     if isinstance(resume, str) and resume.lower() in ("true", "last"):
@@ -198,7 +197,7 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
     else:
         trainer.save_model(training_args.output_dir)
         trainer.create_model_card(dataset_name=script_args.dataset_name)
-    if evaluating:
+    if evaluating and trainer.accelerator.is_main_process:
         print(f"\nHeld-out evaluation on {script_args.eval_samples} test prompts, one sampled completion each:")
         for name in before:
             print(f"  {name}: {before[name]:.3f} before GRPO -> {after[name]:.3f} after")
@@ -211,6 +210,9 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
 
 
 if __name__ == "__main__":
+    from trl_grpo_ext.cpu_engines import enable_sharded_engines_on_cpu
+
+    enable_sharded_engines_on_cpu()  # an FSDP/DeepSpeed launch on CPU-only processes: shard for real (a check run)
     parser = make_parser()
     script_args, training_args, model_args = parser.parse_args_and_config()
     sys.exit(0 if main(script_args, training_args, model_args) is not None else 1)

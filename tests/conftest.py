@@ -30,3 +30,13 @@ def tiny_tokenizer(tiny_model_path):
 @pytest.fixture
 def prompt_dataset() -> Dataset:
     return Dataset.from_dict({"prompt": ["abc=", "hello=", "xyz=", "qq="] * 4})
+
+
+@pytest.fixture(scope="session")
+def ddp_reference(tiny_model_path, tmp_path_factory) -> list[dict]:
+    """tests/distributed_run.py's `reference` run under DDP (two CPU processes): what each process saved."""
+    from helpers import DISTRIBUTED_RUN, launch, phase_results
+
+    output_dir = tmp_path_factory.mktemp("ddp")
+    launch("cpu_ddp.yaml", [DISTRIBUTED_RUN, output_dir, tiny_model_path, "--phases", "reference"])
+    return phase_results(output_dir, "reference")

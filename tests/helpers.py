@@ -1,5 +1,22 @@
 """Helpers shared by the test modules (importable as `helpers`: pytest puts tests/ on sys.path)."""
 
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trl_grpo_ext.diagnostics import CORE_BIN_WIDTH
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ACCELERATE_CONFIGS = os.path.join(REPO, "recipes", "accelerate_configs")
+DISTRIBUTED_RUN = os.path.join(REPO, "tests", "distributed_run.py")
+# tests/distributed_run.py: gradient_accumulation_steps=2, logging_steps=1
+MICRO_BATCHES_PER_LOG = 2
+
 
 def count_a_reward(completions, **kwargs) -> list[float]:
     """Rewards letters 'a' and length: different completions of one prompt get different rewards."""
@@ -26,3 +43,105 @@ def tiny_grpo_args(output_dir, **overrides) -> dict:
     )
     args.update(overrides)
     return args
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(config: str, script_args, *, check: bool = True) -> subprocess.CompletedProcess:
+    """`accelerate launch` with `recipes/accelerate_configs/<config>` (two processes), on the CPU."""
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        os.path.join(ACCELERATE_CONFIGS, config),
+        "--main_process_port",
+        str(free_port()),
+        *map(str, script_args),
+    ]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    if check:
+        assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def phase_results(output_dir, phase: str, num_processes: int = 2) -> list[dict]:
+    """What each process of a tests/distributed_run.py phase saved."""
+    return [
+        torch.load(os.path.join(output_dir, phase, f"rank{rank}.pt"), weights_only=False)
+        for rank in range(num_processes)
+    ]
+
+
+def assert_logged_statistics_are_those_of_both_processes_pooled(ranks: list[dict]) -> None:
+    """Every logged diagnostic of a tests/distributed_run.py `reference` run equals that of the pooled records."""
+    logs = [entry for entry in ranks[0]["log_history"] if "loss" in entry]
+    steps = [rank["records"]["steps"] for rank in ranks]
+    assert len(logs) * MICRO_BATCHES_PER_LOG == len(steps[0]) == len(steps[1])
+    # The processes saw different completions.
+    assert not torch.equal(steps[0][0]["mask"], steps[1][0]["mask"]) or not torch.equal(
+        steps[0][0]["advantages"], steps[1][0]["advantages"]
+    )
+    rewards_seen = 0
+    for window, entry in enumerate(logs):
+        window_steps = [
+            rank_steps[window * MICRO_BATCHES_PER_LOG : (window + 1) * MICRO_BATCHES_PER_LOG] for rank_steps in steps
+        ]
+        pooled = [step for rank_steps in window_steps for step in rank_steps]
+        ratios = torch.cat([step["ratio"][step["mask"]] for step in pooled]).double()
+        log_ratios = torch.cat([step["log_ratio"][step["mask"]] for step in pooled]).double()
+        assert entry["ratio/mean"] == pytest.approx(ratios.mean().item(), rel=1e-9)
+        assert entry["ratio/std"] == pytest.approx(ratios.std().item(), rel=1e-6, abs=1e-12)
+        assert entry["ratio/min"] == pytest.approx(ratios.min().item(), rel=1e-7)
+        assert entry["ratio/max"] == pytest.approx(ratios.max().item(), rel=1e-7)
+        for quantile in (0.05, 0.5, 0.95):
+            got = math.log(entry[f"ratio/p{round(quantile * 100):02d}"])
+            lower = torch.quantile(log_ratios, quantile, interpolation="lower").item()
+            higher = torch.quantile(log_ratios, quantile, interpolation="higher").item()
+            assert lower - CORE_BIN_WIDTH - 1e-9 <= got <= higher + CORE_BIN_WIDTH + 1e-9
+        policy = [step["policy_loss"].item() for step in pooled]
+        penalty = [step["kl_penalty"].item() for step in pooled]
+        assert entry["loss/policy"] == pytest.approx(sum(policy) / len(policy), rel=1e-6, abs=1e-9)
+        assert entry["loss/kl_penalty"] == pytest.approx(sum(penalty) / len(penalty), rel=1e-6, abs=1e-12)
+        assert entry["loss/policy"] + entry["loss/kl_penalty"] == pytest.approx(entry["loss"], rel=1e-5, abs=1e-7)
+        # TRL's definitions: per micro-batch, a token mean over both processes; then the mean over micro-batches.
+        per_step_kl, per_step_clip = [], []
+        for first, second in zip(*window_steps, strict=True):
+            tokens = first["mask"].sum() + second["mask"].sum()
+            kl = first["per_token_kl"][first["mask"]].sum() + second["per_token_kl"][second["mask"]].sum()
+            per_step_kl.append((kl / tokens).item())
+            clipped = sum(
+                (
+                    ((step["ratio"] < 0.8) & (step["advantages"] < 0))
+                    | ((step["ratio"] > 1.2) & (step["advantages"] > 0))
+                )[step["mask"]].sum()
+                for step in (first, second)
+            )
+            per_step_clip.append((clipped / tokens).item())
+        assert entry["kl"] == pytest.approx(sum(per_step_kl) / len(per_step_kl), rel=1e-5, abs=1e-12)
+        assert entry["clip_ratio/region_mean"] == pytest.approx(sum(per_step_clip) / len(per_step_clip), rel=1e-6)
+        if "reward_std/group_mean" in entry:  # logged by the steps that generated
+            # Rewards are already gathered: both processes hold the same, whole generation batch.
+            rewards = [rank["records"]["rewards"][rewards_seen] for rank in ranks]
+            rewards_seen += 1
+            assert torch.equal(rewards[0], rewards[1])
+            group_stds = rewards[0].double().view(-1, 4).std(dim=1)
+            assert entry["reward_std/group_mean"] == pytest.approx(group_stds.mean().item(), rel=1e-6)
+            assert entry["reward_std/group_min"] == pytest.approx(group_stds.min().item(), abs=1e-7)
+            assert entry["reward_std/group_max"] == pytest.approx(group_stds.max().item(), rel=1e-6)
+    assert rewards_seen == len(ranks[0]["records"]["rewards"]) > 0
+
+
+def assert_one_gather_per_log_step(ranks: list[dict]) -> None:
+    """The diagnostics of a tests/distributed_run.py `reference` run made one collective per log step, no more."""
+    for rank in ranks:
+        calls = rank["collectives"]
+        assert rank["records"]["log_calls"] == len([entry for entry in rank["log_history"] if "loss" in entry]) > 0
+        assert calls["ours"] == rank["records"]["log_calls"]  # one gather per log step
+        assert calls["ours_in_loss"] == 0  # nothing per micro-batch
+        assert calls["total"] > calls["ours"]  # the engine's own collectives were counted by the same hooks

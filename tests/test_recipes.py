@@ -9,7 +9,7 @@ import sys
 import matplotlib.image
 import pytest
 import yaml
-from test_distributed import free_port
+from helpers import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = os.path.join(REPO, "recipes")

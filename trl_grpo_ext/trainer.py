@@ -262,12 +262,13 @@ class GRPOTrainerExt(GRPOTrainer):
                 model.zero_grad(set_to_none=True)
             # Otherwise the engine already skipped it, or the gradient scaler will: its gradients are non-finite.
             logger.warning(
-                f"Step {step}: the gradient norm is {grad_norm}; the update is skipped "
+                f"Step {step}: the gradient norm is {float(grad_norm)}; the update is skipped "
                 f"({guard.skipped} skipped so far, nonfinite_policy='skip')."
             )
             return grad_norm
-        model.zero_grad(set_to_none=True)
-        self._stop_on_nonfinite_step(step, grad_norm, applied=verdict.applied)
+        if not deepspeed:  # the engine drops the gradients itself (and its `zero_grad` takes no `set_to_none`)
+            model.zero_grad(set_to_none=True)
+        self._stop_on_nonfinite_step(step, float(grad_norm), applied=verdict.applied)  # FSDP2: a DTensor
 
     def _stop_on_nonfinite_step(self, step: int, grad_norm: float, applied: bool) -> None:
         """Raise `NonFiniteTrainingError`, naming a checkpoint of the state before this step (written if missing)."""
