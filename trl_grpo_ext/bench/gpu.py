@@ -44,7 +44,7 @@ from datetime import datetime, timezone
 from .common import pin_threads
 from .gpu_setup import SectionTimeout
 
-__all__ = ["SECTION_NAMES", "main", "render_summary", "run"]
+__all__ = ["DEFAULT_SECTIONS", "SECTION_NAMES", "main", "render_summary", "run"]
 
 GRACE_S = 15.0  # how far past its budget the last section may run before it is interrupted
 
@@ -60,10 +60,13 @@ def _sections() -> dict:
         "kernels": (gpu_kernels.section_kernels, 0.20, (40, 10)),
         "nonfinite": (gpu_sections.section_nonfinite, 0.07, (15, 5)),
         "e2e": (gpu_sections.section_e2e, 0.33, (60, 20)),
+        "sharded": (gpu_sections.section_sharded, 1.0, (60, 60)),
     }
 
 
-SECTION_NAMES = ("environment", "equivalence", "syncs", "kernels", "nonfinite", "e2e")
+DEFAULT_SECTIONS = ("environment", "equivalence", "syncs", "kernels", "nonfinite", "e2e")
+#: Every section, in running order; `sharded` (FSDP2, and ZeRO where deepspeed is installed) only when asked for.
+SECTION_NAMES = (*DEFAULT_SECTIONS, "sharded")
 
 
 def _process_start() -> float:
@@ -137,7 +140,7 @@ def run(
     from . import gpu_setup
 
     started = _process_start() if started is None else started
-    selected = tuple(sections or SECTION_NAMES)
+    selected = tuple(sections or DEFAULT_SECTIONS)
     unknown = [name for name in selected if name not in SECTION_NAMES]
     if unknown:
         raise ValueError(f"unknown sections {unknown}; choose from {list(SECTION_NAMES)}.")

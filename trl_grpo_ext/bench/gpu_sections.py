@@ -21,7 +21,14 @@ import torch
 
 from .gpu_setup import STOCK_EQUIVALENT, Context, free_memory, loss_logs, make_trainer
 
-__all__ = ["section_e2e", "section_environment", "section_equivalence", "section_nonfinite", "section_syncs"]
+__all__ = [
+    "section_e2e",
+    "section_environment",
+    "section_equivalence",
+    "section_nonfinite",
+    "section_sharded",
+    "section_syncs",
+]
 
 
 # --- 1. environment ---------------------------------------------------------------------------------------------
@@ -483,4 +490,29 @@ def section_e2e(ctx: Context, allotted: float, result: dict) -> dict:
         )
         result["table"] = e2e.table(result)
         ctx.save()
+    return result
+
+
+# --- 7. sharded engines (only with --sections sharded) ---------------------------------------------------------
+
+
+def section_sharded(ctx: Context, allotted: float, result: dict) -> dict:
+    """FSDP2 (and ZeRO-2/3 where deepspeed is installed) through `bench.sharded.run_sharded_checks`: the engine is
+    active, losses finite, a NaN step skipped without touching the weights; one process per GPU."""
+    from .sharded import run_sharded_checks
+
+    ctx.log("sharded: one launch per engine")
+    checks = run_sharded_checks(os.path.join(ctx.workdir, "sharded"))
+    result["engines"] = {name: value for name, value in checks.items() if name != "ok"}
+    result["checks"] = {
+        f"{name}_ok": value["status"] == "ok"
+        for name, value in checks.items()
+        if name != "ok" and value["status"] != "skipped"
+    }
+    result["skipped"] = {
+        name: "; ".join(value["problems"])
+        for name, value in checks.items()
+        if name != "ok" and value["status"] == "skipped"
+    }
+    result["targets"] = {}
     return result
