@@ -21,7 +21,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(script_args, num_processes=2):
+def launch(script_args, temporary_dir, num_processes=2):
     command = [
         sys.executable,
         "-m",
@@ -39,7 +39,8 @@ def launch(script_args, num_processes=2):
         str(free_port()),
         *script_args,
     ]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    # TMPDIR: the launcher (torchrun) leaves `torchelastic_*` folders in the temporary folder.
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TMPDIR=str(temporary_dir))
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
@@ -48,7 +49,10 @@ def launch(script_args, num_processes=2):
 @pytest.fixture(scope="module")
 def two_process_run(tiny_model_path, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("two_processes")
-    launch([os.path.join(TESTS_DIR, "distributed_run.py"), str(output_dir), tiny_model_path])
+    launch(
+        [os.path.join(TESTS_DIR, "distributed_run.py"), str(output_dir), tiny_model_path],
+        tmp_path_factory.mktemp("launcher_tmp"),
+    )
     return [torch.load(output_dir / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 

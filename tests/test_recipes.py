@@ -254,7 +254,8 @@ def test_demo_recipe_under_accelerate_launch_with_two_cpu_processes(tmp_path):
         os.path.join(RECIPES, "grpo.py"),
         *demo_args(tmp_path / "ddp", "--max_steps", "2", "--per_device_train_batch_size", "16", "--eval_samples", "8"),
     ]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    # TMPDIR: the launcher (torchrun) leaves `torchelastic_*` folders in the temporary folder.
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path))
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "exact_match:" in result.stdout
