@@ -114,34 +114,36 @@ def test_the_wheel_installs_a_command_that_runs_the_demo_from_an_empty_folder(tm
     sources = tmp_path / "src"
     sources.mkdir()
     _copy_sources(sources)
+    # pip keeps nothing in the home folder, and the commands below see no PYTHONPATH (e.g. the repository).
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env.update(PIP_NO_CACHE_DIR="1", PIP_DISABLE_PIP_VERSION_CHECK="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     # Build with this environment's setuptools when it is recent enough, else in isolation (pip fetches one).
     try:
         isolation = ["--no-build-isolation"] if Version(version("setuptools")) >= Version("77") else []
     except PackageNotFoundError:
         isolation = []
     build = [sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-w", str(tmp_path / "dist"), str(sources)]
-    result = subprocess.run(build, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(build, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     (wheel,) = glob.glob(str(tmp_path / "dist" / "trl_grpo_ext-*.whl"))
 
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=600)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=600, env=env)
     python = str(venv / "bin" / "python")
     fresh_site = subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         capture_output=True,
         text=True,
         check=True,
+        env=env,
     ).stdout.strip()
     with open(os.path.join(fresh_site, "dependencies.pth"), "w") as handle:
         handle.write(sysconfig.get_paths()["purelib"] + "\n")
     install = [python, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet", wheel]
-    subprocess.run(install, check=True, timeout=600)
+    subprocess.run(install, check=True, timeout=600, env=env)
 
     workdir = tmp_path / "empty"
     workdir.mkdir()
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     where = subprocess.run(
         [python, "-c", "import trl_grpo_ext; print(trl_grpo_ext.__file__)"],
         capture_output=True,
