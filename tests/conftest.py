@@ -13,6 +13,29 @@ from datasets import Dataset  # noqa: E402
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def library_temporary_files(tmp_path_factory):
+    """Keep what libraries write on their own under pytest's temporary folder, in this process and in the processes
+    tests launch: torch.compile's kernels and precompiled headers and torchrun's `torchelastic_*` folders (all in the
+    system temp folder, the headers even when `TORCHINDUCTOR_CACHE_DIR` is set), and the Arrow files that
+    `datasets.load_dataset` makes of local files (in the home folder)."""
+    import tempfile
+
+    import datasets.config
+
+    root = tmp_path_factory.mktemp("library_files")
+    (root / "tmp").mkdir()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(root / "tmp"))
+        patch.setattr(tempfile, "tempdir", str(root / "tmp"))
+        # Importing transformers already fixed torch's cache folder (in this variable) from the old temp folder.
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(root / "tmp" / "torchinductor"))
+        patch.setenv("HF_DATASETS_CACHE", str(root / "datasets"))
+        # `datasets` read the variable when it was imported, before this fixture ran.
+        patch.setattr(datasets.config, "HF_DATASETS_CACHE", root / "datasets")
+        yield root
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
     from trl_grpo_ext.tiny import save_tiny

@@ -63,10 +63,15 @@ def test_the_benchmark_command_runs_quickly_and_writes_json(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_communication_benchmark_counts_one_gather_per_log_step():
+def test_the_communication_benchmark_counts_one_gather_per_log_step(tmp_path, monkeypatch):
     from trl_grpo_ext.bench import comm
 
-    results = comm.run(batch_sizes=(4, 8))
+    system_temp = tmp_path / "system_temp"  # the launched processes' temporary folder: it must stay empty
+    system_temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(system_temp))
+    results = comm.run(batch_sizes=(4, 8), workdir=tmp_path / "work")
+    assert list(system_temp.iterdir()) == []
+    assert {"model", "ext-4.json", "trl-8.json"} <= {path.name for path in (tmp_path / "work").iterdir()}
     runs = {(run["side"], run["per_device_batch"]): run for run in results["runs"]}
     for batch in (4, 8):
         ours, stock = runs[("ext", batch)], runs[("trl", batch)]

@@ -1,7 +1,6 @@
 """The recipe script and its configs: parsing, a short demo run and its output folder, push, resume, launch."""
 
 import glob
-import importlib.util
 import os
 import subprocess
 import sys
@@ -11,23 +10,22 @@ import pytest
 import yaml
 from helpers import free_port
 
+from trl_grpo_ext.scripts import grpo as recipe
+from trl_grpo_ext.scripts.demo import DEMO_DIR
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = os.path.join(REPO, "recipes")
 DEMO_CONFIG = os.path.join(RECIPES, "tiny", "config_demo.yaml")
+# The repository's recipes and the configs shipped in the package, each file once (recipes/tiny links to the package).
 RECIPE_CONFIGS = sorted(
-    path
-    for path in glob.glob(os.path.join(RECIPES, "**", "*.yaml"), recursive=True)
-    if os.sep + "accelerate_configs" + os.sep not in path
+    {
+        os.path.realpath(path)
+        for path in glob.glob(os.path.join(RECIPES, "**", "*.yaml"), recursive=True)
+        + glob.glob(os.path.join(DEMO_DIR, "*.yaml"))
+        if os.sep + "accelerate_configs" + os.sep not in path
+    }
 )
 ACCELERATE_CONFIGS = sorted(glob.glob(os.path.join(RECIPES, "accelerate_configs", "*.yaml")))
-
-
-def recipe_module():
-    spec = importlib.util.spec_from_file_location("grpo_recipe", os.path.join(RECIPES, "grpo.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 def demo_args(output_dir, *extra):
@@ -36,9 +34,9 @@ def demo_args(output_dir, *extra):
         "--config",
         DEMO_CONFIG,
         "--model_name_or_path",
-        os.path.join(RECIPES, "tiny", "base_model"),
+        os.path.join(DEMO_DIR, "base_model"),
         "--dataset_name",
-        os.path.join(RECIPES, "tiny", "data"),
+        os.path.join(DEMO_DIR, "data"),
         "--output_dir",
         str(output_dir),
         "--max_steps",
@@ -56,17 +54,16 @@ def demo_args(output_dir, *extra):
 
 
 def run_recipe(args):
-    module = recipe_module()
-    parsed = module.make_parser().parse_args_and_config(args=args)
-    return module.main(*parsed), parsed
+    parsed = recipe.parse_args(args)
+    return recipe.main(*parsed), parsed
 
 
 def test_there_are_configs_to_check():
-    names = {os.path.relpath(path, RECIPES) for path in RECIPE_CONFIGS}
+    names = {os.path.relpath(path, REPO) for path in RECIPE_CONFIGS}
     assert {
-        os.path.join("tiny", "config_demo.yaml"),
-        os.path.join("Qwen2.5-0.5B-Instruct", "grpo", "config_gsm8k_lora.yaml"),
-        os.path.join("Qwen2.5-1.5B-Instruct", "grpo", "config_gsm8k_full.yaml"),
+        os.path.join("trl_grpo_ext", "demo", "config_demo.yaml"),
+        os.path.join("recipes", "Qwen2.5-0.5B-Instruct", "grpo", "config_gsm8k_lora.yaml"),
+        os.path.join("recipes", "Qwen2.5-1.5B-Instruct", "grpo", "config_gsm8k_full.yaml"),
     } <= names
     assert {os.path.basename(path) for path in ACCELERATE_CONFIGS} >= {
         "ddp.yaml",
@@ -76,14 +73,12 @@ def test_there_are_configs_to_check():
     }
 
 
-@pytest.mark.parametrize("config", RECIPE_CONFIGS, ids=lambda path: os.path.relpath(path, RECIPES))
+@pytest.mark.parametrize("config", RECIPE_CONFIGS, ids=lambda path: os.path.relpath(path, REPO))
 def test_every_recipe_config_parses_without_unknown_fields(config):
     with open(config) as handle:
         keys = set(yaml.safe_load(handle))
     # A fresh parser per config: TrlParser keeps a config's values as its defaults.
-    script_args, training_args, model_args = (
-        recipe_module().make_parser().parse_args_and_config(args=["--config", config])
-    )
+    script_args, training_args, model_args = recipe.parse_args(["--config", config])
     values = {**vars(script_args), **training_args.to_dict(), **vars(model_args)}
     assert keys <= set(values)
     assert training_args.loss_type == "grpo" and training_args.beta > 0
@@ -94,23 +89,19 @@ def test_an_unknown_config_field_is_refused(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("model_name_or_path: x\nlearning_rate_typo: 1.0e-3\n")
     with pytest.raises(ValueError, match="learning_rate_typo"):
-        recipe_module().make_parser().parse_args_and_config(args=["--config", str(config)])
+        recipe.parse_args(["--config", str(config)])
 
 
 def test_every_flag_overrides_the_config(tmp_path):
-    script_args, training_args, _ = (
-        recipe_module()
-        .make_parser()
-        .parse_args_and_config(
-            args=["--config", DEMO_CONFIG, "--beta", "0.1", "--ratio_quantiles", "0.1", "0.9", "--eval_samples", "3"]
-        )
+    script_args, training_args, _ = recipe.parse_args(
+        ["--config", DEMO_CONFIG, "--beta", "0.1", "--ratio_quantiles", "0.1", "0.9", "--eval_samples", "3"]
     )
     assert training_args.beta == 0.1 and training_args.ratio_quantiles == [0.1, 0.9]
     assert script_args.eval_samples == 3
 
 
 def test_the_output_line_names_only_what_this_run_wrote(tmp_path):
-    summary = recipe_module().output_summary
+    summary = recipe.output_summary
     for name in ("adapter_model.safetensors", "tokenizer_config.json", "README.md", "report.png"):
         (tmp_path / name).write_text("x")
     (tmp_path / "runs" / "run-1").mkdir(parents=True)
@@ -254,7 +245,8 @@ def test_demo_recipe_under_accelerate_launch_with_two_cpu_processes(tmp_path):
         os.path.join(RECIPES, "grpo.py"),
         *demo_args(tmp_path / "ddp", "--max_steps", "2", "--per_device_train_batch_size", "16", "--eval_samples", "8"),
     ]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    # TMPDIR: the launcher (torchrun) leaves `torchelastic_*` folders in the temporary folder.
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path))
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "exact_match:" in result.stdout

@@ -1,11 +1,12 @@
 """Build the demo's base model and data: `python recipes/tiny/make_base_model.py` (about a minute on a CPU).
 
-Writes, next to this script:
+Writes, into the package's demo folder `trl_grpo_ext/demo/` (which `recipes/tiny/data` and
+`recipes/tiny/base_model` link to) unless `--output` says otherwise:
 - `data/train.jsonl`, `data/test.jsonl`: string-reversal prompts (`"abc="`) and solutions (`"cba"`), disjoint;
 - `base_model/`: a 0.5M-parameter Qwen3-architecture model and its character tokenizer, taught the task by a
   supervised warm-up that stops once its sampled accuracy on a separate validation set reaches `--target`.
 
-The files in the repository were made by this script with its defaults. Shipping them keeps the demo's outcome
+The shipped files were made by this script with its defaults. Shipping them keeps the demo's outcome
 independent of how fast the warm-up happens to converge for a given seed.
 """
 
@@ -16,14 +17,13 @@ import os
 import torch
 
 from trl_grpo_ext.reversal import ALPHABET, SEPARATOR, make_splits, sampled_accuracy, warm_up
+from trl_grpo_ext.scripts.demo import DEMO_DIR
 from trl_grpo_ext.tiny import build_char_tokenizer, build_tiny_model
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", default=HERE)
+    parser.add_argument("--output", default=DEMO_DIR)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target", type=float, default=0.2, help="sampled accuracy at which the warm-up stops")
     parser.add_argument("--num_train", type=int, default=20000)

@@ -72,7 +72,7 @@ def _worker(side: str, batch: int, model_path: str, out: str) -> None:
         setattr(dist, name, counted)
 
     common = dict(
-        output_dir=tempfile.mkdtemp(prefix="bench-comm-"),
+        output_dir=os.path.splitext(out)[0] + "-run",  # beside the result file, inside the caller's work folder
         per_device_train_batch_size=batch,
         gradient_accumulation_steps=ACCUMULATION,
         num_generations=4,
@@ -108,12 +108,23 @@ def _worker(side: str, batch: int, model_path: str, out: str) -> None:
             json.dump({"counts": counts, "num_processes": trainer.accelerator.num_processes}, handle)
 
 
-def run(batch_sizes=BATCH_SIZES) -> dict:
-    """Launch the two-process runs and return calls and bytes per log step / micro-batch (what `--json` writes)."""
+def run(batch_sizes=BATCH_SIZES, workdir: str | os.PathLike | None = None) -> dict:
+    """Launch the two-process runs and return calls and bytes per log step / micro-batch (what `--json` writes).
+
+    Args:
+        batch_sizes: per-device batch sizes to compare.
+        workdir: folder for the tiny model, the runs' output folders, their counts and temporary files; by default a
+            temporary folder that is removed afterwards.
+    """
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="bench-comm-") as temporary:
+            return run(batch_sizes, temporary)
     from ..tiny import save_tiny
 
-    workdir = tempfile.mkdtemp(prefix="bench-comm-")
+    workdir = os.fspath(workdir)
     model_path = save_tiny(os.path.join(workdir, "model"))
+    temporary_files = os.path.join(workdir, "tmp")
+    os.makedirs(temporary_files, exist_ok=True)
     micro_batches = STEPS * ACCUMULATION
     results = {"processes": 2, "log_steps": STEPS, "micro_batches": micro_batches, "runs": []}
     for side in ("ext", "trl"):
@@ -125,7 +136,10 @@ def run(batch_sizes=BATCH_SIZES) -> dict:
                 "--main_process_port", str(_free_port()),
                 "-m", "trl_grpo_ext.bench.comm", "--worker", side, str(batch), model_path, out,
             ]  # fmt: skip
-            env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+            # TMPDIR: the launcher (torchrun) leaves `torchelastic_*` folders in the temporary folder.
+            env = dict(
+                os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TMPDIR=temporary_files
+            )
             completed = subprocess.run(command, capture_output=True, text=True, env=env)
             if completed.returncode != 0:
                 raise RuntimeError(

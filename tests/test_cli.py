@@ -1,0 +1,164 @@
+"""The `trl-grpo-ext` command, `python -m trl_grpo_ext`, the demo files shipped in the package, and the wheel."""
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from importlib.metadata import PackageNotFoundError, version
+
+import pytest
+from packaging.version import Version
+from test_recipes import RECIPE_CONFIGS, REPO
+
+from trl_grpo_ext import cli
+from trl_grpo_ext.scripts import grpo
+from trl_grpo_ext.scripts.demo import DEMO_DIR
+
+DEMO_FILES = ["config_demo.yaml", "base_model", "data"]
+
+
+@pytest.fixture
+def parsed(monkeypatch):
+    """Runs commands with the training replaced by recording what it would have been given."""
+    calls = []
+    monkeypatch.setattr(grpo, "main", lambda *args: calls.append(args))
+    return calls
+
+
+@pytest.mark.parametrize("config", RECIPE_CONFIGS, ids=lambda path: os.path.relpath(path, REPO))
+def test_the_grpo_command_parses_every_shipped_config(config, parsed):
+    assert cli.main(["grpo", "--config", config, "--max_steps", "3"]) == 0
+    ((script_args, training_args, model_args),) = parsed
+    assert training_args.max_steps == 3 and training_args.loss_type == "grpo"
+    assert script_args.reward_funcs and model_args.model_name_or_path
+
+
+def test_the_demo_command_uses_the_files_shipped_in_the_package_and_flags_win(parsed, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # any folder
+    assert cli.main(["demo", "--max_steps", "4", "--logging_steps", "1"]) == 0
+    ((script_args, training_args, model_args),) = parsed
+    assert model_args.model_name_or_path == os.path.join(DEMO_DIR, "base_model")
+    assert script_args.dataset_name == os.path.join(DEMO_DIR, "data")
+    assert os.path.isfile(os.path.join(model_args.model_name_or_path, "model.safetensors"))
+    assert training_args.output_dir == os.path.join("runs", "tiny-demo")  # relative: lands in the current folder
+    assert (training_args.max_steps, training_args.logging_steps) == (4, 1)
+    assert model_args.use_peft and script_args.reward_funcs == ["exact_match"]  # the rest is the demo config
+    cli.main(["demo", "--output_dir", str(tmp_path / "elsewhere"), "--model_name_or_path", "my/model"])
+    assert parsed[1][1].output_dir == str(tmp_path / "elsewhere") and parsed[1][2].model_name_or_path == "my/model"
+
+
+@pytest.mark.parametrize(
+    ("command", "first_line"),
+    [
+        ("grpo", "Train with GRPO (GRPOTrainerExt) from a YAML config and flags"),
+        ("demo", "The offline demo: GRPO on a tiny shipped model"),
+    ],
+)
+def test_help_says_what_a_command_does_before_its_arguments(command, first_line, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: trl-grpo-ext {command} ")
+    assert first_line in text.replace("\n", " ")
+    assert text.index(first_line.split()[0]) < text.index("--learning_rate") < text.index("--lora_r")
+
+
+def test_the_command_lists_its_commands_and_refuses_unknown_ones(capsys):
+    assert cli.main([]) == 0
+    text = capsys.readouterr().out
+    assert "grpo" in text and "demo" in text and "usage: trl-grpo-ext" in text
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train"])
+    assert exit_info.value.code == 2 and "invalid choice: 'train'" in capsys.readouterr().err
+
+
+def test_python_m_trl_grpo_ext_and_the_recipe_script_run_the_same_recipe():
+    for command, usage in (
+        (["-m", "trl_grpo_ext", "demo", "--help"], "usage: trl-grpo-ext demo [--field value ...]"),
+        (["recipes/grpo.py", "-h"], "usage: grpo.py --config <yaml> [--field value ...]"),
+    ):
+        result = subprocess.run([sys.executable, *command], capture_output=True, text=True, cwd=REPO, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.startswith(usage) and "--max_steps" in result.stdout
+
+
+def test_the_repository_holds_one_copy_of_the_demo_files():
+    for name in DEMO_FILES:
+        old_path = os.path.join(REPO, "recipes", "tiny", name)  # where they were, and where `make demo` reads them
+        assert os.path.realpath(old_path) == os.path.realpath(os.path.join(DEMO_DIR, name)), name
+    assert os.path.realpath(os.path.join(REPO, "trl_grpo_ext", "demo")) == os.path.realpath(DEMO_DIR)
+
+
+def _copy_sources(destination):
+    """What a wheel is built from, copied so that the build leaves nothing in the repository."""
+    shutil.copytree(
+        os.path.join(REPO, "trl_grpo_ext"),
+        destination / "trl_grpo_ext",
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+    )
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(REPO, name), destination / name)
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_a_command_that_runs_the_demo_from_an_empty_folder(tmp_path):
+    """Build the wheel, install it into a fresh virtual environment, run `trl-grpo-ext demo` in an empty folder.
+
+    The fresh environment sees this one's packages (torch, trl, ...) through a path file, which adds their folder
+    without running its path files (so a development install of this project stays invisible there), and the wheel
+    is installed without dependencies and without an index: no network.
+    """
+    sources = tmp_path / "src"
+    sources.mkdir()
+    _copy_sources(sources)
+    # pip keeps nothing in the home folder, and the commands below see no PYTHONPATH (e.g. the repository).
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env.update(PIP_NO_CACHE_DIR="1", PIP_DISABLE_PIP_VERSION_CHECK="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    # Build with this environment's setuptools when it is recent enough, else in isolation (pip fetches one).
+    try:
+        isolation = ["--no-build-isolation"] if Version(version("setuptools")) >= Version("77") else []
+    except PackageNotFoundError:
+        isolation = []
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-w", str(tmp_path / "dist"), str(sources)]
+    result = subprocess.run(build, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (wheel,) = glob.glob(str(tmp_path / "dist" / "trl_grpo_ext-*.whl"))
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=600, env=env)
+    python = str(venv / "bin" / "python")
+    fresh_site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    ).stdout.strip()
+    with open(os.path.join(fresh_site, "dependencies.pth"), "w") as handle:
+        handle.write(sysconfig.get_paths()["purelib"] + "\n")
+    install = [python, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet", wheel]
+    subprocess.run(install, check=True, timeout=600, env=env)
+
+    workdir = tmp_path / "empty"
+    workdir.mkdir()
+    where = subprocess.run(
+        [python, "-c", "import trl_grpo_ext; print(trl_grpo_ext.__file__)"],
+        capture_output=True,
+        text=True,
+        cwd=workdir,
+        env=env,
+    )
+    assert where.stdout.startswith(fresh_site), where.stdout + where.stderr  # the wheel, not the repository
+
+    command = [str(venv / "bin" / "trl-grpo-ext"), "demo", "--max_steps", "4", "--logging_steps", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=workdir, env=env, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    output_dir = workdir / "runs" / "tiny-demo"
+    files = set(os.listdir(output_dir))
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json"} <= files
+    assert {"README.md", "report.png"} <= files
+    assert result.stdout.strip().splitlines()[-1].startswith(os.path.join("Output folder: runs", "tiny-demo"))
+    assert set(os.listdir(workdir)) == {"runs"}

@@ -1,0 +1,39 @@
+"""The `trl-grpo-ext` command (also `python -m trl_grpo_ext`): `grpo` runs the recipe, `demo` the offline demo."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["COMMANDS", "main"]
+
+#: command -> (module of `trl_grpo_ext.scripts` with a `run(argv, prog)` function, the line `--help` shows)
+COMMANDS = {
+    "grpo": ("grpo", "train with GRPO from a YAML config (--config) and flags; every config field is a flag"),
+    "demo": ("demo", "the offline demo on a tiny shipped model (CPU, no network, ~2 minutes) into ./runs/tiny-demo"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trl-grpo-ext",
+        description="GRPO recipes of trl_grpo_ext. `trl-grpo-ext <command> --help` lists a command's arguments.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="<command>")
+    for name, (_, help_line) in COMMANDS.items():
+        # Each command parses its own arguments (and `--help`).
+        subparsers.add_parser(name, help=help_line, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `trl-grpo-ext <command> [arguments]`; returns the exit status. With no command, prints the help."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    args = parser.parse_args(argv[:1])  # the command only: `-h` and unknown commands end here
+    if args.command is None:
+        parser.print_help()
+        return 0
+    module = importlib.import_module(f".scripts.{COMMANDS[args.command][0]}", package=__package__)
+    return module.run(argv[1:], prog=f"trl-grpo-ext {args.command}")

@@ -1,0 +1,262 @@
+"""GRPO recipe: train `GRPOTrainerExt` on a dataset with reward functions, from a YAML config or CLI flags.
+
+    trl-grpo-ext grpo --config <config.yaml> [--field value ...]
+    accelerate launch --config_file <accelerate.yaml> -m trl_grpo_ext grpo --config <config.yaml>
+    accelerate launch --config_file <accelerate.yaml> <path of this file> --config <config.yaml>
+
+(`python recipes/grpo.py ...` in a clone of the repository runs this script too.) Every field of the script
+arguments below, of `GRPOConfigExt` and of `trl.ModelConfig` is a YAML key and a `--flag`; flags override the
+YAML. The output folder ends up holding the model (or LoRA adapter) and tokenizer, TensorBoard logs, `report.png`
+(once a training step was logged) and a model card, ready for `push_to_hub`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@dataclass
+class GRPOScriptArguments:
+    """Data, rewards and evaluation of a recipe run."""
+
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "A local folder or file (json, jsonl, parquet, csv) or a Hub dataset id."},
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration (e.g. 'main')."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_test_split: str = field(default="test", metadata={"help": "Split for evaluation."})
+    dataset_format: str = field(
+        default="prompt",
+        metadata={
+            "help": "How rows become prompts: 'prompt' (rows already have a `prompt` column) or 'gsm8k' "
+            "(`question` -> prompt, `answer` -> `solution`, the final number)."
+        },
+    )
+    system_prompt: str | None = field(
+        default=None,
+        metadata={"help": "If set, prompts become conversations: this system message, then the prompt as user."},
+    )
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["exact_match"],
+        metadata={
+            "help": "Reward functions: names from trl_grpo_ext.rewards.REWARD_FUNCS (exact_match, gsm8k_accuracy, "
+            "think_answer_format) or import paths such as my_rewards.length_reward. Weights: --reward_weights."
+        },
+    )
+    eval_samples: int = field(
+        default=0,
+        metadata={
+            "help": "Before and after training, sample one completion for each of this many test prompts and print "
+            "the mean of every reward (held-out accuracy for exact-match rewards). 0 switches it off."
+        },
+    )
+    num_threads: int | None = field(
+        default=None,
+        metadata={"help": "torch CPU threads per process (1 was fastest for tiny models on 2 cores)."},
+    )
+
+
+def output_summary(output_dir: str, since: float, logged: bool, logging_steps: float) -> str:
+    """One line naming what this run wrote into `output_dir`: files older than `since` (left by an earlier run) do not
+    count, and a missing `report.png` is named with its reason."""
+
+    def written(name: str) -> bool:
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path):
+            return any(
+                os.path.getmtime(os.path.join(root, file)) >= since
+                for root, _, files in os.walk(path)
+                for file in files
+            )
+        return os.path.isfile(path) and os.path.getmtime(path) >= since
+
+    parts = []
+    if written("adapter_model.safetensors"):
+        parts.append("LoRA adapter")
+    elif any(written(name) for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")):
+        parts.append("model")
+    parts += [
+        label
+        for name, label in (
+            ("tokenizer_config.json", "tokenizer"),
+            ("README.md", "model card README.md"),
+            ("report.png", "report.png"),
+            ("runs", "TensorBoard runs/"),
+        )
+        if written(name)
+    ]
+    line = f"Output folder: {output_dir} ({', '.join(parts) or 'nothing written'})"
+    if not written("report.png"):
+        if not logged:
+            reason = f"no training step was logged (the run was shorter than logging_steps={logging_steps:g})"
+        elif importlib.util.find_spec("matplotlib") is None:
+            reason = "matplotlib is not installed (pip install 'trl-grpo-ext[recipes]')"
+        else:
+            reason = "see the warnings above"
+        line += f"; no report.png: {reason}"
+    return line
+
+
+DESCRIPTION = "Train with GRPO (GRPOTrainerExt) from a YAML config and flags; every config field is a flag."
+USAGE = "%(prog)s --config <yaml> [--field value ...]"
+
+
+def make_parser(prog: str | None = None, description: str = DESCRIPTION, usage: str = USAGE):
+    """The recipe's `TrlParser` over (script arguments, `GRPOConfigExt`, `trl.ModelConfig`).
+
+    Args:
+        prog: the command name shown by `--help`.
+        description: the line `--help` shows before the arguments.
+        usage: the usage line (argparse's own would list every field).
+    """
+    from trl import ModelConfig, TrlParser
+
+    from trl_grpo_ext import GRPOConfigExt
+
+    return TrlParser(
+        (GRPOScriptArguments, GRPOConfigExt, ModelConfig), prog=prog, description=description, usage=usage
+    )
+
+
+def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
+    """Train, evaluate, save and (if asked) push. Returns the held-out reward means before and after training."""
+    import torch
+    from transformers import AutoTokenizer
+    from trl import get_peft_config, get_quantization_config
+    from trl.models import unwrap_model_for_generation
+
+    from trl_grpo_ext import GRPOTrainerExt
+    from trl_grpo_ext.data import load_recipe_dataset
+    from trl_grpo_ext.evaluation import SamplingSettings, sampled_reward_means
+    from trl_grpo_ext.rewards import resolve_reward_funcs
+
+    started = time.time()
+    if script_args.num_threads:
+        torch.set_num_threads(script_args.num_threads)
+    if model_args.model_name_or_path is None:
+        raise ValueError("Set `model_name_or_path` (a local folder or a Hub model id).")
+    dataset = load_recipe_dataset(
+        script_args.dataset_name,
+        script_args.dataset_config,
+        dataset_format=script_args.dataset_format,
+        system_prompt=script_args.system_prompt,
+        required_splits=[script_args.dataset_train_split],
+    )
+    train_dataset = dataset[script_args.dataset_train_split]
+    test_dataset = dataset[script_args.dataset_test_split] if script_args.dataset_test_split in dataset else None
+    reward_funcs = resolve_reward_funcs(script_args.reward_funcs)
+    if script_args.eval_samples and test_dataset is None:
+        raise ValueError(f"eval_samples={script_args.eval_samples} needs a '{script_args.dataset_test_split}' split.")
+
+    training_args.model_init_kwargs = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+        **(training_args.model_init_kwargs or {}),
+    }
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_args.model_name_or_path, revision=model_args.model_revision, padding_side="left"
+    )
+    trainer = GRPOTrainerExt(
+        model=model_args.model_name_or_path,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=test_dataset if training_args.eval_strategy != "no" else None,
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+        quantization_config=get_quantization_config(model_args),
+    )
+
+    sharded = trainer.is_fsdp_enabled or (
+        trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
+    )
+
+    def evaluate() -> dict[str, float]:
+        rows = test_dataset.select(range(min(script_args.eval_samples, len(test_dataset)))).to_list()
+        # ZeRO-3: the whole weights gathered on every process for the generation; FSDP2: the layers gather theirs.
+        with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
+            return sampled_reward_means(
+                model,
+                trainer.processing_class,
+                rows,
+                reward_funcs,
+                SamplingSettings.from_config(training_args),  # sample as training does
+                seed=training_args.seed,
+                reward_kwargs={"trainer_state": trainer.state},
+            )
+
+    # Sharded weights: every process takes part in each generation (same prompts, same seed); the main one reports.
+    evaluating = script_args.eval_samples > 0 and (sharded or trainer.accelerator.is_main_process)
+    before = evaluate() if evaluating else {}
+    resume = training_args.resume_from_checkpoint
+    if isinstance(resume, str) and resume.lower() in ("true", "last"):
+        resume = True
+    trainer.train(resume_from_checkpoint=resume)
+    after = evaluate() if evaluating else {}
+
+    trainer.card_metrics = {f"held-out {name} (before)": value for name, value in before.items()}
+    trainer.card_metrics.update({f"held-out {name} (after)": value for name, value in after.items()})
+    if training_args.push_to_hub:
+        # Saves the model and tokenizer, writes the card and report, and uploads the output folder, once.
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    else:
+        trainer.save_model(training_args.output_dir)
+        trainer.create_model_card(dataset_name=script_args.dataset_name)
+    if evaluating and trainer.accelerator.is_main_process:
+        print(f"\nHeld-out evaluation on {script_args.eval_samples} test prompts, one sampled completion each:")
+        for name in before:
+            print(f"  {name}: {before[name]:.3f} before GRPO -> {after[name]:.3f} after")
+    if trainer.accelerator.is_main_process:
+        logged = any("loss" in entry for entry in trainer.state.log_history)
+        print(output_summary(training_args.output_dir, started, logged, training_args.logging_steps))
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
+    return {"before": before, "after": after}
+
+
+def parse_args(
+    argv: list[str] | None = None,
+    prog: str | None = None,
+    description: str = DESCRIPTION,
+    usage: str = USAGE,
+    defaults: dict | None = None,
+) -> tuple:
+    """Parse `argv` (default: the command line) into (script arguments, `GRPOConfigExt`, `trl.ModelConfig`).
+
+    Args:
+        prog, description, usage: see `make_parser`.
+        defaults: field values that replace the dataclasses' defaults, as a config file's do; `--config` and flags
+            override them.
+
+    Raises:
+        ValueError: for a field of `defaults` that no dataclass has.
+    """
+    parser = make_parser(prog, description, usage)
+    if defaults:
+        unknown = parser.set_defaults_with_config(**defaults)
+        if unknown:
+            raise ValueError(f"Unknown fields in the defaults: {unknown}.")
+    return parser.parse_args_and_config(argv)
+
+
+def run(argv: list[str] | None = None, prog: str | None = None, **parse_kwargs) -> int:
+    """Parse `argv` (default: the command line, see `parse_args`) and run the recipe; the exit status (`--help`
+    exits with 0)."""
+    from trl_grpo_ext.cpu_engines import enable_sharded_engines_on_cpu
+
+    enable_sharded_engines_on_cpu()  # an FSDP/DeepSpeed launch on CPU-only processes: shard for real (a check run)
+    main(*parse_args(argv, prog, **parse_kwargs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())
