@@ -24,6 +24,7 @@ from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import get_callable_name, get_config_model_id, is_async_callable
 
+from ._compat import options_missing_from_trl, seed_before_model_init
 from .checkpointing import STAGING_DIR, load_grpo_state, publish_checkpoint, save_grpo_state
 from .config import GRPOConfigExt, invalid_hyperparameters
 from .diagnostics import DiagnosticsAccumulator
@@ -146,10 +147,11 @@ class GRPOTrainerExt(GRPOTrainer):
                 f"{type(self).__name__} computes the GRPO loss of trl_grpo_ext.grpo_loss and cannot honour these "
                 "options:\n- " + "\n- ".join(problems)
             )
-        problems = invalid_hyperparameters(args)
+        problems = invalid_hyperparameters(args) + options_missing_from_trl(args)
         if problems:
             raise ValueError(" ".join(problems))
         _check_train_dataset(kwargs.get("train_dataset"), kwargs.get("environment_factory"))
+        seed_before_model_init(args)
         super().__init__(model, _guard_reward_funcs(reward_funcs), args=args, **kwargs)
         if self.aux_loss_enabled:
             raise ValueError(
