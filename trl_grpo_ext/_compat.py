@@ -46,7 +46,8 @@ __all__ = [
     "seed_before_model_init",
 ]
 
-#: Tested: 1.14.x, 1.15.x and 1.16.x, each with the oldest dependencies it is tested with (`make test-compat`).
+#: 1.14.x, 1.15.x and 1.16.x, each tested with its oldest dependencies by `make test-compat` (with 1.15, whose
+#: log-prob kernel needs a CUDA or XPU device, the CPU test machines run the version checks only).
 SUPPORTED_TRL = (Version("1.14.0"), Version("1.17.0"))  # [lower, upper)
 #: Before 1.0, `GRPOTrainer` computed its loss in a hook with another signature; nothing here would work.
 BREAKING_BELOW = Version("1.0.0")
