@@ -2,11 +2,12 @@
 
 `GRPOTrainerExt` overrides private hooks of TRL's `GRPOTrainer` and of transformers' `Trainer`; the rest of the
 package is written against TRL 1.16. Compared in TRL 1.14.0, 1.14.2, 1.15.0 and 1.16.0 (`trl/trainer/grpo_trainer.py`,
-`trl/trainer/grpo_config.py`) and unchanged across them: `_compute_loss`, `_calculate_rewards`, `log`,
-`_prepare_inputs` with `_step` and `_buffered_inputs`, `training_step`, the batch keys (`advantages`,
-`completion_mask`, `old_per_token_logps`, `ref_per_token_logps`, `tool_mask`), `epsilon_low`, `epsilon_high`,
-`aux_loss_enabled`, `num_generations_eval`, `reward_weights`, the helpers `get_callable_name`, `get_config_model_id`
-and `is_async_callable` of `trl.trainer.utils`, and every `GRPOConfig` field this package reads. What changed:
+`grpo_config.py`, `base_trainer.py`) and unchanged across them: `_compute_loss`, `_calculate_rewards`, `log` (but
+for its completions table), `_prepare_inputs` with `_step` and `_buffered_inputs`, `training_step`, `_save_checkpoint`,
+the batch keys (`advantages`, `completion_mask`, `old_per_token_logps`, `ref_per_token_logps`, `tool_mask`),
+`epsilon_low`, `epsilon_high`, `aux_loss_enabled`, `num_generations_eval`, `reward_weights`, the helpers
+`get_callable_name`, `get_config_model_id` and `is_async_callable` of `trl.trainer.utils`, and every `GRPOConfig`
+field this package reads. What changed:
 
 - TRL 1.15.0: `GRPOTrainer` sets `loss_is_scaled_for_ga = True` so that `Trainer` does not divide the loss by the
   accumulation steps a second time (TRL's base trainer turns it into 1.14's placeholder `compute_loss_func` for
