@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo quickstart test test-fast lint format clean gpu-wheels
+.PHONY: setup demo quickstart test test-fast test-compat lint format clean gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,37 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow"
+
+# One environment per supported TRL minor release, each with the oldest dependencies tested with it (README,
+# "Compatibility"). torch is 2.13.0 in all of them: the only CPU build the test machines have locally.
+COMPAT_DIR ?= .venv-compat
+COMPAT_TRL ?= 1.14 1.15 1.16
+COMPAT_PINS := transformers==5.5.4 peft==0.18.0 datasets==4.7.0
+COMPAT_PINS_1.14 := trl==1.14.0 accelerate==1.4.0
+COMPAT_PINS_1.15 := trl==1.15.0 accelerate==1.4.0
+COMPAT_PINS_1.16 := trl==1.16.0 accelerate==1.10.1
+# The trainer against that TRL's stock trainer, diagnostics, guardrails, checkpoint and resume. TRL 1.15 computes
+# log-probs on CUDA or XPU only: on a CPU only its version checks and the refusal of a CPU run are tested.
+COMPAT_TESTS ?= tests/test_compat.py tests/test_trainer.py tests/test_diagnostics.py tests/test_guardrails.py \
+	tests/test_checkpointing.py
+COMPAT_TESTS_1.15 ?= tests/test_compat.py
+
+$(COMPAT_DIR)/trl-%/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv --clear $(COMPAT_DIR)/trl-$*
+	$(COMPAT_DIR)/trl-$*/bin/python -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	@# Installing the project beside the pins also checks that pyproject.toml admits them.
+	$(COMPAT_DIR)/trl-$*/bin/python -m pip install -q -e ".[dev]" $(COMPAT_PINS_$*) $(COMPAT_PINS) "$(TORCH_SPEC)"
+	touch $@
+
+# make test-compat COMPAT_TRL=1.14 tests one release (CI: the oldest).
+test-compat: $(foreach trl,$(COMPAT_TRL),$(COMPAT_DIR)/trl-$(trl)/.installed)
+	@set -e; for trl in $(COMPAT_TRL); do \
+		echo "== trl $$trl: $$($(COMPAT_DIR)/trl-$$trl/bin/python -m pip freeze | grep -iE \
+			'^(trl|transformers|peft|accelerate|datasets|torch)==' | tr '\n' ' ')"; \
+		tests="$(COMPAT_TESTS)"; \
+		if [ "$$trl" = 1.15 ]; then tests="$(COMPAT_TESTS_1.15)"; fi; \
+		$(COMPAT_DIR)/trl-$$trl/bin/python -m pytest $$tests; \
+	done
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -58,4 +89,4 @@ gpu-wheels:
 	@du -sh $(WHEEL_DIR)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(COMPAT_DIR) runs .pytest_cache .ruff_cache

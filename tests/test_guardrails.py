@@ -3,7 +3,6 @@
 import copy
 import math
 import os
-import warnings
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ from transformers import TrainerCallback
 from trl import GRPOConfig
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-from trl_grpo_ext._compat import check_trl_version
 from trl_grpo_ext.guardrails import (
     AnomalyMonitor,
     NonFiniteGuard,
@@ -456,23 +454,6 @@ class TestBadInput:
         )
         with pytest.raises(ValueError, match="`epsilon` must be"):
             GRPOTrainerExt(model=tiny_model_path, reward_funcs=count_a_reward, args=args, train_dataset=prompt_dataset)
-
-
-class TestTrlVersionGuard:
-    def test_the_tested_range_is_silent(self):
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            check_trl_version("1.16.0")
-            check_trl_version("1.16.9")
-
-    @pytest.mark.parametrize("version", ["1.15.2", "1.17.0", "2.0.0"])
-    def test_untested_versions_warn_with_the_range(self, version):
-        with pytest.warns(UserWarning, match=r"tested with trl>=1.16.0,<1.17.0; trl " + version):
-            check_trl_version(version)
-
-    def test_versions_with_another_loss_hook_are_refused(self):
-        with pytest.raises(ImportError, match=r"needs trl>=1.16.0,<1.17.0; trl 0.19.1 is installed"):
-            check_trl_version("0.19.1")
 
 
 def test_weights_are_copied_not_aliased():

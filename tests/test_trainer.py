@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import count_a_reward, tiny_grpo_args
 from peft import LoraConfig
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, set_seed
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
@@ -36,6 +36,8 @@ RTOL, ATOL = 1e-5, 1e-6
 
 def train_logs(trainer_cls, config_cls, model_path, tokenizer, dataset, output_dir, peft_config=None, **config):
     args = config_cls(**tiny_grpo_args(output_dir, num_iterations=2, gradient_accumulation_steps=2, **config))
+    # Stock TRL 1.14 builds LoRA adapters from the unseeded RNG (GRPOTrainerExt and TRL >= 1.15 seed first).
+    set_seed(args.seed)
     trainer = trainer_cls(
         model=model_path,
         reward_funcs=count_a_reward,

@@ -1,22 +1,106 @@
-"""The TRL versions this package is built against: `GRPOTrainerExt` overrides TRL's private loss hook."""
+"""What differs between the TRL and transformers releases this package supports, in one place.
+
+`GRPOTrainerExt` overrides private hooks of TRL's `GRPOTrainer` and of transformers' `Trainer`; the rest of the
+package is written against TRL 1.16. Compared in TRL 1.14.0, 1.14.2, 1.15.0 and 1.16.0 (`trl/trainer/grpo_trainer.py`,
+`grpo_config.py`, `base_trainer.py`) and unchanged across them: `_compute_loss`, `_calculate_rewards`, `log` (but
+for its completions table), `_prepare_inputs` with `_step` and `_buffered_inputs`, `training_step`, `_save_checkpoint`,
+the batch keys (`advantages`, `completion_mask`, `old_per_token_logps`, `ref_per_token_logps`, `tool_mask`),
+`epsilon_low`, `epsilon_high`, `aux_loss_enabled`, `num_generations_eval`, `reward_weights`, the helpers
+`get_callable_name`, `get_config_model_id` and `is_async_callable` of `trl.trainer.utils`, and every `GRPOConfig`
+field this package reads. What changed:
+
+- TRL 1.15.0: `GRPOTrainer` sets `loss_is_scaled_for_ga = True` so that `Trainer` does not divide the loss by the
+  accumulation steps a second time (TRL's base trainer turns it into 1.14's placeholder `compute_loss_func` for
+  transformers < 5.19, which does not read it). `_compute_loss` divides by `current_gradient_accumulation_steps` in
+  every version, and so does this package's.
+- TRL 1.15.0: `_get_per_token_logps_and_entropies` takes explicit arguments and computes the log-probs through a
+  fused LM head; 1.14 forwards `*args, **kwargs` to a full-logits path (a chunked one with `use_liger_kernel`).
+  This package calls it with the three inputs positionally and the options by keyword, which every version accepts.
+  The 1.15 fused head runs a Triton kernel only, on a CUDA or XPU device; 1.16.0 adds a PyTorch path for the
+  others: see `OPTIONS_ADDED`.
+- TRL 1.15.0: `GRPOTrainer.__init__` seeds the RNGs before building the model, so LoRA adapters start from the same
+  weights in every process; 1.14 draws them from the unseeded RNG: see `seed_before_model_init`.
+- TRL 1.15.0: `use_liger_kernel=True` only swaps in Liger's layer kernels; 1.14 also routes `compute_loss` through
+  its chunked log-prob path. Both end in `_compute_loss`, which this package overrides.
+- TRL 1.16.0: `pad_to_multiple_of` accepts (and defaults to) `"auto"`: see `OPTIONS_ADDED`.
+
+transformers, with any TRL: `Trainer._get_grad_norm`, the hook of the non-finite guard, exists from 5.3.0;
+`transformers.trainer_utils.rotate_checkpoints`, used by the crash-safe checkpoints, from 5.2.0; before 5.5.4 `Trainer`
+built its `Accelerator` with the accumulation steps, whose `backward` divided the loss by them once more: with
+`gradient_accumulation_steps=2` the gradient was half that of the same batch in one step, in stock TRL too.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
+from typing import Any
 
 from packaging.version import Version
 
-__all__ = ["SUPPORTED_TRL", "check_trl_version"]
+__all__ = [
+    "SUPPORTED_TRL",
+    "OPTIONS_ADDED",
+    "check_trl_version",
+    "check_transformers_version",
+    "options_missing_from_trl",
+    "seed_before_model_init",
+]
 
-#: Tested: the hooks GRPOTrainerExt overrides (`_compute_loss`, `_calculate_rewards`, `_get_per_token_logps_and_
-#: entropies`, the generation buffer) have these signatures and meanings.
-SUPPORTED_TRL = (Version("1.16.0"), Version("1.17.0"))  # [lower, upper)
+#: 1.14.x, 1.15.x and 1.16.x, each tested with its oldest dependencies by `make test-compat` (with 1.15, whose
+#: log-prob kernel needs a CUDA or XPU device, the CPU test machines run the version checks only).
+SUPPORTED_TRL = (Version("1.14.0"), Version("1.17.0"))  # [lower, upper)
 #: Before 1.0, `GRPOTrainer` computed its loss in a hook with another signature; nothing here would work.
 BREAKING_BELOW = Version("1.0.0")
+
+#: The oldest transformers this package works with, whatever the TRL version.
+TRANSFORMERS_FLOOR = Version("5.5.4")
+_TRANSFORMERS_FLOOR_REASON = (
+    "before transformers 5.5.4 `Trainer` lets accelerate divide the loss by the gradient accumulation steps after "
+    "TRL has already done it, and GRPOTrainerExt's non-finite guard needs `Trainer._get_grad_norm` (5.3)"
+)
+
+
+def _pad_to_multiple_of_auto(args: Any) -> str | None:
+    return "pad_to_multiple_of='auto'" if getattr(args, "pad_to_multiple_of", None) == "auto" else None
+
+
+def _fused_lm_head_unavailable(args: Any) -> str | None:
+    device_type = getattr(getattr(args, "device", None), "type", "cpu")
+    if device_type not in ("cuda", "xpu"):
+        return f"Training on a {device_type} device"
+    if importlib.util.find_spec("triton") is None:
+        return "Training without the triton package"
+    return None
+
+
+#: What a TRL release may lack: (what `args` asks for, or None; the releases that lack it, [from, to); why).
+OPTIONS_ADDED = (
+    (_pad_to_multiple_of_auto, Version("0"), Version("1.16.0"), "earlier releases take an int or None"),
+    (
+        _fused_lm_head_unavailable,
+        Version("1.15.0"),
+        Version("1.16.0"),
+        "trl 1.15 computes log-probs with a Triton kernel on CUDA and XPU devices only (trl 1.14 and 1.16 also have a "
+        "PyTorch path)",
+    ),
+)
+
+#: The first TRL release whose `GRPOTrainer.__init__` seeds the RNGs before building the model.
+_SEEDS_BEFORE_MODEL_INIT = Version("1.15.0")
+
+
+def _installed_trl() -> str:
+    import trl
+
+    return trl.__version__
 
 
 def check_trl_version(version: str) -> None:
     """Warn for an untested TRL version, raise for one known to break the overridden hooks.
+
+    Args:
+        version (`str`): the installed TRL version, e.g. `trl.__version__`.
 
     Raises:
         ImportError: for TRL below 1.0.
@@ -35,3 +119,57 @@ def check_trl_version(version: str) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def check_transformers_version(version: str) -> None:
+    """Refuse a transformers release older than `TRANSFORMERS_FLOOR`.
+
+    Args:
+        version (`str`): the installed transformers version, e.g. `transformers.__version__`.
+
+    Raises:
+        ImportError: naming the transformers version needed and why.
+    """
+    if Version(version) < TRANSFORMERS_FLOOR:
+        raise ImportError(
+            f"trl_grpo_ext needs transformers>={TRANSFORMERS_FLOOR}; transformers {version} is installed. Why: "
+            f"{_TRANSFORMERS_FLOOR_REASON}. Install it with: pip install 'transformers>={TRANSFORMERS_FLOOR}'."
+        )
+
+
+def options_missing_from_trl(args: Any, trl_version: str | None = None) -> list[str]:
+    """What `args` asks for that the installed TRL does not implement, each naming the TRL release that does.
+
+    Args:
+        args (`trl.GRPOConfig`): the training configuration (`pad_to_multiple_of` and `device` are read).
+        trl_version (`str`, *optional*): the TRL version to check against; the installed one by default.
+
+    Returns:
+        `list[str]`: one message per missing option; empty when the installed TRL implements them all.
+    """
+    found = Version(trl_version or _installed_trl())
+    problems = []
+    for asks_for, lacking_from, added_in, why in OPTIONS_ADDED:
+        if lacking_from <= found < added_in:
+            option = asks_for(args)
+            if option is not None:
+                problems.append(f"{option} needs trl>={added_in} (trl {found} is installed): {why}.")
+    return problems
+
+
+def seed_before_model_init(args: Any, trl_version: str | None = None) -> None:
+    """Seed the RNGs with `args.seed` where the installed TRL does not do it before building the model.
+
+    From TRL 1.15 `GRPOTrainer.__init__` seeds before it creates the model and its PEFT adapters; before, LoRA weights
+    started from whatever the global RNG held, so two runs with the same seed (a run and its resumption, two
+    processes) trained different adapters. Called first in `GRPOTrainerExt.__init__`, it gives TRL 1.14 the same
+    start as TRL 1.15.
+
+    Args:
+        args (`trl.GRPOConfig`): the training configuration; its `seed` is used.
+        trl_version (`str`, *optional*): the TRL version to act for; the installed one by default.
+    """
+    if Version(trl_version or _installed_trl()) < _SEEDS_BEFORE_MODEL_INIT:
+        from accelerate.utils import set_seed
+
+        set_seed(args.seed)

@@ -30,6 +30,7 @@ from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import get_callable_name, get_config_model_id, is_async_callable
 
+from ._compat import options_missing_from_trl, seed_before_model_init
 from .checkpointing import STAGING_DIR, StepStart, load_grpo_state, publish_checkpoint, save_grpo_state
 from .config import GRPOConfigExt
 from .diagnostics import DiagnosticsAccumulator
@@ -97,10 +98,11 @@ class GRPOTrainerExt(GRPOTrainer):
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = GRPOConfigExt(f"{model_name.split('/')[-1]}-GRPO")
-        problems = hyperparameter_problems(args.epsilon, args.epsilon_high, args.beta)
+        problems = hyperparameter_problems(args.epsilon, args.epsilon_high, args.beta) + options_missing_from_trl(args)
         if problems:
             raise ValueError(" ".join(problems))
         _check_train_dataset(kwargs.get("train_dataset"), kwargs.get("environment_factory"))
+        seed_before_model_init(args)
         super().__init__(model, _guard_reward_funcs(reward_funcs), args=args, **kwargs)
 
         def option(name):  # a plain trl.GRPOConfig has none of the extra fields: GRPOConfigExt's defaults then
