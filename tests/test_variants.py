@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import count_a_reward, tiny_grpo_args
 from peft import LoraConfig
+from transformers import set_seed
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOTrainerExt
@@ -27,6 +28,7 @@ def length_reward(completions, **kwargs):
 
 def train_logs(trainer_cls, model_path, tokenizer, dataset, output_dir, reward_funcs=None, peft_config=None, **config):
     config = {"num_iterations": 2, "gradient_accumulation_steps": 2, **config}
+    set_seed(0)  # TRL before 1.15 draws LoRA adapters from the unseeded generator (see `_compat`)
     trainer = trainer_cls(
         model=model_path,
         reward_funcs=reward_funcs or count_a_reward,
