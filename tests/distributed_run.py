@@ -14,8 +14,9 @@ process saves what the tests check in `<output_dir>/<phase>/rank<k>.pt`:
 - `nan-skip`, `nan-stop`: the loss of rank 1 is NaN in step `NAN_STEP`; each process's local weights before and after
   that step, or when training stopped.
 - `lora`: a LoRA adapter trained and saved; the full adapter and base tensors before and after.
-- `recipe`: `recipes/grpo.py`'s `main` on the demo config, with held-out evaluation before and after training; it
-  ends accelerate's process group, so it must be the last phase.
+- `recipe`: the recipe's `main` (`trl_grpo_ext.scripts.grpo`, which `recipes/grpo.py` runs) on the demo config,
+  with held-out evaluation before and after training; it ends accelerate's process group, so it must be the last
+  phase.
 """
 
 import argparse
@@ -256,13 +257,8 @@ def run_lora(output_dir, model_path) -> dict:
 
 def run_recipe(output_dir) -> dict:
     """The recipe's `main`, short, with held-out evaluation; the trainer it built is kept for the engine proof."""
-    import importlib.util
-    import sys
+    from trl_grpo_ext.scripts import grpo as recipe  # what recipes/grpo.py runs
 
-    spec = importlib.util.spec_from_file_location("grpo_recipe", os.path.join(REPO, "recipes", "grpo.py"))
-    recipe = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = recipe  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(recipe)
     built = []
 
     class KeptTrainer(GRPOTrainerExt):
