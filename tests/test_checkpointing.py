@@ -162,7 +162,11 @@ def test_checkpoint_uploads_send_the_published_complete_folder(
     from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 
     hub = DelayedHub()
-    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
+    if hasattr(transformers.trainer, "hf_api"):
+        monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
+    else:  # transformers before the shared HfApi client called huggingface_hub's functions directly
+        monkeypatch.setattr(transformers.trainer, "create_repo", hub.create_repo)
+        monkeypatch.setattr(transformers.trainer, "upload_folder", hub.upload_folder)
     args = GRPOConfigExt(
         **tiny_grpo_args(
             tmp_path,
