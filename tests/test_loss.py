@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trl_grpo_ext import group_relative_advantages, grpo_loss
-from trl_grpo_ext.loss import EXP_LINEAR_ABOVE
+from trl_grpo_ext.ops import EXP_LINEAR_ABOVE
 
 
 def reference_loss_float64(logps, old_logps, ref_logps, advantages, lengths, epsilon, epsilon_high, beta):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from trl_grpo_ext import grpo_loss
-from trl_grpo_ext.objectives import AGGREGATIONS, LOSS_TYPES, POLICY_TERMS, policy_objective
+from trl_grpo_ext.ops import LOSS_TYPES, policy_objective
+from trl_grpo_ext.ops.terms import AGGREGATIONS, POLICY_TERMS
 
 
 def batch(num_rows=8, num_tokens=12, *, seed=0, spread=0.4):
@@ -23,7 +24,7 @@ def batch(num_rows=8, num_tokens=12, *, seed=0, spread=0.4):
 
 def variant_kwargs(loss_type, rows, num_tokens=12):
     kwargs = {"loss_type": loss_type}
-    if LOSS_TYPES[loss_type][1] == "sum_over_denominator":
+    if LOSS_TYPES[loss_type].aggregation == "sum_over_denominator":
         kwargs["denominator"] = float(rows * num_tokens)
     if loss_type == "vespo":
         kwargs["sequence_weights"] = torch.linspace(0.5, 1.5, rows)[:, None]
@@ -41,8 +42,54 @@ def run(logps, *args, **kwargs):
 
 def test_the_catalogue_names_every_trl_loss_type():
     assert set(LOSS_TYPES) == {"grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"}
-    for term, aggregation in LOSS_TYPES.values():
-        assert term in POLICY_TERMS and aggregation in AGGREGATIONS
+    for name, record in LOSS_TYPES.items():
+        assert record.name == name
+        assert record.policy_term in POLICY_TERMS and record.aggregation in AGGREGATIONS
+        assert (record.divisor is not None) == (record.aggregation == "sum_over_denominator")
+    assert {name for name, record in LOSS_TYPES.items() if record.window_normalised} == {"dapo", "cispo", "vespo"}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"])
+@pytest.mark.parametrize("implementation", ["fused", "compiled"])
+def test_the_fused_kernel_computes_every_clipped_loss_type_as_the_reference(loss_type, implementation):
+    logps, old, ref, advantages, mask = batch(seed=3)
+    kwargs = dict(loss_type=loss_type, beta=0.04, epsilon_high=0.28, denominator=37.0, loss_scale=0.5)
+    expected, expected_grad = run(logps, old, ref, advantages, mask, implementation="reference", **kwargs)
+    out, grad = run(logps, old, ref, advantages, mask, implementation=implementation, **kwargs)
+    assert out.implementation == implementation and expected.implementation == "reference"
+    for name in ("loss", "policy_loss", "kl", "ratio", "per_token_kl", "is_low_clipped", "is_high_clipped"):
+        torch.testing.assert_close(getattr(out, name), getattr(expected, name), rtol=1e-5, atol=1e-7, msg=name)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-8)
+
+
+@pytest.mark.parametrize(
+    "options, reason",
+    [
+        (dict(loss_type="sapo"), "clipped surrogate only"),
+        (dict(importance_sampling_level="sequence"), "token-level"),
+        (dict(delta=1.5), "two-sided"),
+        (dict(token_weights=torch.ones(8, 12)), "per-token weights"),
+        (dict(use_bias_correction_kl=True), "multiplied by the ratio"),
+    ],
+)
+def test_an_implementation_outside_its_domain_is_refused_and_auto_falls_back(options, reason):
+    logps, old, ref, advantages, mask = batch(seed=4)
+    with pytest.raises(ValueError, match=reason):
+        policy_objective(logps, old, ref, advantages, mask, implementation="fused", **options)
+    assert policy_objective(logps, old, ref, advantages, mask, implementation="auto", **options).implementation == (
+        "reference"
+    )
+    assert policy_objective(logps, old, ref, advantages, mask, implementation="auto").implementation == "fused"
+
+
+def test_per_token_values_are_returned_only_when_asked_for():
+    logps, old, ref, advantages, mask = batch(seed=5)
+    for implementation in ("fused", "reference"):
+        lean = policy_objective(logps, old, ref, advantages, mask, implementation=implementation, per_token=False)
+        assert lean.ratio is None and lean.log_ratio is None and lean.is_region_clipped is None
+        full = policy_objective(logps, old, ref, advantages, mask, implementation=implementation)
+        torch.testing.assert_close(lean.loss, full.loss)
+        assert full.ratio.shape == logps.shape
 
 
 @pytest.mark.parametrize("beta", [0.04, 0.0])
@@ -81,7 +128,7 @@ def token_level_loop(loss_type, logps, old, ref, advantages, mask, beta, denomin
             d = float(ref[i, t] - logps[i, t])
             per_token[i, t] = term + beta * (math.exp(d) - d - 1.0)
     counts = mask.sum(dim=-1).double()
-    aggregation = LOSS_TYPES[loss_type][1]
+    aggregation = LOSS_TYPES[loss_type].aggregation
     if aggregation == "sequence_mean":
         return (per_token.sum(-1) / counts.clamp(min=1)).mean()
     if aggregation == "token_mean":

@@ -156,24 +156,27 @@ def test_lora_trains_only_adapters_and_uses_the_base_model_as_reference(
         torch.testing.assert_close(ref_logps[mask], expected[mask], rtol=1e-4, atol=1e-5)
 
 
-def test_the_documents_objective_takes_the_fused_loss_and_any_other_option_the_variant_path(tmp_path):
-    from trl_grpo_ext.variants import uses_grpo_loss
+def test_the_fused_kernel_serves_every_clipped_objective_and_an_explicit_kernel_is_never_ignored(tmp_path):
+    from trl_grpo_ext.objective_inputs import fused_kernel_problems
 
-    assert uses_grpo_loss(GRPOConfigExt(**tiny_grpo_args(tmp_path)))
-    stock = GRPOConfig(**tiny_grpo_args(tmp_path, loss_type="grpo", beta=0.04, use_bias_correction_kl=False))
-    assert uses_grpo_loss(stock)
+    assert GRPOConfigExt(**tiny_grpo_args(tmp_path)).loss_implementation == "auto"
+    assert not fused_kernel_problems(GRPOConfigExt(**tiny_grpo_args(tmp_path)))
+    assert not fused_kernel_problems(GRPOConfig(**tiny_grpo_args(tmp_path)))  # TRL's defaults: dapo, beta 0
     # The bias-correction flag has no effect without a KL term; reward scaling happens before the loss.
-    assert uses_grpo_loss(GRPOConfigExt(**tiny_grpo_args(tmp_path, beta=0.0, use_bias_correction_kl=True)))
-    assert uses_grpo_loss(GRPOConfigExt(**tiny_grpo_args(tmp_path, scale_rewards="batch")))
+    for option in (dict(beta=0.0, use_bias_correction_kl=True), dict(scale_rewards="batch"), dict(loss_type="bnpo")):
+        assert not fused_kernel_problems(GRPOConfigExt(**tiny_grpo_args(tmp_path, **option))), option
     for option in (
-        dict(loss_type="dapo"),
+        dict(loss_type="sapo"),
         dict(importance_sampling_level="sequence"),
         dict(delta=1.5),
         dict(use_bias_correction_kl=True),
         dict(top_entropy_quantile=0.5),
         dict(off_policy_mask_threshold=0.5),
     ):
-        assert not uses_grpo_loss(GRPOConfigExt(**tiny_grpo_args(tmp_path, **option))), option
+        assert fused_kernel_problems(GRPOConfigExt(**tiny_grpo_args(tmp_path, **option))), option
+        for implementation in ("fused", "compiled"):
+            with pytest.raises(ValueError, match=f"loss_implementation='{implementation}' cannot compute"):
+                GRPOConfigExt(**tiny_grpo_args(tmp_path, loss_implementation=implementation, **option))
 
 
 def test_model_card_carries_the_project_tag(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):

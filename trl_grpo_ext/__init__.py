@@ -1,18 +1,32 @@
-"""trl_grpo_ext: the GRPO objective of the DeepSeekMath paper as a Hugging Face TRL trainer, with diagnostics."""
+"""trl_grpo_ext: the GRPO objective of the DeepSeekMath paper as a Hugging Face TRL trainer, with diagnostics.
 
-import transformers as _transformers
-import trl as _trl
+The public names are loaded on first use: `from trl_grpo_ext import grpo_loss` (or `import trl_grpo_ext.ops`) needs
+torch only, while `GRPOTrainerExt` and `GRPOConfigExt` import TRL and transformers and check their versions.
+"""
 
-from ._compat import check_transformers_version as _check_transformers_version
-from ._compat import check_trl_version as _check_trl_version
+from __future__ import annotations
 
-_check_trl_version(_trl.__version__)
-_check_transformers_version(_transformers.__version__)
-
-from .config import GRPOConfigExt  # noqa: E402
-from .loss import group_relative_advantages, grpo_loss  # noqa: E402
-from .trainer import GRPOTrainerExt  # noqa: E402
+import importlib
 
 __version__ = "0.1.0"
 
 __all__ = ["GRPOTrainerExt", "GRPOConfigExt", "grpo_loss", "group_relative_advantages"]
+
+_HOMES = {
+    "GRPOTrainerExt": ".trainer",
+    "GRPOConfigExt": ".config",
+    "grpo_loss": ".ops",
+    "group_relative_advantages": ".ops",
+}
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -39,13 +39,63 @@ from typing import Any
 from packaging.version import Version
 
 __all__ = [
+    "FORWARD_KEYS",
     "SUPPORTED_TRL",
+    "TRL_COPIES",
     "OPTIONS_ADDED",
     "check_trl_version",
     "check_transformers_version",
     "options_missing_from_trl",
     "seed_before_model_init",
 ]
+
+#: Extra model inputs that TRL's batches may carry (vision-language models), forwarded untouched to
+#: `_get_per_token_logps_and_entropies`: TRL 1.16 writes this list inline in `GRPOTrainer._compute_loss`.
+FORWARD_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+#: Every piece of TRL code this package reproduces because TRL offers no hook for it: where it lives here, TRL's
+#: file and function, and the test that compares its behaviour with TRL's own (a TRL release that changes the
+#: original fails that test).
+TRL_COPIES = (
+    (
+        "trl_grpo_ext._compat.FORWARD_KEYS",
+        "trl/trainer/grpo_trainer.py: GRPOTrainer._compute_loss (the keyword arguments of its "
+        "_get_per_token_logps_and_entropies call)",
+        "tests/test_drift.py::test_the_forwarded_model_inputs_are_trl_s",
+    ),
+    (
+        "trl_grpo_ext.objective_inputs.EntropyBonusMixin._entropy_bonus",
+        "trl/trainer/grpo_trainer.py: GRPOTrainer._compute_loss (entropy bonus and adaptive entropy controller)",
+        "tests/test_drift.py::test_the_entropy_bonus_is_trl_s",
+    ),
+    (
+        "trl_grpo_ext.objective_inputs._denominator",
+        "trl/trainer/grpo_trainer.py: GRPOTrainer._compute_loss (the normalizer of dr_grpo, dapo, cispo, vespo)",
+        "tests/test_variants.py (every loss type against stock GRPOTrainer)",
+    ),
+    (
+        "trl_grpo_ext.diagnostics.mismatch.sampler_mismatch",
+        "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (vLLM importance-sampling bounds)",
+        "tests/test_drift.py::test_the_sampler_mismatch_bounds_are_trl_s",
+    ),
+    (
+        "trl_grpo_ext.recipes.evaluation.generate_completions",
+        "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (tokenise prompts, generate with "
+        "the training sampling settings, decode)",
+        "tests/test_drift.py::test_held_out_sampling_is_trl_s",
+    ),
+)
 
 #: 1.14.x, 1.15.x and 1.16.x, each tested with its oldest dependencies by `make test-compat` (with 1.15, whose
 #: log-prob kernel needs a CUDA or XPU device, the CPU test machines run the version checks only).

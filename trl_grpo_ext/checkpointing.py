@@ -12,6 +12,8 @@ Two things make a GRPO run resumable to the bit:
 
 `StepStart` remembers that state, and the random number generators, at the start of an optimizer step, so that a
 step stopped half-way (a non-finite update) can still be checkpointed as the state before it.
+
+`CheckpointingMixin` wires this into a `GRPOTrainer` subclass through Trainer's own save and load hooks.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 __all__ = [
     "STAGING_DIR",
+    "CheckpointingMixin",
     "StepStart",
     "grpo_state_path",
     "load_grpo_state",
@@ -131,3 +135,68 @@ class StepStart:
         torch.random.set_rng_state(self.rng["cpu"])
         if "cuda" in self.rng:
             torch.cuda.set_rng_state_all(self.rng["cuda"])
+
+
+class CheckpointingMixin:
+    """Crash-safe checkpoints that are uploaded once complete, and exact resume, for a `GRPOTrainer` subclass.
+
+    Trainer's and TRL's save code write to `<self._get_output_dir()>/checkpoint-<step>`: while a checkpoint is being
+    written, `_get_output_dir` names the staging folder, so that every file lands there first.
+    """
+
+    _saving_into_staging = False
+
+    def _get_output_dir(self, trial) -> str:
+        """Trainer's run folder; while a checkpoint is being written, its staging folder inside it."""
+        run_dir = super()._get_output_dir(trial=trial)
+        return os.path.join(run_dir, STAGING_DIR) if self._saving_into_staging else run_dir
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        # Trainer asks for the upload from inside its save, i.e. of the staging folder, which is renamed right after;
+        # `_save_checkpoint` asks again with the published folder once it is complete.
+        if not self._saving_into_staging:
+            super()._push_from_checkpoint(checkpoint_folder)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Write the checkpoint into a staging folder, give it its final name once complete, then upload it."""
+        final_run_dir = self._get_output_dir(trial=trial)
+        staging_run_dir = os.path.join(final_run_dir, STAGING_DIR)
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.args.should_save:
+            shutil.rmtree(staging_run_dir, ignore_errors=True)  # left over by a process killed while saving
+        self.accelerator.wait_for_everyone()
+        self._saving_into_staging = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._saving_into_staging = False
+        staged = os.path.join(staging_run_dir, folder)
+        os.makedirs(staged, exist_ok=True)
+        save_grpo_state(staged, self.accelerator.process_index, self._step, self._buffered_inputs)
+        self.accelerator.wait_for_everyone()
+        final = os.path.join(final_run_dir, folder)
+        if self.args.should_save:
+            publish_checkpoint(staged, final)
+            shutil.rmtree(staging_run_dir, ignore_errors=True)
+            if self.state.best_model_checkpoint and STAGING_DIR in self.state.best_model_checkpoint:
+                self.state.best_model_checkpoint = self.state.best_model_checkpoint.replace(
+                    os.path.join(STAGING_DIR, ""), ""
+                )
+            rotate_checkpoints(
+                output_dir=final_run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+            )
+        self.accelerator.wait_for_everyone()
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(final)
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        state = load_grpo_state(checkpoint, self.accelerator.process_index, self.accelerator.device)
+        if state is not None:
+            # Resume TRL's generation schedule where the checkpoint left it, with the completions it had buffered.
+            self._step = state["step"]
+            self._buffered_inputs = state["buffered_inputs"]

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import transformers
+import trl
 from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
+from ._compat import check_transformers_version, check_trl_version
 from .guardrails.nonfinite import NONFINITE_POLICIES
-from .loss import IMPLEMENTATIONS, hyperparameter_problems
+from .objective_inputs import fused_kernel_problems
+from .ops import IMPLEMENTATIONS, hyperparameter_problems
+
+check_trl_version(trl.__version__)
+check_transformers_version(transformers.__version__)
 
 __all__ = ["GRPOConfigExt"]
 
@@ -45,8 +52,8 @@ class GRPOConfigExt(GRPOConfig):
         default="grpo",
         metadata={
             "help": "Loss aggregation. 'grpo' (average the tokens of each completion, then the completions) is the "
-            "documents' objective, computed by the fused grpo_loss; 'dapo', 'dr_grpo', 'bnpo', 'cispo', 'sapo', "
-            "'luspo' and 'vespo' are computed as TRL computes them (trl_grpo_ext.objectives)."
+            "documents' objective; 'dapo', 'dr_grpo', 'bnpo', 'cispo', 'sapo', 'luspo' and 'vespo' are computed as "
+            "TRL computes them (trl_grpo_ext.ops.policy_objective)."
         },
     )
     use_bias_correction_kl: bool = field(
@@ -65,11 +72,13 @@ class GRPOConfigExt(GRPOConfig):
     )
 
     loss_implementation: str = field(
-        default="fused",
+        default="auto",
         metadata={
-            "help": "How grpo_loss computes the objective: 'fused' (its terms and analytic gradient in place, few "
-            "passes over memory), 'reference' (the formula with autograd) or 'compiled' (the fused kernel through "
-            "torch.compile: fastest and leanest after a one-off compilation; falls back to 'fused' if it fails).",
+            "help": "How the objective is computed: 'fused' (its terms and analytic gradient, one saved buffer), "
+            "'reference' (the formula with autograd), 'compiled' (the fused kernel through torch.compile; falls "
+            "back to 'fused' if compiling fails), or 'auto' (the fused kernel wherever it applies: the clipped "
+            "surrogate with token-level ratios and no per-token weights, delta or bias-corrected KL; the reference "
+            "elsewhere). 'fused' or 'compiled' for an objective outside the kernel's domain is refused.",
             "choices": list(IMPLEMENTATIONS),
         },
     )
@@ -170,7 +179,14 @@ class GRPOConfigExt(GRPOConfig):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"`{name}` must be > 0 (or None to switch the warning off), got {value}.")
-        problems = hyperparameter_problems(self.epsilon, self.epsilon_high, self.beta)
+        problems = hyperparameter_problems(self.epsilon, self.epsilon_high, self.beta, self.delta)
         if problems:
             raise ValueError(" ".join(problems))
         super().__post_init__()
+        outside = fused_kernel_problems(self) if self.loss_implementation in ("fused", "compiled") else []
+        if outside:
+            raise ValueError(
+                f"loss_implementation={self.loss_implementation!r} cannot compute this objective: the fused kernel "
+                + "; ".join(outside)
+                + ". Use 'auto' (the kernel wherever it applies) or 'reference'."
+            )

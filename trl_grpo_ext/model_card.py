@@ -1,4 +1,8 @@
-"""The model card (`README.md`) that a training run leaves in its output folder, ready for the Hugging Face Hub."""
+"""The model card (`README.md`) that a training run leaves in its output folder, ready for the Hugging Face Hub.
+
+`build_model_card` writes the text; `ModelCardMixin.create_model_card` (Trainer's hook) gathers what it needs from a
+trainer and also draws `report.png`.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,12 @@ import os
 from importlib.metadata import PackageNotFoundError, version
 
 from huggingface_hub import ModelCardData
+from transformers.utils import logging
+from trl.trainer.utils import get_config_model_id
 
-__all__ = ["build_model_card", "final_metrics", "CARD_CONFIG_FIELDS", "CARD_METRICS"]
+__all__ = ["build_model_card", "final_metrics", "CARD_CONFIG_FIELDS", "CARD_METRICS", "ModelCardMixin"]
+
+logger = logging.get_logger(__name__)
 
 CARD_CONFIG_FIELDS = (
     "learning_rate",
@@ -191,3 +199,70 @@ def build_model_card(
         "",
     ]
     return "\n".join(lines)
+
+
+class ModelCardMixin:
+    """`create_model_card` for a `GRPOTrainer` subclass: this module's card and the training report."""
+
+    #: Extra rows for the model card's metrics table (e.g. held-out accuracy measured by a recipe).
+    card_metrics: dict[str, float] | None = None
+
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+        **kwargs,
+    ) -> None:
+        """Write `README.md` (a Hub model card) and `report.png` (training curves) into `args.output_dir`.
+
+        Called by `Trainer.push_to_hub` and at every checkpoint, like TRL's own card, which it replaces: front matter
+        with `library_name`, `base_model` (when it is a Hub id), tags (`trl`, `grpo`, `trl_grpo_ext`, and `lora` for
+        adapters); the objective; the training configuration; the final metrics; the report image; usage.
+        """
+        if not self.is_world_process_zero():
+            return
+        from peft import PeftModel
+
+        output_dir = self.args.output_dir
+        os.makedirs(output_dir, exist_ok=True)
+        model_id = get_config_model_id(self.model.config)
+        base_model = model_id if model_id and not os.path.isdir(model_id) else None
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        is_adapter = isinstance(unwrapped, PeftModel)
+        report = None
+        try:
+            from .report import plot_training_report
+
+            report = plot_training_report(
+                self.state.log_history,
+                os.path.join(output_dir, "report.png"),
+                title=model_name,
+                clip_range=(self.epsilon_low, self.epsilon_high),
+            )
+        except ImportError:
+            logger.warning("matplotlib is not installed: no report.png (pip install 'trl-grpo-ext[recipes]').")
+        lora = None
+        if is_adapter:
+            peft_config = unwrapped.peft_config["default"]
+            targets = peft_config.target_modules
+            lora = {
+                "r": getattr(peft_config, "r", None),
+                "alpha": getattr(peft_config, "lora_alpha", None),
+                "target_modules": sorted(targets) if isinstance(targets, (set, list)) else targets,
+            }
+        card = build_model_card(
+            model_name=model_name or os.path.basename(os.path.normpath(output_dir)),
+            base_model=base_model,
+            is_adapter=is_adapter,
+            config={key: getattr(self.args, key, None) for key in CARD_CONFIG_FIELDS},
+            metrics=final_metrics(self.state.log_history),
+            extra_metrics=self.card_metrics,
+            tags=[tags] if isinstance(tags, str) else tags,
+            dataset_name=dataset_name,
+            hub_model_id=self.hub_model_id,
+            report_image="report.png" if report else None,
+            lora=lora,
+        )
+        with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as handle:
+            handle.write(card)

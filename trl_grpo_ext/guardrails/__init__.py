@@ -6,7 +6,7 @@
 """
 
 from .anomaly import AnomalyMonitor
-from .nonfinite import NONFINITE_POLICIES, NonFiniteGuard, NonFiniteTrainingError, StepVerdict
+from .nonfinite import NONFINITE_POLICIES, NonFiniteGuard, NonFiniteGuardMixin, NonFiniteTrainingError, StepVerdict
 from .reward_errors import GuardedAsyncReward, GuardedReward, RewardFunctionError
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "GuardedAsyncReward",
     "GuardedReward",
     "NonFiniteGuard",
+    "NonFiniteGuardMixin",
     "NonFiniteTrainingError",
     "RewardFunctionError",
     "StepVerdict",

@@ -16,16 +16,35 @@ With fp16, a non-finite gradient norm from finite losses is a routine loss-scale
 DeepSpeed engine) skips that update and lowers the scale by itself, and the guard neither counts it nor stops.
 A DeepSpeed engine without an overflow check (for example bf16 with `check_grad_overflow: false`) applies a
 non-finite update before the guard can see it: the guard then stops with `applied=True` and writes no checkpoint.
+
+`NonFiniteGuardMixin` gives a `GRPOTrainer` subclass the guard: it decides on each step and carries the verdict out,
+here, through Trainer's `training_step` and `_get_grad_norm` hooks.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.utils import logging
 
-__all__ = ["NONFINITE_POLICIES", "NonFiniteGuard", "NonFiniteTrainingError", "StepVerdict", "report_step_skipped"]
+from ..checkpointing import StepStart
+
+__all__ = [
+    "NONFINITE_POLICIES",
+    "NonFiniteGuard",
+    "NonFiniteGuardMixin",
+    "NonFiniteTrainingError",
+    "StepVerdict",
+    "report_step_skipped",
+]
+
+logger = logging.get_logger(__name__)
 
 NONFINITE_POLICIES = ("skip", "stop", "off")
 
@@ -135,3 +154,100 @@ def report_step_skipped(optimizer, skipped: bool) -> None:
             "needs the optimizer that accelerate prepares (AcceleratedOptimizer)."
         )
     optimizer._is_overflow = skipped
+
+
+class _StepStartCallback(TrainerCallback):
+    """Keeps, at the start of every optimizer step, what a checkpoint of the state before that step needs."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.trainer._step_start = StepStart(self.trainer._step, self.trainer._buffered_inputs)
+
+
+class NonFiniteGuardMixin:
+    """The non-finite guard for a `GRPOTrainer` subclass (with `CheckpointingMixin`, for the checkpoint of a stop).
+
+    Call `_init_nonfinite_guard` at the end of `__init__`.
+    """
+
+    _step_start: StepStart | None = None
+
+    def _init_nonfinite_guard(self, policy: str, max_consecutive_skips: int) -> None:
+        self._nonfinite_guard = NonFiniteGuard(policy, max_consecutive_skips)
+        if policy != "off":
+            self.add_callback(_StepStartCallback(self))
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._nonfinite_guard.record_loss(loss)  # the loss that went into backward, judged at the optimizer step
+        return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """Trainer's gradient norm of the step about to be taken, after the guard's verdict on it was carried out."""
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        guard = self._nonfinite_guard
+        losses_finite = guard.pop_losses_finite()
+        if guard.policy == "off" or grad_norm is None:
+            return grad_norm
+
+        def any_loss_nonfinite() -> bool:  # one collective, reached by every process alike (see `judge`)
+            flag = torch.ones((), device=self.accelerator.device) if losses_finite is None else losses_finite.float()
+            return bool(self.accelerator.reduce(1.0 - flag, reduction="sum").item() > 0)
+
+        deepspeed = self.is_deepspeed_enabled
+        # The norm is global (gradients are already reduced across processes): every process decides alike.
+        verdict = guard.judge(
+            math.isfinite(float(grad_norm)),
+            loss_scaled=self.accelerator.scaler is not None or (deepspeed and self.args.fp16),
+            engine_stepped=deepspeed,
+            engine_skipped=deepspeed and self.accelerator.optimizer_step_was_skipped,
+            any_loss_nonfinite=any_loss_nonfinite,
+        )
+        own_skip_flag = not deepspeed and self.accelerator.scaler is None
+        if own_skip_flag:
+            report_step_skipped(self.optimizer, verdict.action == "skip")
+        if verdict.action in ("step", "overflow"):
+            return grad_norm
+        step = self.state.global_step + 1
+        if verdict.action == "skip":
+            if own_skip_flag:
+                # Optimizers leave parameters without a gradient untouched: no update, no momentum, no weight decay.
+                model.zero_grad(set_to_none=True)
+            # Otherwise the engine already skipped it, or the gradient scaler will: its gradients are non-finite.
+            logger.warning(
+                f"Step {step}: the gradient norm is {float(grad_norm)}; the update is skipped "
+                f"({guard.skipped} skipped so far, nonfinite_policy='skip')."
+            )
+            return grad_norm
+        if not deepspeed:  # the engine drops the gradients itself (and its `zero_grad` takes no `set_to_none`)
+            model.zero_grad(set_to_none=True)
+        self._stop_on_nonfinite_step(step, float(grad_norm), applied=verdict.applied)  # FSDP2: a DTensor
+
+    def _stop_on_nonfinite_step(self, step: int, grad_norm: float, applied: bool) -> None:
+        """Raise `NonFiniteTrainingError`, naming a checkpoint of the state before this step (written if missing)."""
+        run_dir = self._get_output_dir(trial=None)
+        cause = f"Step {step}: the gradient norm is {grad_norm} (a NaN or infinite loss or gradient"
+        if self._nonfinite_guard.consecutive:
+            cause += f", {self._nonfinite_guard.consecutive} steps in a row"
+        if applied:
+            last = get_last_checkpoint(run_dir) if os.path.isdir(run_dir) else None
+            raise NonFiniteTrainingError(
+                f"{cause}). The DeepSpeed engine applied this update inside backward without skipping it, so the "
+                f"weights in memory are no longer good; resume from the last checkpoint ({last or 'none was saved'}). "
+                'Turn the engine\'s overflow check on (bf16: "check_grad_overflow": true) so that such steps are '
+                "skipped, lower the learning rate, or check the rewards and inputs for NaN."
+            )
+        checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if not os.path.isdir(checkpoint):  # an existing one holds this very state already, and is never rewritten
+            if self._step_start is not None:
+                self._step = self._step_start.step
+                self._buffered_inputs = self._step_start.buffered_inputs
+                self._step_start.restore_rng()
+            self._save_checkpoint(self.model_wrapped, trial=None)
+        raise NonFiniteTrainingError(
+            f"{cause}). Training stopped before the update reached the weights; the last good state is in "
+            f"{checkpoint}. Lower the learning rate, check the rewards and inputs for NaN, or set "
+            "nonfinite_policy='skip'."
+        )

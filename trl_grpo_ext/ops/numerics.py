@@ -1,6 +1,6 @@
 """The two exponentials of the objective, kept finite: the importance ratio and the `exp(d) - d - 1` KL term.
 
-Shared by the readable loss (`loss.py`), the fused kernel (`fused.py`) and the diagnostics, which all need the same
+Shared by the policy terms (`terms.py`), the fused kernel (`fused.py`) and the diagnostics, which all need the same
 threshold above which `exp` is continued linearly.
 """
 

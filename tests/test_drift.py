@@ -1,0 +1,112 @@
+"""Every piece of TRL code the package reproduces is recorded in `_compat.TRL_COPIES`, and behaves as TRL's own."""
+
+import ast
+import importlib
+import inspect
+import pathlib
+
+import pytest
+import torch
+from helpers import count_a_reward, tiny_grpo_args
+from trl import GRPOTrainer
+
+from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+from trl_grpo_ext._compat import FORWARD_KEYS, TRL_COPIES
+
+TESTS = pathlib.Path(__file__).parent
+
+
+def _resolve(dotted: str):
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):  # the longest importable prefix, then attributes
+        try:
+            obj = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for name in parts[split:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(dotted)
+
+
+def test_every_recorded_copy_names_a_live_object_and_the_test_that_pins_it():
+    assert len(TRL_COPIES) >= 5
+    for where, origin, test in TRL_COPIES:
+        assert _resolve(where) is not None, where
+        assert origin.startswith("trl/") and ".py: " in origin, origin
+        path, _, function = test.partition("::")
+        source = (TESTS.parent / path.split(" ")[0]).read_text()
+        if function:
+            assert f"def {function}(" in source, test
+
+
+def test_the_forwarded_model_inputs_are_trl_s():
+    """TRL's `_compute_loss` passes these extra inputs to `_get_per_token_logps_and_entropies`: the same list."""
+    tree = ast.parse(inspect.getsource(GRPOTrainer._compute_loss).lstrip().replace("\n    ", "\n"))
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "_get_per_token_logps_and_entropies"
+    ]
+    assert len(calls) == 1
+    keywords = {keyword.arg for keyword in calls[0].keywords} - {"compute_entropy", "compute_aux_loss"}
+    assert keywords == set(FORWARD_KEYS)
+
+
+@pytest.mark.slow
+def test_the_entropy_bonus_is_trl_s(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    """The copied controller moves the coefficient as TRL's does, step for step (GA 2, entropy below target)."""
+    from test_variants import train_logs
+
+    options = {"loss_type": "grpo", "beta": 0.04, "use_adaptive_entropy": True, "entropy_coef": 0.01}
+    options["entropy_target"] = 5.0
+    stock, _ = train_logs(GRPOTrainer, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "s", **options)
+    ours, _ = train_logs(GRPOTrainerExt, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "o", **options)
+    coefficients = [entry["entropy_coef"] for entry in stock if "entropy_coef" in entry]
+    assert len(set(coefficients)) > 1  # the controller did move it
+    assert coefficients == pytest.approx([entry["entropy_coef"] for entry in ours if "entropy_coef" in entry])
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_the_sampler_mismatch_bounds_are_trl_s(mode, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    """The entries `sampler_mismatch` calls outside the bounds are exactly those TRL's correction changed."""
+    import trl.trainer.grpo_trainer
+    from test_variants import SamplerStandIn
+
+    from trl_grpo_ext.diagnostics.mismatch import sampler_mismatch
+
+    captured = []
+
+    class Capturing(GRPOTrainerExt):
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
+            captured.append(output)
+            return output
+
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(trl.trainer.grpo_trainer, "VLLMGeneration", SamplerStandIn)
+    try:
+        low, high = (0.97, 1.03) if mode.startswith("token") else (1.0, 1.07)
+        args = GRPOConfigExt(
+            **tiny_grpo_args(tmp_path, max_steps=2, per_device_train_batch_size=16),
+            use_vllm=True,
+            vllm_mode="colocate",
+            vllm_importance_sampling_correction=True,
+            vllm_importance_sampling_mode=mode,
+            vllm_importance_sampling_clip_min=low,
+            vllm_importance_sampling_clip_max=high,
+        )
+        trainer = Capturing(tiny_model_path, count_a_reward, args, prompt_dataset, processing_class=tiny_tokenizer)
+        trainer.train()
+    finally:
+        monkeypatch.undo()
+    outside_counts, unit_counts = 0, 0
+    for output in captured:
+        log_ratio, units, outside = sampler_mismatch(output, mode, low, high)
+        corrected = output["importance_sampling_ratio"]  # TRL's, after truncation or masking
+        changed = (corrected - torch.exp(log_ratio)).abs() > 1e-6
+        assert torch.equal(outside & units, changed & units)
+        outside_counts, unit_counts = outside_counts + int((outside & units).sum()), unit_counts + int(units.sum())
+    assert 0 < outside_counts < unit_counts  # the bounds bound for some entries, not all

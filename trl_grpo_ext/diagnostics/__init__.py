@@ -1,0 +1,38 @@
+"""Training diagnostics: the importance-ratio distribution, clip fractions, reward spread inside groups, loss split.
+
+- `layout`: named fields of a flat vector, each with its reduction (`FieldLayout`);
+- `histogram`: the log-ratio histogram (`LogRatioHistogram`), for the loss's ratios and the sampler mismatch;
+- `accumulator`: the running sums between two log steps, one gather per log step (`DiagnosticsAccumulator`);
+- `mismatch`: the raw sampler/trainer ratios behind vLLM's importance-sampling correction;
+- `loggers`: histograms to the loggers that draw them.
+"""
+
+from .accumulator import LOSS_TERMS, DiagnosticsAccumulator, DiagnosticsSummary
+from .histogram import (
+    CORE_BIN_WIDTH,
+    CORE_LOG_RATIO,
+    NUM_BINS,
+    TAIL_LOG_RATIO,
+    LogRatioHistogram,
+    histogram_quantiles,
+    log_ratio_bin_bounds,
+    log_ratio_bins,
+    quantile_metric_name,
+)
+from .layout import FieldLayout
+
+__all__ = [
+    "CORE_BIN_WIDTH",
+    "CORE_LOG_RATIO",
+    "LOSS_TERMS",
+    "NUM_BINS",
+    "TAIL_LOG_RATIO",
+    "DiagnosticsAccumulator",
+    "DiagnosticsSummary",
+    "FieldLayout",
+    "LogRatioHistogram",
+    "histogram_quantiles",
+    "log_ratio_bin_bounds",
+    "log_ratio_bins",
+    "quantile_metric_name",
+]

@@ -1,0 +1,334 @@
+"""`DiagnosticsAccumulator`: the running sums of the diagnostics between two log steps, packed and read by name.
+
+Everything is accumulated on the device, with no host synchronisation per micro-batch. At a log step each process
+packs its sums into one vector and a single `gather` brings all of them to every process; the statistics are read
+off the pooled sums. The vector has three parts, each a `FieldLayout`:
+
+- one `STEP_LAYOUT` row per micro-batch: the sums behind TRL's own metrics (kl, entropy, clip ratios), which TRL
+  averages per micro-batch over the log window itself;
+- one window row (`DiagnosticsAccumulator.window_layout`): the importance-ratio histogram of the loss's tokens
+  (`LogRatioHistogram`), the loss terms in the units of the backward loss, and the optimizer steps they span;
+- with vLLM, one mismatch row: the histogram of the raw sampler/trainer ratios and how many lie outside the bounds.
+
+Its size depends on the number of micro-batches since the last log, never on the batch size or sequence length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..ops.loss_types import CLIP_METRICS
+from .histogram import LogRatioHistogram, quantile_metric_name
+from .layout import FieldLayout
+
+__all__ = ["LOSS_TERMS", "STEP_LAYOUT", "DiagnosticsAccumulator", "DiagnosticsSummary"]
+
+# The terms of the loss, each in the units of the logged `loss` (they add up to it): logged as `loss/<term>`.
+LOSS_TERMS = ("policy", "kl_penalty", "entropy_bonus", "router")
+STEP_LAYOUT = FieldLayout(
+    [
+        ("kl", "sum"),
+        ("entropy", "sum"),
+        ("low", "sum"),
+        ("high", "sum"),
+        ("region", "sum"),
+        ("tokens", "sum"),
+        ("clip_units", "sum"),
+        ("low_min", "min"),  # the lowest per-row low-clip fraction
+        ("high_max", "max"),  # the highest per-row high-clip fraction
+    ]
+)
+MISMATCH_PREFIX = "sampling/importance_sampling_ratio_raw"
+
+
+@dataclass
+class DiagnosticsSummary:
+    """What one log step reports: scalars for every logger, and raw histograms for those that draw them.
+
+    Attributes:
+        scalars: metric name -> value.
+        per_step: metric name -> one value per micro-batch since the last log (TRL's own metrics, which TRL
+            averages over the log window itself).
+        histograms: name -> (bucket upper limits, counts, minimum, maximum, number, sum, sum of squares).
+    """
+
+    scalars: dict[str, float] = field(default_factory=dict)
+    per_step: dict[str, list[float]] = field(default_factory=dict)
+    histograms: dict[str, tuple] = field(default_factory=dict)
+
+
+class DiagnosticsAccumulator:
+    """Running sums of the diagnostics of one mode (train or eval) between two log steps.
+
+    Args:
+        ratio_stats (`bool`): accumulate the ratio distribution, the loss split and the reward spread; when `False`
+            only TRL's own metrics (kl, entropy, clip ratios) are kept.
+        quantiles (`list[float]`): ratio quantiles to report.
+        histograms (`bool`): build the histograms for loggers that draw them.
+        clip_metrics (`str`): one of `ops.loss_types.CLIP_METRICS`: which clip metrics the loss type has.
+        loss_terms (`tuple[str, ...]`): the terms of `LOSS_TERMS` to report as `loss/<term>`.
+        extra_metrics (`tuple[str, ...]`): names of further per-micro-batch metrics, each added as a `(sum, count)`
+            pair by `add_loss_step` and reported as the pooled sum over the pooled count (like TRL's own).
+        sampler_mismatch (`bool`): also pool the raw sampler/trainer importance ratios of `add_sampler_mismatch`
+            (vLLM), reported as `sampling/importance_sampling_ratio_raw/*`.
+    """
+
+    def __init__(
+        self,
+        *,
+        ratio_stats: bool = True,
+        quantiles: list[float] | None = None,
+        histograms: bool = True,
+        clip_metrics: str = "clip_ratio",
+        loss_terms: tuple[str, ...] = ("policy", "kl_penalty"),
+        extra_metrics: tuple[str, ...] = (),
+        sampler_mismatch: bool = False,
+    ):
+        if clip_metrics not in CLIP_METRICS:
+            raise ValueError(f"`clip_metrics` must be one of {CLIP_METRICS}, got {clip_metrics!r}.")
+        unknown = set(loss_terms) - set(LOSS_TERMS)
+        if unknown:
+            raise ValueError(f"unknown loss terms {sorted(unknown)}; known: {LOSS_TERMS}.")
+        self.ratio_stats = ratio_stats
+        self.quantiles = list(quantiles) if quantiles is not None else [0.05, 0.5, 0.95]
+        self.histograms = histograms and ratio_stats
+        self.clip_metrics = clip_metrics
+        self.loss_terms = tuple(loss_terms)
+        self.extra_metrics = tuple(extra_metrics)
+        self.sampler_mismatch = sampler_mismatch
+        extras = [(f"{name}/{part}", "sum") for name in self.extra_metrics for part in ("sum", "count")]
+        self.step_layout = FieldLayout([*STEP_LAYOUT.fields(), *extras])
+        histogram = LogRatioHistogram.layout
+        terms = [(term, "sum") for term in LOSS_TERMS]
+        self.window_layout = FieldLayout([*histogram.fields("ratio/"), *terms, ("optimizer_steps", "sum")])
+        self.mismatch_layout = FieldLayout([*histogram.fields(), ("outside", "sum")])
+        self.reset()
+
+    def reset(self) -> None:
+        self._steps: list[torch.Tensor] = []
+        self._window: torch.Tensor | None = None
+        self._group_stds: list[torch.Tensor] = []
+        self._unscored: list[torch.Tensor] = []  # [unscored, total] per generation batch
+        self._mismatch: torch.Tensor | None = None
+
+    @staticmethod
+    def _accumulator_dtype(device: torch.device) -> torch.dtype:
+        return torch.float32 if device.type == "mps" else torch.float64
+
+    def add_loss_step(
+        self,
+        out,
+        entropies: torch.Tensor | None,
+        loss_terms: dict[str, torch.Tensor] | None = None,
+        extras: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        optimizer_step: bool = True,
+    ) -> None:
+        """Add one micro-batch. Device ops only: no `.item()`, no boolean indexing.
+
+        Args:
+            out (`GRPOLossOutput`): what `ops.policy_objective` returned for the micro-batch (with `per_token=True`
+                when `ratio_stats` is on).
+            entropies (`torch.Tensor` of shape `(N, T)`, *optional*): per-token entropies of the policy.
+            loss_terms (`dict[str, torch.Tensor]`, *optional*): 0-dim values of the loss terms in the units of the
+                backward loss (summed over an optimizer step's micro-batches, they give that step's logged loss);
+                default: `out.policy_loss` and `out.kl_penalty`.
+            extras (`dict[str, tuple]`, *optional*): `(sum, count)` of each of `extra_metrics`.
+            optimizer_step (`bool`): whether this micro-batch ends an optimizer step (in evaluation: every batch).
+        """
+        mask = out.mask
+        device = mask.device
+        dtype = self._accumulator_dtype(device)
+        tokens = out.tokens_per_row.to(dtype)
+        units = out.clip_units_per_row.to(dtype)
+        low, high = out.low_clipped_per_row.to(dtype), out.high_clipped_per_row.to(dtype)
+        with_units = units > 0
+        nan = torch.full((), math.nan, dtype=dtype, device=device)  # a fill, not a host-to-device copy
+        values = {
+            "kl": out.kl_per_row.to(dtype).sum(),
+            "entropy": torch.where(mask, entropies.detach(), 0).to(dtype).sum() if entropies is not None else nan,
+            "low": low.sum(),
+            "high": high.sum(),
+            "region": (low + high).sum(),  # a token cannot be both: low needs A < 0, high A > 0
+            "tokens": tokens.sum(),
+            "clip_units": units.sum(),
+            "low_min": torch.where(with_units, low / units.clamp(min=1), math.inf).min(),
+            "high_max": torch.where(with_units, high / units.clamp(min=1), -math.inf).max(),
+        }
+        for name in self.extra_metrics:
+            total, count = extras[name]
+            if not isinstance(count, torch.Tensor):  # a Python number: filled on the device, not copied to it
+                count = torch.full((), count, dtype=dtype, device=device)
+            values[f"{name}/sum"] = total.detach().to(dtype)
+            values[f"{name}/count"] = count.to(dtype)
+        self._steps.append(self.step_layout.pack(values))
+        if not self.ratio_stats:
+            return
+
+        histogram = LogRatioHistogram.measure(out.log_ratio, mask, dtype, ratio=out.ratio)
+        if loss_terms is None:
+            loss_terms = {"policy": out.policy_loss, "kl_penalty": out.kl_penalty}
+        zero = torch.zeros((), dtype=dtype, device=device)
+        window = torch.cat(
+            [
+                histogram,
+                torch.stack([loss_terms.get(term, zero).detach().to(dtype).reshape(()) for term in LOSS_TERMS]),
+                torch.full((1,), float(optimizer_step), dtype=dtype, device=device),
+            ]
+        )
+        self._window = window if self._window is None else self.window_layout.merge(self._window, window)
+
+    def add_rewards(self, rewards: torch.Tensor, num_generations: int) -> None:
+        """Add the rewards of one generation batch, already gathered from every process.
+
+        Args:
+            rewards (`torch.Tensor` of shape `(N,)`): total reward per completion, NaN for unscored ones, ordered
+                group-contiguously.
+            num_generations (`int`): the group size G.
+        """
+        if not self.ratio_stats:
+            return
+        grouped = rewards.detach().to(self._accumulator_dtype(rewards.device)).reshape(-1, num_generations)
+        scored = ~torch.isnan(grouped)
+        count = scored.sum(dim=1)
+        mean = torch.where(scored, grouped, 0.0).sum(dim=1) / count.clamp(min=1)
+        squares = torch.where(scored, grouped - mean[:, None], 0.0).pow(2).sum(dim=1)
+        std = torch.where(count > 1, (squares / (count - 1).clamp(min=1)).sqrt(), math.nan)
+        self._group_stds.append(std)
+        total = torch.full((), scored.numel(), dtype=torch.int64, device=scored.device)
+        self._unscored.append(torch.stack([(~scored).sum(), total]))
+
+    def add_sampler_mismatch(self, log_ratio: torch.Tensor, units: torch.Tensor, outside: torch.Tensor) -> None:
+        """Add the raw sampler/trainer importance ratios of one generation batch. Device ops only.
+
+        Args:
+            log_ratio (`torch.Tensor` of shape `(N, T)` or `(N, 1)`): `old_logp - sampler_logp`, per token or summed
+                per sequence, before any truncation or masking.
+            units (`torch.Tensor`, bool, same shape): which entries count (completion tokens, or every sequence).
+            outside (`torch.Tensor`, bool, same shape): entries whose ratio lies outside the correction's bounds.
+        """
+        if not self.sampler_mismatch:
+            return
+        dtype = self._accumulator_dtype(log_ratio.device)
+        outside_count = (outside & units).sum().to(dtype).reshape(1)
+        segment = torch.cat([LogRatioHistogram.measure(log_ratio, units, dtype), outside_count])
+        self._mismatch = segment if self._mismatch is None else self.mismatch_layout.merge(self._mismatch, segment)
+
+    def is_empty(self) -> bool:
+        return not self._steps and not self._group_stds
+
+    def pack(self) -> torch.Tensor | None:
+        """This process's sums as one 1-dim vector (what the log step gathers), or `None` if nothing was added."""
+        if not self._steps:
+            return None
+        parts = [torch.cat(self._steps)]
+        if self._window is not None:
+            parts.append(self._window)
+        if self.sampler_mismatch:  # fixed size, an empty histogram when nothing was generated since the last log
+            if self._mismatch is None:
+                empty = LogRatioHistogram.empty(parts[0].device, parts[0].dtype)
+                self._mismatch = torch.cat([empty, torch.zeros_like(empty[:1])])
+            parts.append(self._mismatch)
+        return torch.cat(parts)
+
+    def summarize(self, gathered: torch.Tensor | None) -> DiagnosticsSummary:
+        """Read the statistics off the gathered sums of all processes and reset.
+
+        Args:
+            gathered (`torch.Tensor` of shape `(num_processes, L)`, *optional*): the packed vectors of every
+                process, `None` when no micro-batch was added since the last log (reward statistics only).
+        """
+        summary = DiagnosticsSummary()
+        if gathered is not None:
+            gathered = gathered.to(torch.float64).cpu()
+            steps_width = len(self._steps) * self.step_layout.width
+            steps = gathered[:, :steps_width].reshape(gathered.shape[0], len(self._steps), -1)
+            self._summarize_trl_metrics(self.step_layout.unpack(self.step_layout.reduce(steps)), summary)
+            rest = gathered[:, steps_width:]
+            if self._window is not None:
+                window = self.window_layout.unpack(self.window_layout.reduce(rest[:, : self.window_layout.width]))
+                self._summarize_ratio_and_loss(window, summary)
+                rest = rest[:, self.window_layout.width :]
+            if self.sampler_mismatch:
+                self._summarize_mismatch(self.mismatch_layout.unpack(self.mismatch_layout.reduce(rest)), summary)
+        if self._group_stds:
+            self._summarize_rewards(torch.cat(self._group_stds).to(torch.float64).cpu(), summary)
+            unscored, total = torch.stack(self._unscored).sum(dim=0).tolist()
+            summary.scalars["frac_reward_unscored"] = unscored / total
+        self.reset()
+        return summary
+
+    def _summarize_trl_metrics(self, steps: dict[str, torch.Tensor], summary: DiagnosticsSummary) -> None:
+        """TRL's per-micro-batch metrics from the steps' fields (each `(num_steps,)`, pooled over processes)."""
+        tokens = steps["tokens"].clamp(min=1.0)
+        units = steps["clip_units"].clamp(min=1.0)
+        summary.per_step["kl"] = (steps["kl"] / tokens).tolist()
+        summary.per_step["entropy"] = (steps["entropy"] / tokens).tolist()
+        if self.clip_metrics == "clip_ratio":
+            for metric, name in (("low_mean", "low"), ("high_mean", "high"), ("region_mean", "region")):
+                summary.per_step[f"clip_ratio/{metric}"] = (steps[name] / units).tolist()
+            for metric, name in (("low_min", "low_min"), ("high_max", "high_max")):
+                summary.per_step[f"clip_ratio/{metric}"] = torch.where(
+                    torch.isinf(steps[name]), math.nan, steps[name]
+                ).tolist()
+        elif self.clip_metrics == "cispo":
+            summary.per_step["cispo_clip_ratio"] = (steps["high"] / units).tolist()
+        for name in self.extra_metrics:
+            summary.per_step[name] = (steps[f"{name}/sum"] / steps[f"{name}/count"]).tolist()
+
+    def _summarize_ratio_and_loss(self, window: dict[str, torch.Tensor], summary: DiagnosticsSummary) -> None:
+        # Trainer logs the mean over optimizer steps of each step's summed micro-batch losses: so are the terms.
+        optimizer_steps = max(window["optimizer_steps"].item(), 1.0)
+        for term in self.loss_terms:
+            summary.scalars[f"loss/{term}"] = window[term].item() / optimizer_steps
+        ratio = LogRatioHistogram.summarize(
+            {name.removeprefix("ratio/"): value for name, value in window.items() if name.startswith("ratio/")},
+            self.quantiles,
+            histogram=self.histograms,
+        )
+        if ratio is None:
+            return
+        for name in ("mean", "std", "min", "max"):
+            summary.scalars[f"ratio/{name}"] = ratio[name]
+        for quantile, value in zip(self.quantiles, ratio["quantiles"], strict=True):
+            summary.scalars[quantile_metric_name(quantile)] = value
+        if ratio["nan_count"] > 0:
+            summary.scalars["ratio/nan_count"] = ratio["nan_count"]
+        if self.histograms:
+            summary.histograms["ratio"] = ratio["histogram"]
+
+    def _summarize_mismatch(self, mismatch: dict[str, torch.Tensor], summary: DiagnosticsSummary) -> None:
+        ratio = LogRatioHistogram.summarize(mismatch, self.quantiles, histogram=self.histograms)
+        if ratio is None or ratio["units"] == 0:
+            return
+        summary.scalars[f"{MISMATCH_PREFIX}/min"] = ratio["min"]
+        summary.scalars[f"{MISMATCH_PREFIX}/max"] = ratio["max"]
+        summary.scalars[f"{MISMATCH_PREFIX}/outside_fraction"] = mismatch["outside"].item() / ratio["units"]
+        for quantile, value in zip(self.quantiles, ratio["quantiles"], strict=True):
+            summary.scalars[quantile_metric_name(quantile).replace("ratio/", f"{MISMATCH_PREFIX}/")] = value
+        if self.histograms:
+            summary.histograms[MISMATCH_PREFIX] = ratio["histogram"]
+
+    def _summarize_rewards(self, group_stds: torch.Tensor, summary: DiagnosticsSummary) -> None:
+        valid = group_stds[~torch.isnan(group_stds)]
+        if valid.numel() == 0:
+            return
+        summary.scalars["reward_std/group_mean"] = valid.mean().item()
+        summary.scalars["reward_std/group_min"] = valid.min().item()
+        summary.scalars["reward_std/group_max"] = valid.max().item()
+        if self.histograms:
+            summary.histograms["reward_std/group"] = _value_histogram(valid)
+
+
+def _value_histogram(values: torch.Tensor, num_buckets: int = 20) -> tuple:
+    """Histogram of a handful of values, in the tuple layout of `DiagnosticsSummary.histograms`."""
+    minimum, maximum = values.min().item(), values.max().item()
+    if maximum == minimum:
+        limits, counts = [maximum], [float(values.numel())]
+    else:
+        edges = torch.linspace(minimum, maximum, num_buckets + 1, dtype=torch.float64)
+        counts = torch.histc(values, bins=num_buckets, min=minimum, max=maximum).tolist()
+        limits = edges[1:].tolist()
+    return (limits, counts, minimum, maximum, float(values.numel()), values.sum().item(), values.pow(2).sum().item())

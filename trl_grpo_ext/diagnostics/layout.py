@@ -1,0 +1,82 @@
+"""`FieldLayout`: named fields of one flat vector, each with the reduction that combines two of its values.
+
+The diagnostics keep their running sums on the device as one vector per kind, so that a log step needs one `gather`.
+A layout packs a dict of tensors into such a vector and unpacks it by name, merges two vectors (micro-batches of one
+process) and reduces a stack of them (the rows of every process) field by field: sums add up, minima and maxima
+combine as minima and maxima.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["REDUCTIONS", "FieldLayout"]
+
+REDUCTIONS = ("sum", "min", "max")
+
+
+class FieldLayout:
+    """An ordered set of named fields of a 1-dim vector.
+
+    Args:
+        fields (`list[tuple[str, str]]` or `list[tuple[str, str, int]]`): `(name, reduction, size)` per field; the
+            size defaults to 1 (a scalar), a larger one is a block (e.g. histogram counts); reductions are those of
+            `REDUCTIONS`.
+    """
+
+    def __init__(self, fields):
+        self.names: list[str] = []
+        self.slices: dict[str, slice] = {}
+        self.sizes: dict[str, int] = {}
+        self.reductions: dict[str, str] = {}
+        reductions = []
+        start = 0
+        for name, reduction, *size in fields:
+            if reduction not in REDUCTIONS:
+                raise ValueError(f"field {name!r}: reduction must be one of {REDUCTIONS}, got {reduction!r}.")
+            if name in self.slices:
+                raise ValueError(f"field {name!r} appears twice.")
+            width = size[0] if size else 1
+            self.names.append(name)
+            self.slices[name] = slice(start, start + width)
+            self.sizes[name] = width
+            self.reductions[name] = reduction
+            reductions += [reduction] * width
+            start += width
+        self.width = start
+        self._reductions = reductions
+
+    def fields(self, prefix: str = "") -> list[tuple[str, str, int]]:
+        """The `(name, reduction, size)` of every field, names prefixed: to build a larger layout from this one."""
+        return [(prefix + name, self.reductions[name], self.sizes[name]) for name in self.names]
+
+    def _masks(self, device: torch.device) -> dict[str, torch.Tensor]:
+        kinds = torch.tensor([REDUCTIONS.index(reduction) for reduction in self._reductions], device=device)
+        return {reduction: kinds == index for index, reduction in enumerate(REDUCTIONS)}
+
+    def pack(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One vector from `values` (a 0-dim tensor per scalar field, a `(size,)` one per block), in field order."""
+        missing = set(self.names) - set(values)
+        if missing:
+            raise KeyError(f"no value for the fields {sorted(missing)}")
+        return torch.cat([values[name].reshape(self.sizes[name]) for name in self.names])
+
+    def unpack(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The fields of `vector` (shape `(width,)`, or `(..., width)`: then each field keeps the leading dims)."""
+        out = {}
+        for name in self.names:
+            value = vector[..., self.slices[name]]
+            out[name] = value[..., 0] if self.sizes[name] == 1 else value
+        return out
+
+    def merge(self, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        """Combine two packed vectors field by field; device ops only."""
+        masks = self._masks(first.device)
+        merged = torch.where(masks["min"], torch.minimum(first, second), first + second)
+        return torch.where(masks["max"], torch.maximum(first, second), merged)
+
+    def reduce(self, rows: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Combine a stack of packed vectors along `dim` field by field."""
+        masks = self._masks(rows.device)
+        reduced = torch.where(masks["min"], rows.amin(dim=dim), rows.sum(dim=dim))
+        return torch.where(masks["max"], rows.amax(dim=dim), reduced)

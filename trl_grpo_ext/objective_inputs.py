@@ -1,0 +1,215 @@
+"""From TRL's state to the inputs of `ops.policy_objective`, as stock `trl.GRPOTrainer` 1.16 defines them.
+
+`ops/` holds the formulas; this module holds what they need from a training run, in one dataclass already in final
+units (`ObjectiveInputs`): the per-token weights that TRL computes with its own helpers (`get_off_policy_mask`,
+`get_high_entropy_mask`, `get_gamma_weights`, the vLLM importance-sampling ratio of the generation batch), the divisor
+of the window-level aggregations, and the scales that put the loss in the units TRL backpropagates. It also holds
+TRL's entropy bonus with its adaptive controller (`EntropyBonusMixin`), which TRL offers no hook for: a copy
+recorded in `_compat.TRL_COPIES` and pinned by `tests/test_drift.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .ops.fused import domain_problems
+from .ops.loss_types import LOSS_TYPES, LossType, loss_type_record
+
+__all__ = ["EntropyBonusMixin", "ObjectiveInputs", "fused_kernel_problems", "gather_objective_inputs"]
+
+
+def _token_weights_in_use(args) -> bool:
+    """Whether TRL multiplies the policy term by per-token weights under these options."""
+    vllm_correction = args.use_vllm and args.vllm_importance_sampling_correction and args.loss_type != "vespo"
+    return args.top_entropy_quantile < 1.0 or args.off_policy_mask_threshold is not None or vllm_correction
+
+
+def fused_kernel_problems(args) -> list[str]:
+    """Why the fused kernel cannot compute the objective `args` configures, one reason each (empty: it can)."""
+    return domain_problems(
+        policy_term=loss_type_record(args.loss_type).policy_term,
+        importance_sampling_level=args.importance_sampling_level,
+        delta=args.delta,
+        token_weights=torch.ones(()) if _token_weights_in_use(args) else None,
+        use_bias_correction_kl=args.use_bias_correction_kl,
+        beta=args.beta,
+    )
+
+
+@dataclass
+class ObjectiveInputs:
+    """Everything `policy_objective` and the extra loss terms take for one micro-batch, in final units.
+
+    `policy_objective(**inputs.tensors(), loss_scale=inputs.loss_scale, ...)` returns the loss that TRL would
+    backpropagate for the objective; the entropy bonus and the router loss are scaled by `accumulation_scale`.
+
+    Attributes:
+        logps (`torch.Tensor` of shape `(N, T)`): the policy's log-probs, with gradient.
+        old_logps, ref_logps (`torch.Tensor` of shape `(N, T)` or `None`): sampling and reference log-probs.
+        advantages (`torch.Tensor` of shape `(N,)` or `(N, T)`).
+        mask (`torch.Tensor` of shape `(N, T)`): completion tokens (and tool mask).
+        entropies (`torch.Tensor` of shape `(N, T)`): the policy's per-token entropies.
+        aux_loss (`torch.Tensor` of shape `()` or `None`): the Mixture-of-Experts router loss.
+        token_weights (`torch.Tensor` of shape `(N, T)` or `None`): product of the off-policy mask, the entropy mask
+            and the vLLM correction ratio, in float32 or wider.
+        entropy_mask (`torch.Tensor` of shape `(N, T)` or `None`): the entropy mask alone (the bonus uses it too).
+        sequence_weights (`torch.Tensor` of shape `(N, 1)` or `None`): VESPO's gamma weights.
+        denominator (`torch.Tensor` of shape `()`, `float` or `None`): `D` of `sum_over_denominator`.
+        loss_scale (`float`): multiplies the aggregation: `1 / accumulation steps` for losses normalised per
+            micro-batch in training, 1 for window-normalised ones and in evaluation.
+        accumulation_scale (`float`): `1 / accumulation steps` in training, 1 in evaluation.
+    """
+
+    logps: torch.Tensor
+    old_logps: torch.Tensor | None
+    ref_logps: torch.Tensor | None
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    entropies: torch.Tensor
+    aux_loss: torch.Tensor | None
+    token_weights: torch.Tensor | None
+    entropy_mask: torch.Tensor | None
+    sequence_weights: torch.Tensor | None
+    denominator: torch.Tensor | float | None
+    loss_scale: float
+    accumulation_scale: float
+
+
+def _policy_weights(trainer, inputs: dict[str, Any], logps: torch.Tensor, entropies: torch.Tensor, mask):
+    """`(token_weights, entropy_mask, sequence_weights)` from TRL's own helpers, as TRL's `_compute_loss` applies
+    them."""
+    advantages = inputs["advantages"]
+    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    old_logps = inputs.get("old_per_token_logps")
+    old_logps = logps.detach() if old_logps is None else old_logps
+    factors = []
+    if trainer.off_policy_mask_threshold is not None:
+        factors.append(
+            trainer.get_off_policy_mask(
+                advantages=advantages,
+                per_token_logps=logps,
+                sampling_per_token_logps=inputs.get("sampling_per_token_logps", old_logps),
+                mask=mask,
+                off_policy_threshold=trainer.off_policy_mask_threshold,
+            )
+        )
+    entropy_mask = None
+    if trainer.top_entropy_quantile < 1.0:
+        entropy_mask = trainer.get_high_entropy_mask(entropies, mask, 1 - trainer.top_entropy_quantile)
+        factors.append(entropy_mask)
+    vllm_correction = trainer.use_vllm and trainer.vllm_importance_sampling_correction
+    sequence_weights = None
+    if LOSS_TYPES[trainer.loss_type].needs_sequence_weights:
+        # Selected, so that values at masked positions cannot reach the sequence sum (TRL multiplies by the mask).
+        log_ratio = torch.where(mask.bool(), logps.detach() - old_logps, 0.0)
+        sequence_weights = trainer.get_gamma_weights(
+            advantages=advantages,
+            log_ratio_per_token=log_ratio,
+            mask=mask,
+            importance_sampling_ratio=inputs.get("importance_sampling_ratio") if vllm_correction else None,
+            k_pos=trainer.args.vespo_k_pos,
+            lambda_pos=trainer.args.vespo_lambda_pos,
+            k_neg=trainer.args.vespo_k_neg,
+            lambda_neg=trainer.args.vespo_lambda_neg,
+        )
+    elif vllm_correction:  # VESPO folds the correction into its gamma weights instead
+        factors.append(inputs["importance_sampling_ratio"])
+    token_weights = None
+    for factor in factors:  # in float32 or wider, whatever the model's dtype (masks are bool or int)
+        factor = factor.to(
+            torch.promote_types(factor.dtype, torch.float32) if factor.is_floating_point() else torch.float32
+        )
+        token_weights = factor if token_weights is None else token_weights * factor
+    return token_weights, entropy_mask, sequence_weights
+
+
+def _denominator(trainer, record: LossType, inputs: dict[str, Any], num_rows: int, mode: str):
+    """`D` of `sum_over_denominator`, as TRL 1.16 defines it for the loss type."""
+    if record.divisor == "rows_times_max_length":
+        return num_rows * trainer.max_completion_length
+    if record.divisor != "window_tokens":
+        return None
+    # `num_items_in_batch` counts the completion tokens of the whole generation batch, over every process.
+    denominator = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
+    if mode == "train":  # one accumulation window of it (in eval there is neither splitting nor accumulation)
+        denominator = denominator * trainer.current_gradient_accumulation_steps / trainer.args.steps_per_generation
+    return denominator
+
+
+def gather_objective_inputs(
+    trainer, inputs: dict[str, Any], logps: torch.Tensor, entropies: torch.Tensor, aux_loss, mode: str
+) -> ObjectiveInputs:
+    """The objective's inputs for one micro-batch of TRL's batch `inputs`, in final units.
+
+    Args:
+        trainer (`GRPOTrainer`): read only: its options and TRL's helpers.
+        inputs (`dict`): the micro-batch TRL prepared.
+        logps, entropies (`torch.Tensor` of shape `(N, T)`): the policy's log-probs (with gradient) and entropies.
+        aux_loss (`torch.Tensor` or `None`): the router loss.
+        mode (`str`): `"train"` or `"eval"`.
+    """
+    record = LOSS_TYPES[trainer.loss_type]
+    mask = inputs["completion_mask"]
+    if "tool_mask" in inputs:
+        mask = mask * inputs["tool_mask"]
+    token_weights, entropy_mask, sequence_weights = _policy_weights(trainer, inputs, logps, entropies, mask)
+    # TRL sets `loss_is_scaled_for_ga`: the trainer, not Trainer, divides by the accumulation steps.
+    accumulation_scale = 1.0 / trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
+    return ObjectiveInputs(
+        logps=logps,
+        old_logps=inputs.get("old_per_token_logps"),
+        ref_logps=inputs.get("ref_per_token_logps") if trainer.beta != 0.0 else None,
+        advantages=inputs["advantages"],
+        mask=mask,
+        entropies=entropies,
+        aux_loss=aux_loss,
+        token_weights=token_weights,
+        entropy_mask=entropy_mask,
+        sequence_weights=sequence_weights,
+        denominator=_denominator(trainer, record, inputs, logps.size(0), mode),
+        loss_scale=1.0 if record.window_normalised else accumulation_scale,
+        accumulation_scale=accumulation_scale,
+    )
+
+
+class EntropyBonusMixin:
+    """TRL's entropy bonus (`entropy_coef`, `use_adaptive_entropy`) for a `GRPOTrainer` subclass.
+
+    Copy of the entropy-bonus block of TRL 1.16's `GRPOTrainer._compute_loss` (`trl/trainer/grpo_trainer.py`), which
+    has no hook of its own. The controller's state is TRL's (`entropy_coef`, `_last_world_entropy`,
+    `_entropy_window_stats`), which TRL checkpoints.
+    """
+
+    def _entropy_bonus(self, entropies, mask, entropy_mask, mode: str) -> tuple[float, torch.Tensor]:
+        """`(coef, H)`: the coefficient applied and the 0-dim mean entropy over the tokens the policy term acts on
+        (the entropy mask's, when one is used); the loss gets `-coef * H` (times the accumulation scale).
+
+        With the adaptive controller, the coefficient of the previous optimizer step applies (0 while the entropy
+        of the last window is above `entropy_target`); at each optimizer step the window's entropy, reduced over
+        processes, moves the coefficient by `entropy_coef_delta` within `[entropy_coef_min, entropy_coef_max]`.
+        """
+        effective = mask.bool() if entropy_mask is None else mask.bool() & entropy_mask.bool()
+        selected = torch.where(effective, entropies, 0.0)
+        mean_entropy = selected.sum() / effective.sum().clamp(min=1)
+        args = self.args
+        if self.use_adaptive_entropy:
+            coef = self.entropy_coef if self._last_world_entropy <= args.entropy_target else 0.0
+        else:
+            coef = self.entropy_coef
+        if self.use_adaptive_entropy and mode == "train":
+            window = torch.stack([selected.sum(), effective.sum().to(selected.dtype)]).detach()
+            stats = self._entropy_window_stats
+            self._entropy_window_stats = window if stats is None else stats + window
+            if self.accelerator.sync_gradients:  # the last micro-batch of the optimizer step
+                totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+                if world_entropy <= args.entropy_target:
+                    self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+                else:
+                    self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+                self._last_world_entropy = world_entropy
+                self._entropy_window_stats = None
+        return coef, mean_entropy

@@ -1,0 +1,28 @@
+"""The objective as pure tensor code (torch only: nothing here imports TRL or transformers).
+
+- `objective`: `grpo_loss` (the documents' objective) and `policy_objective` (every TRL loss type);
+- `terms`: the catalogue of policy terms and aggregations, each written once;
+- `loss_types`: one record per loss type;
+- `fused`: the fused (and compiled) kernel of the clipped-surrogate rows;
+- `numerics`: the exponential continued linearly above a threshold, the `exp(d) - d - 1` estimator;
+- `validation`: the checks on inputs and hyper-parameters;
+- `advantages`: group-relative advantages.
+"""
+
+from .advantages import group_relative_advantages
+from .loss_types import LOSS_TYPES, LossType
+from .numerics import EXP_LINEAR_ABOVE
+from .objective import IMPLEMENTATIONS, GRPOLossOutput, grpo_loss, policy_objective
+from .validation import hyperparameter_problems
+
+__all__ = [
+    "EXP_LINEAR_ABOVE",
+    "IMPLEMENTATIONS",
+    "LOSS_TYPES",
+    "GRPOLossOutput",
+    "LossType",
+    "group_relative_advantages",
+    "grpo_loss",
+    "hyperparameter_problems",
+    "policy_objective",
+]
