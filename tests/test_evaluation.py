@@ -14,7 +14,7 @@ from trl_grpo_ext.evaluation import (
     sampled_reward_means,
     tokenize_prompts,
 )
-from trl_grpo_ext.tiny import build_char_tokenizer, build_tiny_model
+from trl_grpo_ext.testing import build_char_tokenizer, build_tiny_model
 
 # Renders the messages, then "!" when the template variable `shout` is set, then "=" as the generation prompt.
 CHAT_TEMPLATE = (

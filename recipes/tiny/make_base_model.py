@@ -18,7 +18,7 @@ import torch
 
 from trl_grpo_ext.reversal import ALPHABET, SEPARATOR, make_splits, sampled_accuracy, warm_up
 from trl_grpo_ext.scripts.demo import DEMO_DIR
-from trl_grpo_ext.tiny import build_char_tokenizer, build_tiny_model
+from trl_grpo_ext.testing import build_char_tokenizer, build_tiny_model
 
 
 def main() -> None:
