@@ -7,7 +7,7 @@ from tokenizers.processors import TemplateProcessing
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-from trl_grpo_ext.evaluation import (
+from trl_grpo_ext.recipes.evaluation import (
     SamplingSettings,
     eos_token_ids,
     generate_completions,
