@@ -16,7 +16,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt  # noqa: E402
-from trl_grpo_ext.tiny import save_tiny  # noqa: E402
+from trl_grpo_ext.testing import save_tiny  # noqa: E402
 
 
 def letter_a_reward(completions: list[str], **kwargs) -> list[float]:

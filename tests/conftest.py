@@ -38,7 +38,7 @@ def library_temporary_files(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
-    from trl_grpo_ext.tiny import save_tiny
+    from trl_grpo_ext.testing import save_tiny
 
     return save_tiny(tmp_path_factory.mktemp("tiny_model"))
 

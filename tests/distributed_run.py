@@ -14,7 +14,7 @@ process saves what the tests check in `<output_dir>/<phase>/rank<k>.pt`:
 - `nan-skip`, `nan-stop`: the loss of rank 1 is NaN in step `NAN_STEP`; each process's local weights before and after
   that step, or when training stopped.
 - `lora`: a LoRA adapter trained and saved; the full adapter and base tensors before and after.
-- `recipe`: the recipe's `main` (`trl_grpo_ext.scripts.grpo`, which `recipes/grpo.py` runs) on the demo config,
+- `recipe`: the recipe's `main` (`trl_grpo_ext.recipes.grpo`, which `recipes/grpo.py` runs) on the demo config,
   with held-out evaluation before and after training; it ends accelerate's process group, so it must be the last
   phase.
 """
@@ -24,7 +24,7 @@ import os
 import signal
 import traceback
 
-from trl_grpo_ext.cpu_engines import enable_sharded_engines_on_cpu
+from trl_grpo_ext.recipes.cpu_engines import enable_sharded_engines_on_cpu
 
 # Before anything creates accelerate's state: an FSDP or DeepSpeed launch on CPU processes shards for real.
 ENGINE = enable_sharded_engines_on_cpu()
@@ -257,7 +257,7 @@ def run_lora(output_dir, model_path) -> dict:
 
 def run_recipe(output_dir) -> dict:
     """The recipe's `main`, short, with held-out evaluation; the trainer it built is kept for the engine proof."""
-    from trl_grpo_ext.scripts import grpo as recipe  # what recipes/grpo.py runs
+    from trl_grpo_ext.recipes import grpo as recipe  # what recipes/grpo.py runs
 
     built = []
 

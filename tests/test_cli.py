@@ -13,8 +13,8 @@ from packaging.version import Version
 from test_recipes import RECIPE_CONFIGS, REPO
 
 from trl_grpo_ext import cli
-from trl_grpo_ext.scripts import grpo
-from trl_grpo_ext.scripts.demo import DEMO_DIR
+from trl_grpo_ext.recipes import grpo
+from trl_grpo_ext.recipes.demo import DEMO_DIR
 
 DEMO_FILES = ["config_demo.yaml", "base_model", "data"]
 
@@ -89,7 +89,7 @@ def test_the_repository_holds_one_copy_of_the_demo_files():
     for name in DEMO_FILES:
         old_path = os.path.join(REPO, "recipes", "tiny", name)  # where they were, and where `make demo` reads them
         assert os.path.realpath(old_path) == os.path.realpath(os.path.join(DEMO_DIR, name)), name
-    assert os.path.realpath(os.path.join(REPO, "trl_grpo_ext", "demo")) == os.path.realpath(DEMO_DIR)
+    assert os.path.realpath(os.path.join(REPO, "trl_grpo_ext", "recipes", "tiny")) == os.path.realpath(DEMO_DIR)
 
 
 def _copy_sources(destination):

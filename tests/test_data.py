@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from trl_grpo_ext.data import load_recipe_dataset
-from trl_grpo_ext.rewards import gsm8k_accuracy
+from trl_grpo_ext.recipes.data import load_recipe_dataset
+from trl_grpo_ext.recipes.rewards import gsm8k_accuracy
 
 
 def write_jsonl(path, rows):

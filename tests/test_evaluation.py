@@ -7,14 +7,14 @@ from tokenizers.processors import TemplateProcessing
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-from trl_grpo_ext.evaluation import (
+from trl_grpo_ext.recipes.evaluation import (
     SamplingSettings,
     eos_token_ids,
     generate_completions,
     sampled_reward_means,
     tokenize_prompts,
 )
-from trl_grpo_ext.tiny import build_char_tokenizer, build_tiny_model
+from trl_grpo_ext.testing import build_char_tokenizer, build_tiny_model
 
 # Renders the messages, then "!" when the template variable `shout` is set, then "=" as the generation prompt.
 CHAT_TEMPLATE = (

@@ -10,8 +10,8 @@ import pytest
 import yaml
 from helpers import free_port
 
-from trl_grpo_ext.scripts import grpo as recipe
-from trl_grpo_ext.scripts.demo import DEMO_DIR
+from trl_grpo_ext.recipes import grpo as recipe
+from trl_grpo_ext.recipes.demo import DEMO_DIR
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = os.path.join(REPO, "recipes")
@@ -61,7 +61,7 @@ def run_recipe(args):
 def test_there_are_configs_to_check():
     names = {os.path.relpath(path, REPO) for path in RECIPE_CONFIGS}
     assert {
-        os.path.join("trl_grpo_ext", "demo", "config_demo.yaml"),
+        os.path.join("trl_grpo_ext", "recipes", "tiny", "config_demo.yaml"),
         os.path.join("recipes", "Qwen2.5-0.5B-Instruct", "grpo", "config_gsm8k_lora.yaml"),
         os.path.join("recipes", "Qwen2.5-1.5B-Instruct", "grpo", "config_gsm8k_full.yaml"),
     } <= names

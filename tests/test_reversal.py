@@ -6,10 +6,10 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_grpo_ext.evaluation import SamplingSettings, generate_completions
-from trl_grpo_ext.reversal import ALPHABET, SEPARATOR, make_splits, sampled_accuracy, warm_up
-from trl_grpo_ext.scripts.demo import DEMO_DIR
-from trl_grpo_ext.tiny import build_char_tokenizer, build_tiny_model
+from trl_grpo_ext.recipes.demo import DEMO_DIR
+from trl_grpo_ext.recipes.evaluation import SamplingSettings, generate_completions
+from trl_grpo_ext.recipes.reversal import ALPHABET, SEPARATOR, make_splits, sampled_accuracy, warm_up
+from trl_grpo_ext.testing import build_char_tokenizer, build_tiny_model
 
 BASE_MODEL = os.path.join(DEMO_DIR, "base_model")
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trl_grpo_ext.rewards import (
+from trl_grpo_ext.recipes.rewards import (
     REWARD_FUNCS,
     exact_match,
     extract_final_number,
@@ -159,8 +159,8 @@ def test_resolve_registry_names_and_import_paths(tmp_path, monkeypatch):
         ([], "No reward function"),
         (["nope"], "Unknown reward function 'nope'"),
         (["missing_module.func"], "Cannot import"),
-        (["trl_grpo_ext.rewards.nothing"], "Cannot import"),
-        (["trl_grpo_ext.rewards.REWARD_FUNCS"], "not callable"),
+        (["trl_grpo_ext.recipes.rewards.nothing"], "Cannot import"),
+        (["trl_grpo_ext.recipes.rewards.REWARD_FUNCS"], "not callable"),
     ],
 )
 def test_resolve_errors_name_the_function(names, message):

@@ -238,7 +238,7 @@ def tiny_moe_path(tmp_path_factory):
     """A tiny Qwen3 Mixture-of-Experts model (4 experts, 2 per token) with the character tokenizer."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from trl_grpo_ext.tiny import build_char_tokenizer
+    from trl_grpo_ext.testing import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     config = Qwen3MoeConfig(

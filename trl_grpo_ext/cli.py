@@ -8,7 +8,7 @@ import sys
 
 __all__ = ["COMMANDS", "main"]
 
-#: command -> (module of `trl_grpo_ext.scripts` with a `run(argv, prog)` function, the line `--help` shows)
+#: command -> (module of `trl_grpo_ext.recipes` with a `run(argv, prog)` function, the line `--help` shows)
 COMMANDS = {
     "grpo": ("grpo", "train with GRPO from a YAML config (--config) and flags; every config field is a flag"),
     "demo": ("demo", "the offline demo on a tiny shipped model (CPU, no network, ~2 minutes) into ./runs/tiny-demo"),
@@ -35,5 +35,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    module = importlib.import_module(f".scripts.{COMMANDS[args.command][0]}", package=__package__)
+    module = importlib.import_module(f".recipes.{COMMANDS[args.command][0]}", package=__package__)
     return module.run(argv[1:], prog=f"trl-grpo-ext {args.command}")

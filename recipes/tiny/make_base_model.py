@@ -1,6 +1,6 @@
 """Build the demo's base model and data: `python recipes/tiny/make_base_model.py` (about a minute on a CPU).
 
-Writes, into the package's demo folder `trl_grpo_ext/demo/` (which `recipes/tiny/data` and
+Writes, into the package's demo folder `trl_grpo_ext/recipes/tiny/` (which `recipes/tiny/data` and
 `recipes/tiny/base_model` link to) unless `--output` says otherwise:
 - `data/train.jsonl`, `data/test.jsonl`: string-reversal prompts (`"abc="`) and solutions (`"cba"`), disjoint;
 - `base_model/`: a 0.5M-parameter Qwen3-architecture model and its character tokenizer, taught the task by a
@@ -16,9 +16,9 @@ import os
 
 import torch
 
-from trl_grpo_ext.reversal import ALPHABET, SEPARATOR, make_splits, sampled_accuracy, warm_up
-from trl_grpo_ext.scripts.demo import DEMO_DIR
-from trl_grpo_ext.tiny import build_char_tokenizer, build_tiny_model
+from trl_grpo_ext.recipes.demo import DEMO_DIR
+from trl_grpo_ext.recipes.reversal import ALPHABET, SEPARATOR, make_splits, sampled_accuracy, warm_up
+from trl_grpo_ext.testing import build_char_tokenizer, build_tiny_model
 
 
 def main() -> None:

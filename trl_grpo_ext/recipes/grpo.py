@@ -46,8 +46,9 @@ class GRPOScriptArguments:
     reward_funcs: list[str] = field(
         default_factory=lambda: ["exact_match"],
         metadata={
-            "help": "Reward functions: names from trl_grpo_ext.rewards.REWARD_FUNCS (exact_match, gsm8k_accuracy, "
-            "think_answer_format) or import paths such as my_rewards.length_reward. Weights: --reward_weights."
+            "help": "Reward functions: names from trl_grpo_ext.recipes.rewards.REWARD_FUNCS (exact_match, "
+            "gsm8k_accuracy, think_answer_format) or import paths such as my_rewards.length_reward. Weights: "
+            "--reward_weights."
         },
     )
     eval_samples: int = field(
@@ -133,9 +134,9 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
     from trl.models import unwrap_model_for_generation
 
     from trl_grpo_ext import GRPOTrainerExt
-    from trl_grpo_ext.data import load_recipe_dataset
-    from trl_grpo_ext.evaluation import SamplingSettings, sampled_reward_means
-    from trl_grpo_ext.rewards import resolve_reward_funcs
+    from trl_grpo_ext.recipes.data import load_recipe_dataset
+    from trl_grpo_ext.recipes.evaluation import SamplingSettings, sampled_reward_means
+    from trl_grpo_ext.recipes.rewards import resolve_reward_funcs
 
     started = time.time()
     if script_args.num_threads:
@@ -251,7 +252,7 @@ def parse_args(
 def run(argv: list[str] | None = None, prog: str | None = None, **parse_kwargs) -> int:
     """Parse `argv` (default: the command line, see `parse_args`) and run the recipe; the exit status (`--help`
     exits with 0)."""
-    from trl_grpo_ext.cpu_engines import enable_sharded_engines_on_cpu
+    from trl_grpo_ext.recipes.cpu_engines import enable_sharded_engines_on_cpu
 
     enable_sharded_engines_on_cpu()  # an FSDP/DeepSpeed launch on CPU-only processes: shard for real (a check run)
     main(*parse_args(argv, prog, **parse_kwargs))

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_grpo_ext.tiny import DEFAULT_ALPHABET, build_char_tokenizer, build_tiny_model, save_tiny
+from trl_grpo_ext.testing import DEFAULT_ALPHABET, build_char_tokenizer, build_tiny_model, save_tiny
 
 
 def test_saved_tokenizer_round_trips_every_character_through_auto_tokenizer(tiny_model_path):

@@ -2,8 +2,9 @@
 
 A 0.5M-parameter model, partly taught to reverse strings of letters a-j (`"abc=" -> "cba"`), improves by GRPO with
 a LoRA adapter and an exact-match reward, on the CPU, with no network. The model, its tokenizer, the data and the
-config ship inside the package (`trl_grpo_ext/demo/`); the output goes to `./runs/tiny-demo` unless `--output_dir`
-says otherwise. Every field of `trl-grpo-ext grpo` is a flag here too (`--max_steps 50`, `--eval_samples 0`, ...).
+config ship inside the package (`trl_grpo_ext/recipes/tiny/`); the output goes to `./runs/tiny-demo` unless
+`--output_dir` says otherwise. Every field of `trl-grpo-ext grpo` is a flag here too (`--max_steps 50`,
+`--eval_samples 0`, ...).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from . import grpo
 
 __all__ = ["DEMO_DIR", "DESCRIPTION", "demo_defaults", "run"]
 
-DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo")
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
 DESCRIPTION = "The offline demo: GRPO on a tiny shipped model (CPU, no network, ~2 min) into ./runs/tiny-demo."
 
 

@@ -1,6 +1,7 @@
-"""A tiny causal LM and character-level tokenizer built locally, for offline demos and tests (no Hub access).
+"""Tiny model and tokenizer builders for tests and the demo: a causal LM and a character-level tokenizer, built
+locally (no Hub access).
 
-from trl_grpo_ext.tiny import build_char_tokenizer, build_tiny_model, save_tiny
+from trl_grpo_ext.testing import build_char_tokenizer, build_tiny_model, save_tiny
 path = save_tiny("/tmp/tiny")          # a folder that `from_pretrained` and TRL's trainers accept
 """
 
