@@ -93,7 +93,7 @@ TRL_COPIES = (
         "trl_grpo_ext.recipes.evaluation.generate_completions",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (tokenise prompts, generate with "
         "the training sampling settings, decode)",
-        "tests/test_drift.py::test_held_out_sampling_is_trl_s",
+        "tests/test_evaluation.py::test_sampling_settings_build_the_generation_config_trl_trains_with",
     ),
 )
 
