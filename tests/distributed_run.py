@@ -22,7 +22,11 @@ process saves what the tests check in `<output_dir>/<phase>/rank<k>.pt`:
 import argparse
 import os
 import signal
+import sys
 import traceback
+
+# `benchmarks` (below) is not installed: it is imported from this checkout, which a script's sys.path lacks.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from trl_grpo_ext.recipes.cpu_engines import enable_sharded_engines_on_cpu
 
@@ -38,9 +42,9 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
 
 import trl_grpo_ext  # noqa: E402
+from benchmarks.sharded import engine_proof, local_weights  # noqa: E402
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt  # noqa: E402
 from trl_grpo_ext import trainer as trainer_module  # noqa: E402
-from trl_grpo_ext.bench.sharded import engine_proof, local_weights  # noqa: E402
 from trl_grpo_ext.checkpointing import STAGING_DIR  # noqa: E402
 from trl_grpo_ext.guardrails import NonFiniteTrainingError  # noqa: E402
 

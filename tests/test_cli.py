@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from importlib.metadata import PackageNotFoundError, version
 
 import pytest
@@ -93,12 +94,12 @@ def test_the_repository_holds_one_copy_of_the_demo_files():
 
 
 def _copy_sources(destination):
-    """What a wheel is built from, copied so that the build leaves nothing in the repository."""
-    shutil.copytree(
-        os.path.join(REPO, "trl_grpo_ext"),
-        destination / "trl_grpo_ext",
-        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
-    )
+    """What a wheel is built from, copied so that the build leaves nothing in the repository: the package, and the
+    `benchmarks` package beside it (as in a checkout), which the wheel must leave out."""
+    for package in ("trl_grpo_ext", "benchmarks"):
+        shutil.copytree(
+            os.path.join(REPO, package), destination / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+        )
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(os.path.join(REPO, name), destination / name)
 
@@ -106,6 +107,8 @@ def _copy_sources(destination):
 @pytest.mark.slow
 def test_the_wheel_installs_a_command_that_runs_the_demo_from_an_empty_folder(tmp_path):
     """Build the wheel, install it into a fresh virtual environment, run `trl-grpo-ext demo` in an empty folder.
+
+    The wheel holds the package and its metadata only: not the benchmarks (`python -m benchmarks`, from a checkout).
 
     The fresh environment sees this one's packages (torch, trl, ...) through a path file, which adds their folder
     without running its path files (so a development install of this project stays invisible there), and the wheel
@@ -126,6 +129,12 @@ def test_the_wheel_installs_a_command_that_runs_the_demo_from_an_empty_folder(tm
     result = subprocess.run(build, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     (wheel,) = glob.glob(str(tmp_path / "dist" / "trl_grpo_ext-*.whl"))
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    assert "trl_grpo_ext/__init__.py" in names
+    assert [name for name in names if name.startswith(("benchmarks/", "trl_grpo_ext/bench/"))] == []
+    (metadata,) = {name.split("/")[0] for name in names} - {"trl_grpo_ext"}
+    assert metadata.startswith("trl_grpo_ext-") and metadata.endswith(".dist-info"), metadata
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=600, env=env)

@@ -6,7 +6,7 @@ import tempfile
 import datasets.config
 from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 
-from trl_grpo_ext.bench import comm
+from benchmarks import comm
 from trl_grpo_ext.recipes.data import load_recipe_dataset
 
 

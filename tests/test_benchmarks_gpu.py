@@ -1,4 +1,4 @@
-"""`python -m trl_grpo_ext.bench gpu`: its CPU run, its bookkeeping of failures and time, its sync counter."""
+"""`python -m benchmarks gpu`: its CPU run, its bookkeeping of failures and time, its sync counter."""
 
 import inspect
 import json
@@ -10,14 +10,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, Trainer
 
+from benchmarks import gpu, kernel
+from benchmarks.__main__ import main as bench_main
+from benchmarks.gpu_kernels import section_kernels
+from benchmarks.gpu_sections import TOLERANCES, _compare
+from benchmarks.gpu_setup import EOS_SCALE, QUICK, QWEN25_05B_CONFIG, Context, build_model_folder
+from benchmarks.gpu_summary import render
+from benchmarks.syncs import SyncCounter
 from trl_grpo_ext import grpo_loss
-from trl_grpo_ext.bench import gpu, kernel
-from trl_grpo_ext.bench.__main__ import main as bench_main
-from trl_grpo_ext.bench.gpu_kernels import section_kernels
-from trl_grpo_ext.bench.gpu_sections import TOLERANCES, _compare
-from trl_grpo_ext.bench.gpu_setup import EOS_SCALE, QUICK, QWEN25_05B_CONFIG, Context, build_model_folder
-from trl_grpo_ext.bench.gpu_summary import render
-from trl_grpo_ext.bench.syncs import SyncCounter
 from trl_grpo_ext.diagnostics import DiagnosticsAccumulator
 
 
@@ -136,7 +136,7 @@ def test_a_failing_or_overrunning_section_is_recorded_and_the_run_goes_on(tmp_pa
 def test_unknown_sections_are_refused(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"unknown sections \['kernel'\]"):
         gpu.run(str(tmp_path), sections=("kernel",))
-    with pytest.raises(SystemExit) as exit_info:  # through `python -m trl_grpo_ext.bench gpu ...`
+    with pytest.raises(SystemExit) as exit_info:  # through `python -m benchmarks gpu ...`
         bench_main(["gpu", "--sections", "environment,kernel", "--out", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "unknown sections ['kernel']; choose from environment, equivalence" in capsys.readouterr().err
@@ -196,7 +196,7 @@ def test_equivalence_comparison_applies_the_stated_tolerance():
 
 
 def test_the_kernel_section_reports_a_fallback_from_compiled_to_eager(tmp_path, monkeypatch):
-    from trl_grpo_ext import fused
+    from trl_grpo_ext.ops import fused
 
     def broken(*args):
         raise RuntimeError("no compiler here")
@@ -257,7 +257,7 @@ def test_sync_counter_attributes_each_event_to_its_code_and_trainer_phase():
     assert counter.counts[("other", "log")] == 1
     assert counter.total("trl_grpo_ext") == 0
     report = counter.as_dict()
-    assert {row["site"].split(":")[0] for row in report["top_sites"]} == {"test_bench_gpu.py"}
+    assert {row["site"].split(":")[0] for row in report["top_sites"]} == {"test_benchmarks_gpu.py"}
     # Outside the context nothing is counted.
     values.sum().item()
     assert counter.total() == 4
@@ -283,7 +283,7 @@ def test_sync_counter_counts_cuda_sync_warnings_by_phase_and_lets_other_warnings
             warnings.warn("something else", UserWarning, stacklevel=1)
         assert warnings.showwarning is before  # restored on leaving
     assert counter.counts == {("other", "loss"): 3}
-    assert counter.sites[("other", "loss", f"test_bench_gpu.py:{_WARNING_LINE} _compute_loss")] == 3
+    assert counter.sites[("other", "loss", f"test_benchmarks_gpu.py:{_WARNING_LINE} _compute_loss")] == 3
     assert [str(w.message) for w in shown] == ["something else"]
     assert modes == ["warn", 0]
 

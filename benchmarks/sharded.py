@@ -10,8 +10,9 @@ process, whose "shard" is the whole tensor; with N GPUs the local shard must be 
 
 Without CUDA it runs the CPU configs (`cpu_*.yaml`, two processes, float32) instead: the same checks, as a smoke test.
 DeepSpeed is checked only where it is installed (`pip install deepspeed`; it installs without compiling anything).
+From the root of a checkout:
 
-    python -c "from trl_grpo_ext.bench.sharded import run_sharded_checks; print(run_sharded_checks('sharded-out'))"
+    python -c "from benchmarks.sharded import run_sharded_checks; print(run_sharded_checks('sharded-out'))"
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ import time
 
 import torch
 
+from .common import CHECKOUT, child_env
+
 __all__ = ["ENGINES", "engine_proof", "local_weights", "run_sharded_checks"]
 
 ENGINES = ("fsdp2", "zero2", "zero3")
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "recipes")
+CONFIGS = os.path.join(CHECKOUT, "recipes")
 NAN_STEP = 2
 
 
@@ -118,9 +121,9 @@ def run_sharded_checks(out_dir: str, engines: tuple[str, ...] = ENGINES) -> dict
 
     Raises:
         ValueError: for an engine not in `ENGINES`.
-        FileNotFoundError: when the recipes' accelerate configs are not next to the package (run from a checkout).
+        FileNotFoundError: when the recipes' accelerate configs are not beside `benchmarks/` (run from a checkout).
     """
-    from ..tiny import save_tiny
+    from trl_grpo_ext.testing import save_tiny
 
     unknown = set(engines) - set(ENGINES)
     if unknown:
@@ -141,8 +144,8 @@ def run_sharded_checks(out_dir: str, engines: tuple[str, ...] = ENGINES) -> dict
         run_dir = os.path.join(out_dir, engine)
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
         command += ["--num_processes", str(num_processes), "--main_process_port", str(_free_port())]
-        command += ["-m", "trl_grpo_ext.bench.sharded", "--worker", engine, run_dir, model_path]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), HF_HUB_OFFLINE="1")
+        command += ["-m", "benchmarks.sharded", "--worker", engine, run_dir, model_path]
+        env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), HF_HUB_OFFLINE="1")
         if not cuda:
             env["CUDA_VISIBLE_DEVICES"] = ""
         start = time.perf_counter()
@@ -170,14 +173,14 @@ def _count_a_reward(completions, **kwargs) -> list[float]:
 
 def _worker(engine: str, run_dir: str, model_path: str) -> None:
     """One process of an engine's launch: a clean run, then one whose last process has a NaN loss in `NAN_STEP`."""
-    from ..cpu_engines import enable_sharded_engines_on_cpu
+    from trl_grpo_ext.recipes.cpu_engines import enable_sharded_engines_on_cpu
 
     on_cpu = enable_sharded_engines_on_cpu() is not None  # without CUDA: the CPU smoke test
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
 
-    from .. import GRPOConfigExt, GRPOTrainerExt
-    from ..guardrails import NonFiniteTrainingError
+    from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+    from trl_grpo_ext.guardrails import NonFiniteTrainingError
 
     class NanAtStep(GRPOTrainerExt):
         nan_step: int | None = None
@@ -260,7 +263,7 @@ def _worker(engine: str, run_dir: str, model_path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m trl_grpo_ext.bench.sharded", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sharded", description=__doc__)
     parser.add_argument("--worker", nargs=3, metavar=("ENGINE", "RUN_DIR", "MODEL_PATH"), required=True)
     args = parser.parse_args(argv)
     _worker(*args.worker)

@@ -6,10 +6,11 @@ import sys
 
 import pytest
 import torch
+from helpers import REPO
 
+from benchmarks import kernel
+from benchmarks.common import format_table, summarize
 from trl_grpo_ext import grpo_loss
-from trl_grpo_ext.bench import kernel
-from trl_grpo_ext.bench.common import format_table, summarize
 
 
 def test_baselines_compute_the_same_objective():
@@ -51,8 +52,8 @@ def test_summaries_and_tables():
 @pytest.mark.slow
 def test_the_benchmark_command_runs_quickly_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    command = [sys.executable, "-m", "trl_grpo_ext.bench", "kernel", "--quick", "--json", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    command = [sys.executable, "-m", "benchmarks", "kernel", "--quick", "--json", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO)  # as from a clone
     assert result.returncode == 0, result.stderr[-3000:]
     assert "speed-up vs seed000" in result.stdout
     results = json.loads(out.read_text())
@@ -64,7 +65,7 @@ def test_the_benchmark_command_runs_quickly_and_writes_json(tmp_path):
 
 @pytest.mark.slow
 def test_the_communication_benchmark_counts_one_gather_per_log_step(tmp_path, monkeypatch):
-    from trl_grpo_ext.bench import comm
+    from benchmarks import comm
 
     system_temp = tmp_path / "system_temp"  # the launched processes' temporary folder: it must stay empty
     system_temp.mkdir()

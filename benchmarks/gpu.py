@@ -1,4 +1,4 @@
-"""`python -m trl_grpo_ext.bench gpu [--out DIR] [--budget-s S] [--sections a,b] [--quick]`: the package on a GPU.
+"""`python -m benchmarks gpu [--out DIR] [--budget-s S] [--sections a,b] [--quick]`: the package on a GPU.
 
 One unattended command that checks, in a few minutes on one GPU, what only a GPU can show, and writes
 `DIR/gpu.json` (every figure, and the full traceback of any section that failed) and `DIR/gpu.md` (a summary)
@@ -8,7 +8,7 @@ after every section, so that a run cut short still leaves the sections it finish
 2. `equivalence`: `GRPOTrainerExt` against stock `trl.GRPOTrainer` with the same objective, on a randomly
    initialised model with Qwen2.5-0.5B's configuration, bf16: 8 steps, num_iterations=2, full and LoRA; per-step
    loss, grad_norm and kl within a stated tolerance.
-3. `syncs`: host synchronisations per micro-batch and per log step, this package's and TRL's, counted with
+3. `syncs`: host synchronisations per micro-batch and per log step, trl_grpo_ext's and TRL's, counted with
    `torch.cuda.set_sync_debug_mode("warn")`.
 4. `kernels`: `grpo_loss(implementation="compiled")` (Triton through `torch.compile`) against `"reference"` at
    several epsilons, then every implementation's forward + backward time at 64x4096 and 256x8192 in float32 and
@@ -236,7 +236,7 @@ def render_summary(results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m trl_grpo_ext.bench gpu", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks gpu", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="bench-gpu", help="output folder for gpu.json and gpu.md")
     parser.add_argument("--budget-s", type=float, default=420.0, help="seconds for the whole run (default 420)")
     parser.add_argument("--sections", default=None, help="comma-separated subset, e.g. equivalence,kernels")
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         budget_s=args.budget_s,
         quick=args.quick,
         layers=args.layers,
-        command=" ".join(["python -m trl_grpo_ext.bench gpu", *argv]),
+        command=" ".join(["python -m benchmarks gpu", *argv]),
     )
     statuses = {name: entry["status"] for name, entry in results["sections"].items()}
     print(json.dumps(statuses), flush=True)

@@ -1,4 +1,4 @@
-"""What the sections of `python -m trl_grpo_ext.bench gpu` share: sizes, the run's context, the local model, trainers.
+"""What the sections of `python -m benchmarks gpu` share: sizes, the run's context, the local model, trainers.
 
 The model is Qwen2.5-0.5B's configuration, randomly initialised and saved locally with a character tokenizer padded
 to its vocabulary (no Hub access); at `QUICK` sizes (no CUDA device, or `--quick`) it is a two-layer model of width
@@ -171,7 +171,7 @@ def build_model_folder(folder: str, model_config: dict, device: str, seed: int =
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from ..tiny import build_char_tokenizer
+    from trl_grpo_ext.testing import build_char_tokenizer
 
     tokenizer = build_char_tokenizer(ALPHABET, vocab_size=model_config["vocab_size"])
     special = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import traceback
 
-from .common import format_table
+from .common import child_env, format_table
 
 BATCH_SIZES = (8, 32)
 STEPS, ACCUMULATION = 4, 2
@@ -119,7 +119,7 @@ def run(batch_sizes=BATCH_SIZES, workdir: str | os.PathLike | None = None) -> di
     if workdir is None:
         with tempfile.TemporaryDirectory(prefix="bench-comm-") as temporary:
             return run(batch_sizes, temporary)
-    from ..tiny import save_tiny
+    from trl_grpo_ext.testing import save_tiny
 
     workdir = os.fspath(workdir)
     model_path = save_tiny(os.path.join(workdir, "model"))
@@ -134,12 +134,10 @@ def run(batch_sizes=BATCH_SIZES, workdir: str | os.PathLike | None = None) -> di
                 sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                 "--main_process_port", str(_free_port()),
-                "-m", "trl_grpo_ext.bench.comm", "--worker", side, str(batch), model_path, out,
+                "-m", "benchmarks.comm", "--worker", side, str(batch), model_path, out,
             ]  # fmt: skip
             # TMPDIR: the launcher (torchrun) leaves `torchelastic_*` folders in the temporary folder.
-            env = dict(
-                os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TMPDIR=temporary_files
-            )
+            env = child_env(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TMPDIR=temporary_files)
             completed = subprocess.run(command, capture_output=True, text=True, env=env)
             if completed.returncode != 0:
                 raise RuntimeError(

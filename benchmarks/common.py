@@ -11,7 +11,10 @@ from datetime import datetime, timezone
 
 import torch
 
-__all__ = ["environment", "summarize", "format_table", "write_json", "pin_threads"]
+__all__ = ["environment", "summarize", "format_table", "write_json", "pin_threads", "child_env"]
+
+#: The folder that holds `benchmarks/`: the root of the checkout these benchmarks run from.
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pin_threads(threads: int) -> None:
@@ -23,6 +26,16 @@ def pin_threads(threads: int) -> None:
         pass
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["MKL_NUM_THREADS"] = str(threads)
+
+
+def child_env(**variables: str) -> dict[str, str]:
+    """The environment for a Python process that runs `-m benchmarks.<module>`: this one's, with `variables` set and
+    `CHECKOUT` at the end of `PYTHONPATH`, so that the module is found whatever the working folder (`benchmarks` is
+    not installed; `python -m benchmarks` finds it in the working folder)."""
+    path = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    if CHECKOUT not in path:
+        path.append(CHECKOUT)
+    return dict(os.environ, **variables, PYTHONPATH=os.pathsep.join(path))
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:

@@ -59,8 +59,8 @@ _HOST_READ_OPS = (
 
 
 def _owner(module: str) -> str:
-    """`trl_grpo_ext`, `bench` (this package's benchmarks), one of `_OWNERS`, or `other`, from a module name."""
-    if module.startswith("trl_grpo_ext.bench"):
+    """`trl_grpo_ext`, `bench` (these benchmarks), one of `_OWNERS`, or `other`, from a module name."""
+    if module == "benchmarks" or module.startswith("benchmarks."):
         return "bench"
     top = module.split(".")[0]
     return top if top in ("trl_grpo_ext", *_OWNERS) else "other"

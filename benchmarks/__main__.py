@@ -1,9 +1,9 @@
-"""`python -m trl_grpo_ext.bench {e2e,kernel,comm,all} [--json PATH]`: benchmarks that print tables and write JSON.
+"""`python -m benchmarks {e2e,kernel,comm,all} [--json PATH]`: benchmarks that print tables and write JSON.
 
 Every comparison runs its sides alternately in one invocation, with pinned CPU threads, and reports medians with
 min/max. See each module's docstring for what it measures.
 
-`python -m trl_grpo_ext.bench gpu [--out DIR] ...`: the prepared check on a GPU (see `gpu.py`; its own options).
+`python -m benchmarks gpu [--out DIR] ...`: the prepared check on a GPU (see `gpu.py`; its own options).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
         from .gpu import main as gpu_main
 
         sys.exit(gpu_main(argv[1:]))
-    parser = argparse.ArgumentParser(prog="python -m trl_grpo_ext.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("suite", choices=["e2e", "kernel", "comm", "all", "gpu"])
     parser.add_argument("--json", default=None, help="where to write the results (default: bench-<suite>.json)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 was fastest for small models)")
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--e2e-modes", default="full,lora", help="comma-separated: full, lora")
     args = parser.parse_args(argv)
     pin_threads(args.threads)
-    results = {"environment": environment(), "command": " ".join(["python -m trl_grpo_ext.bench", *argv])}
+    results = {"environment": environment(), "command": " ".join(["python -m benchmarks", *argv])}
     tables = []
 
     if args.suite in ("e2e", "all"):

@@ -20,8 +20,9 @@ import time
 
 import torch
 
-from ..loss import grpo_loss
-from .common import format_table, summarize
+from trl_grpo_ext.ops import grpo_loss
+
+from .common import child_env, format_table, summarize
 
 SIDES = ("seed000", "trl_inline", "reference", "fused", "compiled")
 
@@ -128,13 +129,12 @@ def extra_peak_bytes(side: str, rows: int, tokens: int, dtype: torch.dtype) -> i
         run(logps)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - baseline
-    import os
     import subprocess
     import sys
 
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS="1")
+    env = child_env(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS="1")
     dtype_name = str(dtype).replace("torch.", "")
-    command = [sys.executable, "-m", "trl_grpo_ext.bench.kernel", "--memory", side, str(rows), str(tokens), dtype_name]
+    command = [sys.executable, "-m", "benchmarks.kernel", "--memory", side, str(rows), str(tokens), dtype_name]
     completed = subprocess.run(command, capture_output=True, text=True, env=env)
     if completed.returncode != 0:
         raise RuntimeError(f"memory measurement of {side} failed:\n{completed.stderr[-2000:]}")

@@ -1,4 +1,4 @@
-"""The sections of `python -m trl_grpo_ext.bench gpu` that train (see `gpu.py`; `kernels` is in `gpu_kernels.py`).
+"""The sections of `python -m benchmarks gpu` that train (see `gpu.py`; `kernels` is in `gpu_kernels.py`).
 
 Every section takes a `Context`, the seconds it may plan for, and a dict `result` that it fills as it goes (and
 returns): `checks` (name -> bool: correctness; a false one fails the run), `targets` (name -> `{"value", "limit",
@@ -497,7 +497,7 @@ def section_e2e(ctx: Context, allotted: float, result: dict) -> dict:
 
 
 def section_sharded(ctx: Context, allotted: float, result: dict) -> dict:
-    """FSDP2 (and ZeRO-2/3 where deepspeed is installed) through `bench.sharded.run_sharded_checks`: the engine is
+    """FSDP2 (and ZeRO-2/3 where deepspeed is installed) through `benchmarks.sharded.run_sharded_checks`: the engine is
     active, losses finite, a NaN step skipped without touching the weights; one process per GPU."""
     from .sharded import run_sharded_checks
 

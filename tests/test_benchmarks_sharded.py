@@ -1,11 +1,11 @@
-"""`trl_grpo_ext.bench.sharded`: the GPU script's check of the sharded engines, run here on CPU processes."""
+"""`benchmarks.sharded`: the GPU script's check of the sharded engines, run here on CPU processes."""
 
 import json
 
 import pytest
 import torch
 
-from trl_grpo_ext.bench.sharded import _verdict, run_sharded_checks
+from benchmarks.sharded import _verdict, run_sharded_checks
 
 
 def test_an_unknown_engine_is_refused(tmp_path):

@@ -46,7 +46,7 @@ class _DiagnosticsClock:
     """Host time spent in the diagnostics (accumulating per micro-batch, summarising per log step)."""
 
     def __init__(self):
-        from ..diagnostics import DiagnosticsAccumulator
+        from trl_grpo_ext.diagnostics import DiagnosticsAccumulator
 
         self.seconds = 0.0
         for name in ("add_loss_step", "add_rewards", "summarize"):
@@ -242,7 +242,7 @@ def run(
     `config_overrides` replace training arguments of every side (e.g. `bf16=True`)."""
     import torch
 
-    from ..tiny import save_tiny
+    from trl_grpo_ext.testing import save_tiny
 
     config = dict(repeats=repeats, steps=steps, warmup=warmup, batch=batch, threads=threads)
     if model_path is None:

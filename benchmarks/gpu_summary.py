@@ -1,4 +1,4 @@
-"""The markdown summary (`gpu.md`) of `python -m trl_grpo_ext.bench gpu`'s results, complete or partial.
+"""The markdown summary (`gpu.md`) of `python -m benchmarks gpu`'s results, complete or partial.
 
 Each section is rendered on its own; one that cannot be (an unexpected shape of results) says so and the rest of
 the summary is still written, since the summary is rewritten after every section of a run that may be cut short.
