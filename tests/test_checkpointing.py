@@ -196,3 +196,47 @@ def test_checkpoint_uploads_send_the_published_complete_folder(
         for name in ("model.safetensors", "optimizer.pt", "trainer_state.json", "grpo_state_rank0.pt"):
             assert name in files
     assert not any(STAGING_DIR in folder for _, folder, _ in hub.uploads)
+
+
+def test_the_best_checkpoint_is_recorded_under_its_final_name_and_survives_a_resume(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+
+    def trainer(max_steps):
+        config = tiny_grpo_args(
+            tmp_path,
+            max_steps=max_steps,
+            save_strategy="steps",
+            save_steps=2,
+            eval_strategy="steps",
+            eval_steps=2,
+            save_total_limit=1,
+            load_best_model_at_end=True,
+            metric_for_best_model="eval_reward",
+            per_device_eval_batch_size=4,
+        )
+        return GRPOTrainerExt(
+            tiny_model_path,
+            count_a_reward,
+            GRPOConfigExt(**config),
+            prompt_dataset,
+            prompt_dataset.select(range(4)),
+            processing_class=tiny_tokenizer,
+        )
+
+    first = trainer(4)
+    first.train()
+    for name in os.listdir(tmp_path):
+        state_file = os.path.join(tmp_path, name, "trainer_state.json")
+        if name.startswith("checkpoint-") and os.path.isfile(state_file):
+            with open(state_file) as handle:
+                best = json.load(handle)["best_model_checkpoint"]
+            assert STAGING_DIR not in best and os.path.isdir(best), (name, best)
+    best = first.state.best_model_checkpoint
+    resumed = trainer(6)
+    resumed.train(resume_from_checkpoint=True)
+    # Rotation kept the best checkpoint because the resumed run knew where it was.
+    assert resumed.state.best_model_checkpoint is not None and os.path.isdir(resumed.state.best_model_checkpoint)
+    if best != os.path.join(str(tmp_path), "checkpoint-4"):
+        assert os.path.isdir(best)

@@ -262,6 +262,55 @@ class TestNonFiniteStepsAndTrainingState:
             for key in ("loss", "grad_norm", "kl", "entropy", "ratio/mean"):
                 assert got[step][key] == expected[step][key], (step, key)
 
+    def test_a_stop_at_the_first_step_of_an_epoch_resumes_exactly(
+        self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+    ):
+        # The epoch's data-loader iterator draws from the generators before the step begins; a run resumed at the
+        # start of an epoch restores them before creating it, so the checkpoint must hold the epoch-begin state.
+        config = dict(num_iterations=2, max_steps=3)
+        reference, _ = build(
+            GRPOTrainerExt, tmp_path / "ref", tiny_model_path, tiny_tokenizer, prompt_dataset, **config
+        )
+        reference.train()
+        stopped, _ = build(
+            nan_loss_trainer({1}),
+            tmp_path / "run",
+            tiny_model_path,
+            tiny_tokenizer,
+            prompt_dataset,
+            nonfinite_policy="stop",
+            **config,
+        )
+        with pytest.raises(NonFiniteTrainingError, match="Step 1: .*last good state is in .*checkpoint-0"):
+            stopped.train()
+        resumed, _ = build(GRPOTrainerExt, tmp_path / "run", tiny_model_path, tiny_tokenizer, prompt_dataset, **config)
+        resumed.train(resume_from_checkpoint=os.path.join(tmp_path, "run", "checkpoint-0"))
+        expected = [entry for entry in reference.state.log_history if "loss" in entry]
+        got = [entry for entry in resumed.state.log_history if "loss" in entry]
+        assert len(got) == len(expected) == 3
+        for step, (want, have) in enumerate(zip(expected, got, strict=True), start=1):
+            for key in ("loss", "grad_norm", "reward", "kl"):
+                if key in want:
+                    assert have[key] == want[key], (step, key)
+
+    def test_the_guard_s_counters_survive_a_resume(self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+        config = dict(max_steps=4, save_strategy="steps", save_steps=3)
+        uninterrupted, _ = build(
+            nan_loss_trainer({2}), tmp_path / "ref", tiny_model_path, tiny_tokenizer, prompt_dataset, **config
+        )
+        uninterrupted.train()
+        first, _ = build(
+            nan_loss_trainer({2}), tmp_path / "run", tiny_model_path, tiny_tokenizer, prompt_dataset, **config
+        )
+        first.train()
+        resumed, _ = build(GRPOTrainerExt, tmp_path / "run", tiny_model_path, tiny_tokenizer, prompt_dataset, **config)
+        resumed.train(resume_from_checkpoint=os.path.join(tmp_path, "run", "checkpoint-3"))
+        skipped = [entry["nonfinite/skipped_steps"] for entry in uninterrupted.state.log_history if "loss" in entry]
+        assert skipped == [0, 1, 1, 1]
+        step4 = [entry for entry in resumed.state.log_history if entry.get("step") == 4 and "loss" in entry]
+        assert step4[-1]["nonfinite/skipped_steps"] == 1
+        assert resumed._nonfinite_guard.state_dict() == uninterrupted._nonfinite_guard.state_dict()
+
 
 def scaled_trainer(trainer_class, *args, **kwargs):
     """A trainer whose accelerator has a gradient scaler, as fp16 on a GPU has (here on the CPU)."""

@@ -206,3 +206,36 @@ def test_default_args_are_the_documents_config(tiny_model_path, tiny_tokenizer, 
     assert isinstance(trainer.args, GRPOConfigExt)
     assert trainer.args.output_dir.endswith("-GRPO")
     assert (trainer.beta, trainer.loss_type, trainer.epsilon_low) == (0.04, "grpo", 0.2)
+
+
+def test_trl_s_positional_arguments_are_taken(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    config = tiny_grpo_args(tmp_path, loss_type="grpo", beta=0.04, use_bias_correction_kl=False, max_steps=2)
+    stock = GRPOTrainer(tiny_model_path, count_a_reward, GRPOConfig(**config), prompt_dataset, None, tiny_tokenizer)
+    stock.train()
+    ours = GRPOTrainerExt(tiny_model_path, count_a_reward, GRPOConfig(**config), prompt_dataset, None, tiny_tokenizer)
+    ours.train()
+    assert ours.train_dataset is prompt_dataset and ours.processing_class is tiny_tokenizer
+    losses = [[entry["loss"] for entry in t.state.log_history if "loss" in entry] for t in (stock, ours)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5, abs=1e-7)
+    with pytest.raises(TypeError, match="multiple values for argument 'train_dataset'"):
+        GRPOTrainerExt(tiny_model_path, count_a_reward, GRPOConfig(**config), prompt_dataset, train_dataset=[])
+
+
+def test_the_loss_split_adds_up_when_optimizer_steps_have_different_micro_batch_counts(
+    tiny_model_path, tiny_tokenizer, tmp_path
+):
+    from datasets import Dataset
+
+    # 4 prompts x 4 completions, one prompt per micro-batch: an epoch is 4 micro-batches, steps of 3 and 1.
+    dataset = Dataset.from_dict({"prompt": ["abc=", "hello=", "xyz=", "qq="]})
+    config = tiny_grpo_args(
+        tmp_path, gradient_accumulation_steps=3, steps_per_generation=2, logging_steps=2, max_steps=4
+    )
+    trainer = GRPOTrainerExt(
+        tiny_model_path, count_a_reward, GRPOConfigExt(**config), dataset, processing_class=tiny_tokenizer
+    )
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logs
+    for entry in logs:
+        assert entry["loss/policy"] + entry["loss/kl_penalty"] == pytest.approx(entry["loss"], rel=1e-4, abs=1e-6)

@@ -32,6 +32,7 @@ __all__ = [
     "STAGING_DIR",
     "CheckpointingMixin",
     "StepStart",
+    "capture_rng",
     "grpo_state_path",
     "load_grpo_state",
     "publish_checkpoint",
@@ -55,9 +56,12 @@ def _to_device(value: Any, device: torch.device | str) -> Any:
     return value
 
 
-def save_grpo_state(checkpoint_dir: str, process_index: int, step: int, buffered_inputs: list | None) -> None:
-    """Save TRL's micro-step counter and buffered generations of this process (moved to the CPU)."""
-    state = {"step": step, "buffered_inputs": _to_device(buffered_inputs, "cpu")}
+def save_grpo_state(
+    checkpoint_dir: str, process_index: int, step: int, buffered_inputs: list | None, extras: dict | None = None
+) -> None:
+    """Save TRL's micro-step counter and buffered generations of this process (moved to the CPU), and `extras`: the
+    resume state of the mixed-in concerns (e.g. the non-finite guard's counters)."""
+    state = {"step": step, "buffered_inputs": _to_device(buffered_inputs, "cpu"), "extras": extras or {}}
     temporary = grpo_state_path(checkpoint_dir, process_index) + ".tmp"
     torch.save(state, temporary)
     os.replace(temporary, grpo_state_path(checkpoint_dir, process_index))
@@ -106,7 +110,8 @@ def publish_checkpoint(staged: str, final: str) -> None:
     _fsync_directory(os.path.dirname(final))
 
 
-def _capture_rng() -> dict[str, Any]:
+def capture_rng() -> dict[str, Any]:
+    """The Python, NumPy, torch CPU (and CUDA) generator states."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -126,7 +131,7 @@ class StepStart:
 
     step: int
     buffered_inputs: list | None
-    rng: dict[str, Any] = field(default_factory=_capture_rng)
+    rng: dict[str, Any] = field(default_factory=capture_rng)
 
     def restore_rng(self) -> None:
         """Put the generators back to where they were when this was captured."""
@@ -145,6 +150,13 @@ class CheckpointingMixin:
     """
 
     _saving_into_staging = False
+
+    def _resume_extras(self) -> dict:
+        """State of other concerns to save with each checkpoint; a mixin adds its own and calls `super()`."""
+        return {}
+
+    def _restore_resume_extras(self, extras: dict) -> None:
+        """Restore what `_resume_extras` saved (a mixin takes its own and calls `super()`)."""
 
     def _get_output_dir(self, trial) -> str:
         """Trainer's run folder; while a checkpoint is being written, its staging folder inside it."""
@@ -172,16 +184,20 @@ class CheckpointingMixin:
             self._saving_into_staging = False
         staged = os.path.join(staging_run_dir, folder)
         os.makedirs(staged, exist_ok=True)
-        save_grpo_state(staged, self.accelerator.process_index, self._step, self._buffered_inputs)
+        rank = self.accelerator.process_index
+        save_grpo_state(staged, rank, self._step, self._buffered_inputs, self._resume_extras())
+        best = self.state.best_model_checkpoint
+        if best and STAGING_DIR in best:
+            # Trainer named the best checkpoint by the folder it was writing: the staging one, renamed below.
+            self.state.best_model_checkpoint = best.replace(os.path.join(STAGING_DIR, ""), "")
+            state_file = os.path.join(staged, "trainer_state.json")
+            if self.args.should_save and os.path.isfile(state_file):
+                self.state.save_to_json(state_file)
         self.accelerator.wait_for_everyone()
         final = os.path.join(final_run_dir, folder)
         if self.args.should_save:
             publish_checkpoint(staged, final)
             shutil.rmtree(staging_run_dir, ignore_errors=True)
-            if self.state.best_model_checkpoint and STAGING_DIR in self.state.best_model_checkpoint:
-                self.state.best_model_checkpoint = self.state.best_model_checkpoint.replace(
-                    os.path.join(STAGING_DIR, ""), ""
-                )
             rotate_checkpoints(
                 output_dir=final_run_dir,
                 save_total_limit=self.args.save_total_limit,
@@ -200,3 +216,4 @@ class CheckpointingMixin:
             # Resume TRL's generation schedule where the checkpoint left it, with the completions it had buffered.
             self._step = state["step"]
             self._buffered_inputs = state["buffered_inputs"]
+            self._restore_resume_extras(state.get("extras", {}))

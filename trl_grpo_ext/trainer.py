@@ -43,7 +43,7 @@ __all__ = ["GRPOTrainerExt"]
 _TRL_PARAMETERS = list(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # without `self`
 
 
-class GRPOTrainerExt(ModelCardMixin, CheckpointingMixin, NonFiniteGuardMixin, EntropyBonusMixin, GRPOTrainer):
+class GRPOTrainerExt(ModelCardMixin, NonFiniteGuardMixin, CheckpointingMixin, EntropyBonusMixin, GRPOTrainer):
     """[`trl.GRPOTrainer`] whose loss is this package's: the documents' GRPO objective by default, every TRL option
     honoured.
 

@@ -33,7 +33,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from transformers.utils import logging
 
-from ..checkpointing import StepStart
+from ..checkpointing import StepStart, capture_rng
 
 __all__ = [
     "NONFINITE_POLICIES",
@@ -94,6 +94,14 @@ class NonFiniteGuard:
             return
         finite = torch.isfinite(loss.detach()).all()
         self._losses_finite = finite if self._losses_finite is None else self._losses_finite & finite
+
+    def state_dict(self) -> dict[str, int]:
+        """The counters a resumed run continues from."""
+        return {"skipped": self.skipped, "consecutive": self.consecutive}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skipped = int(state.get("skipped", 0))
+        self.consecutive = int(state.get("consecutive", 0))
 
     def pop_losses_finite(self) -> torch.Tensor | None:
         """The flag `record_loss` built since the last call (a 0-dim bool tensor, `None` if nothing was recorded)."""
@@ -161,13 +169,25 @@ class _StepStartCallback(TrainerCallback):
 
     def __init__(self, trainer):
         self.trainer = trainer
+        self.epoch_rng = None
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        # Before the epoch's data-loader iterator draws from the generators: a run resumed at the start of an epoch
+        # restores them before creating that iterator, so this is the state a checkpoint of the epoch's first step
+        # must hold. Later steps are resumed after their batches were drawn, as captured at their beginning.
+        self.epoch_rng = capture_rng()
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.trainer._step_start = StepStart(self.trainer._step, self.trainer._buffered_inputs)
+        trainer, rng, self.epoch_rng = self.trainer, self.epoch_rng, None
+        if rng is None:
+            trainer._step_start = StepStart(trainer._step, trainer._buffered_inputs)
+        else:
+            trainer._step_start = StepStart(trainer._step, trainer._buffered_inputs, rng=rng)
 
 
 class NonFiniteGuardMixin:
-    """The non-finite guard for a `GRPOTrainer` subclass (with `CheckpointingMixin`, for the checkpoint of a stop).
+    """The non-finite guard for a `GRPOTrainer` subclass, placed before `CheckpointingMixin` in its bases (which
+    writes the checkpoint of a stop and saves the guard's counters for a resume).
 
     Call `_init_nonfinite_guard` at the end of `__init__`.
     """
@@ -178,6 +198,14 @@ class NonFiniteGuardMixin:
         self._nonfinite_guard = NonFiniteGuard(policy, max_consecutive_skips)
         if policy != "off":
             self.add_callback(_StepStartCallback(self))
+
+    def _resume_extras(self) -> dict:
+        return {**super()._resume_extras(), "nonfinite_guard": self._nonfinite_guard.state_dict()}
+
+    def _restore_resume_extras(self, extras: dict) -> None:
+        super()._restore_resume_extras(extras)
+        if "nonfinite_guard" in extras:
+            self._nonfinite_guard.load_state_dict(extras["nonfinite_guard"])
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         loss = super().training_step(model, inputs, num_items_in_batch)
