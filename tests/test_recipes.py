@@ -117,6 +117,58 @@ def test_the_output_line_names_only_what_this_run_wrote(tmp_path):
     assert line.endswith("; no report.png: no training step was logged (the run was shorter than logging_steps=10)")
 
 
+def make_checkpoints(output_dir, *steps):
+    for step in steps:
+        (output_dir / f"checkpoint-{step}").mkdir(parents=True)
+        (output_dir / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    (output_dir / "_checkpoint-in-progress").mkdir()  # a checkpoint still being written is never picked
+
+
+# A flag's value is a string, a YAML key's a bool: both spellings of each.
+@pytest.mark.parametrize("value", [None, False, "", "false", "False", "FALSE", "no", "No", "0", "f", "n"])
+def test_resume_from_checkpoint_false_starts_fresh(tmp_path, value):
+    make_checkpoints(tmp_path, 2)
+    assert recipe.resolve_resume_from_checkpoint(value, str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("value", [True, "true", "True", "TRUE", "yes", "Yes", "1", "t", "y", "last"])
+def test_resume_from_checkpoint_true_picks_the_last_checkpoint(tmp_path, value):
+    make_checkpoints(tmp_path, 2, 10, 4)
+    assert recipe.resolve_resume_from_checkpoint(value, str(tmp_path)) == str(tmp_path / "checkpoint-10")
+
+
+def test_resume_from_checkpoint_path_is_that_checkpoint(tmp_path):
+    make_checkpoints(tmp_path, 2, 4)
+    path = str(tmp_path / "checkpoint-2")
+    assert recipe.resolve_resume_from_checkpoint(path, str(tmp_path / "elsewhere")) == path
+
+
+def test_resume_from_checkpoint_true_without_a_checkpoint_names_the_folder(tmp_path):
+    # As Trainer.train(resume_from_checkpoint=True) does: an error, not a fresh start; a missing folder too.
+    for output_dir in (tmp_path, tmp_path / "missing"):
+        with pytest.raises(ValueError, match=f"no checkpoint-<step> folder in output_dir '{output_dir}'"):
+            recipe.resolve_resume_from_checkpoint("true", str(output_dir))
+
+
+def test_resume_from_checkpoint_wrong_path_names_the_path(tmp_path):
+    missing = str(tmp_path / "checkpoint-7")
+    with pytest.raises(ValueError, match=f"no checkpoint folder at '{missing}'"):
+        recipe.resolve_resume_from_checkpoint(missing, str(tmp_path))
+    (tmp_path / "not-a-checkpoint").mkdir()
+    with pytest.raises(ValueError, match="not-a-checkpoint' is not a checkpoint folder"):
+        recipe.resolve_resume_from_checkpoint(str(tmp_path / "not-a-checkpoint"), str(tmp_path))
+
+
+def test_a_run_with_resume_from_checkpoint_false_starts_fresh(tmp_path):
+    output_dir = tmp_path / "fresh"
+    make_checkpoints(output_dir, 2)  # an earlier run's checkpoint, not resumed from
+    run_recipe(
+        demo_args(output_dir, "--resume_from_checkpoint", "false", "--max_steps", "1", "--eval_samples", "0")
+        + ["--per_device_train_batch_size", "8", "--save_strategy", "no", "--report_to", "none"]
+    )
+    assert (output_dir / "adapter_model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("config", ACCELERATE_CONFIGS, ids=os.path.basename)
 def test_accelerate_configs_load(config):
     from accelerate.commands.config.config_args import load_config_from_file

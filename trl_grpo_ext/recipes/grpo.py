@@ -7,7 +7,8 @@
 (`python recipes/grpo.py ...` in a clone of the repository runs this script too.) Every field of the script
 arguments below, of `GRPOConfigExt` and of `trl.ModelConfig` is a YAML key and a `--flag`; flags override the
 YAML. The output folder ends up holding the model (or LoRA adapter) and tokenizer, TensorBoard logs, `report.png`
-(once a training step was logged) and a model card, ready for `push_to_hub`.
+(once a training step was logged) and a model card, ready for `push_to_hub`. `--resume_from_checkpoint true`
+resumes from the last checkpoint in the output folder, a path from that checkpoint; false (or unset) starts fresh.
 """
 
 from __future__ import annotations
@@ -105,6 +106,55 @@ def output_summary(output_dir: str, since: float, logged: bool, logging_steps: f
     return line
 
 
+def resolve_resume_from_checkpoint(value: str | bool | None, output_dir: str) -> str | None:
+    """The checkpoint folder that `resume_from_checkpoint` names, or None to start fresh.
+
+    A flag's value arrives as a string and a YAML key's as a bool. The words that transformers' argument parser reads
+    as booleans (true/false, yes/no, t/f, y/n, 1/0, any case) mean what `Trainer.train(resume_from_checkpoint=...)`
+    makes of a bool: false starts fresh, true resumes from the last `checkpoint-<step>` folder in `output_dir`.
+    "last" means true as well; an empty value or None, false. Anything else is a checkpoint folder's path.
+
+    Raises:
+        ValueError: true with no checkpoint in `output_dir` (as `Trainer.train` does), or a path that is not a
+            checkpoint folder; both name the folder.
+    """
+    from argparse import ArgumentTypeError
+
+    from transformers.hf_argparser import string_to_bool
+    from transformers.trainer import TRAINER_STATE_NAME
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if isinstance(value, str):
+        word = value.strip()
+        if word.lower() == "last":
+            value = True
+        elif not word:
+            value = None
+        else:
+            try:
+                value = string_to_bool(word)
+            except ArgumentTypeError:
+                value = word
+    if value is None or value is False:
+        return None
+    if value is True:
+        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        if last is None:
+            raise ValueError(
+                f"resume_from_checkpoint=true: no checkpoint-<step> folder in output_dir {output_dir!r} to resume "
+                "from. Pass a checkpoint folder's path, or `--resume_from_checkpoint false` to start fresh."
+            )
+        return last
+    if not os.path.isdir(value):
+        raise ValueError(f"resume_from_checkpoint: there is no checkpoint folder at {value!r}.")
+    if not os.path.isfile(os.path.join(value, TRAINER_STATE_NAME)):
+        raise ValueError(
+            f"resume_from_checkpoint: {value!r} is not a checkpoint folder (it has no {TRAINER_STATE_NAME}). Pass "
+            "a checkpoint-<step> folder, or `--resume_from_checkpoint true` for the last one in output_dir."
+        )
+    return value
+
+
 DESCRIPTION = "Train with GRPO (GRPOTrainerExt) from a YAML config and flags; every config field is a flag."
 USAGE = "%(prog)s --config <yaml> [--field value ...]"
 
@@ -143,6 +193,8 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
         torch.set_num_threads(script_args.num_threads)
     if model_args.model_name_or_path is None:
         raise ValueError("Set `model_name_or_path` (a local folder or a Hub model id).")
+    # Before anything loads, so that a wrong value fails at once.
+    resume = resolve_resume_from_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     dataset = load_recipe_dataset(
         script_args.dataset_name,
         script_args.dataset_config,
@@ -198,9 +250,6 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
     # Sharded weights: every process takes part in each generation (same prompts, same seed); the main one reports.
     evaluating = script_args.eval_samples > 0 and (sharded or trainer.accelerator.is_main_process)
     before = evaluate() if evaluating else {}
-    resume = training_args.resume_from_checkpoint
-    if isinstance(resume, str) and resume.lower() in ("true", "last"):
-        resume = True
     trainer.train(resume_from_checkpoint=resume)
     after = evaluate() if evaluating else {}
 
