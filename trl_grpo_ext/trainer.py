@@ -32,6 +32,7 @@ from .diagnostics import DiagnosticsAccumulator
 from .diagnostics.loggers import write_histograms
 from .diagnostics.mismatch import sampler_mismatch
 from .guardrails import AnomalyMonitor, GuardedAsyncReward, GuardedReward, NonFiniteGuardMixin
+from .launch import check_launch
 from .model_card import ModelCardMixin
 from .objective_inputs import EntropyBonusMixin, fused_kernel_problems, gather_objective_inputs
 from .ops import LOSS_TYPES, hyperparameter_problems, policy_objective
@@ -83,6 +84,7 @@ class GRPOTrainerExt(ModelCardMixin, NonFiniteGuardMixin, CheckpointingMixin, En
         _check_train_dataset(kwargs.get("train_dataset"), kwargs.get("environment_factory"))
         seed_before_model_init(args)
         super().__init__(model, _guard_reward_funcs(reward_funcs), args=args, **kwargs)
+        check_launch(self.accelerator)  # processes that a launcher started but accelerate runs apart
 
         def option(name):  # a plain trl.GRPOConfig has none of the extra fields: GRPOConfigExt's defaults then
             return getattr(args, name, GRPOConfigExt.__dataclass_fields__[name].default)
