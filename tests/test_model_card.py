@@ -2,12 +2,14 @@
 
 import re
 
+import pytest
 import yaml
 from matplotlib.collections import PolyCollection
 from transformers.trainer_utils import SchedulerType
 from transformers.training_args import OptimizerNames
+from trl import GRPOConfig
 
-from trl_grpo_ext import GRPOConfigExt
+from trl_grpo_ext import GRPOConfigExt, model_card
 from trl_grpo_ext.model_card import CARD_CONFIG_FIELDS, build_model_card, final_metrics
 from trl_grpo_ext.report import build_report_figure, plot_training_report
 
@@ -124,3 +126,93 @@ def test_the_report_says_which_panels_were_not_logged():
     by_title = {ax.get_title(): ax for ax in figure.axes if ax.get_title()}
     assert [text.get_text() for text in by_title["reward spread: std inside each group"].texts] == ["not logged"]
     assert by_title["reward"].has_data() and not by_title["reward"].texts
+
+
+# The source documents' objective, as the card of GRPOConfigExt's defaults has always written it.
+DOCUMENTS_OBJECTIVE = """```
+r_it = exp(logp_it - old_logp_it)
+S_it = min(r_it * A_i, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i)
+K_it = exp(ref_logp_it - logp_it) - (ref_logp_it - logp_it) - 1
+loss = -(1/G) * sum_i (1/|o_i|) * sum_t (S_it - beta * K_it),   A_i = (R_i - mean_group R) / (std_group R + 1e-4)
+```"""
+
+
+def objective_section(text: str) -> str:
+    return text.split("## Objective")[1].split("## Training configuration")[0]
+
+
+def config_card(args, **overrides) -> str:
+    """The card as `create_model_card` builds it for `args`: the configuration table and the objective's options."""
+    return card(
+        config={key: getattr(args, key) for key in CARD_CONFIG_FIELDS},
+        objective=model_card.objective_options(args),
+        **overrides,
+    )
+
+
+def test_the_card_of_trl_defaults_states_dapo_aggregation_over_the_window_and_no_kl(tmp_path):
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)  # loss_type="dapo", beta=0.0
+    text = card(config={key: getattr(args, key) for key in CARD_CONFIG_FIELDS})  # what the card was given
+    objective = objective_section(text)
+    assert "loss = -(1/D) * sum_i sum_t S_it,   A_i = (R_i - mean_group R) / (std_group R + 1e-4)" in objective
+    assert "D = sum_i |o_i| over the gradient-accumulation window" in objective
+    assert "K_it" not in objective and "beta" not in objective and "(1/|o_i|)" not in objective
+    assert "DeepSeekMath" not in text and "the `dapo` objective of TRL" in text
+    assert objective_section(config_card(args)) == objective
+
+
+def test_a_cispo_card_names_cispo_term():
+    objective = objective_section(card(config={"loss_type": "cispo", "beta": 0.0}))
+    assert "S_it = sg(min(r_it, eps_high)) * A_i * logp_it" in objective and "CISPO" in objective
+    assert "clip(" not in objective and "loss = -(1/D) * sum_i sum_t S_it," in objective
+
+
+def test_a_bias_corrected_kl_is_multiplied_by_the_ratio(tmp_path):
+    objective = objective_section(card(config={"beta": 0.04, "use_bias_correction_kl": True}))
+    assert "K_it = (exp(ref_logp_it - logp_it) - (ref_logp_it - logp_it) - 1) * r_it" in objective
+    assert "sum_t (S_it - beta * K_it)" in objective
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, beta=0.04)  # use_bias_correction_kl=True
+    assert objective_section(config_card(args)).count("* r_it") == 1
+    # Without the KL term there is nothing to correct.
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+    assert "K_it" not in objective_section(config_card(args))
+
+
+def test_the_documents_card_keeps_the_documents_objective(tmp_path):
+    args = GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+    assert model_card.objective_formula(model_card.objective_options(args)) == DOCUMENTS_OBJECTIVE
+    text = config_card(args)
+    assert DOCUMENTS_OBJECTIVE in objective_section(text) and "whose loss is the DeepSeekMath objective" in text
+    assert DOCUMENTS_OBJECTIVE in objective_section(card())  # no options given: GRPOConfigExt's defaults
+
+
+@pytest.mark.parametrize(
+    "options, pieces",
+    [
+        (
+            {"importance_sampling_level": "sequence", "loss_type": "luspo", "beta": 0.0},
+            ["r_it = exp((1/|o_i|) * sum_s (logp_is - old_logp_is))", "loss = -(1/G) * sum_i sum_t S_it,"],
+        ),
+        ({"delta": 4.0}, ["S_it = min(min(r_it, delta) * A_i, clip(", "delta = 4 (two-sided clipping)"]),
+        (
+            {"top_entropy_quantile": 0.2, "entropy_coef": 0.01, "beta": 0.0},
+            ["sum_t (w_it * S_it) - c * H,", "w_it = h_it", "top 0.2 fraction", "c = entropy_coef = 0.01"],
+        ),
+        ({"use_adaptive_entropy": True}, ["- c * H,", "adapted each optimizer step towards entropy_target"]),
+        (
+            {"off_policy_mask_threshold": 0.5, "use_vllm": True, "vllm_importance_sampling_correction": True},
+            ["sum_t (w_it * S_it - beta * K_it)", "w_it = m_i * rho_it", "> 0.5 (off_policy_mask_threshold)"],
+        ),
+        ({"scale_rewards": "batch"}, ["A_i = (R_i - mean_group R) / (std_batch R + 1e-4)"]),
+        ({"scale_rewards": "none"}, ["A_i = R_i - mean_group R\n"]),
+        ({"loss_type": "bnpo"}, ["loss = -(1/T) * sum_i sum_t (S_it - beta * K_it),", "T = sum_i |o_i|"]),
+        ({"loss_type": "dr_grpo"}, ["loss = -(1/D) * sum_i sum_t", "D = G * max_completion_length"]),
+        ({"loss_type": "sapo"}, ["sigmoid(tau_i * (r_it - 1)) * A_i", "loss = -(1/G) * sum_i (1/|o_i|) * sum_t"]),
+        ({"loss_type": "vespo", "beta": 0.0}, ["S_it = sg(phi_i) * A_i * logp_it", "w_i = exp(sum_t"]),
+    ],
+)
+def test_each_option_shows_in_the_objective(options, pieces):
+    objective = objective_section(card(config={}, objective=options))
+    for piece in pieces:
+        assert piece in objective, (piece, objective)
+    assert objective.strip() != DOCUMENTS_OBJECTIVE
