@@ -14,8 +14,9 @@ from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 
 from huggingface_hub import ModelCardData
+from transformers import is_wandb_available
 from transformers.utils import logging
-from trl.trainer.utils import get_config_model_id
+from trl.trainer.utils import get_comet_experiment_url, get_config_model_id, get_trackio_space_url
 
 from .config import GRPOConfigExt
 from .ops.loss_types import loss_type_record
@@ -25,6 +26,7 @@ __all__ = [
     "final_metrics",
     "objective_formula",
     "objective_options",
+    "run_urls",
     "CARD_CONFIG_FIELDS",
     "CARD_METRICS",
     "OBJECTIVE_FIELDS",
@@ -281,6 +283,18 @@ def final_metrics(log_history: list[dict], keys: tuple[str, ...] = CARD_METRICS)
     return metrics
 
 
+def run_urls() -> dict[str, str | None]:
+    """The links of the experiment-tracking runs in progress, found as TRL's own card finds them: `wandb.run.url`,
+    and TRL's `get_trackio_space_url` and `get_comet_experiment_url`; `None` for a tracker without a run."""
+    wandb_url = None
+    if is_wandb_available():
+        import wandb
+
+        if wandb.run is not None:
+            wandb_url = wandb.run.url
+    return {"wandb_url": wandb_url, "trackio_url": get_trackio_space_url(), "comet_url": get_comet_experiment_url()}
+
+
 def _is_hub_id(name: str | None) -> bool:
     """`owner/name` that is not a local path."""
     return bool(name) and name.count("/") == 1 and not os.path.exists(name)
@@ -322,22 +336,29 @@ def build_model_card(
     report_image: str | None = "report.png",
     lora: dict | None = None,
     objective: Mapping | None = None,
+    wandb_url: str | None = None,
+    trackio_url: str | None = None,
+    comet_url: str | None = None,
 ) -> str:
-    """A model card with YAML front matter (`library_name`, `base_model` where known, `tags`), the objective, the
-    training configuration, the final metrics, the report image and a usage snippet.
+    """A model card with YAML front matter (`library_name`, `base_model` where known, `model_name`, `datasets`,
+    `tags`), the objective, the training configuration, the final metrics, the report image, the links of the
+    tracked runs and a usage snippet.
 
     Args:
-        model_name: title of the card.
+        model_name: title of the card, and `model_name` of its front matter (as TRL writes it).
         base_model: Hub id of the base model, or `None` (a local path is not a Hub id and is left out).
         is_adapter: a PEFT adapter (`library_name: peft`, tag `lora`) rather than a full model.
         config: training configuration fields to list (see `CARD_CONFIG_FIELDS`).
         metrics: final training metrics (see `final_metrics`).
         extra_metrics: more rows for the metrics table, e.g. held-out accuracy before and after training.
-        tags, dataset_name, hub_model_id: card metadata.
+        tags, hub_model_id: card metadata.
+        dataset_name: the training set, written to the front matter's `datasets` as TRL writes it (a Hub id or not);
+            linked to the Hub when it is a Hub id.
         report_image: relative path of the training report image, or `None`.
         lora: LoRA settings to list (rank, alpha, target modules).
         objective: the options of the objective that ran (`objective_options(args)`, see `objective_formula`); by
             default the `OBJECTIVE_FIELDS` among `config`'s keys, and `GRPOConfigExt`'s defaults for the others.
+        wandb_url, trackio_url, comet_url: links of the Weights & Biases, Trackio and Comet runs (`run_urls()`).
     """
     objective = _resolve_options(config if objective is None else objective)
     formula = objective_formula(objective)
@@ -350,9 +371,15 @@ def build_model_card(
         library_name="peft" if is_adapter else "transformers",
         base_model=base_model,
         tags=list(dict.fromkeys(all_tags)),
-        datasets=[dataset_name] if _is_hub_id(dataset_name) else None,
+        datasets=dataset_name,
+        model_name=model_name,
         pipeline_tag="text-generation",
     )
+    datasets = [dataset_name] if isinstance(dataset_name, str) else list(dataset_name or [])
+    names = [
+        f"[{name}](https://huggingface.co/datasets/{name})" if _is_hub_id(name) else f"`{name}`" for name in datasets
+    ]
+    on = f" on the {', '.join(names)} dataset{'s' if len(names) > 1 else ''}" if names else ""
     repo = hub_model_id or model_name
     what = "a LoRA adapter for" if is_adapter else "a fine-tune of"
     base = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a locally built base model"
@@ -363,7 +390,7 @@ def build_model_card(
         "",
         f"# {model_name}",
         "",
-        f"This model is {what} {base}, trained with GRPO (group relative policy optimisation) by the "
+        f"This model is {what} {base}{on}, trained with GRPO (group relative policy optimisation) by the "
         f"`GRPOTrainerExt` of `trl_grpo_ext`: a TRL `GRPOTrainer` whose loss is {loss}.",
         "",
         "## Objective",
@@ -382,13 +409,17 @@ def build_model_card(
         lines += [f"| `lora_{key}` | {_format(value)} |" for key, value in lora.items() if value is not None]
     lines += ["", "## Final metrics", "", "| metric | value |", "| --- | --- |"]
     lines += [f"| `{key}` | {_format(value)} |" for key, value in {**metrics, **(extra_metrics or {})}.items()]
+    runs = [
+        f"- [Visualize in {tracker}]({url})"
+        for tracker, url in (("Weights & Biases", wandb_url), ("Trackio", trackio_url), ("Comet", comet_url))
+        if url
+    ]
+    if report_image or runs:
+        lines += ["", "## Training report"]
     if report_image:
-        lines += [
-            "",
-            "## Training report",
-            "",
-            f"![Training curves: reward, reward spread, KL, clip fraction, ratio, loss]({report_image})",
-        ]
+        lines += ["", f"![Training curves: reward, reward spread, KL, clip fraction, ratio, loss]({report_image})"]
+    if runs:
+        lines += ["", *runs]
     lines += ["", "## Usage", "", "```python"]
     if is_adapter:
         lines += [
@@ -435,8 +466,10 @@ class ModelCardMixin:
         """Write `README.md` (a Hub model card) and `report.png` (training curves) into `args.output_dir`.
 
         Called by `Trainer.push_to_hub` and at every checkpoint, like TRL's own card, which it replaces: front matter
-        with `library_name`, `base_model` (when it is a Hub id), tags (`trl`, `grpo`, `trl_grpo_ext`, and `lora` for
-        adapters); the objective; the training configuration; the final metrics; the report image; usage.
+        with `library_name`, `base_model` (when it is a Hub id), `model_name` and `datasets` (as TRL writes them),
+        tags (`trl`, `grpo`, `trl_grpo_ext`, and `lora` for adapters); the objective that runs; the training
+        configuration; the final metrics; the report image and the links of the W&B, Trackio and Comet runs that
+        TRL's card links; usage.
         """
         if not self.is_world_process_zero():
             return
@@ -482,6 +515,7 @@ class ModelCardMixin:
             report_image="report.png" if report else None,
             lora=lora,
             objective=objective_options(self.args),
+            **run_urls(),
         )
         with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as handle:
             handle.write(card)
