@@ -221,7 +221,8 @@ def _advantage_lines(options: Mapping) -> tuple[str, list[str]]:
             "R'_i = sum_k reward_weight_k * (R_ik - mean_group R_k) / (std_group R_k + 1e-4)   (k: reward function)"
         ]
     scale = options["scale_rewards"]
-    scale = {True: "group", False: "none"}.get(scale, scale) if isinstance(scale, bool) else scale
+    if isinstance(scale, bool):  # as `GRPOConfig.__post_init__` reads it
+        scale = "group" if scale else "none"
     if scale not in _ADVANTAGES:
         raise ValueError(f"No formula for scale_rewards={scale!r}.")
     return _ADVANTAGES[scale], []
