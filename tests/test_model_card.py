@@ -1,13 +1,20 @@
 """The model card and the training report image."""
 
 import re
+import sys
+from types import SimpleNamespace
 
+import pytest
+import trl.trainer.utils as trl_utils
 import yaml
+from helpers import count_a_reward, tiny_grpo_args
 from matplotlib.collections import PolyCollection
 from transformers.trainer_utils import SchedulerType
 from transformers.training_args import OptimizerNames
+from trl import GRPOConfig
+from trl.trainer.utils import generate_model_card
 
-from trl_grpo_ext import GRPOConfigExt
+from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt, model_card
 from trl_grpo_ext.model_card import CARD_CONFIG_FIELDS, build_model_card, final_metrics
 from trl_grpo_ext.report import build_report_figure, plot_training_report
 
@@ -49,7 +56,7 @@ def test_adapter_card_front_matter_and_sections():
     front = yaml.safe_load(text.split("---")[1])
     assert front["library_name"] == "peft" and front["base_model"] == "Qwen/Qwen2.5-0.5B-Instruct"
     assert front["tags"][:4] == ["trl", "grpo", "trl_grpo_ext", "lora"]
-    assert front["datasets"] == ["openai/gsm8k"]
+    assert front["datasets"] == "openai/gsm8k" and front["model_name"] == "m"
     for piece in (
         "## Objective",
         "| `beta` | 0.04 |",
@@ -66,7 +73,7 @@ def test_full_model_card_without_hub_base_model(tmp_path):
     local.mkdir()
     front = yaml.safe_load(card(is_adapter=False, base_model=None, lora=None, dataset_name=str(local)).split("---")[1])
     assert front["library_name"] == "transformers"
-    assert "base_model" not in front and "datasets" not in front and "lora" not in front["tags"]
+    assert "base_model" not in front and "lora" not in front["tags"]
 
 
 def test_report_needs_training_entries_and_writes_a_png(tmp_path):
@@ -124,3 +131,182 @@ def test_the_report_says_which_panels_were_not_logged():
     by_title = {ax.get_title(): ax for ax in figure.axes if ax.get_title()}
     assert [text.get_text() for text in by_title["reward spread: std inside each group"].texts] == ["not logged"]
     assert by_title["reward"].has_data() and not by_title["reward"].texts
+
+
+# The source documents' objective, as the card of GRPOConfigExt's defaults has always written it.
+DOCUMENTS_OBJECTIVE = """```
+r_it = exp(logp_it - old_logp_it)
+S_it = min(r_it * A_i, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i)
+K_it = exp(ref_logp_it - logp_it) - (ref_logp_it - logp_it) - 1
+loss = -(1/G) * sum_i (1/|o_i|) * sum_t (S_it - beta * K_it),   A_i = (R_i - mean_group R) / (std_group R + 1e-4)
+```"""
+
+
+def objective_section(text: str) -> str:
+    return text.split("## Objective")[1].split("## Training configuration")[0]
+
+
+def config_card(args, **overrides) -> str:
+    """The card as `create_model_card` builds it for `args`: the configuration table and the objective's options."""
+    return card(
+        config={key: getattr(args, key) for key in CARD_CONFIG_FIELDS},
+        objective=model_card.objective_options(args),
+        **overrides,
+    )
+
+
+def test_the_card_of_trl_defaults_states_dapo_aggregation_over_the_window_and_no_kl(tmp_path):
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)  # loss_type="dapo", beta=0.0
+    text = card(config={key: getattr(args, key) for key in CARD_CONFIG_FIELDS})  # what the card was given
+    objective = objective_section(text)
+    assert "loss = -(1/D) * sum_i sum_t S_it,   A_i = (R_i - mean_group R) / (std_group R + 1e-4)" in objective
+    assert "D = sum_i |o_i| over the gradient-accumulation window" in objective
+    assert "K_it" not in objective and "beta" not in objective and "(1/|o_i|)" not in objective
+    assert "DeepSeekMath" not in text and "the `dapo` objective of TRL" in text
+    assert objective_section(config_card(args)) == objective
+
+
+def test_a_cispo_card_names_cispo_term():
+    objective = objective_section(card(config={"loss_type": "cispo", "beta": 0.0}))
+    assert "S_it = sg(min(r_it, eps_high)) * A_i * logp_it" in objective and "CISPO" in objective
+    assert "clip(" not in objective and "loss = -(1/D) * sum_i sum_t S_it," in objective
+
+
+def test_a_bias_corrected_kl_is_multiplied_by_the_ratio(tmp_path):
+    objective = objective_section(card(config={"beta": 0.04, "use_bias_correction_kl": True}))
+    assert "K_it = (exp(ref_logp_it - logp_it) - (ref_logp_it - logp_it) - 1) * r_it" in objective
+    assert "sum_t (S_it - beta * K_it)" in objective
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, beta=0.04)  # use_bias_correction_kl=True
+    assert objective_section(config_card(args)).count("* r_it") == 1
+    # Without the KL term there is nothing to correct.
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+    assert "K_it" not in objective_section(config_card(args))
+
+
+def test_the_documents_card_keeps_the_documents_objective(tmp_path):
+    args = GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+    assert model_card.objective_formula(model_card.objective_options(args)) == DOCUMENTS_OBJECTIVE
+    text = config_card(args)
+    assert DOCUMENTS_OBJECTIVE in objective_section(text) and "whose loss is the DeepSeekMath objective" in text
+    assert DOCUMENTS_OBJECTIVE in objective_section(card())  # no options given: GRPOConfigExt's defaults
+
+
+@pytest.mark.parametrize(
+    "options, pieces",
+    [
+        (
+            {"importance_sampling_level": "sequence", "loss_type": "luspo", "beta": 0.0},
+            ["r_it = exp((1/|o_i|) * sum_s (logp_is - old_logp_is))", "loss = -(1/G) * sum_i sum_t S_it,"],
+        ),
+        ({"delta": 4.0}, ["S_it = min(min(r_it, delta) * A_i, clip(", "delta = 4 (two-sided clipping)"]),
+        (
+            {"top_entropy_quantile": 0.2, "entropy_coef": 0.01, "beta": 0.0},
+            ["sum_t (w_it * S_it) - c * H,", "w_it = h_it", "top 0.2 fraction", "c = entropy_coef = 0.01"],
+        ),
+        ({"use_adaptive_entropy": True}, ["- c * H,", "adapted each optimizer step towards entropy_target"]),
+        (
+            {"off_policy_mask_threshold": 0.5, "use_vllm": True, "vllm_importance_sampling_correction": True},
+            ["sum_t (w_it * S_it - beta * K_it)", "w_it = m_i * rho_it", "> 0.5 (off_policy_mask_threshold)"],
+        ),
+        ({"scale_rewards": "batch"}, ["A_i = (R_i - mean_group R) / (std_batch R + 1e-4)"]),
+        ({"scale_rewards": "none"}, ["A_i = R_i - mean_group R\n"]),
+        ({"scale_rewards": False}, ["A_i = R_i - mean_group R\n"]),
+        ({"loss_type": "bnpo"}, ["loss = -(1/T) * sum_i sum_t (S_it - beta * K_it),", "T = sum_i |o_i|"]),
+        ({"loss_type": "dr_grpo"}, ["loss = -(1/D) * sum_i sum_t", "D = G * max_completion_length"]),
+        ({"loss_type": "sapo"}, ["sigmoid(tau_i * (r_it - 1)) * A_i", "loss = -(1/G) * sum_i (1/|o_i|) * sum_t"]),
+        ({"loss_type": "vespo", "beta": 0.0}, ["S_it = sg(phi_i) * A_i * logp_it", "w_i = exp(sum_t"]),
+    ],
+)
+def test_each_option_shows_in_the_objective(options, pieces):
+    objective = objective_section(card(config={}, objective=options))
+    for piece in pieces:
+        assert piece in objective, (piece, objective)
+    assert DOCUMENTS_OBJECTIVE not in objective
+
+
+def front_matter(text: str) -> dict:
+    return yaml.safe_load(text.split("---")[1])
+
+
+def trl_front_matter(model_name, dataset_name) -> dict:
+    """The front matter of stock TRL's card (`trl.trainer.utils.generate_model_card`, as `GRPOTrainer` calls it)."""
+    trl_card = generate_model_card(
+        base_model="Qwen/Qwen2.5-0.5B-Instruct",
+        model_name=model_name,
+        hub_model_id=model_name,
+        dataset_name=dataset_name,
+        tags=["trl", "grpo"],
+        wandb_url=None,
+        trackio_url=None,
+        trainer_name="GRPO",
+    )
+    return trl_card.data.to_dict()
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_model_name_and_dataset_are_written_as_trl_writes_them(tmp_path, local):
+    dataset_name = str(tmp_path / "my_prompts.jsonl") if local else "openai/gsm8k"
+    if local:
+        (tmp_path / "my_prompts.jsonl").write_text("{}\n")
+    text = card(model_name="tiny-grpo", dataset_name=dataset_name)
+    ours, trl_front = front_matter(text), trl_front_matter("tiny-grpo", dataset_name)
+    assert ours["model_name"] == trl_front["model_name"] == "tiny-grpo"
+    assert ours["datasets"] == trl_front["datasets"] == dataset_name
+    if local:  # named, not linked to a Hub page that does not exist
+        assert f"on the `{dataset_name}` dataset" in text and "huggingface.co/datasets" not in text
+    else:
+        assert "on the [openai/gsm8k](https://huggingface.co/datasets/openai/gsm8k) dataset" in text
+
+
+WANDB_URL = "https://wandb.ai/me/grpo/runs/abc123"
+TRACKIO_URL = "https://me-trackio.hf.space?project=grpo&runs=run-1&sidebar=collapsed"
+COMET_URL = "https://www.comet.com/me/grpo/0123456789"
+
+
+def fake_active_runs(monkeypatch):
+    """A W&B, a Trackio and a Comet run in progress, as the checks that TRL's card makes see them (offline)."""
+    # W&B as TRL's card checks it: transformers' `is_wandb_available()`, then `wandb.run.url`.
+    monkeypatch.setattr(model_card, "is_wandb_available", lambda: True, raising=False)
+    monkeypatch.setitem(sys.modules, "wandb", SimpleNamespace(run=SimpleNamespace(url=WANDB_URL)))
+    run = SimpleNamespace(_space_id="me/trackio", project="grpo", name="run-1")
+    monkeypatch.setattr(trl_utils, "is_trackio_available", lambda: True)
+    context_vars = SimpleNamespace(current_run=SimpleNamespace(get=lambda: run))
+    monkeypatch.setitem(sys.modules, "trackio", SimpleNamespace(context_vars=context_vars))
+    monkeypatch.setattr(trl_utils, "is_comet_available", lambda: True)
+    comet_ml = SimpleNamespace(get_running_experiment=lambda: SimpleNamespace(url=COMET_URL))
+    monkeypatch.setattr(trl_utils, "comet_ml", comet_ml, raising=False)
+
+
+def test_the_card_links_the_active_wandb_trackio_and_comet_runs(monkeypatch):
+    assert model_card.run_urls() == {"wandb_url": None, "trackio_url": None, "comet_url": None}  # none installed
+    fake_active_runs(monkeypatch)
+    urls = model_card.run_urls()
+    assert urls == {"wandb_url": WANDB_URL, "trackio_url": TRACKIO_URL, "comet_url": COMET_URL}
+    text = card(**urls)
+    for tracker, url in (("Weights & Biases", WANDB_URL), ("Trackio", TRACKIO_URL), ("Comet", COMET_URL)):
+        assert f"[Visualize in {tracker}]({url})" in text
+    assert "Visualize in" not in card(report_image=None)
+
+
+def test_a_trainer_with_trl_defaults_writes_its_objective_name_dataset_and_run_link(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, monkeypatch, tmp_path
+):
+    args = GRPOConfig(**tiny_grpo_args(tmp_path))  # TRL's defaults: loss_type="dapo", beta=0.0
+    trainer = GRPOTrainerExt(
+        model=tiny_model_path,
+        reward_funcs=count_a_reward,
+        args=args,
+        train_dataset=prompt_dataset,
+        processing_class=tiny_tokenizer,
+    )
+    fake_active_runs(monkeypatch)
+    local_dataset = str(tmp_path)  # a folder: not a Hub id
+    trainer.create_model_card(model_name="tiny-grpo", dataset_name=local_dataset)
+    text = (tmp_path / "README.md").read_text()
+    objective = objective_section(text)
+    assert "loss = -(1/D) * sum_i sum_t S_it," in objective and "K_it" not in objective
+    front = front_matter(text)
+    assert front["model_name"] == "tiny-grpo" and front["datasets"] == local_dataset
+    assert {"trl", "grpo", "trl_grpo_ext"} <= set(front["tags"])
+    assert f"[Visualize in Weights & Biases]({WANDB_URL})" in text
+    assert f"[Visualize in Trackio]({TRACKIO_URL})" in text

@@ -1,7 +1,8 @@
 """The model card (`README.md`) that a training run leaves in its output folder, ready for the Hugging Face Hub.
 
 `build_model_card` writes the text; `ModelCardMixin.create_model_card` (Trainer's hook) gathers what it needs from a
-trainer and also draws `report.png`.
+trainer and also draws `report.png`. The card's objective is the one that ran (`objective_formula`): the loss type's
+policy term and aggregation (`ops.loss_types`) and the options that change it.
 """
 
 from __future__ import annotations
@@ -9,13 +10,28 @@ from __future__ import annotations
 import enum
 import math
 import os
+from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 
 from huggingface_hub import ModelCardData
+from transformers import is_wandb_available
 from transformers.utils import logging
-from trl.trainer.utils import get_config_model_id
+from trl.trainer.utils import get_comet_experiment_url, get_config_model_id, get_trackio_space_url
 
-__all__ = ["build_model_card", "final_metrics", "CARD_CONFIG_FIELDS", "CARD_METRICS", "ModelCardMixin"]
+from .config import GRPOConfigExt
+from .ops.loss_types import loss_type_record
+
+__all__ = [
+    "build_model_card",
+    "final_metrics",
+    "objective_formula",
+    "objective_options",
+    "run_urls",
+    "CARD_CONFIG_FIELDS",
+    "CARD_METRICS",
+    "OBJECTIVE_FIELDS",
+    "ModelCardMixin",
+]
 
 logger = logging.get_logger(__name__)
 
@@ -51,12 +67,208 @@ CARD_METRICS = (
     "loss",
 )
 
+#: The configuration fields that decide the objective a run trains (`objective_options`, `objective_formula`).
+OBJECTIVE_FIELDS = (
+    "loss_type",
+    "beta",
+    "use_bias_correction_kl",
+    "importance_sampling_level",
+    "delta",
+    "sapo_temperature_pos",
+    "sapo_temperature_neg",
+    "scale_rewards",
+    "multi_objective_aggregation",
+    "top_entropy_quantile",
+    "off_policy_mask_threshold",
+    "use_vllm",
+    "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode",
+    "entropy_coef",
+    "use_adaptive_entropy",
+)
+
+#: The documents' objective: the formula block of `GRPOConfigExt`'s defaults.
 OBJECTIVE = r"""```
 r_it = exp(logp_it - old_logp_it)
 S_it = min(r_it * A_i, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i)
 K_it = exp(ref_logp_it - logp_it) - (ref_logp_it - logp_it) - 1
 loss = -(1/G) * sum_i (1/|o_i|) * sum_t (S_it - beta * K_it),   A_i = (R_i - mean_group R) / (std_group R + 1e-4)
 ```"""
+
+_KL_ESTIMATOR = "exp(ref_logp_it - logp_it) - (ref_logp_it - logp_it) - 1"
+_ADVANTAGES = {
+    "group": "A_i = (R_i - mean_group R) / (std_group R + 1e-4)",
+    "batch": "A_i = (R_i - mean_group R) / (std_batch R + 1e-4)",
+    "none": "A_i = R_i - mean_group R",
+}
+# `sum_i c_i * sum_t X_it` of each aggregation (`ops.terms.AGGREGATIONS`), before the sign.
+_AGGREGATIONS = {
+    "sequence_mean": "(1/G) * sum_i (1/|o_i|) * sum_t",
+    "token_mean": "(1/T) * sum_i sum_t",
+    "sum_over_denominator": "(1/D) * sum_i sum_t",
+    "sequence_sum": "(1/G) * sum_i sum_t",
+}
+_DIVISORS = {
+    "window_tokens": "D = sum_i |o_i| over the gradient-accumulation window (i: every completion of the window)",
+    "rows_times_max_length": "D = G * max_completion_length",
+}
+
+
+def _default_options() -> dict:
+    return {name: GRPOConfigExt.__dataclass_fields__[name].default for name in OBJECTIVE_FIELDS}
+
+
+def _resolve_options(options: Mapping | None) -> dict:
+    """Every `OBJECTIVE_FIELDS` entry: those of `options` (other keys ignored), `GRPOConfigExt`'s for the rest."""
+    given = {key: value for key, value in (options or {}).items() if key in OBJECTIVE_FIELDS}
+    return {**_default_options(), **given}
+
+
+def objective_options(args) -> dict:
+    """The `OBJECTIVE_FIELDS` of a configuration (`trl.GRPOConfig` or `GRPOConfigExt`); a field that `args` lacks
+    takes `GRPOConfigExt`'s default."""
+    defaults = _default_options()
+    return {name: getattr(args, name, defaults[name]) for name in OBJECTIVE_FIELDS}
+
+
+def _policy_term_lines(policy_term: str, options: Mapping) -> list[str]:
+    """`S_it`, the per-token term the loss maximises (`-P` of `ops.terms`), and what it is built from."""
+    if policy_term == "clipped":
+        unclipped = "r_it * A_i" if options["delta"] is None else "min(r_it, delta) * A_i"
+        lines = [f"S_it = min({unclipped}, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i)"]
+        if options["delta"] is not None:
+            lines[0] += f",   delta = {_format(options['delta'])} (two-sided clipping)"
+        return lines
+    if policy_term == "cispo":
+        return ["S_it = sg(min(r_it, eps_high)) * A_i * logp_it,   sg: stop-gradient (CISPO)"]
+    if policy_term == "sapo":
+        return [
+            "S_it = (4 / tau_i) * sigmoid(tau_i * (r_it - 1)) * A_i,   "
+            f"tau_i = {_format(options['sapo_temperature_pos'])} if A_i > 0 else "
+            f"{_format(options['sapo_temperature_neg'])} (SAPO)"
+        ]
+    if policy_term == "vespo":
+        correction = " * rho_i" if _vllm_correction(options) else ""  # TRL's gamma weights take the correction
+        lines = [
+            "S_it = sg(phi_i) * A_i * logp_it,   sg: stop-gradient (VESPO)",
+            "phi_i = exp(lambda + k * log(w_i) - lambda * w_i),   w_i = exp(sum_t (logp_it - old_logp_it))"
+            + correction
+            + ",   (k, lambda) = (vespo_k_pos, vespo_lambda_pos) if A_i >= 0 else (vespo_k_neg, vespo_lambda_neg)",
+        ]
+        if correction:
+            lines.append(_vllm_line("rho_i", "the completion", options))
+        return lines
+    raise ValueError(f"No formula for the policy term {policy_term!r}.")
+
+
+def _vllm_correction(options: Mapping) -> bool:
+    return bool(options["use_vllm"] and options["vllm_importance_sampling_correction"])
+
+
+def _vllm_line(symbol: str, of: str, options: Mapping) -> str:
+    mode = options["vllm_importance_sampling_mode"]
+    return (
+        f"{symbol} = pi_old / pi_vllm of {of}, truncated or masked: vLLM's importance-sampling correction "
+        f"(vllm_importance_sampling_mode={mode!r})"
+    )
+
+
+def _token_weight_lines(policy_term: str, options: Mapping) -> list[str]:
+    """`w_it`, the product of the per-token weights TRL multiplies the policy term by; empty without any."""
+    factors, lines = [], []
+    if options["off_policy_mask_threshold"] is not None:
+        factors.append("m_i")
+        lines.append(
+            "m_i = 0 if A_i < 0 and (1/|o_i|) * sum_t (sampling_logp_it - logp_it) > "
+            f"{_format(options['off_policy_mask_threshold'])} (off_policy_mask_threshold), else 1;   "
+            "sampling_logp: the sampler's log-probs (vLLM's, else old_logp)"
+        )
+    if options["top_entropy_quantile"] < 1.0:
+        factors.append("h_it")
+        lines.append(
+            "h_it = 1 for the tokens whose entropy is in the top "
+            f"{_format(options['top_entropy_quantile'])} fraction of the micro-batch's completion tokens (over all "
+            "processes; top_entropy_quantile), else 0"
+        )
+    if _vllm_correction(options) and policy_term != "vespo":  # VESPO folds it into phi_i
+        factors.append("rho_it")
+        lines.append(_vllm_line("rho_it", "token t", options))
+    if not factors:
+        return []
+    return [f"w_it = {' * '.join(factors)}", *lines]
+
+
+def _entropy_lines(options: Mapping) -> tuple[str, list[str]]:
+    """The entropy bonus `- c * H` of the loss and its definition; `("", [])` without one."""
+    if not (options["entropy_coef"] != 0.0 or options["use_adaptive_entropy"]):
+        return "", []
+    tokens = "the tokens with h_it = 1" if options["top_entropy_quantile"] < 1.0 else "the completion tokens"
+    lines = [f"H = mean entropy of the policy over {tokens}"]
+    if options["use_adaptive_entropy"]:
+        lines.append(
+            f"c = entropy_coef (from {_format(options['entropy_coef'])}, adapted each optimizer step towards "
+            "entropy_target; 0 while the entropy is above it)"
+        )
+    else:
+        lines.append(f"c = entropy_coef = {_format(options['entropy_coef'])}")
+    return " - c * H", lines
+
+
+def _advantage_lines(options: Mapping) -> tuple[str, list[str]]:
+    """`A_i` as TRL computes it from the rewards, and any definition it needs."""
+    if options["multi_objective_aggregation"] == "normalize_then_sum":
+        return "A_i = (R'_i - mean_batch R') / (std_batch R' + 1e-4)", [
+            "R'_i = sum_k reward_weight_k * (R_ik - mean_group R_k) / (std_group R_k + 1e-4)   (k: reward function)"
+        ]
+    scale = options["scale_rewards"]
+    if isinstance(scale, bool):  # as `GRPOConfig.__post_init__` reads it
+        scale = "group" if scale else "none"
+    if scale not in _ADVANTAGES:
+        raise ValueError(f"No formula for scale_rewards={scale!r}.")
+    return _ADVANTAGES[scale], []
+
+
+def objective_formula(options: Mapping | None = None) -> str:
+    """The objective a run trains, as a fenced block: `OBJECTIVE` for `GRPOConfigExt`'s defaults.
+
+    Built from the loss type's record (`ops.loss_types.LOSS_TYPES`: policy term, aggregation and its divisor) and the
+    options that change it: the sequence-level ratio, two-sided clipping (`delta`), the KL term (only with
+    `beta > 0`, times `r` with `use_bias_correction_kl`), the per-token weights (off-policy mask, high-entropy mask,
+    vLLM's importance-sampling correction), the entropy bonus, and the advantages (`scale_rewards`,
+    `multi_objective_aggregation`).
+
+    Args:
+        options: values of `OBJECTIVE_FIELDS` (`objective_options(args)`); a missing one takes `GRPOConfigExt`'s
+            default.
+    """
+    options = _resolve_options(options)
+    record = loss_type_record(options["loss_type"])
+    kl = options["beta"] > 0
+    bias_corrected = kl and options["use_bias_correction_kl"]
+    lines = []
+    if record.policy_term != "vespo" or bias_corrected:  # VESPO's term does not use r_it
+        if options["importance_sampling_level"] == "sequence":
+            lines.append(
+                "r_it = exp((1/|o_i|) * sum_s (logp_is - old_logp_is))   (one ratio per completion: "
+                "importance_sampling_level='sequence')"
+            )
+        else:
+            lines.append("r_it = exp(logp_it - old_logp_it)")
+    lines += _policy_term_lines(record.policy_term, options)
+    if kl:
+        lines.append(f"K_it = ({_KL_ESTIMATOR}) * r_it" if bias_corrected else f"K_it = {_KL_ESTIMATOR}")
+    weights = _token_weight_lines(record.policy_term, options)
+    term = "w_it * S_it" if weights else "S_it"
+    summand = f"({term} - beta * K_it)" if kl else (f"({term})" if weights else term)
+    bonus, entropy = _entropy_lines(options)
+    advantage, advantage_defs = _advantage_lines(options)
+    lines.append(f"loss = -{_AGGREGATIONS[record.aggregation]} {summand}{bonus},   {advantage}")
+    if record.aggregation == "token_mean":
+        lines.append("T = sum_i |o_i| over the micro-batch")
+    if record.divisor is not None:
+        lines.append(_DIVISORS[record.divisor])
+    lines += weights + entropy + advantage_defs
+    return "\n".join(["```", *lines, "```"])
 
 
 def final_metrics(log_history: list[dict], keys: tuple[str, ...] = CARD_METRICS) -> dict[str, float]:
@@ -70,6 +282,18 @@ def final_metrics(log_history: list[dict], keys: tuple[str, ...] = CARD_METRICS)
             if isinstance(value, (int, float)) and not (isinstance(value, float) and math.isnan(value)):
                 metrics[key] = value
     return metrics
+
+
+def run_urls() -> dict[str, str | None]:
+    """The links of the experiment-tracking runs in progress, found as TRL's own card finds them: `wandb.run.url`,
+    and TRL's `get_trackio_space_url` and `get_comet_experiment_url`; `None` for a tracker without a run."""
+    wandb_url = None
+    if is_wandb_available():
+        import wandb
+
+        if wandb.run is not None:
+            wandb_url = wandb.run.url
+    return {"wandb_url": wandb_url, "trackio_url": get_trackio_space_url(), "comet_url": get_comet_experiment_url()}
 
 
 def _is_hub_id(name: str | None) -> bool:
@@ -112,29 +336,51 @@ def build_model_card(
     hub_model_id: str | None = None,
     report_image: str | None = "report.png",
     lora: dict | None = None,
+    objective: Mapping | None = None,
+    wandb_url: str | None = None,
+    trackio_url: str | None = None,
+    comet_url: str | None = None,
 ) -> str:
-    """A model card with YAML front matter (`library_name`, `base_model` where known, `tags`), the objective, the
-    training configuration, the final metrics, the report image and a usage snippet.
+    """A model card with YAML front matter (`library_name`, `base_model` where known, `model_name`, `datasets`,
+    `tags`), the objective, the training configuration, the final metrics, the report image, the links of the
+    tracked runs and a usage snippet.
 
     Args:
-        model_name: title of the card.
+        model_name: title of the card, and `model_name` of its front matter (as TRL writes it).
         base_model: Hub id of the base model, or `None` (a local path is not a Hub id and is left out).
         is_adapter: a PEFT adapter (`library_name: peft`, tag `lora`) rather than a full model.
         config: training configuration fields to list (see `CARD_CONFIG_FIELDS`).
         metrics: final training metrics (see `final_metrics`).
         extra_metrics: more rows for the metrics table, e.g. held-out accuracy before and after training.
-        tags, dataset_name, hub_model_id: card metadata.
+        tags, hub_model_id: card metadata.
+        dataset_name: the training set, written to the front matter's `datasets` as TRL writes it (a Hub id or not);
+            linked to the Hub when it is a Hub id.
         report_image: relative path of the training report image, or `None`.
         lora: LoRA settings to list (rank, alpha, target modules).
+        objective: the options of the objective that ran (`objective_options(args)`, see `objective_formula`); by
+            default the `OBJECTIVE_FIELDS` among `config`'s keys, and `GRPOConfigExt`'s defaults for the others.
+        wandb_url, trackio_url, comet_url: links of the Weights & Biases, Trackio and Comet runs (`run_urls()`).
     """
+    objective = _resolve_options(config if objective is None else objective)
+    formula = objective_formula(objective)
+    if formula == OBJECTIVE:
+        loss = "the DeepSeekMath objective"
+    else:
+        loss = f"the `{objective['loss_type']}` objective of TRL (below)"
     all_tags = ["trl", "grpo", "trl_grpo_ext"] + (["lora"] if is_adapter else []) + list(tags or [])
     data = ModelCardData(
         library_name="peft" if is_adapter else "transformers",
         base_model=base_model,
         tags=list(dict.fromkeys(all_tags)),
-        datasets=[dataset_name] if _is_hub_id(dataset_name) else None,
+        datasets=dataset_name,
+        model_name=model_name,
         pipeline_tag="text-generation",
     )
+    datasets = [dataset_name] if isinstance(dataset_name, str) else list(dataset_name or [])
+    names = [
+        f"[{name}](https://huggingface.co/datasets/{name})" if _is_hub_id(name) else f"`{name}`" for name in datasets
+    ]
+    on = f" on the {', '.join(names)} dataset{'s' if len(names) > 1 else ''}" if names else ""
     repo = hub_model_id or model_name
     what = "a LoRA adapter for" if is_adapter else "a fine-tune of"
     base = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a locally built base model"
@@ -145,14 +391,14 @@ def build_model_card(
         "",
         f"# {model_name}",
         "",
-        f"This model is {what} {base}, trained with GRPO (group relative policy optimisation) by the "
-        "`GRPOTrainerExt` of `trl_grpo_ext`: a TRL `GRPOTrainer` whose loss is the DeepSeekMath objective.",
+        f"This model is {what} {base}{on}, trained with GRPO (group relative policy optimisation) by the "
+        f"`GRPOTrainerExt` of `trl_grpo_ext`: a TRL `GRPOTrainer` whose loss is {loss}.",
         "",
         "## Objective",
         "",
         "For each prompt, G completions are sampled and scored; token t of completion i:",
         "",
-        OBJECTIVE,
+        formula,
         "",
         "## Training configuration",
         "",
@@ -164,13 +410,17 @@ def build_model_card(
         lines += [f"| `lora_{key}` | {_format(value)} |" for key, value in lora.items() if value is not None]
     lines += ["", "## Final metrics", "", "| metric | value |", "| --- | --- |"]
     lines += [f"| `{key}` | {_format(value)} |" for key, value in {**metrics, **(extra_metrics or {})}.items()]
+    runs = [
+        f"- [Visualize in {tracker}]({url})"
+        for tracker, url in (("Weights & Biases", wandb_url), ("Trackio", trackio_url), ("Comet", comet_url))
+        if url
+    ]
+    if report_image or runs:
+        lines += ["", "## Training report"]
     if report_image:
-        lines += [
-            "",
-            "## Training report",
-            "",
-            f"![Training curves: reward, reward spread, KL, clip fraction, ratio, loss]({report_image})",
-        ]
+        lines += ["", f"![Training curves: reward, reward spread, KL, clip fraction, ratio, loss]({report_image})"]
+    if runs:
+        lines += ["", *runs]
     lines += ["", "## Usage", "", "```python"]
     if is_adapter:
         lines += [
@@ -217,8 +467,10 @@ class ModelCardMixin:
         """Write `README.md` (a Hub model card) and `report.png` (training curves) into `args.output_dir`.
 
         Called by `Trainer.push_to_hub` and at every checkpoint, like TRL's own card, which it replaces: front matter
-        with `library_name`, `base_model` (when it is a Hub id), tags (`trl`, `grpo`, `trl_grpo_ext`, and `lora` for
-        adapters); the objective; the training configuration; the final metrics; the report image; usage.
+        with `library_name`, `base_model` (when it is a Hub id), `model_name` and `datasets` (as TRL writes them),
+        tags (`trl`, `grpo`, `trl_grpo_ext`, and `lora` for adapters); the objective that runs; the training
+        configuration; the final metrics; the report image and the links of the W&B, Trackio and Comet runs that
+        TRL's card links; usage.
         """
         if not self.is_world_process_zero():
             return
@@ -263,6 +515,8 @@ class ModelCardMixin:
             hub_model_id=self.hub_model_id,
             report_image="report.png" if report else None,
             lora=lora,
+            objective=objective_options(self.args),
+            **run_urls(),
         )
         with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as handle:
             handle.write(card)
