@@ -112,6 +112,7 @@ class DiagnosticsAccumulator:
         self._window: torch.Tensor | None = None
         self._group_stds: list[torch.Tensor] = []
         self._unscored: list[torch.Tensor] = []  # [unscored, total] per generation batch
+        self._length_moments: list[torch.Tensor] = []  # [sum l*R, sum l^2, sum R^2] (centred in groups) per batch
         self._mismatch: torch.Tensor | None = None
 
     @staticmethod
@@ -180,23 +181,40 @@ class DiagnosticsAccumulator:
         )
         self._window = window if self._window is None else self.window_layout.merge(self._window, window)
 
-    def add_rewards(self, rewards: torch.Tensor, num_generations: int) -> None:
+    def add_rewards(self, rewards: torch.Tensor, num_generations: int, lengths: torch.Tensor | None = None) -> None:
         """Add the rewards of one generation batch, already gathered from every process.
 
         Args:
             rewards (`torch.Tensor` of shape `(N,)`): total reward per completion, NaN for unscored ones, ordered
                 group-contiguously.
             num_generations (`int`): the group size G.
+            lengths (`torch.Tensor` of shape `(N,)`, *optional*): completion lengths in tokens, in the same order:
+                for the pooled correlation of length and reward inside groups.
         """
         if not self.ratio_stats:
             return
-        grouped = rewards.detach().to(self._accumulator_dtype(rewards.device)).reshape(-1, num_generations)
+        dtype = self._accumulator_dtype(rewards.device)
+        grouped = rewards.detach().to(dtype).reshape(-1, num_generations)
         scored = ~torch.isnan(grouped)
         count = scored.sum(dim=1)
         mean = torch.where(scored, grouped, 0.0).sum(dim=1) / count.clamp(min=1)
-        squares = torch.where(scored, grouped - mean[:, None], 0.0).pow(2).sum(dim=1)
+        centred = torch.where(scored, grouped - mean[:, None], 0.0)
+        squares = centred.pow(2).sum(dim=1)
         std = torch.where(count > 1, (squares / (count - 1).clamp(min=1)).sqrt(), math.nan)
         self._group_stds.append(std)
+        if lengths is not None:
+            # Pooled within-group moments of the scored rows: sum_g sum_i (l_gi - l_g)(R_gi - R_g), and the squares.
+            length = lengths.to(device=grouped.device, dtype=dtype).reshape(grouped.shape)
+            length_mean = torch.where(scored, length, 0.0).sum(dim=1) / count.clamp(min=1)
+            length_centred = torch.where(scored, length - length_mean[:, None], 0.0)
+            # Groups without reward spread (TRL's zero std: within 1e-8 of 0) add nothing, rounding noise included.
+            reward_centred = torch.where((std > 1e-8)[:, None], centred, 0.0)
+            moments = [
+                (length_centred * reward_centred).sum(),
+                length_centred.pow(2).sum(),
+                reward_centred.pow(2).sum(),
+            ]
+            self._length_moments.append(torch.stack(moments))
         total = torch.full((), scored.numel(), dtype=torch.int64, device=scored.device)
         self._unscored.append(torch.stack([(~scored).sum(), total]))
 
@@ -257,6 +275,11 @@ class DiagnosticsAccumulator:
             self._summarize_rewards(torch.cat(self._group_stds).to(torch.float64).cpu(), summary)
             unscored, total = torch.stack(self._unscored).sum(dim=0).tolist()
             summary.scalars["frac_reward_unscored"] = unscored / total
+        if self._length_moments:
+            # r = sum (l - l_g)(R - R_g) / sqrt(sum (l - l_g)^2 * sum (R - R_g)^2), pooled over the window's groups.
+            cross, length_squares, reward_squares = torch.stack(self._length_moments).sum(dim=0).tolist()
+            if length_squares > 0 and reward_squares > 0:
+                summary.scalars["reward_length_corr/within_group"] = cross / math.sqrt(length_squares * reward_squares)
         self.reset()
         return summary
 
