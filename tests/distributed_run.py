@@ -188,7 +188,7 @@ def run_train(output_dir, model_path, *, kill_during_save_of=None, resume=False)
             "staged": sorted(os.listdir(staging)) if os.path.isdir(staging) else [],
         }
     trainer = make_trainer(output_dir, model_path, save_strategy="steps", save_steps=SAVE_STEPS)
-    original_loss = trainer_module.grpo_loss
+    original_loss = trainer_module.policy_objective
 
     def recording_loss(*args, **kwargs):
         out = original_loss(*args, **kwargs)
@@ -198,7 +198,7 @@ def run_train(output_dir, model_path, *, kill_during_save_of=None, resume=False)
         )
         return out
 
-    trainer_module.grpo_loss = recording_loss
+    trainer_module.policy_objective = recording_loss
     if kill_during_save_of is not None:
         original_save = trainer._save_optimizer_and_scheduler
 
@@ -212,7 +212,7 @@ def run_train(output_dir, model_path, *, kill_during_save_of=None, resume=False)
     try:
         trainer.train(resume_from_checkpoint=True if resume else None)
     finally:
-        trainer_module.grpo_loss = original_loss
+        trainer_module.policy_objective = original_loss
     return {
         "records": trainer.records,
         "collectives": {key: collective_calls[key] - calls_before[key] for key in collective_calls},

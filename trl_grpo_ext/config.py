@@ -105,7 +105,8 @@ class GRPOConfigExt(GRPOConfig):
         default_factory=lambda: [0.05, 0.5, 0.95],
         metadata={
             "help": "Quantiles of the importance ratio to log, each in [0, 1]; 0.05 is logged as ratio/p05. "
-            "Resolution: 2.5e-4 relative for ratios in [0.61, 1.65]."
+            "Resolution: within one histogram bin of the order statistics at that rank: 2.5e-4 relative when both "
+            "neighbouring order statistics lie in [0.61, 1.65], up to a tail bin (7.9% of |log r|) otherwise."
         },
     )
 
