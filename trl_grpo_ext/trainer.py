@@ -207,11 +207,10 @@ class GRPOTrainerExt(ModelCardMixin, NonFiniteGuardMixin, CheckpointingMixin, En
         rewards = (rewards_per_func * weights).nansum(dim=1)
         rewards = torch.where(torch.isnan(rewards_per_func).all(dim=1), torch.nan, rewards)
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        lengths = None
-        if self._diagnostics[mode].ratio_stats:  # for the length/reward correlation inside groups
-            local = torch.tensor([len(ids) for ids in completion_ids_list], device=rewards.device)
-            lengths = self.accelerator.gather(local)  # ordered as TRL's gathered rewards
-        self._diagnostics[mode].add_rewards(rewards, num_generations, lengths)
+        # This process's completion lengths are the rows of its slice (TRL's `process_slice`) of the gathered rewards.
+        lengths = torch.tensor([len(ids) for ids in completion_ids_list], device=rewards.device)
+        first_row = self.accelerator.process_index * len(prompts)
+        self._diagnostics[mode].add_rewards(rewards, num_generations, lengths, first_row)
         return rewards_per_func
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
