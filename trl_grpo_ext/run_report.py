@@ -94,7 +94,7 @@ def run(argv: list[str] | None = None, prog: str | None = None) -> int:
         f"{health.training_entries} training log entries"
     )
     print(_draw(history, args.output or os.path.join(args.run_dir, "report.png"), args.run_dir, health.episodes))
-    print("\nHealth, one line per signal (docs/diagnostics.md, 'What to watch'):")
+    print("\nHealth, one line per signal (what to watch: the metrics of docs/diagnostics.md):")
     for line in health.lines():
         print(f"  {line}")
     if health.alarms:
