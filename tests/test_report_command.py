@@ -7,7 +7,7 @@ from helpers import count_a_reward, tiny_grpo_args
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt, cli
-from trl_grpo_ext.health import SIGNALS
+from trl_grpo_ext.health import SIGNALS, assess
 from trl_grpo_ext.run_report import find_trainer_state
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -128,3 +128,21 @@ def test_the_command_is_listed_and_has_help(capsys):
         cli.main(["report", "--help"])
     text = capsys.readouterr().out
     assert exit_info.value.code == 0 and text.startswith("usage: trl-grpo-ext report [-h] [--output OUTPUT] RUN_DIR")
+
+
+def test_health_verdicts_of_counts_and_of_a_held_out_metric_that_falls():
+    history = [
+        {"loss": 0.0, "step": 1, "reward": 0.1, "frac_reward_unscored": 0.0, "nonfinite/skipped_steps": 0},
+        {"loss": 0.0, "step": 2, "reward": 0.2, "frac_reward_unscored": 0.25, "nonfinite/skipped_steps": 1},
+        {"step": 2, "heldout/accuracy/mean@4": 0.6},
+        {"loss": 0.0, "step": 3, "reward": 0.5, "frac_reward_unscored": 0.0, "nonfinite/skipped_steps": 1},
+        {"step": 3, "heldout/accuracy/mean@4": 0.3},
+    ]
+    health = {signal.signal.name: signal for signal in assess(history).signals}
+    unscored, skipped = health["unscored completions"], health["skipped non-finite steps"]
+    assert unscored.verdict == "note" and "not 0 at step 2" in unscored.detail
+    assert skipped.verdict == "note" and "not 0 at steps 2-3" in skipped.detail
+    held_out = health["held-out metric"]
+    assert held_out.verdict == "ALARM" and "reward_vs_heldout at step 3" in held_out.detail
+    assert "heldout/accuracy/mean@4 0.6 -> 0.3" in held_out.detail
+    assert health["reward"].verdict == "ok" and health["KL to the reference"].verdict == "missing"

@@ -120,7 +120,7 @@ class RunHealth:
 
 
 def _values(log_history: list[dict], key: str) -> list[tuple[int | None, float]]:
-    """`(step, value)` of every training entry holding `key` as a finite number (or any number, for counts)."""
+    """`(step, value)` of every entry holding `key` as a number other than NaN."""
     pairs = []
     for entry in log_history:
         value = entry.get(key)
