@@ -119,9 +119,10 @@ class RunTrainer(GRPOTrainerExt):
             loss = loss * float("nan")
         return loss
 
-    def _calculate_rewards(self, *args, **kwargs):
-        rewards_per_func = super()._calculate_rewards(*args, **kwargs)
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self.records["rewards"].append(rewards_per_func.sum(dim=1))
+        self.records["lengths"].append(torch.tensor([len(ids) for ids in completion_ids_list]))  # this process's
         return rewards_per_func
 
     def log(self, logs, start_time=None):
@@ -175,7 +176,7 @@ def make_trainer(output_dir, model_path, *, lora=False, **overrides) -> RunTrain
         processing_class=AutoTokenizer.from_pretrained(model_path),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if lora else None,
     )
-    trainer.records = {"steps": [], "rewards": [], "log_calls": 0}
+    trainer.records = {"steps": [], "rewards": [], "lengths": [], "log_calls": 0}
     return trainer
 
 

@@ -137,6 +137,17 @@ def assert_logged_statistics_are_those_of_both_processes_pooled(ranks: list[dict
             assert entry["reward_std/group_mean"] == pytest.approx(group_stds.mean().item(), rel=1e-6)
             assert entry["reward_std/group_min"] == pytest.approx(group_stds.min().item(), abs=1e-7)
             assert entry["reward_std/group_max"] == pytest.approx(group_stds.max().item(), rel=1e-6)
+            # Each process's lengths are its slice of the batch, in process order; every group lies on one process.
+            lengths = torch.cat([rank["records"]["lengths"][rewards_seen - 1] for rank in ranks]).double()
+            reward = rewards[0].double().view(-1, 4)
+            length = lengths.view(-1, 4)
+            reward, length = reward - reward.mean(dim=1, keepdim=True), length - length.mean(dim=1, keepdim=True)
+            reward = torch.where(group_stds[:, None] > 1e-8, reward, 0.0)
+            correlation = (reward * length).sum() / (reward.pow(2).sum() * length.pow(2).sum()).sqrt()
+            if torch.isfinite(correlation):
+                assert entry["reward_length_corr/within_group"] == pytest.approx(correlation.item(), rel=1e-6)
+            else:  # no length or no reward spread inside any group
+                assert "reward_length_corr/within_group" not in entry
     assert rewards_seen == len(ranks[0]["records"]["rewards"]) > 0
 
 

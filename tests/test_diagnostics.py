@@ -148,6 +148,52 @@ class TestRewardSpread:
         # The first group's std is that of [1, 3]; the second group has no scored completion and no spread.
         assert summary.scalars["reward_std/group_mean"] == pytest.approx(torch.tensor([1.0, 3.0]).std().item())
 
+    def test_length_reward_correlation_is_pooled_inside_groups(self):
+        accumulator = DiagnosticsAccumulator()
+        rewards = torch.tensor([1.0, 2.0, 4.0, 0.0, 5.0, 1.0, 3.0, 3.0])
+        lengths = torch.tensor([3, 5, 9, 1, 2, 8, 4, 4])
+        accumulator.add_rewards(rewards, 4, lengths)
+        summary = accumulator.summarize(None)
+        expected = pooled_within_group_correlation(rewards, lengths, 4)
+        assert summary.scalars["reward_length_corr/within_group"] == pytest.approx(expected)
+        # Shifting one group's lengths (a longer prompt, say) changes nothing: only the spread inside groups counts.
+        accumulator.add_rewards(rewards, 4, lengths + torch.tensor([0, 0, 0, 0, 100, 100, 100, 100]))
+        assert accumulator.summarize(None).scalars["reward_length_corr/within_group"] == pytest.approx(expected)
+
+    def test_two_processes_pool_their_completions_through_the_one_gather(self):
+        rewards = torch.tensor([1.0, 2.0, 4.0, 0.0, 5.0, 1.0, 3.0, 3.0])
+        lengths = torch.tensor([3, 5, 9, 1, 2, 8, 4, 4])
+        out, entropies = captured_batch(0)
+        processes = [DiagnosticsAccumulator(), DiagnosticsAccumulator()]
+        for rank, accumulator in enumerate(processes):  # each holds its half: one whole group of 4
+            accumulator.add_loss_step(out, entropies)
+            accumulator.add_rewards(rewards, 4, lengths[4 * rank : 4 * rank + 4], first_row=4 * rank)
+        pooled = summarize(processes).scalars["reward_length_corr/within_group"]
+        assert pooled == pytest.approx(pooled_within_group_correlation(rewards, lengths, 4))
+        # A group split over the processes is centred on the part each process holds.
+        processes = [DiagnosticsAccumulator(), DiagnosticsAccumulator()]
+        for rank, accumulator in enumerate(processes):
+            accumulator.add_loss_step(out, entropies)
+            accumulator.add_rewards(rewards, 8, lengths[4 * rank : 4 * rank + 4], first_row=4 * rank)
+        split = summarize(processes).scalars["reward_length_corr/within_group"]
+        assert split == pytest.approx(pooled_within_group_correlation(rewards, lengths, 4))
+
+    def test_a_reward_equal_to_the_length_correlates_fully_and_equal_lengths_give_no_value(self):
+        accumulator = DiagnosticsAccumulator()
+        accumulator.add_rewards(torch.tensor([3.0, 5.0, 1.0, 1.0]), 4, torch.tensor([3, 5, 1, 1]))
+        assert accumulator.summarize(None).scalars["reward_length_corr/within_group"] == pytest.approx(1.0)
+        accumulator.add_rewards(torch.tensor([3.0, 5.0, 1.0, 1.0]), 4, torch.tensor([8, 8, 8, 8]))
+        assert "reward_length_corr/within_group" not in accumulator.summarize(None).scalars
+        accumulator.add_rewards(torch.tensor([0.1, 0.1, 0.1, 0.1]), 4, torch.tensor([1, 2, 3, 4]))  # no spread
+        assert "reward_length_corr/within_group" not in accumulator.summarize(None).scalars
+
+
+def pooled_within_group_correlation(rewards, lengths, group_size) -> float:
+    """Centre each group on its own means, then one Pearson correlation over every centred row."""
+    r, length = rewards.double().reshape(-1, group_size), lengths.double().reshape(-1, group_size)
+    r, length = (r - r.mean(dim=1, keepdim=True)).flatten(), (length - length.mean(dim=1, keepdim=True)).flatten()
+    return ((r * length).sum() / (r.pow(2).sum() * length.pow(2).sum()).sqrt()).item()
+
 
 class TestHistogram:
     def test_bins_are_ascending_contiguous_and_fine_near_one(self):

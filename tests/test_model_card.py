@@ -15,8 +15,9 @@ from trl import GRPOConfig
 from trl.trainer.utils import generate_model_card
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt, model_card
+from trl_grpo_ext.health import assess
 from trl_grpo_ext.model_card import CARD_CONFIG_FIELDS, build_model_card, final_metrics
-from trl_grpo_ext.report import build_report_figure, plot_training_report
+from trl_grpo_ext.report import build_report_figure, missing_panels, plot_training_report
 
 HISTORY = [
     {"loss": 0.1, "reward": 0.2, "kl": 0.01, "ratio/p05": 0.9, "ratio/p50": 1.0, "ratio/p95": 1.1, "step": 1},
@@ -127,10 +128,38 @@ def test_the_report_draws_the_reward_spread_beside_the_reward():
 
 
 def test_the_report_says_which_panels_were_not_logged():
-    figure = build_report_figure([{"loss": 0.5, "reward": 1.0, "step": 1}])
+    figure = build_report_figure([{"loss": 0.5, "reward": 1.0, "frac_reward_zero_std": 0.5, "step": 1}])
     by_title = {ax.get_title(): ax for ax in figure.axes if ax.get_title()}
-    assert [text.get_text() for text in by_title["reward spread: std inside each group"].texts] == ["not logged"]
+    assert [text.get_text() for text in by_title["importance ratio r = pi / pi_old"].texts] == [
+        "not logged: ratio/p50, ratio/p05, ratio/p95"
+    ]
     assert by_title["reward"].has_data() and not by_title["reward"].texts
+    # TRL's frac_reward_zero_std alone (a stock TRL run) is enough for the spread panel, drawn on its right axis.
+    assert not by_title["reward spread: std inside each group"].texts
+    assert [title for title, _ in missing_panels([{"loss": 0.5, "reward": 1.0, "step": 1}])][:2] == [
+        "reward spread: std inside each group",
+        "KL to the reference",
+    ]
+
+
+def test_the_report_shades_the_alarm_episodes_on_their_panel():
+    history = [
+        {"loss": 0.0, "completions/mean_length": 8.0, "completions/clipped_ratio": 1.0, "step": s} for s in (1, 2)
+    ]
+    figure = build_report_figure(history, episodes=assess(history).episodes)
+    by_title = {ax.get_title(): ax for ax in figure.axes if ax.get_title()}
+    (span,) = [
+        patch for patch in by_title["completion length (tokens)"].patches if patch.get_label() == "alarm truncation"
+    ]
+    assert span.get_x() == 0.5 and span.get_width() == 2.0  # steps 1-2, half a step wider on each side
+    assert not [patch for patch in by_title["entropy"].patches if "alarm" in patch.get_label()]
+
+
+def test_the_card_lists_the_alarms_raised_or_says_there_were_none():
+    text = card(alarms=["truncation (steps 1-4): 100% of completions reached max_completion_length ..."])
+    health = text.split("## Training health")[1].split("##")[0]
+    assert "- truncation (steps 1-4): 100% of completions" in health
+    assert "No alarm was raised" in card(alarms=[]) and "## Training health" not in card()
 
 
 # The source documents' objective, as the card of GRPOConfigExt's defaults has always written it.

@@ -1,4 +1,5 @@
-"""The `trl-grpo-ext` command (also `python -m trl_grpo_ext`): `grpo` runs the recipe, `demo` the offline demo."""
+"""The `trl-grpo-ext` command (also `python -m trl_grpo_ext`): `grpo` runs the recipe, `demo` the offline demo,
+`report` the training report and health summary of a run."""
 
 from __future__ import annotations
 
@@ -8,10 +9,17 @@ import sys
 
 __all__ = ["COMMANDS", "main"]
 
-#: command -> (module of `trl_grpo_ext.recipes` with a `run(argv, prog)` function, the line `--help` shows)
+#: command -> (module of `trl_grpo_ext` with a `run(argv, prog)` function, the line `--help` shows)
 COMMANDS = {
-    "grpo": ("grpo", "train with GRPO from a YAML config (--config) and flags; every config field is a flag"),
-    "demo": ("demo", "the offline demo on a tiny shipped model (CPU, no network, ~2 minutes) into ./runs/tiny-demo"),
+    "grpo": ("recipes.grpo", "train with GRPO from a YAML config (--config) and flags; every config field is a flag"),
+    "demo": (
+        "recipes.demo",
+        "the offline demo on a tiny shipped model (CPU, no network, ~2 minutes) into ./runs/tiny-demo",
+    ),
+    "report": (
+        "run_report",
+        "report.png and a health summary (one verdict per signal) of a GRPO run's folder: RUN_DIR",
+    ),
 }
 
 
@@ -35,5 +43,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    module = importlib.import_module(f".recipes.{COMMANDS[args.command][0]}", package=__package__)
+    module = importlib.import_module(f".{COMMANDS[args.command][0]}", package=__package__)
     return module.run(argv[1:], prog=f"trl-grpo-ext {args.command}")

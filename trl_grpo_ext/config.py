@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import transformers
@@ -10,6 +11,7 @@ from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
 from ._compat import check_transformers_version, check_trl_version
+from .guardrails.alarms import DEFAULT_THRESHOLDS
 from .guardrails.nonfinite import NONFINITE_POLICIES
 from .objective_inputs import fused_kernel_problems
 from .ops import IMPLEMENTATIONS, hyperparameter_problems
@@ -131,28 +133,93 @@ class GRPOConfigExt(GRPOConfig):
     )
     warn_on_anomalies: bool = field(
         default=True,
-        metadata={"help": "Warn (once per episode) about the conditions below, with what to change."},
+        metadata={
+            "help": "Alarms: warn (once per episode, naming what to change) about the conditions of the warn_* "
+            "fields below, and count each alarm in the logged metric alarms/<name>. A warn_* field set to None "
+            "switches that alarm off."
+        },
     )
     warn_zero_std_fraction: float | None = field(
-        default=0.9,
-        metadata={"help": "Warn when at least this share of completions is in groups with equal rewards (no signal)."},
+        default=DEFAULT_THRESHOLDS["warn_zero_std_fraction"],
+        metadata={
+            "help": "Alarm zero_std: at least this share of completions is in groups with equal rewards "
+            "(frac_reward_zero_std): no learning signal from them. In (0, 1]."
+        },
+    )
+    warn_no_spread_steps: int | None = field(
+        default=DEFAULT_THRESHOLDS["warn_no_spread_steps"],
+        metadata={
+            "help": "Alarm no_spread: every group has equal rewards for this many log steps in a row (nothing is "
+            "learned); the warning says whether truncation (completions/clipped_ratio) is the cause. >= 1."
+        },
+    )
+    warn_truncated_fraction: float | None = field(
+        default=DEFAULT_THRESHOLDS["warn_truncated_fraction"],
+        metadata={
+            "help": "Alarm truncation: at least this share of completions reached max_completion_length without "
+            "an end-of-sequence token (TRL's completions/clipped_ratio). In (0, 1]."
+        },
     )
     warn_clip_fraction: float | None = field(
-        default=0.2,
-        metadata={"help": "Warn when clip_ratio/region_mean stays above this for warn_patience log steps."},
+        default=DEFAULT_THRESHOLDS["warn_clip_fraction"],
+        metadata={
+            "help": "Alarm clip_fraction: clip_ratio/region_mean stays above this for warn_patience log steps. "
+            "In (0, 1]."
+        },
     )
     warn_ratio_p95: float | None = field(
-        default=1.5, metadata={"help": "Warn when the 95th percentile of the importance ratio exceeds this."}
+        default=DEFAULT_THRESHOLDS["warn_ratio_p95"],
+        metadata={"help": "Alarm ratio_p95: the 95th percentile of the importance ratio exceeds this. > 1."},
     )
     warn_ratio_max: float | None = field(
-        default=100.0, metadata={"help": "Warn when the largest importance ratio exceeds this."}
+        default=DEFAULT_THRESHOLDS["warn_ratio_max"],
+        metadata={"help": "Alarm ratio_max: the largest importance ratio exceeds this. > 1."},
     )
     warn_kl_jump: float | None = field(
-        default=10.0,
-        metadata={"help": "Warn when kl exceeds this factor times the median of its previous 10 logged values."},
+        default=DEFAULT_THRESHOLDS["warn_kl_jump"],
+        metadata={
+            "help": "Alarm kl_jump: kl exceeds this factor times the median of its previous 10 logged values "
+            "(judged once 5 are there; a median below 0.01 counts as 0.01). > 1."
+        },
+    )
+    warn_entropy_collapse: float | None = field(
+        default=DEFAULT_THRESHOLDS["warn_entropy_collapse"],
+        metadata={
+            "help": "Alarm entropy_collapse: entropy falls below this fraction of the mean of its first 3 logged "
+            "values. In (0, 1)."
+        },
+    )
+    warn_grad_norm_spike: float | None = field(
+        default=DEFAULT_THRESHOLDS["warn_grad_norm_spike"],
+        metadata={
+            "help": "Alarm grad_norm_spike: grad_norm exceeds this factor times the median of its previous 20 "
+            "logged values (judged once 5 are there; a median below 1e-3 counts as 1e-3), or is not finite. > 1."
+        },
+    )
+    warn_length_drift_corr: float | None = field(
+        default=DEFAULT_THRESHOLDS["warn_length_drift_corr"],
+        metadata={
+            "help": "Alarm length_drift: over the last 10 log steps (judged from 6) the reward rose, "
+            "completions/mean_length changed by at least a fifth, and the two correlate at least this much (absolute "
+            "Pearson correlation). In (0, 1]."
+        },
+    )
+    warn_length_group_corr: float | None = field(
+        default=DEFAULT_THRESHOLDS["warn_length_group_corr"],
+        metadata={
+            "help": "Alarm length_in_group: inside groups, completion length and reward correlate at least this "
+            "much (reward_length_corr/within_group, logged with log_diagnostics). In (0, 1]."
+        },
+    )
+    warn_heldout_drop: float | None = field(
+        default=DEFAULT_THRESHOLDS["warn_heldout_drop"],
+        metadata={
+            "help": "Alarm reward_vs_heldout: a logged held-out metric (heldout/<metric>/mean@<k>) falls by this "
+            "fraction of its best value while the training reward is above its level at that best. > 0."
+        },
     )
     warn_patience: int = field(
-        default=3, metadata={"help": "Consecutive log steps a high clip fraction must last before a warning."}
+        default=3, metadata={"help": "Consecutive log steps a high clip fraction must last before its alarm. >= 1."}
     )
 
     def __post_init__(self):
@@ -170,16 +237,9 @@ class GRPOConfigExt(GRPOConfig):
             raise ValueError(f"`nonfinite_policy` must be one of {NONFINITE_POLICIES}, got {self.nonfinite_policy!r}.")
         if self.max_nonfinite_skips < 0:
             raise ValueError(f"`max_nonfinite_skips` must be >= 0, got {self.max_nonfinite_skips}.")
-        for name in (
-            "warn_zero_std_fraction",
-            "warn_clip_fraction",
-            "warn_ratio_p95",
-            "warn_ratio_max",
-            "warn_kl_jump",
-        ):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"`{name}` must be > 0 (or None to switch the warning off), got {value}.")
+        problems = _threshold_problems(self)
+        if problems:
+            raise ValueError(" ".join(problems))
         problems = hyperparameter_problems(self.epsilon, self.epsilon_high, self.beta, self.delta)
         if problems:
             raise ValueError(" ".join(problems))
@@ -191,3 +251,39 @@ class GRPOConfigExt(GRPOConfig):
                 + "; ".join(outside)
                 + ". Use 'auto' (the kernel wherever it applies) or 'reference'."
             )
+
+
+# field -> (lowest, highest, whether the lowest is allowed, whether the highest is allowed, the range in words)
+_THRESHOLD_RANGES = {
+    "warn_zero_std_fraction": (0.0, 1.0, False, True, "in (0, 1]"),
+    "warn_no_spread_steps": (1, math.inf, True, False, ">= 1"),
+    "warn_truncated_fraction": (0.0, 1.0, False, True, "in (0, 1]"),
+    "warn_clip_fraction": (0.0, 1.0, False, True, "in (0, 1]"),
+    "warn_ratio_p95": (1.0, math.inf, False, False, "> 1"),
+    "warn_ratio_max": (1.0, math.inf, False, False, "> 1"),
+    "warn_kl_jump": (1.0, math.inf, False, False, "> 1"),
+    "warn_entropy_collapse": (0.0, 1.0, False, False, "in (0, 1)"),
+    "warn_grad_norm_spike": (1.0, math.inf, False, False, "> 1"),
+    "warn_length_drift_corr": (0.0, 1.0, False, True, "in (0, 1]"),
+    "warn_length_group_corr": (0.0, 1.0, False, True, "in (0, 1]"),
+    "warn_heldout_drop": (0.0, math.inf, False, False, "> 0"),
+}
+
+
+def _threshold_problems(args) -> list[str]:
+    """One sentence per alarm threshold out of its range (`None` switches an alarm off and is always fine)."""
+    problems = []
+    for name, (low, high, low_ok, high_ok, words) in _THRESHOLD_RANGES.items():
+        value = getattr(args, name)
+        if value is None:
+            continue
+        inside = (low <= value if low_ok else low < value) and (value <= high if high_ok else value < high)
+        if not inside:
+            problems.append(f"`{name}` must be {words} (or None to switch its alarm off), got {value}.")
+    if args.warn_no_spread_steps is not None and args.warn_no_spread_steps != int(args.warn_no_spread_steps):
+        problems.append(
+            f"`warn_no_spread_steps` must be a whole number of log steps, got {args.warn_no_spread_steps}."
+        )
+    if args.warn_patience < 1:
+        problems.append(f"`warn_patience` must be >= 1, got {args.warn_patience}.")
+    return problems

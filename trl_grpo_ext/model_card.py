@@ -132,6 +132,7 @@ def build_model_card(
     wandb_url: str | None = None,
     trackio_url: str | None = None,
     comet_url: str | None = None,
+    alarms: list[str] | None = None,
 ) -> str:
     """A model card with YAML front matter (`library_name`, `base_model` where known, `model_name`, `datasets`,
     `tags`), the objective, the training configuration, the final metrics, the report image, the links of the
@@ -152,6 +153,8 @@ def build_model_card(
         objective: the options of the objective that ran (`objective_options(args)`, see `objective_formula`); by
             default the `OBJECTIVE_FIELDS` among `config`'s keys, and `GRPOConfigExt`'s defaults for the others.
         wandb_url, trackio_url, comet_url: links of the Weights & Biases, Trackio and Comet runs (`run_urls()`).
+        alarms: the alarms raised during training, one line each (`health.assess(...).alarm_lines()`), for a
+            "Training health" section; an empty list says that none was raised, `None` leaves the section out.
     """
     objective = resolve_options(config if objective is None else objective)
     formula = objective_formula(objective)
@@ -202,6 +205,16 @@ def build_model_card(
         lines += [f"| `lora_{key}` | {format_value(value)} |" for key, value in lora.items() if value is not None]
     lines += ["", "## Final metrics", "", "| metric | value |", "| --- | --- |"]
     lines += [f"| `{key}` | {format_value(value)} |" for key, value in {**metrics, **(extra_metrics or {})}.items()]
+    if alarms is not None:
+        lines += ["", "## Training health", ""]
+        if alarms:
+            lines += ["Alarms raised during training (each with the steps it held and what to change):", ""]
+            lines += [f"- {alarm}" for alarm in alarms]
+        else:
+            lines += [
+                "No alarm was raised during training (truncation, reward spread, KL, clipping, ratio, entropy, "
+                "gradient norm, length, held-out metric)."
+            ]
     runs = [
         f"- [Visualize in {tracker}]({url})"
         for tracker, url in (("Weights & Biases", wandb_url), ("Trackio", trackio_url), ("Comet", comet_url))
@@ -261,8 +274,9 @@ class ModelCardMixin:
         Called by `Trainer.push_to_hub` and at every checkpoint, like TRL's own card, which it replaces: front matter
         with `library_name`, `base_model` (when it is a Hub id), `model_name` and `datasets` (as TRL writes them),
         tags (`trl`, `grpo`, `trl_grpo_ext`, and `lora` for adapters); the objective that runs; the training
-        configuration; the final metrics; the report image and the links of the W&B, Trackio and Comet runs that
-        TRL's card links; usage.
+        configuration; the final metrics; the alarms raised (the rules of `args`' `warn_*` thresholds, replayed over
+        the log history); the report image (alarm episodes shaded) and the links of the W&B, Trackio and Comet runs
+        that TRL's card links; usage.
         """
         if not self.is_world_process_zero():
             return
@@ -274,6 +288,10 @@ class ModelCardMixin:
         base_model = model_id if model_id and not os.path.isdir(model_id) else None
         unwrapped = self.accelerator.unwrap_model(self.model)
         is_adapter = isinstance(unwrapped, PeftModel)
+        from .guardrails.anomaly import AnomalyMonitor
+        from .health import assess
+
+        health = assess(self.state.log_history, AnomalyMonitor.from_config(self.args))
         report = None
         try:
             from .report import plot_training_report
@@ -283,6 +301,7 @@ class ModelCardMixin:
                 os.path.join(output_dir, "report.png"),
                 title=model_name,
                 clip_range=(self.epsilon_low, self.epsilon_high),
+                episodes=health.episodes,
             )
         except ImportError:
             logger.warning("matplotlib is not installed: no report.png (pip install 'trl-grpo-ext[recipes]').")
@@ -308,6 +327,7 @@ class ModelCardMixin:
             report_image="report.png" if report else None,
             lora=lora,
             objective=objective_options(self.args),
+            alarms=health.alarm_lines(),
             **run_urls(),
         )
         with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as handle:

@@ -6,8 +6,9 @@ module wires the loss and the diagnostics in; each other concern is mixed in fro
 - `_compute_loss`: the objective's inputs from TRL's state (`objective_inputs.gather_objective_inputs`, one
   dataclass in final units), the loss (`ops.policy_objective`), the extra terms (TRL's entropy bonus, the router
   loss) and the per-micro-batch diagnostics sums (`diagnostics`);
-- `_calculate_rewards`: the per-group reward spread; `_generate_and_score_completions`: the sampler/trainer mismatch
-  behind vLLM's importance-sampling correction; `log`: the one gather of the diagnostics per log step;
+- `_calculate_rewards`: the per-group reward spread and length/reward correlation;
+  `_generate_and_score_completions`: the sampler/trainer mismatch behind vLLM's importance-sampling correction;
+  `log`: the one gather of the diagnostics per log step;
 - `NonFiniteGuardMixin` (`guardrails/nonfinite.py`): `training_step`, `_get_grad_norm`;
 - `CheckpointingMixin` (`checkpointing.py`): `_save_checkpoint`, `_get_output_dir`, `_push_from_checkpoint`,
   `_load_optimizer_and_scheduler`;
@@ -117,16 +118,8 @@ class GRPOTrainerExt(ModelCardMixin, NonFiniteGuardMixin, CheckpointingMixin, En
         }
         self._init_nonfinite_guard(option("nonfinite_policy"), option("max_nonfinite_skips"))
         if option("warn_on_anomalies"):
-            self.add_callback(
-                AnomalyMonitor(
-                    zero_std_fraction=option("warn_zero_std_fraction"),
-                    clip_fraction=option("warn_clip_fraction"),
-                    ratio_p95=option("warn_ratio_p95"),
-                    ratio_max=option("warn_ratio_max"),
-                    kl_jump=option("warn_kl_jump"),
-                    patience=option("warn_patience"),
-                )
-            )
+            # First in line, so that the loggers and the console after it see the `alarms/<name>` counts it adds.
+            self.callback_handler.callbacks.insert(0, AnomalyMonitor.from_config(args))
 
     def _compute_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
         mode = "train" if self.model.training else "eval"
@@ -214,7 +207,10 @@ class GRPOTrainerExt(ModelCardMixin, NonFiniteGuardMixin, CheckpointingMixin, En
         rewards = (rewards_per_func * weights).nansum(dim=1)
         rewards = torch.where(torch.isnan(rewards_per_func).all(dim=1), torch.nan, rewards)
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        self._diagnostics[mode].add_rewards(rewards, num_generations)
+        # This process's completion lengths are the rows of its slice (TRL's `process_slice`) of the gathered rewards.
+        lengths = torch.tensor([len(ids) for ids in completion_ids_list], device=rewards.device)
+        first_row = self.accelerator.process_index * len(prompts)
+        self._diagnostics[mode].add_rewards(rewards, num_generations, lengths, first_row)
         return rewards_per_func
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -2,12 +2,13 @@
 
 Everything is accumulated on the device, with no host synchronisation per micro-batch. At a log step each process
 packs its sums into one vector and a single `gather` brings all of them to every process; the statistics are read
-off the pooled sums. The vector has three parts, each a `FieldLayout`:
+off the pooled sums. The vector has these parts, each a `FieldLayout`:
 
 - one `STEP_LAYOUT` row per micro-batch: the sums behind TRL's own metrics (kl, entropy, clip ratios), which TRL
   averages per micro-batch over the log window itself;
 - one window row (`DiagnosticsAccumulator.window_layout`): the importance-ratio histogram of the loss's tokens
   (`LogRatioHistogram`), the loss terms in the units of the backward loss, and the optimizer steps they span;
+- with the ratio statistics, the length/reward correlation's three sums (`LENGTH_LAYOUT`);
 - with vLLM, one mismatch row: the histogram of the raw sampler/trainer ratios and how many lie outside the bounds.
 
 Its size depends on the number of micro-batches since the last log, never on the batch size or sequence length.
@@ -42,6 +43,8 @@ STEP_LAYOUT = FieldLayout(
     ]
 )
 MISMATCH_PREFIX = "sampling/importance_sampling_ratio_raw"
+# The length/reward correlation inside groups: this process's centred sums since the last log (`_length_moments`).
+LENGTH_LAYOUT = FieldLayout([("length_reward", "sum"), ("length_squares", "sum"), ("reward_squares", "sum")])
 
 
 @dataclass
@@ -112,6 +115,7 @@ class DiagnosticsAccumulator:
         self._window: torch.Tensor | None = None
         self._group_stds: list[torch.Tensor] = []
         self._unscored: list[torch.Tensor] = []  # [unscored, total] per generation batch
+        self._lengths: torch.Tensor | None = None  # this process's [sum l*R, sum l^2, sum R^2], centred in groups
         self._mismatch: torch.Tensor | None = None
 
     @staticmethod
@@ -180,17 +184,28 @@ class DiagnosticsAccumulator:
         )
         self._window = window if self._window is None else self.window_layout.merge(self._window, window)
 
-    def add_rewards(self, rewards: torch.Tensor, num_generations: int) -> None:
-        """Add the rewards of one generation batch, already gathered from every process.
+    def add_rewards(
+        self,
+        rewards: torch.Tensor,
+        num_generations: int,
+        lengths: torch.Tensor | None = None,
+        first_row: int = 0,
+    ) -> None:
+        """Add the rewards of one generation batch, already gathered from every process. Device ops only.
 
         Args:
             rewards (`torch.Tensor` of shape `(N,)`): total reward per completion, NaN for unscored ones, ordered
                 group-contiguously.
             num_generations (`int`): the group size G.
+            lengths (`torch.Tensor` of shape `(n,)`, *optional*): completion lengths (tokens) of this process's
+                completions, rows `first_row` to `first_row + n - 1` of `rewards` (TRL's process slice): for the
+                correlation of length and reward inside groups, pooled over processes by the log step's gather.
+            first_row (`int`): see `lengths`.
         """
         if not self.ratio_stats:
             return
-        grouped = rewards.detach().to(self._accumulator_dtype(rewards.device)).reshape(-1, num_generations)
+        dtype = self._accumulator_dtype(rewards.device)
+        grouped = rewards.detach().to(dtype).reshape(-1, num_generations)
         scored = ~torch.isnan(grouped)
         count = scored.sum(dim=1)
         mean = torch.where(scored, grouped, 0.0).sum(dim=1) / count.clamp(min=1)
@@ -199,6 +214,9 @@ class DiagnosticsAccumulator:
         self._group_stds.append(std)
         total = torch.full((), scored.numel(), dtype=torch.int64, device=scored.device)
         self._unscored.append(torch.stack([(~scored).sum(), total]))
+        if lengths is not None:
+            moments = _length_moments(grouped.flatten(), std, lengths, first_row, num_generations)
+            self._lengths = moments if self._lengths is None else self._lengths + moments
 
     def add_sampler_mismatch(self, log_ratio: torch.Tensor, units: torch.Tensor, outside: torch.Tensor) -> None:
         """Add the raw sampler/trainer importance ratios of one generation batch. Device ops only.
@@ -226,6 +244,8 @@ class DiagnosticsAccumulator:
         parts = [torch.cat(self._steps)]
         if self._window is not None:
             parts.append(self._window)
+        if self.ratio_stats:  # fixed size, zeros when no lengths were added since the last log
+            parts.append(self._lengths if self._lengths is not None else parts[0].new_zeros(LENGTH_LAYOUT.width))
         if self.sampler_mismatch:  # fixed size, an empty histogram when nothing was generated since the last log
             if self._mismatch is None:
                 empty = LogRatioHistogram.empty(parts[0].device, parts[0].dtype)
@@ -251,12 +271,17 @@ class DiagnosticsAccumulator:
                 window = self.window_layout.unpack(self.window_layout.reduce(rest[:, : self.window_layout.width]))
                 self._summarize_ratio_and_loss(window, summary)
                 rest = rest[:, self.window_layout.width :]
+            if self.ratio_stats:
+                self._summarize_lengths(LENGTH_LAYOUT.reduce(rest[:, : LENGTH_LAYOUT.width]), summary)
+                rest = rest[:, LENGTH_LAYOUT.width :]
             if self.sampler_mismatch:
                 self._summarize_mismatch(self.mismatch_layout.unpack(self.mismatch_layout.reduce(rest)), summary)
         if self._group_stds:
             self._summarize_rewards(torch.cat(self._group_stds).to(torch.float64).cpu(), summary)
             unscored, total = torch.stack(self._unscored).sum(dim=0).tolist()
             summary.scalars["frac_reward_unscored"] = unscored / total
+        if gathered is None and self._lengths is not None:  # nothing gathered (no loss step): this process's own
+            self._summarize_lengths(self._lengths.to(torch.float64).cpu(), summary)
         self.reset()
         return summary
 
@@ -311,6 +336,13 @@ class DiagnosticsAccumulator:
         if self.histograms:
             summary.histograms[MISMATCH_PREFIX] = ratio["histogram"]
 
+    def _summarize_lengths(self, moments: torch.Tensor, summary: DiagnosticsSummary) -> None:
+        cross, length_squares, reward_squares = LENGTH_LAYOUT.unpack(moments).values()
+        if length_squares.item() > 0 and reward_squares.item() > 0:
+            # r = sum (l - l_g)(R - R_g) / sqrt(sum (l - l_g)^2 * sum (R - R_g)^2), pooled over groups and processes
+            correlation = cross / (length_squares * reward_squares).sqrt()
+            summary.scalars["reward_length_corr/within_group"] = correlation.item()
+
     def _summarize_rewards(self, group_stds: torch.Tensor, summary: DiagnosticsSummary) -> None:
         valid = group_stds[~torch.isnan(group_stds)]
         if valid.numel() == 0:
@@ -320,6 +352,43 @@ class DiagnosticsAccumulator:
         summary.scalars["reward_std/group_max"] = valid.max().item()
         if self.histograms:
             summary.histograms["reward_std/group"] = _value_histogram(valid)
+
+
+def _length_moments(
+    rewards: torch.Tensor, group_stds: torch.Tensor, lengths: torch.Tensor, first_row: int, num_generations: int
+) -> torch.Tensor:
+    """This process's `LENGTH_LAYOUT` sums for one generation batch. Device ops only.
+
+    Its rows `first_row ..` of the batch are centred on the means of their group's rows held here (all of the group
+    unless the group spans processes) and summed: `[sum l_c * R_c, sum l_c^2, sum R_c^2]`. Rows that no function
+    scored are left out; groups without reward spread (TRL's zero std: within 1e-8 of 0) add only their length
+    spread, so that rounding noise in equal rewards adds nothing.
+
+    Args:
+        rewards (`torch.Tensor` of shape `(N,)`): the whole batch's total rewards, NaN for unscored rows.
+        group_stds (`torch.Tensor` of shape `(N / G,)`): each group's reward std.
+        lengths (`torch.Tensor` of shape `(n,)`): this process's completion lengths.
+        first_row (`int`): the batch row of `lengths[0]`.
+        num_generations (`int`): the group size G.
+    """
+    count = lengths.numel()
+    reward = rewards[first_row : first_row + count]
+    length = lengths.to(device=reward.device, dtype=reward.dtype)
+    first_group, last_group = first_row // num_generations, (first_row + count - 1) // num_generations
+    group = torch.arange(first_row, first_row + count, device=reward.device) // num_generations
+    local = group - first_group  # index among the groups this process holds (host integers: no sync)
+    scored = ~torch.isnan(reward)
+    weight = scored.to(reward.dtype)
+    zeros = reward.new_zeros(last_group - first_group + 1)
+    rows = zeros.index_add(0, local, weight).clamp(min=1)
+    reward_mean = zeros.index_add(0, local, torch.where(scored, reward, 0.0)) / rows
+    length_mean = zeros.index_add(0, local, torch.where(scored, length, 0.0)) / rows
+    length_centred = torch.where(scored, length - length_mean[local], 0.0)
+    varies = group_stds[group] > 1e-8  # NaN (one scored row) is no spread either
+    reward_centred = torch.where(scored & varies, reward - reward_mean[local], 0.0)
+    return torch.stack(
+        [(length_centred * reward_centred).sum(), length_centred.pow(2).sum(), reward_centred.pow(2).sum()]
+    )
 
 
 def _value_histogram(values: torch.Tensor, num_buckets: int = 20) -> tuple:

@@ -1,123 +1,187 @@
-"""`AnomalyMonitor`: warnings, from the logged metrics, about the failure modes a GRPO practitioner watches for.
+"""`AnomalyMonitor`: alarms, from the logged metrics, about the failure modes a GRPO practitioner watches for.
 
-It warns, once per episode, when most groups carry no learning signal, the clip fraction stays high, the
-importance-ratio tail explodes or the KL jumps, saying what to change.
+It warns, once per episode and naming what to change, when most groups carry no learning signal, the rewards stay
+without spread, most completions are truncated, the clip fraction stays high, the importance-ratio tail explodes,
+the KL jumps, the entropy collapses, `grad_norm` spikes, the length follows the reward, or the training reward rises
+while a held-out metric falls. The rules themselves are in `alarms.py`; `trl_grpo_ext.health` replays a finished
+run through the same ones.
 """
 
 from __future__ import annotations
 
-import math
-import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from transformers import TrainerCallback
 from transformers.utils import logging
 
-__all__ = ["AnomalyMonitor"]
+from .alarms import ALARM_FIELDS, DEFAULT_THRESHOLDS, RULES, Rule, build_rules
+
+__all__ = ["AnomalyMonitor", "Episode"]
 
 logger = logging.get_logger(__name__)
 
 
-class AnomalyMonitor(TrainerCallback):
-    """Warns, from the logged metrics, about the failure modes a GRPO practitioner watches for.
+@dataclass
+class Episode:
+    """One stretch of log steps during which an alarm's condition held.
 
-    Each warning fires when its condition starts and again only after the condition has cleared for a log step,
-    so a long episode gives one warning, not one per log line.
-
-    Args:
-        zero_std_fraction: warn when `frac_reward_zero_std` is at least this (`None`: off).
-        clip_fraction: warn when `clip_ratio/region_mean` is above this for `patience` log steps in a row.
-        ratio_p95, ratio_max: warn when `ratio/p95` or `ratio/max` exceed these.
-        kl_jump: warn when `kl` exceeds this factor times the median of the previous (5 to 10) logged values, taken
-            as at least 0.01.
-        patience: see `clip_fraction`.
+    Attributes:
+        name: the alarm (`alarms/<name>`).
+        start: the step it was given at (`None` for an entry without a step).
+        end: the last step at which the condition held so far.
+        message: the warning given.
+        active: whether the condition still held at the last entry that told.
     """
 
-    KL_FLOOR = 1e-2  # a median below this counts as this: KL grows from 0 at the start of every run
-    KL_HISTORY = 5  # logged values needed before a jump can be judged
+    name: str
+    start: int | None
+    end: int | None
+    message: str
+    active: bool = True
+
+    def steps(self) -> str:
+        """The steps as text: `"12"` or `"12-30"`."""
+        if self.start is None:
+            return "?"
+        return str(self.start) if self.end in (None, self.start) else f"{self.start}-{self.end}"
+
+
+class AnomalyMonitor(TrainerCallback):
+    """Alarms about a GRPO run, from its logged metrics; each given once per episode and counted.
+
+    An alarm fires when its condition starts and again only after the condition has cleared for a log step, so a
+    long episode gives one warning, not one per log line. Each alarm given is counted in `alarms/<name>` (how many
+    times it was given so far), added to every training log entry from its first time on: to the `logs` that the
+    callbacks after this one see (the trainer puts it before the loggers: TensorBoard, W&B, trackio, the console)
+    and to the entry of `state.log_history`. On `on_train_begin` it replays the history already in the state, so a
+    resumed run keeps its counts and the rules their running medians.
+
+    Args:
+        zero_std_fraction, no_spread_steps, truncated_fraction, clip_fraction, ratio_p95, ratio_max, kl_jump,
+        entropy_collapse, grad_norm_spike, length_drift_corr, length_group_corr, heldout_drop: the thresholds,
+            named as `GRPOConfigExt`'s `warn_*` fields without the prefix (their help says what each means);
+            `None` switches that alarm off.
+        patience: log steps in a row a high clip fraction must last (`warn_patience`).
+    """
 
     def __init__(
         self,
         *,
-        zero_std_fraction: float | None = 0.9,
-        clip_fraction: float | None = 0.2,
-        ratio_p95: float | None = 1.5,
-        ratio_max: float | None = 100.0,
-        kl_jump: float | None = 10.0,
+        zero_std_fraction: float | None = DEFAULT_THRESHOLDS["warn_zero_std_fraction"],
+        no_spread_steps: int | None = DEFAULT_THRESHOLDS["warn_no_spread_steps"],
+        truncated_fraction: float | None = DEFAULT_THRESHOLDS["warn_truncated_fraction"],
+        clip_fraction: float | None = DEFAULT_THRESHOLDS["warn_clip_fraction"],
+        ratio_p95: float | None = DEFAULT_THRESHOLDS["warn_ratio_p95"],
+        ratio_max: float | None = DEFAULT_THRESHOLDS["warn_ratio_max"],
+        kl_jump: float | None = DEFAULT_THRESHOLDS["warn_kl_jump"],
+        entropy_collapse: float | None = DEFAULT_THRESHOLDS["warn_entropy_collapse"],
+        grad_norm_spike: float | None = DEFAULT_THRESHOLDS["warn_grad_norm_spike"],
+        length_drift_corr: float | None = DEFAULT_THRESHOLDS["warn_length_drift_corr"],
+        length_group_corr: float | None = DEFAULT_THRESHOLDS["warn_length_group_corr"],
+        heldout_drop: float | None = DEFAULT_THRESHOLDS["warn_heldout_drop"],
         patience: int = 3,
     ):
-        self.thresholds = {
+        self.thresholds = {  # alarm name -> threshold, in `RULES` order
             "zero_std": zero_std_fraction,
-            "clip": clip_fraction,
+            "no_spread": no_spread_steps,
+            "truncation": truncated_fraction,
+            "clip_fraction": clip_fraction,
             "ratio_p95": ratio_p95,
             "ratio_max": ratio_max,
             "kl_jump": kl_jump,
+            "entropy_collapse": entropy_collapse,
+            "grad_norm_spike": grad_norm_spike,
+            "length_drift": length_drift_corr,
+            "length_in_group": length_group_corr,
+            "reward_vs_heldout": heldout_drop,
         }
-        self.patience = max(1, patience)
-        self.active: dict[str, bool] = {}
-        self.clip_streak = 0
-        self.kl_history: list[float] = []
-        self.warnings: list[str] = []  # every warning given, for callers and tests
+        if patience < 1:
+            raise ValueError(f"`patience` must be >= 1, got {patience}.")
+        self.patience = patience
+        self.reset()
 
-    def _conditions(self, logs: dict) -> dict[str, str | None]:
-        """Warning text per condition that holds now (`None` where it does not, absent where it was not logged)."""
-        found: dict[str, str | None] = {}
-        limit = self.thresholds["zero_std"]
-        if limit is not None and isinstance(logs.get("frac_reward_zero_std"), (int, float)):
-            value = logs["frac_reward_zero_std"]
-            found["zero_std"] = (
-                f"{value:.0%} of completions are in groups whose rewards are all equal: those groups give no "
-                "learning signal (only the KL term). Make the prompts neither too easy nor too hard for the model, "
-                "raise num_generations or temperature, or use a reward with partial credit."
-                if value >= limit
-                else None
-            )
-        limit = self.thresholds["clip"]
-        if limit is not None and isinstance(logs.get("clip_ratio/region_mean"), (int, float)):
-            value = logs["clip_ratio/region_mean"]
-            self.clip_streak = self.clip_streak + 1 if value > limit else 0
-            found["clip"] = (
-                f"clip_ratio/region_mean has stayed above {limit} for {self.clip_streak} log steps ({value:.2f} now): "
-                "many tokens sit in the flat, zero-gradient part of the surrogate. Lower the learning rate or "
-                "num_iterations, or widen epsilon."
-                if self.clip_streak >= self.patience
-                else None
-            )
-        for key, name in (("ratio/p95", "ratio_p95"), ("ratio/max", "ratio_max")):
-            limit = self.thresholds[name]
-            if limit is not None and isinstance(logs.get(key), (int, float)):
-                value = logs[key]
-                found[name] = (
-                    f"{key} = {value:.3g} exceeds {limit}: the policy moved far from the one that sampled the "
-                    "completions. Lower the learning rate or num_iterations; with vLLM, check that it samples with "
-                    "the same weights and sampling settings as the trainer."
-                    if value > limit or not math.isfinite(value)
-                    else None
-                )
-        limit = self.thresholds["kl_jump"]
-        if limit is not None and isinstance(logs.get("kl"), (int, float)):
-            value = logs["kl"]
-            baseline = statistics.median(self.kl_history) if len(self.kl_history) >= self.KL_HISTORY else None
-            jumped = baseline is not None and value > limit * max(baseline, self.KL_FLOOR)
-            found["kl_jump"] = (
-                f"kl jumped to {value:.3g}, more than {limit:g}x its recent median {baseline:.3g}: the policy is "
-                "leaving the reference fast. Lower the learning rate, raise beta, or check the rewards for hacking."
-                if jumped
-                else None
-            )
-            self.kl_history = (self.kl_history + [value])[-10:]
-        return found
+    @classmethod
+    def from_config(cls, args) -> AnomalyMonitor:
+        """The monitor that `args`' `warn_*` fields describe; a plain `trl.GRPOConfig` (which has none) gets
+        `GRPOConfigExt`'s defaults."""
+        kwargs = {
+            field.removeprefix("warn_"): getattr(args, field, DEFAULT_THRESHOLDS[field])
+            for field in ALARM_FIELDS.values()
+        }
+        return cls(**kwargs, patience=getattr(args, "warn_patience", 3))
 
-    def check(self, logs: dict) -> list[str]:
-        """Update with one log entry; return the warnings that start with it (also logged)."""
+    def reset(self) -> None:
+        """Forget every entry seen: fresh rules, no counts, no episodes."""
+        self.rules: list[Rule] = build_rules(self.thresholds, self.patience)
+        self.counts: dict[str, int] = {}
+        self.episodes: list[Episode] = []
+        self._open: dict[str, Episode] = {}
+        self.judged: dict[str, tuple] = {}  # alarm name -> (first, last) step of the entries it could judge
+        self.warnings: list[str] = []  # every warning given (`check(..., warn=True)`), for callers and tests
+
+    def check(self, logs: Mapping, step: int | None = None, warn: bool = True) -> list[str]:
+        """Feed one log entry to every rule; return the warnings that start with it.
+
+        Args:
+            logs: the entry (keys `alarms/*` in it are ignored).
+            step: its global step; default: `logs["step"]` (as in `log_history`).
+            warn: also log each warning through the transformers logger (only the main process should).
+        """
+        step = logs.get("step") if step is None else step
         started = []
-        for name, message in self._conditions(logs).items():
-            if message is not None and not self.active.get(name):
-                started.append(message)
+        for rule in self.rules:
+            verdict = rule.judge(logs)
+            if verdict is None:
+                continue  # not logged in this entry: the episode (or its absence) goes on
+            first = self.judged.get(rule.name, (step, step))[0]
+            self.judged[rule.name] = (first, step)
+            episode = self._open.get(rule.name)
+            if verdict is False:
+                if episode is not None:
+                    episode.active = False
+                    del self._open[rule.name]
+                continue
+            if episode is not None:
+                episode.end = step
+                continue
+            message = verdict + rule.tag()
+            episode = Episode(rule.name, step, step, message)
+            self._open[rule.name] = episode
+            self.episodes.append(episode)
+            self.counts[rule.name] = self.counts.get(rule.name, 0) + 1
+            started.append(message)
+            if warn:
                 logger.warning(message)
-            self.active[name] = message is not None
-        self.warnings += started
+                self.warnings.append(message)
         return started
 
+    def alarm_metrics(self) -> dict[str, int]:
+        """`alarms/<name>`: how many times each alarm given so far was given (the others are left out)."""
+        return {f"alarms/{name}": self.counts[name] for name in RULES if name in self.counts}
+
+    def replay(self, log_history: list[dict]) -> None:
+        """Start afresh and feed `log_history` (a `TrainerState`'s) without warning."""
+        self.reset()
+        for entry in log_history:
+            self.check(entry, warn=False)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.replay(state.log_history)
+
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and state.is_world_process_zero and "loss" in logs:
-            self.check(logs)
+        if not logs:
+            return
+        # Every process judges (the logged values are the same everywhere), so their histories agree; one warns.
+        started = self.check(logs, state.global_step, warn=state.is_world_process_zero)
+        if "loss" not in logs and not started:
+            return  # evaluation or the end-of-training summary: no counts in it
+        counts = self.alarm_metrics()
+        logs.update(counts)
+        entry = state.log_history[-1] if state.log_history else None
+        if (
+            entry is not None
+            and entry.get("step") == state.global_step
+            and logs.keys() - counts.keys() <= entry.keys()
+        ):
+            entry.update(counts)  # Trainer.log recorded this entry before calling the callbacks

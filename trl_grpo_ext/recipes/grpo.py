@@ -63,6 +63,15 @@ class GRPOScriptArguments:
         default=None,
         metadata={"help": "torch CPU threads per process (1 was fastest for tiny models on 2 cores)."},
     )
+    console: str = field(
+        default="compact",
+        metadata={
+            "help": "What the console shows per log step: 'compact' (a progress bar, unless disable_tqdm, and one "
+            "line of the key signals with the alarms that start) or 'raw' (transformers' dict of every logged "
+            "value).",
+            "choices": ["compact", "raw"],
+        },
+    )
 
 
 def output_summary(output_dir: str, since: float, logged: bool, logging_steps: float) -> str:
@@ -184,11 +193,14 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
     from trl.models import unwrap_model_for_generation
 
     from trl_grpo_ext import GRPOTrainerExt
+    from trl_grpo_ext.console import CONSOLE_MODES, ConsoleCallback
     from trl_grpo_ext.recipes.data import load_recipe_dataset
     from trl_grpo_ext.recipes.evaluation import SamplingSettings, sampled_reward_means
     from trl_grpo_ext.recipes.rewards import resolve_reward_funcs
 
     started = time.time()
+    if script_args.console not in CONSOLE_MODES:
+        raise ValueError(f"`console` must be one of {CONSOLE_MODES}, got {script_args.console!r}.")
     if script_args.num_threads:
         torch.set_num_threads(script_args.num_threads)
     if model_args.model_name_or_path is None:
@@ -228,6 +240,9 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
         peft_config=get_peft_config(model_args),
         quantization_config=get_quantization_config(model_args),
     )
+
+    if script_args.console == "compact":
+        ConsoleCallback.install(trainer)
 
     sharded = trainer.is_fsdp_enabled or (
         trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3

@@ -1,0 +1,294 @@
+"""The alarms: each on a synthetic log stream (fires, once per episode, clears, fires again) and on real tiny runs;
+their counts in the logs, their thresholds in the config, the same verdicts live and replayed."""
+
+import pytest
+from helpers import count_a_reward, tiny_grpo_args
+from transformers import TrainerControl, TrainerState, TrainingArguments
+
+from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+from trl_grpo_ext.guardrails import ALARM_FIELDS, AnomalyMonitor
+from trl_grpo_ext.guardrails.alarms import DEFAULT_THRESHOLDS, pearson
+from trl_grpo_ext.health import assess
+
+
+def fired_at(stream, name, **thresholds):
+    """The indices of the entries of `stream` at which the alarm `name` was given, and the warnings."""
+    monitor = AnomalyMonitor(**thresholds)
+    indices, messages = [], []
+    for index, entry in enumerate(stream):
+        started = [message for message in monitor.check(entry, step=index, warn=False) if f"alarms/{name};" in message]
+        if started:
+            indices.append(index)
+            messages += started
+    return indices, messages, monitor
+
+
+def rising_length(start, count, reward_from=0.0):
+    """Log entries whose reward and mean completion length rise together."""
+    return [{"reward": reward_from + 0.1 * i, "completions/mean_length": 10.0 + 2 * (start + i)} for i in range(count)]
+
+
+# alarm -> (stream, indices where it is given). Each stream: the condition starts, lasts (given once), clears for
+# at least one entry (or an entry without the metric, which neither clears nor continues it), starts again.
+STREAMS = {
+    "zero_std": (
+        [{"frac_reward_zero_std": 0.95}, {"frac_reward_zero_std": 0.97}, {}, {"frac_reward_zero_std": 0.2}]
+        + [{"frac_reward_zero_std": 0.92}],
+        [0, 4],
+    ),
+    "no_spread": (
+        [{"frac_reward_zero_std": v, "completions/clipped_ratio": 1.0} for v in (1, 1, 1, 1, 0.5, 1, 1, 1)],
+        [2, 7],
+    ),
+    "truncation": ([{"completions/clipped_ratio": v} for v in (0.6, 0.9, 0.1, 0.7)], [0, 3]),
+    "clip_fraction": ([{"clip_ratio/region_mean": v} for v in (0.3, 0.3, 0.3, 0.3, 0.1, 0.3, 0.3, 0.3)], [2, 7]),
+    "ratio_p95": ([{"ratio/p95": v} for v in (2.0, 2.0, 1.1, float("inf"))], [0, 3]),
+    "ratio_max": ([{"ratio/max": v} for v in (500.0, 500.0, 2.0, float("nan"))], [0, 3]),
+    "kl_jump": ([{"kl": v} for v in (0.01, 0.01, 0.01, 0.01, 0.01, 0.5, 0.6, 0.01, 0.5)], [5, 8]),
+    "entropy_collapse": ([{"entropy": v} for v in (2.0, 2.0, 2.0, 1.5, 0.1, 0.1, 1.0, 0.1)], [4, 7]),
+    "grad_norm_spike": ([{"grad_norm": v} for v in (1.0, 1.0, 1.0, 1.0, 1.0, 50.0, 60.0, 1.0, 50.0)], [5, 8]),
+    "length_drift": (
+        # rises for 8 entries (judged from the 6th), then the length settles while the reward stays: it clears
+        rising_length(0, 8)
+        + [{"reward": 0.7, "completions/mean_length": 24.0} for _ in range(10)]
+        + rising_length(8, 8, reward_from=0.8),
+        [5, 22],
+    ),
+    "length_in_group": ([{"reward_length_corr/within_group": v} for v in (0.9, 0.95, 0.1, 0.85)], [0, 3]),
+    "reward_vs_heldout": (
+        [
+            {"reward": 0.1, "heldout/acc/mean@4": 0.5},
+            {"reward": 0.3},
+            {"reward": 0.5, "heldout/acc/mean@4": 0.3},  # held-out fell 40% from its best, reward up
+            {"reward": 0.6},  # no held-out value: the episode goes on
+            {"reward": 0.6, "heldout/acc/mean@4": 0.6},  # a new best: cleared
+            {"reward": 0.9},
+            {"heldout/acc/mean@4": 0.4},  # an evaluation logged in its own entry
+        ],
+        [2, 6],
+    ),
+}
+
+
+def test_every_alarm_has_a_stream():
+    assert set(STREAMS) == set(ALARM_FIELDS)
+
+
+@pytest.mark.parametrize("name", sorted(STREAMS))
+def test_each_alarm_fires_once_per_episode_clears_and_fires_again(name):
+    stream, expected = STREAMS[name]
+    indices, messages, monitor = fired_at(stream, name, patience=3)
+    assert indices == expected
+    assert monitor.counts[name] == len(expected) and monitor.alarm_metrics()[f"alarms/{name}"] == len(expected)
+    # Every warning names the metric that counts it and the field of its threshold.
+    assert all(f"[alarms/{name}; {ALARM_FIELDS[name]}=" in message for message in messages)
+    episodes = [episode for episode in monitor.episodes if episode.name == name]
+    assert [episode.start for episode in episodes] == expected and not episodes[0].active
+
+
+@pytest.mark.parametrize("name", sorted(STREAMS))
+def test_each_alarm_can_be_switched_off(name):
+    stream, _ = STREAMS[name]
+    field = ALARM_FIELDS[name].removeprefix("warn_")
+    indices, _, monitor = fired_at(stream, name, **{field: None})
+    assert indices == [] and name not in monitor.counts
+
+
+@pytest.mark.parametrize(
+    ("knob", "name", "entry"),
+    [
+        ("max_completion_length", "truncation", {"completions/clipped_ratio": 0.9}),
+        ("num_generations", "zero_std", {"frac_reward_zero_std": 1.0}),
+        ("temperature", "entropy_collapse", None),
+        ("learning_rate", "grad_norm_spike", None),
+        ("beta", "kl_jump", None),
+        ("metric_for_best_model", "reward_vs_heldout", None),
+    ],
+)
+def test_each_warning_names_the_knob_to_change(knob, name, entry):
+    stream = STREAMS[name][0] if entry is None else [entry]
+    _, messages, _ = fired_at(stream, name)
+    assert knob in messages[0]
+
+
+def test_no_spread_says_whether_truncation_is_the_cause():
+    def message(clipped):
+        extra = {} if clipped is None else {"completions/clipped_ratio": clipped}
+        return fired_at([{"frac_reward_zero_std": 1.0, **extra}] * 3, "no_spread")[1][0]
+
+    assert "Truncation is the likely cause" in message(0.97) and "max_completion_length" in message(0.97)
+    assert "Truncation is not the cause (10% of completions were cut)" in message(0.1)
+    assert "Whether truncation is the cause is unknown" in message(None)
+
+
+def test_length_drift_needs_a_rising_reward_and_a_real_change():
+    falling_reward = [{"reward": 1.0 - 0.1 * i, "completions/mean_length": 10.0 + 2 * i} for i in range(8)]
+    small_change = [{"reward": 0.1 * i, "completions/mean_length": 10.0 + 0.1 * i} for i in range(8)]
+    assert fired_at(falling_reward, "length_drift")[0] == []
+    assert fired_at(small_change, "length_drift")[0] == []
+
+
+def test_pearson_correlation():
+    assert pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
+    assert pearson([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert pearson([1, 1, 1], [1, 2, 3]) is None and pearson([1], [2]) is None
+
+
+def test_the_report_replays_the_same_episodes_as_the_live_monitor():
+    stream = [
+        {**a, **b, **c, "loss": 0.0, "step": step}
+        for step, (a, b, c) in enumerate(
+            zip(STREAMS["kl_jump"][0], STREAMS["entropy_collapse"][0], STREAMS["grad_norm_spike"][0], strict=False),
+            start=1,
+        )
+    ]
+    live = AnomalyMonitor()
+    for entry in stream:
+        live.check(entry, warn=False)
+    replayed = assess(stream).episodes
+    assert [(e.name, e.start, e.end) for e in replayed] == [(e.name, e.start, e.end) for e in live.episodes]
+    assert {e.name for e in replayed} == {"kl_jump", "entropy_collapse", "grad_norm_spike"}
+
+
+def callback_args(tmp_path):
+    return TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+
+
+def test_counts_reach_the_logs_the_later_callbacks_see_and_the_history(tmp_path):
+    monitor, state = AnomalyMonitor(), TrainerState()
+    seen = []
+    for step, clipped in enumerate((0.9, 0.9, 0.1, 0.9), start=1):
+        logs = {"loss": 0.0, "completions/clipped_ratio": clipped}
+        state.global_step = step
+        state.log_history.append({**logs, "step": step})  # as Trainer.log records it before the callbacks
+        monitor.on_log(callback_args(tmp_path), state, TrainerControl(), logs=logs)
+        seen.append(logs.get("alarms/truncation"))
+    assert seen == [1, 1, 1, 2]  # how many times it was given so far
+    assert [entry["alarms/truncation"] for entry in state.log_history] == [1, 1, 1, 2]
+    evaluation = {"eval_loss": 0.1}
+    monitor.on_log(callback_args(tmp_path), state, TrainerControl(), logs=evaluation)
+    assert "alarms/truncation" not in evaluation  # counts go with the training entries
+
+
+def test_a_resumed_run_keeps_its_counts_and_does_not_warn_again(tmp_path, caplog):
+    history = [{"loss": 0.0, "completions/clipped_ratio": 0.9, "step": step} for step in (1, 2)]
+    state = TrainerState(log_history=list(history), global_step=2)
+    monitor = AnomalyMonitor()
+    monitor.on_train_begin(callback_args(tmp_path), state, TrainerControl())
+    assert monitor.counts == {"truncation": 1} and monitor.warnings == []
+    logs = {"loss": 0.0, "completions/clipped_ratio": 0.9}
+    state.global_step = 3
+    assert monitor.check(logs, 3) == []  # the same episode, not a new one
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("warn_truncated_fraction", 0.0),
+        ("warn_truncated_fraction", 1.5),
+        ("warn_no_spread_steps", 0),
+        ("warn_entropy_collapse", 1.0),
+        ("warn_grad_norm_spike", 1.0),
+        ("warn_length_drift_corr", 1.2),
+        ("warn_length_group_corr", 0.0),
+        ("warn_heldout_drop", -0.1),
+        ("warn_ratio_p95", 0.9),
+        ("warn_patience", 0),
+    ],
+)
+def test_thresholds_out_of_range_are_refused_naming_the_field(field, value, tmp_path):
+    with pytest.raises(ValueError, match=f"`{field}` must be"):
+        GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, **{field: value})
+
+
+def test_the_config_defaults_are_the_monitor_s(tmp_path):
+    args = GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, warn_truncated_fraction=None)
+    assert {field: getattr(GRPOConfigExt, field) for field in DEFAULT_THRESHOLDS} == DEFAULT_THRESHOLDS
+    monitor = AnomalyMonitor.from_config(args)
+    assert monitor.thresholds["truncation"] is None and "truncation" not in [rule.name for rule in monitor.rules]
+    assert monitor.thresholds["no_spread"] == DEFAULT_THRESHOLDS["warn_no_spread_steps"]
+
+
+def monitor_of(trainer) -> AnomalyMonitor:
+    (monitor,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, AnomalyMonitor)]
+    return monitor
+
+
+def tiny_run(tmp_path, model_path, tokenizer, dataset, reward=count_a_reward, **config):
+    trainer = GRPOTrainerExt(
+        model=model_path,
+        reward_funcs=reward,
+        args=GRPOConfigExt(**tiny_grpo_args(tmp_path, **config)),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    return trainer
+
+
+def training_entries(trainer):
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+class TestOnRealRuns:
+    def test_the_monitor_comes_before_the_loggers(self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+        trainer = GRPOTrainerExt(
+            model=tiny_model_path,
+            reward_funcs=count_a_reward,
+            args=GRPOConfigExt(**tiny_grpo_args(tmp_path, report_to="tensorboard")),
+            train_dataset=prompt_dataset,
+            processing_class=tiny_tokenizer,
+        )
+        names = [type(callback).__name__ for callback in trainer.callback_handler.callbacks]
+        assert names.index("AnomalyMonitor") < names.index("TensorBoardCallback")
+
+    def test_one_token_completions_raise_the_truncation_alarm(
+        self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+    ):
+        trainer = tiny_run(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, max_completion_length=1)
+        monitor = monitor_of(trainer)
+        assert monitor.counts["truncation"] == 1
+        entries = training_entries(trainer)
+        assert entries[0]["completions/clipped_ratio"] >= 0.5
+        assert [entry["alarms/truncation"] for entry in entries] == [1] * len(entries)
+        trainer.create_model_card()
+        health = (tmp_path / "README.md").read_text().split("## Training health")[1].split("\n## ")[0]
+        assert "- truncation (steps 1-4): " in health and "Raise max_completion_length" in health
+
+    def test_a_constant_reward_raises_the_no_spread_alarm_once(
+        self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+    ):
+        def constant_reward(completions, **kwargs):
+            return [1.0] * len(completions)
+
+        trainer = tiny_run(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, reward=constant_reward)
+        monitor = monitor_of(trainer)
+        assert monitor.counts["no_spread"] == 1 and monitor.counts["zero_std"] == 1
+        (no_spread,) = [episode for episode in monitor.episodes if episode.name == "no_spread"]
+        assert no_spread.start == DEFAULT_THRESHOLDS["warn_no_spread_steps"]  # the 3rd log step without spread
+        assert "Truncation is" in no_spread.message  # says whether truncation is the cause
+        assert [entry.get("alarms/no_spread") for entry in training_entries(trainer)] == [None, None, 1, 1]
+
+    def test_a_reward_equal_to_the_length_raises_the_length_alarm(
+        self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+    ):
+        def length_reward(completion_ids, **kwargs):
+            return [float(len(ids)) for ids in completion_ids]
+
+        trainer = tiny_run(
+            tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, reward=length_reward, max_completion_length=16
+        )
+        correlations = [entry.get("reward_length_corr/within_group") for entry in training_entries(trainer)]
+        assert any(value == pytest.approx(1.0) for value in correlations if value is not None)
+        assert monitor_of(trainer).counts["length_in_group"] == 1
+
+    def test_an_unrelated_reward_shows_a_weak_length_correlation(
+        self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+    ):
+        def parity_reward(completion_ids, **kwargs):  # depends on the tokens, not on how many
+            return [float(sum(ids) % 2) for ids in completion_ids]
+
+        trainer = tiny_run(
+            tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, reward=parity_reward, max_completion_length=16
+        )
+        assert "length_in_group" not in monitor_of(trainer).counts

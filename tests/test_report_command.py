@@ -1,0 +1,148 @@
+"""`trl-grpo-ext report RUN_DIR`: a GRPOTrainerExt run, a stock trl.GRPOTrainer run, folders without a run."""
+
+import json
+
+import pytest
+from helpers import count_a_reward, tiny_grpo_args
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt, cli
+from trl_grpo_ext.health import SIGNALS, assess
+from trl_grpo_ext.run_report import find_trainer_state
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def report(run_dir, capsys, *extra):
+    capsys.readouterr()  # what the training printed
+    status = cli.main(["report", str(run_dir), *extra])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def health_lines(out: str) -> dict[str, str]:
+    """signal name -> verdict, from the summary's lines (`  <verdict> <signal name> <detail>`)."""
+    verdicts = {}
+    for line in out.splitlines():
+        verdict, _, rest = line.strip().partition(" ")
+        if line.startswith("  ") and verdict in ("ok", "ALARM", "note", "shown", "missing"):
+            names = [signal.name for signal in SIGNALS if rest.lstrip().startswith(signal.name + " ")]
+            verdicts[max(names, key=len)] = verdict  # "reward spread in groups", not "reward"
+    return verdicts
+
+
+def write_state(folder, global_step, log_history):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": global_step, "log_history": log_history}))
+
+
+def test_a_folder_without_a_run_exits_non_zero_with_a_one_line_reason(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    status, out, err = report(tmp_path / "empty", capsys)
+    assert status == 1 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "holds no trainer_state.json" in err
+    status, _, err = report(tmp_path / "nowhere", capsys)
+    assert status == 1 and "is not a folder" in err
+
+
+def test_an_unreadable_state_exits_non_zero(tmp_path, capsys):
+    (tmp_path / "trainer_state.json").write_text("{")
+    status, _, err = report(tmp_path, capsys)
+    assert status == 1 and "cannot be read as a trainer state" in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "trainer_state.json").write_text("[]")
+    status, _, err = report(tmp_path, capsys)
+    assert status == 1 and "no log_history" in err
+
+
+def test_the_state_further_on_is_read_the_folder_s_or_its_last_checkpoint_s(tmp_path):
+    write_state(tmp_path, 2, [{"loss": 1.0, "step": 2}])
+    write_state(tmp_path / "checkpoint-4", 4, [{"loss": 1.0, "step": 4}])
+    path, state = find_trainer_state(str(tmp_path))
+    assert path.endswith("checkpoint-4/trainer_state.json") and state["global_step"] == 4
+    write_state(tmp_path, 6, [{"loss": 1.0, "step": 6}])  # the end of the run, after its last checkpoint
+    assert find_trainer_state(str(tmp_path))[1]["global_step"] == 6
+
+
+def test_a_run_without_logged_steps_is_read(tmp_path, capsys):
+    write_state(tmp_path, 0, [])
+    status, out, _ = report(tmp_path, capsys)
+    assert status == 0 and "report.png: not written, no training step was logged" in out
+    assert set(health_lines(out)) == {signal.name for signal in SIGNALS}
+
+
+def test_report_on_a_finished_grpo_trainer_ext_run(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, capsys):
+    run_dir = tmp_path / "ext"
+    trainer = GRPOTrainerExt(
+        model=tiny_model_path,
+        reward_funcs=count_a_reward,
+        args=GRPOConfigExt(
+            **tiny_grpo_args(run_dir, max_completion_length=1, save_strategy="steps", save_steps=4, max_steps=4)
+        ),
+        train_dataset=prompt_dataset,
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    (run_dir / "report.png").unlink()  # written with the checkpoint's model card: the command rewrites it
+    status, out, _ = report(run_dir, capsys)
+    assert status == 0
+    assert out.startswith(f"Run {run_dir}: checkpoint-4/trainer_state.json at global step 4, 4 training log entries")
+    assert (run_dir / "report.png").read_bytes()[:8] == PNG
+    assert "panels without data" not in out  # every panel has something to draw
+    verdicts = health_lines(out)
+    assert list(verdicts) == [signal.name for signal in SIGNALS]  # one line per signal, in the table's order
+    assert verdicts["completion length"] == "ALARM" and verdicts["importance ratio"] == "ok"
+    assert verdicts["held-out metric"] == "missing" and verdicts["loss split"] == "shown"
+    assert "truncation (steps 1-4): " in out and "Raise max_completion_length" in out
+
+
+def test_report_on_a_stock_trl_run_says_what_is_missing(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, capsys
+):
+    run_dir = tmp_path / "stock"
+    trainer = GRPOTrainer(
+        model=tiny_model_path,
+        reward_funcs=count_a_reward,
+        args=GRPOConfig(**tiny_grpo_args(run_dir, save_strategy="steps", save_steps=4)),
+        train_dataset=prompt_dataset,
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    status, out, _ = report(run_dir, capsys)
+    assert status == 0 and (run_dir / "report.png").read_bytes()[:8] == PNG
+    verdicts = health_lines(out)
+    assert list(verdicts) == [signal.name for signal in SIGNALS]
+    # TRL logs these: judged.
+    for name in ("reward", "groups without spread", "entropy", "completion length", "gradient norm"):
+        assert verdicts[name] in ("ok", "ALARM"), name
+    # GRPOTrainerExt's own metrics, and kl with TRL's beta = 0: missing, with the reason.
+    for name in ("importance ratio", "unscored completions", "KL to the reference"):
+        assert verdicts[name] == "missing", name
+    assert "not logged: ratio/p95 (GRPOTrainerExt logs it with log_diagnostics; stock TRL does not)" in out
+    assert "not logged: kl (logged only when beta > 0" in out
+    assert "panels without data: " in out and "importance ratio r = pi / pi_old (ratio/p50" in out
+
+
+def test_the_command_is_listed_and_has_help(capsys):
+    assert cli.main([]) == 0 and "report" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["report", "--help"])
+    text = capsys.readouterr().out
+    assert exit_info.value.code == 0 and text.startswith("usage: trl-grpo-ext report [-h] [--output OUTPUT] RUN_DIR")
+
+
+def test_health_verdicts_of_counts_and_of_a_held_out_metric_that_falls():
+    history = [
+        {"loss": 0.0, "step": 1, "reward": 0.1, "frac_reward_unscored": 0.0, "nonfinite/skipped_steps": 0},
+        {"loss": 0.0, "step": 2, "reward": 0.2, "frac_reward_unscored": 0.25, "nonfinite/skipped_steps": 1},
+        {"step": 2, "heldout/accuracy/mean@4": 0.6},
+        {"loss": 0.0, "step": 3, "reward": 0.5, "frac_reward_unscored": 0.0, "nonfinite/skipped_steps": 1},
+        {"step": 3, "heldout/accuracy/mean@4": 0.3},
+    ]
+    health = {signal.signal.name: signal for signal in assess(history).signals}
+    unscored, skipped = health["unscored completions"], health["skipped non-finite steps"]
+    assert unscored.verdict == "note" and "not 0 at step 2" in unscored.detail
+    assert skipped.verdict == "note" and "not 0 at steps 2-3" in skipped.detail
+    held_out = health["held-out metric"]
+    assert held_out.verdict == "ALARM" and "reward_vs_heldout at step 3" in held_out.detail
+    assert "heldout/accuracy/mean@4 0.6 -> 0.3" in held_out.detail
+    assert health["reward"].verdict == "ok" and health["KL to the reference"].verdict == "missing"

@@ -1,0 +1,133 @@
+"""A console a person can read: the progress bar, and per log step one compact line of the key signals.
+
+    step 20/400 | reward 0.412 | spread 0.231 | kl 0.00312 | clip 0.0125 | ratio p95 1.08 | entropy 1.93 | len 7.4
+
+with the alarms that start at that step at the end of the line (`| ALARM truncation, no_spread`; the full warning,
+with what to change, comes from the trainer's logger). `ConsoleCallback.install(trainer)` puts it in place of
+transformers' `ProgressCallback` / `PrinterCallback`, whose raw dict lines it replaces; the recipe's `--console raw`
+keeps those.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from transformers import PrinterCallback, ProgressCallback
+
+__all__ = ["CONSOLE_MODES", "CONSOLE_SIGNALS", "ConsoleCallback", "format_log_line"]
+
+CONSOLE_MODES = ("compact", "raw")
+#: (logged metric, its label on the line), in the order of the line.
+CONSOLE_SIGNALS = (
+    ("reward", "reward"),
+    ("reward_std/group_mean", "spread"),
+    ("kl", "kl"),
+    ("clip_ratio/region_mean", "clip"),
+    ("ratio/p95", "ratio p95"),
+    ("entropy", "entropy"),
+    ("completions/mean_length", "len"),
+)
+MISSING = "-"  # a signal not logged at this step (rewards are logged only at the steps that generate)
+
+
+def _format(value) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return MISSING if value is None else str(value)
+    if math.isnan(value):
+        return MISSING
+    return f"{value:.3g}"
+
+
+def format_log_line(
+    logs: Mapping, step: int, max_steps: int | None = None, alarms: list[str] | tuple[str, ...] = ()
+) -> str:
+    """The console line of one log entry.
+
+    A training entry (it has `loss`) gives the `CONSOLE_SIGNALS`, `-` for those not logged; an evaluation entry the
+    same signals with TRL's `eval_` prefix; any other entry (the end-of-training summary, a held-out evaluation) its
+    numbers, each as `name value`.
+
+    Args:
+        logs: the entry, as `on_log` gets it.
+        step: the global step.
+        max_steps: the planned number of steps, shown as `step 20/400`.
+        alarms: names of the alarms that start at this entry, appended as `| ALARM name, name`.
+    """
+    where = f"step {step}/{max_steps}" if max_steps and max_steps > 0 else f"step {step}"
+    if "loss" in logs:
+        fields = [where] + [f"{label} {_format(logs.get(key))}" for key, label in CONSOLE_SIGNALS]
+    elif "eval_loss" in logs:
+        fields = [f"eval {where}"] + [f"{label} {_format(logs.get('eval_' + key))}" for key, label in CONSOLE_SIGNALS]
+    else:
+        fields = [where] + [
+            f"{key} {_format(value)}"
+            for key, value in logs.items()
+            if isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and not key.startswith("alarms/")
+            and key not in ("epoch", "total_flos", "step")
+        ]
+    if alarms:
+        fields.append("ALARM " + ", ".join(alarms))
+    return " | ".join(fields)
+
+
+class ConsoleCallback(ProgressCallback):
+    """transformers' progress bar (unless `disable_tqdm`), with one `format_log_line` line per log entry instead of
+    the raw dict: written above the bar, or printed when there is no bar. Main process only.
+
+    The alarms shown are those whose `alarms/<name>` count (added by `AnomalyMonitor`, which runs before the
+    callbacks that print) went up since the previous line.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._counts: dict[str, float] = {}
+
+    @classmethod
+    def install(cls, trainer) -> ConsoleCallback:
+        """Replace `trainer`'s `ProgressCallback` / `PrinterCallback` (the raw dict lines) by a `ConsoleCallback`."""
+        for callback in (ProgressCallback, PrinterCallback):
+            trainer.remove_callback(callback)
+        console = cls()
+        trainer.add_callback(console)
+        return console
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not args.disable_tqdm:
+            super().on_train_begin(args, state, control, **kwargs)
+        self._counts = _alarm_counts(state.log_history[-1:])  # a resumed run: the alarms given before
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.training_bar is not None:
+            super().on_step_end(args, state, control, **kwargs)
+
+    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+        if not args.disable_tqdm:
+            super().on_prediction_step(args, state, control, eval_dataloader=eval_dataloader, **kwargs)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.training_bar is not None:
+            super().on_train_end(args, state, control, **kwargs)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or not state.is_world_process_zero:
+            return
+        counts = _alarm_counts([logs])
+        started = [key.removeprefix("alarms/") for key, value in counts.items() if value > self._counts.get(key, 0)]
+        self._counts.update(counts)
+        line = format_log_line(logs, state.global_step, state.max_steps, started)
+        if self.training_bar is not None:
+            self.training_bar.write(line)
+        else:
+            print(line, flush=True)
+
+
+def _alarm_counts(entries: list[Mapping]) -> dict[str, float]:
+    return {
+        key: value
+        for entry in entries
+        for key, value in entry.items()
+        if key.startswith("alarms/") and isinstance(value, (int, float))
+    }

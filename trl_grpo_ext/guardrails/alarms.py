@@ -1,0 +1,419 @@
+"""The alarm rules: each reads a run's log entries one at a time and says whether its failure mode holds now.
+
+An entry is what `Trainer.log` records: the dict a callback's `on_log` gets, or one item of
+`trainer_state.json`'s `log_history`. `AnomalyMonitor` (`anomaly.py`) feeds the rules live and gives each alarm
+once per episode; `trl_grpo_ext.health` feeds a finished run's history through the same rules. Each rule:
+
+- `name`: the alarm's name, counted as `alarms/<name>`;
+- `field`: the `GRPOConfigExt` field holding its threshold (`None` there switches the alarm off);
+- `judge(entry)`: the warning text when the condition holds, `False` when it does not, `None` when the entry does
+  not tell (the metric was not logged in it: rewards are logged only at the steps that generate, for instance).
+
+A rule keeps the history it needs (a running median, the first values, a streak), so a rule must see the entries
+in order, each once.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections.abc import Mapping
+
+__all__ = ["ALARM_FIELDS", "DEFAULT_THRESHOLDS", "HELDOUT_KEY", "RULES", "Rule", "build_rules", "pearson"]
+
+#: A held-out metric's mean over k completions per prompt (`heldout/<metric>/mean@<k>`), also with `eval_` in front.
+HELDOUT_KEY = re.compile(r"^(?:eval_)?heldout/(?P<metric>.+)/mean@(?P<k>\d+)$")
+
+
+def _number(entry: Mapping, key: str) -> float | None:
+    """`entry[key]` when it is a logged number (`None` also for NaN: TRL logs `None` or NaN for "no value")."""
+    value = entry.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        return None
+    return float(value)
+
+
+def pearson(xs: list[float], ys: list[float]) -> float | None:
+    """Pearson correlation of two equally long series, `None` when either is constant (or shorter than 2).
+
+    r = sum((x - mean x)(y - mean y)) / sqrt(sum((x - mean x)^2) * sum((y - mean y)^2))
+    """
+    if len(xs) < 2:
+        return None
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    syy = sum((y - mean_y) ** 2 for y in ys)
+    if sxx <= 0 or syy <= 0:
+        return None
+    return sxy / math.sqrt(sxx * syy)
+
+
+class Rule:
+    """One alarm: its name, its threshold's config field, and `judge` (see the module docstring)."""
+
+    name: str = ""
+    field: str = ""
+    #: The logged metrics it reads (the report names them when none was logged).
+    keys: tuple[str, ...] = ()
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    def judge(self, entry: Mapping) -> str | bool | None:
+        raise NotImplementedError
+
+    def tag(self) -> str:
+        """The suffix of every warning: the metric that counts it and the field that sets (or switches off) it."""
+        return f" [alarms/{self.name}; {self.field}={self.threshold:g}, None switches it off]"
+
+
+class ZeroStdRule(Rule):
+    name, field, keys = "zero_std", "warn_zero_std_fraction", ("frac_reward_zero_std",)
+
+    def judge(self, entry):
+        value = _number(entry, "frac_reward_zero_std")
+        if value is None:
+            return None
+        if value < self.threshold:
+            return False
+        return (
+            f"{value:.0%} of completions are in groups whose rewards are all equal: those groups give no learning "
+            "signal (only the KL term). Make the prompts neither too easy nor too hard for the model, raise "
+            "num_generations or temperature, or use a reward with partial credit."
+        )
+
+
+class ClipFractionRule(Rule):
+    name, field, keys = "clip_fraction", "warn_clip_fraction", ("clip_ratio/region_mean",)
+
+    def __init__(self, threshold: float, patience: int = 3):
+        super().__init__(threshold)
+        self.patience = patience
+        self.streak = 0
+
+    def judge(self, entry):
+        value = _number(entry, "clip_ratio/region_mean")
+        if value is None:
+            return None
+        self.streak = self.streak + 1 if value > self.threshold else 0
+        if self.streak < self.patience:
+            return False
+        return (
+            f"clip_ratio/region_mean has stayed above {self.threshold:g} for {self.streak} log steps "
+            f"({value:.2f} now): many tokens sit in the flat, zero-gradient part of the surrogate. Lower the "
+            "learning_rate or num_iterations, or widen epsilon."
+        )
+
+
+class RatioRule(Rule):
+    """`ratio/p95` or `ratio/max` above its threshold, or not finite."""
+
+    def __init__(self, threshold: float, key: str):
+        super().__init__(threshold)
+        self.key = key
+        self.keys = (key,)
+        self.name = key.replace("/", "_")
+        self.field = f"warn_{self.name}"
+
+    def judge(self, entry):
+        value = entry.get(self.key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        if math.isfinite(value) and value <= self.threshold:
+            return False
+        return (
+            f"{self.key} = {value:.3g} exceeds {self.threshold:g}: the policy moved far from the one that sampled the "
+            "completions. Lower the learning_rate or num_iterations; with vLLM, check that it samples with the same "
+            "weights and sampling settings as the trainer."
+        )
+
+
+class KLJumpRule(Rule):
+    name, field, keys = "kl_jump", "warn_kl_jump", ("kl",)
+    FLOOR = 1e-2  # a median below this counts as this: KL grows from 0 at the start of every run
+    HISTORY = 10  # the previous values the median is taken over
+    MIN_HISTORY = 5  # values needed before a jump can be judged
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.history: list[float] = []
+
+    def judge(self, entry):
+        value = _number(entry, "kl")
+        if value is None:
+            return None
+        baseline = statistics.median(self.history) if len(self.history) >= self.MIN_HISTORY else None
+        self.history = (self.history + [value])[-self.HISTORY :]
+        if baseline is None or value <= self.threshold * max(baseline, self.FLOOR):
+            return False
+        return (
+            f"kl jumped to {value:.3g}, more than {self.threshold:g}x its recent median {baseline:.3g}: the policy is "
+            "leaving the reference fast. Lower the learning_rate, raise beta, or check the rewards for hacking."
+        )
+
+
+class TruncationRule(Rule):
+    name, field, keys = "truncation", "warn_truncated_fraction", ("completions/clipped_ratio",)
+
+    def judge(self, entry):
+        value = _number(entry, "completions/clipped_ratio")
+        if value is None:
+            return None
+        if value < self.threshold:
+            return False
+        return (
+            f"{value:.0%} of completions reached max_completion_length without an end-of-sequence token: the "
+            "rewards judge cut-off text, and when every completion is cut they are often all equal (no learning "
+            "signal). Raise max_completion_length, or ask for shorter answers (a system prompt, a format reward)."
+        )
+
+
+class NoSpreadRule(Rule):
+    """No reward spread in any group for `threshold` log steps in a row; says whether truncation is the cause."""
+
+    name, field, keys = "no_spread", "warn_no_spread_steps", ("frac_reward_zero_std",)
+    ALL = 1 - 1e-6  # `frac_reward_zero_std` at or above this: every group had equal rewards
+    CAUSE = 0.9  # truncated share (mean over the streak) from which truncation is named as the cause
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.streak = 0
+        self.truncated: list[float] = []
+
+    def judge(self, entry):
+        value = _number(entry, "frac_reward_zero_std")
+        if value is None:
+            return None
+        if value < self.ALL:
+            self.streak, self.truncated = 0, []
+            return False
+        self.streak += 1
+        truncated = _number(entry, "completions/clipped_ratio")
+        if truncated is not None:
+            self.truncated.append(truncated)
+        if self.streak < self.threshold:
+            return False
+        text = (
+            f"no reward spread for {self.streak} log steps: in every group all completions scored the same, so "
+            "every advantage is 0 and only the KL term trains. "
+        )
+        if not self.truncated:
+            return text + (
+                "Whether truncation is the cause is unknown (completions/clipped_ratio was not logged). Check the "
+                "reward function on a few completions, and max_completion_length."
+            )
+        share = statistics.fmean(self.truncated)
+        if share >= self.CAUSE:
+            return text + (
+                f"Truncation is the likely cause: {share:.0%} of the completions were cut at max_completion_length, "
+                "so the reward sees no complete answer. Raise max_completion_length."
+            )
+        return text + (
+            f"Truncation is not the cause ({share:.0%} of completions were cut): check that the reward function "
+            "does not return a constant, make the prompts neither too easy nor too hard, or raise num_generations "
+            "or temperature."
+        )
+
+
+class EntropyCollapseRule(Rule):
+    name, field, keys = "entropy_collapse", "warn_entropy_collapse", ("entropy",)
+    BASELINE = 3  # the first logged values whose mean is the reference
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.first: list[float] = []
+
+    def judge(self, entry):
+        value = _number(entry, "entropy")
+        if value is None:
+            return None
+        if len(self.first) < self.BASELINE:
+            self.first.append(value)
+            return False
+        baseline = statistics.fmean(self.first)
+        if baseline <= 0 or value >= self.threshold * baseline:
+            return False
+        return (
+            f"entropy fell to {value:.3g}, {value / baseline:.0%} of its first logged values ({baseline:.3g}): the "
+            "policy stopped exploring, its completions of a prompt become alike and their rewards equal. Raise "
+            "temperature, lower the learning_rate, widen epsilon_high (clip-higher, e.g. 0.28), or add an entropy "
+            "bonus (entropy_coef)."
+        )
+
+
+class GradNormSpikeRule(Rule):
+    name, field, keys = "grad_norm_spike", "warn_grad_norm_spike", ("grad_norm",)
+    FLOOR = 1e-3  # a median below this counts as this: steps without reward spread have next to no gradient
+    HISTORY = 20
+    MIN_HISTORY = 5
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.history: list[float] = []
+
+    def judge(self, entry):
+        value = entry.get("grad_norm")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        if not math.isfinite(value):
+            return (
+                f"grad_norm is {value}: a loss or gradient was not finite. nonfinite_policy='skip' (the default) "
+                "keeps such updates off the weights; lower the learning_rate if it recurs."
+            )
+        baseline = statistics.median(self.history) if len(self.history) >= self.MIN_HISTORY else None
+        self.history = (self.history + [value])[-self.HISTORY :]
+        if baseline is None or value <= self.threshold * max(baseline, self.FLOOR):
+            return False
+        return (
+            f"grad_norm spiked to {value:.3g}, {value / max(baseline, self.FLOOR):.0f}x its running median "
+            f"{baseline:.3g}: spikes like this often precede a collapse. Lower the learning_rate, set or lower "
+            "max_grad_norm, or raise beta."
+        )
+
+
+class LengthDriftRule(Rule):
+    """Across log steps: the mean completion length moves in step with the rising reward."""
+
+    name, field, keys = "length_drift", "warn_length_drift_corr", ("completions/mean_length", "reward")
+    WINDOW = 10  # the last log steps carrying both the reward and the length
+    MIN_WINDOW = 6
+    MIN_CHANGE = 0.2  # relative change of the length (mean of the window's second half over its first half)
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.pairs: list[tuple[float, float]] = []
+
+    def judge(self, entry):
+        reward, length = _number(entry, "reward"), _number(entry, "completions/mean_length")
+        if reward is None or length is None:
+            return None
+        self.pairs = (self.pairs + [(reward, length)])[-self.WINDOW :]
+        if len(self.pairs) < self.MIN_WINDOW:
+            return False
+        rewards, lengths = [pair[0] for pair in self.pairs], [pair[1] for pair in self.pairs]
+        half = len(self.pairs) // 2
+        length_before, length_after = statistics.fmean(lengths[:half]), statistics.fmean(lengths[-half:])
+        reward_before, reward_after = statistics.fmean(rewards[:half]), statistics.fmean(rewards[-half:])
+        change = (length_after - length_before) / max(abs(length_before), 1e-8)
+        correlation = pearson(rewards, lengths)
+        if (
+            correlation is None
+            or abs(correlation) < self.threshold
+            or abs(change) < self.MIN_CHANGE
+            or reward_after <= reward_before
+        ):
+            return False
+        return (
+            f"completion length went from {length_before:.3g} to {length_after:.3g} tokens ({change:+.0%}) over the "
+            f"last {len(self.pairs)} log steps, in step with the rising reward (correlation {correlation:+.2f}): the "
+            "reward may pay for length rather than for the task. Check the reward on long and short completions; "
+            "cap or penalise length in the reward, or lower max_completion_length."
+        )
+
+
+class LengthInGroupRule(Rule):
+    """Inside groups: the longer completions of a prompt score higher (GRPOTrainerExt's pooled correlation)."""
+
+    name, field, keys = "length_in_group", "warn_length_group_corr", ("reward_length_corr/within_group",)
+
+    def judge(self, entry):
+        value = _number(entry, "reward_length_corr/within_group")
+        if value is None:
+            return None
+        if value < self.threshold:
+            return False
+        return (
+            f"inside groups, completion length and reward are correlated ({value:+.2f}): the longer completions of "
+            "a prompt score higher, so the advantages push every prompt towards longer completions. Unless the task "
+            "needs longer answers the reward pays for length: cap or penalise length in the reward."
+        )
+
+
+class RewardVsHeldoutRule(Rule):
+    """The training reward rises while a held-out metric (`heldout/<metric>/mean@<k>`) falls from its best."""
+
+    name, field, keys = "reward_vs_heldout", "warn_heldout_drop", ("heldout/<metric>/mean@<k>", "reward")
+    RECENT = 3  # training rewards averaged around a held-out evaluation
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.rewards: list[float] = []
+        self.best: dict[str, tuple[float, float | None, int | None]] = {}  # key -> (value, reward then, step)
+
+    def _recent_reward(self) -> float | None:
+        return statistics.fmean(self.rewards[-self.RECENT :]) if self.rewards else None
+
+    def judge(self, entry):
+        reward = _number(entry, "reward")
+        if reward is not None:
+            self.rewards.append(reward)
+        found = None
+        for key in sorted(entry):
+            if not HELDOUT_KEY.match(key) or _number(entry, key) is None:
+                continue
+            found = found or False
+            value, now = _number(entry, key), self._recent_reward()
+            best = self.best.get(key)
+            if best is None or value >= best[0]:
+                self.best[key] = (value, now, entry.get("step"))
+                continue
+            best_value, reward_then, best_step = best
+            if reward_then is None and self.rewards:  # the best came before any training reward (step 0)
+                reward_then = self.rewards[0]
+            fell = best_value - value >= self.threshold * max(abs(best_value), 1e-8)
+            if fell and reward_then is not None and now is not None and now > reward_then:
+                at = f" (step {best_step})" if best_step is not None else ""
+                found = (
+                    f"{key} fell from its best {best_value:.3g}{at} to {value:.3g} while the training reward rose "
+                    f"from {reward_then:.3g} to {now:.3g}: the policy may be exploiting the reward rather than "
+                    "learning the task (reward hacking). Read completions for loopholes the reward pays for, raise "
+                    f"beta, and keep the best checkpoint (metric_for_best_model='{key}', load_best_model_at_end=True)."
+                )
+        return found
+
+
+#: alarm name -> (rule class, `GRPOConfigExt` field of its threshold, the field's default), in checking order.
+RULES = {
+    "zero_std": (ZeroStdRule, "warn_zero_std_fraction", 0.9),
+    "no_spread": (NoSpreadRule, "warn_no_spread_steps", 3),
+    "truncation": (TruncationRule, "warn_truncated_fraction", 0.5),
+    "clip_fraction": (ClipFractionRule, "warn_clip_fraction", 0.2),
+    "ratio_p95": (RatioRule, "warn_ratio_p95", 1.5),
+    "ratio_max": (RatioRule, "warn_ratio_max", 100.0),
+    "kl_jump": (KLJumpRule, "warn_kl_jump", 10.0),
+    "entropy_collapse": (EntropyCollapseRule, "warn_entropy_collapse", 0.1),
+    "grad_norm_spike": (GradNormSpikeRule, "warn_grad_norm_spike", 10.0),
+    "length_drift": (LengthDriftRule, "warn_length_drift_corr", 0.9),
+    "length_in_group": (LengthInGroupRule, "warn_length_group_corr", 0.8),
+    "reward_vs_heldout": (RewardVsHeldoutRule, "warn_heldout_drop", 0.1),
+}
+#: alarm name -> its `GRPOConfigExt` field.
+ALARM_FIELDS = {name: field for name, (_, field, _) in RULES.items()}
+#: `GRPOConfigExt` field -> its default (the config's fields take theirs from here).
+DEFAULT_THRESHOLDS = {field: default for _, field, default in RULES.values()}
+
+
+def build_rules(thresholds: Mapping[str, float | None], patience: int = 3) -> list[Rule]:
+    """The rules whose threshold is set, in `RULES` order.
+
+    Args:
+        thresholds: alarm name (a key of `RULES`) -> threshold, `None` (or absent) to leave that alarm out.
+        patience: log steps in a row a high clip fraction must last (`warn_patience`).
+    """
+    unknown = set(thresholds) - set(RULES)
+    if unknown:
+        raise ValueError(f"unknown alarms {sorted(unknown)}; known: {list(RULES)}.")
+    rules: list[Rule] = []
+    for name, (rule_class, _, _) in RULES.items():
+        threshold = thresholds.get(name)
+        if threshold is None:
+            continue
+        if rule_class is RatioRule:
+            rules.append(RatioRule(threshold, name.replace("ratio_", "ratio/")))
+        elif rule_class is ClipFractionRule:
+            rules.append(ClipFractionRule(threshold, patience))
+        else:
+            rules.append(rule_class(threshold))
+    return rules

@@ -1,0 +1,214 @@
+"""Training health of a GRPO run from its log history: one verdict per signal of the "What to watch" table
+(docs/diagnostics.md), with the steps it is about.
+
+The verdicts come from the alarm rules the trainer runs live (`guardrails.alarms`, fed by an `AnomalyMonitor`),
+replayed over the history, so a run judged live and the same run judged afterwards agree. Works on any GRPO run's
+history, `GRPOTrainerExt`'s or stock `trl.GRPOTrainer`'s; a signal whose metrics were not logged says so and why.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .guardrails.alarms import HELDOUT_KEY
+from .guardrails.anomaly import AnomalyMonitor, Episode
+
+__all__ = ["SIGNALS", "RunHealth", "Signal", "SignalHealth", "assess"]
+
+DIAGNOSTICS = "GRPOTrainerExt logs it with log_diagnostics; stock TRL does not"
+#: Why a metric may be missing from a history (shown when a signal was not logged).
+MISSING_REASONS = {
+    "reward_std/group_mean": DIAGNOSTICS,
+    "frac_reward_unscored": DIAGNOSTICS,
+    "loss/policy": DIAGNOSTICS,
+    "ratio/p95": DIAGNOSTICS,
+    "ratio/nan_count": DIAGNOSTICS,
+    "reward_length_corr/within_group": DIAGNOSTICS,
+    "nonfinite/skipped_steps": "GRPOTrainerExt's non-finite guard logs it; stock TRL does not",
+    "kl": "logged only when beta > 0; TRL's default beta is 0.0",
+    "clip_ratio/region_mean": "logged for the clipped-surrogate loss types; CISPO logs cispo_clip_ratio",
+    "heldout/<metric>/mean@<k>": "no held-out evaluation was logged during training",
+}
+
+
+@dataclass(frozen=True)
+class Signal:
+    """A row of the "What to watch" table.
+
+    Attributes:
+        name: the row's name.
+        keys: the metrics shown, in order of preference (the first one logged is summarised).
+        alarms: the alarms that judge it.
+        kind: `"alarms"` (judged by its alarms), `"count"` (fine while the metric is 0: a count of events, shown
+            with the steps where it was not 0) or `"shown"` (never judged: the loss).
+    """
+
+    name: str
+    keys: tuple[str, ...]
+    alarms: tuple[str, ...] = ()
+    kind: str = "alarms"
+
+
+SIGNALS = (
+    Signal("reward", ("reward",)),
+    Signal("reward spread in groups", ("reward_std/group_mean",), ("no_spread",)),
+    Signal("groups without spread", ("frac_reward_zero_std",), ("zero_std",)),
+    Signal("unscored completions", ("frac_reward_unscored",), kind="count"),
+    Signal("KL to the reference", ("kl",), ("kl_jump",)),
+    Signal("loss split", ("loss/policy", "loss"), kind="shown"),
+    Signal("clip fraction", ("clip_ratio/region_mean",), ("clip_fraction",)),
+    Signal("importance ratio", ("ratio/p95",), ("ratio_p95", "ratio_max")),
+    Signal("NaN log ratios", ("ratio/nan_count",), kind="count"),
+    Signal("entropy", ("entropy",), ("entropy_collapse",)),
+    Signal(
+        "completion length",
+        ("completions/mean_length",),
+        ("truncation", "length_drift", "length_in_group"),
+    ),
+    Signal("skipped non-finite steps", ("nonfinite/skipped_steps",), kind="count"),
+    Signal("gradient norm", ("grad_norm",), ("grad_norm_spike",)),
+    Signal("held-out metric", ("heldout/<metric>/mean@<k>",), ("reward_vs_heldout",)),
+)
+
+
+@dataclass
+class SignalHealth:
+    """The verdict on one signal.
+
+    Attributes:
+        signal: the row.
+        verdict: `"ALARM"` (an alarm was raised), `"note"` (a count was not 0), `"ok"`, `"shown"` (not judged) or
+            `"missing"` (not logged).
+        detail: what the values did, which alarms fired at which steps, or why nothing was logged.
+        episodes: the alarm episodes concerned.
+    """
+
+    signal: Signal
+    verdict: str
+    detail: str
+    episodes: list[Episode] = field(default_factory=list)
+
+    def line(self) -> str:
+        return f"{self.verdict:<7} {self.signal.name:<25} {self.detail}"
+
+
+@dataclass
+class RunHealth:
+    """The verdicts on every signal of a run, and the alarm episodes behind them."""
+
+    signals: list[SignalHealth]
+    episodes: list[Episode]
+    training_entries: int
+
+    @property
+    def alarms(self) -> list[str]:
+        """The names of the alarms raised, each once, in the order they first fired."""
+        return list(dict.fromkeys(episode.name for episode in self.episodes))
+
+    def lines(self) -> list[str]:
+        """One line per signal."""
+        return [signal.line() for signal in self.signals]
+
+    def alarm_lines(self) -> list[str]:
+        """One line per alarm raised: its name, the steps of its episodes and the first warning (what to do)."""
+        lines = []
+        for name in self.alarms:
+            episodes = [episode for episode in self.episodes if episode.name == name]
+            lines.append(f"{name} ({_episode_steps(episodes)}): {episodes[0].message}")
+        return lines
+
+
+def _values(log_history: list[dict], key: str) -> list[tuple[int | None, float]]:
+    """`(step, value)` of every entry holding `key` as a number other than NaN."""
+    pairs = []
+    for entry in log_history:
+        value = entry.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
+            pairs.append((entry.get("step"), float(value)))
+    return pairs
+
+
+def _heldout_keys(log_history: list[dict]) -> list[str]:
+    return sorted({key for entry in log_history for key in entry if HELDOUT_KEY.match(key)})
+
+
+def _span(steps: list) -> str:
+    known = [step for step in steps if step is not None]
+    if not known:
+        return "steps ?"
+    return f"step {known[0]}" if known[0] == known[-1] else f"steps {known[0]}-{known[-1]}"
+
+
+def _summary(key: str, pairs: list[tuple[int | None, float]]) -> str:
+    """`key first -> last (min .. max), steps a-b`."""
+    values = [value for _, value in pairs]
+    text = f"{key} {values[0]:.3g} -> {values[-1]:.3g}"
+    if len(values) > 2:
+        text += f" (min {min(values):.3g}, max {max(values):.3g})"
+    return f"{text}, {_span([step for step, _ in pairs])}"
+
+
+def _judge(signal: Signal, log_history: list[dict], monitor: AnomalyMonitor) -> SignalHealth:
+    keys = _heldout_keys(log_history) if signal.keys == ("heldout/<metric>/mean@<k>",) else list(signal.keys)
+    logged = [(key, pairs) for key in keys if (pairs := _values(log_history, key))]
+    episodes = [episode for episode in monitor.episodes if episode.name in signal.alarms]
+    judged = [name for name in signal.alarms if name in monitor.judged]
+    shown = _summary(*logged[0]) if logged else ""
+    if signal.kind == "count":
+        if not logged:
+            if signal.keys == ("ratio/nan_count",) and _values(log_history, "ratio/p95"):
+                return SignalHealth(signal, "ok", "none (ratio/nan_count is logged only when there are some)")
+            return SignalHealth(signal, "missing", _missing(signal.keys[0]))
+        key, pairs = logged[0]
+        nonzero = [step for step, value in pairs if value > 0]
+        if not nonzero:
+            return SignalHealth(signal, "ok", f"{key} always 0, {_span([step for step, _ in pairs])}")
+        return SignalHealth(signal, "note", f"{key} up to {max(v for _, v in pairs):.3g}, not 0 at {_span(nonzero)}")
+    if signal.kind == "shown":
+        return SignalHealth(signal, "shown", (shown or _missing(signal.keys[0])) + " (its sign and size say little)")
+    if episodes:
+        raised = "; ".join(
+            f"{name} at {_episode_steps(group)}"
+            for name in signal.alarms
+            if (group := [episode for episode in episodes if episode.name == name])
+        )
+        return SignalHealth(
+            signal, "ALARM", f"{raised} | {shown or _missing(keys[0] if keys else signal.keys[0])}", episodes
+        )
+    if not logged and not judged:
+        return SignalHealth(signal, "missing", _missing(keys[0] if keys else signal.keys[0]))
+    if not judged:
+        return SignalHealth(signal, "ok", shown)
+    first = min(monitor.judged[name][0] for name in judged)
+    last = max(monitor.judged[name][1] for name in judged)
+    checked = f"no alarm ({', '.join(judged)}) over {_span([first, last])}"
+    return SignalHealth(signal, "ok", f"{checked} | {shown or _missing(signal.keys[0])}")
+
+
+def _episode_steps(episodes: list[Episode]) -> str:
+    """`step 3` or `steps 3-5, 9`."""
+    steps = ", ".join(episode.steps() for episode in episodes)
+    return f"step {steps}" if len(episodes) == 1 and "-" not in steps else f"steps {steps}"
+
+
+def _missing(key: str) -> str:
+    return f"not logged: {key} ({MISSING_REASONS.get(key, 'not in the log history')})"
+
+
+def assess(log_history: list[dict], monitor: AnomalyMonitor | None = None) -> RunHealth:
+    """Judge a run's log history (`trainer.state.log_history`, or `trainer_state.json`'s `log_history`).
+
+    Args:
+        log_history: the entries, in order.
+        monitor: the thresholds to judge with (`AnomalyMonitor.from_config(args)`); default: `GRPOConfigExt`'s.
+            It is replayed from scratch over the history.
+
+    Returns:
+        `RunHealth`: one `SignalHealth` per entry of `SIGNALS`, and every alarm episode.
+    """
+    monitor = monitor or AnomalyMonitor()
+    monitor.replay(log_history)
+    signals = [_judge(signal, log_history, monitor) for signal in SIGNALS]
+    entries = sum(1 for entry in log_history if "loss" in entry)
+    return RunHealth(signals, list(monitor.episodes), entries)
