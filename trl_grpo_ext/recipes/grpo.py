@@ -47,9 +47,10 @@ class GRPOScriptArguments:
     reward_funcs: list[str] = field(
         default_factory=lambda: ["exact_match"],
         metadata={
-            "help": "Reward functions: names from trl_grpo_ext.recipes.rewards.REWARD_FUNCS (exact_match, "
-            "gsm8k_accuracy, think_answer_format) or import paths such as my_rewards.length_reward. Weights: "
-            "--reward_weights."
+            "help": "Reward functions: this package's (exact_match, gsm8k_accuracy, think_answer_format), TRL's by "
+            "the names `trl grpo` takes (accuracy_reward and reasoning_accuracy_reward, which need math-verify: pip "
+            "install 'trl-grpo-ext[math]'; think_format_reward; get_soft_overlong_punishment, over this run's "
+            "max_completion_length), or import paths such as my_rewards.length_reward. Weights: --reward_weights."
         },
     )
     eval_samples: int = field(
@@ -204,7 +205,7 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
     )
     train_dataset = dataset[script_args.dataset_train_split]
     test_dataset = dataset[script_args.dataset_test_split] if script_args.dataset_test_split in dataset else None
-    reward_funcs = resolve_reward_funcs(script_args.reward_funcs)
+    reward_funcs = resolve_reward_funcs(script_args.reward_funcs, training_args.max_completion_length)
     if script_args.eval_samples and test_dataset is None:
         raise ValueError(f"eval_samples={script_args.eval_samples} needs a '{script_args.dataset_test_split}' split.")
 
