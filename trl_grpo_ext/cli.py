@@ -1,4 +1,5 @@
-"""The `trl-grpo-ext` command (also `python -m trl_grpo_ext`): `grpo` runs the recipe, `demo` the offline demo."""
+"""The `trl-grpo-ext` command (also `python -m trl_grpo_ext`): `grpo` runs the recipe, `demo` the offline demo,
+`slurm` the recipe on N + 1 SLURM nodes (N train, one serves vLLM)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ __all__ = ["COMMANDS", "main"]
 COMMANDS = {
     "grpo": ("grpo", "train with GRPO from a YAML config (--config) and flags; every config field is a flag"),
     "demo": ("demo", "the offline demo on a tiny shipped model (CPU, no network, ~2 minutes) into ./runs/tiny-demo"),
+    "slurm": (
+        "slurm",
+        "the recipe on N + 1 SLURM nodes: N train, the last serves vLLM (--dry-run prints the commands)",
+    ),
 }
 
 
