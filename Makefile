@@ -6,25 +6,32 @@ BIN := $(VENV)/bin
 # Another build: make setup TORCH_SPEC="torch==2.13.0" TORCH_INDEX=https://download.pytorch.org/whl/cu128
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
+# Two installs: the `recipes` extra (what the demo and the quickstart need: the package, TensorBoard, matplotlib) and,
+# on top of it, the `dev` extra (tests, linter, DeepSpeed for the sharded-engine tests).
+RECIPES_STAMP := $(VENV)/.installed-recipes
 STAMP := $(VENV)/.installed
 
 .PHONY: setup demo quickstart test test-fast test-compat lint format clean gpu-wheels
 
-$(STAMP): pyproject.toml
+$(RECIPES_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@# An already installed torch (e.g. a CUDA build put there by hand) is kept.
 	$(BIN)/python -c "import torch" 2>/dev/null || \
 		$(BIN)/python -m pip install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BIN)/python -m pip install -e ".[recipes]"
+	touch $@
+
+$(STAMP): $(RECIPES_STAMP)
 	$(BIN)/python -m pip install -e ".[dev]"
 	touch $@
 
 setup: $(STAMP)
 
 # The offline demo recipe: ~2 minutes on a CPU; prints held-out accuracy before and after GRPO.
-demo: $(STAMP)
+demo: $(RECIPES_STAMP)
 	$(BIN)/python recipes/grpo.py --config recipes/tiny/config_demo.yaml
 
-quickstart: $(STAMP)
+quickstart: $(RECIPES_STAMP)
 	$(BIN)/python recipes/quickstart.py
 
 test: $(STAMP)

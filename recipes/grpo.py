@@ -1,10 +1,20 @@
+# /// script
+# requires-python = ">=3.10"
+# dependencies = [
+#     "trl-grpo-ext[recipes,math]",
+#     "trackio",
+# ]
+# ///
 """The GRPO recipe script (open-r1 style): `python recipes/grpo.py --config <config.yaml> [--field value ...]`.
 
     python recipes/grpo.py --config recipes/tiny/config_demo.yaml
     accelerate launch --config_file recipes/accelerate_configs/ddp.yaml recipes/grpo.py --config <config.yaml>
 
 The recipe itself ships in the package, as `trl_grpo_ext.recipes.grpo`, behind `trl-grpo-ext grpo`; this file is its
-entry point in a clone of the repository.
+entry point in a clone of the repository. The inline metadata above (PEP 723) names what it needs, so `uv run` and
+Hugging Face Jobs (`hf jobs uv run ... recipes/grpo.py --config ...`, see docs/recipes.md) install it on their own:
+this package with the `recipes` extra (TensorBoard, matplotlib) and the `math` extra (TRL's math-verify rewards), and
+trackio for `report_to: trackio`.
 """
 
 import sys

@@ -1,9 +1,19 @@
+# /// script
+# requires-python = ">=3.10"
+# dependencies = [
+#     "trl-grpo-ext",
+#     "torch",
+#     "datasets",
+#     "transformers",
+# ]
+# ///
 """The smallest complete GRPO run with trl_grpo_ext: a tiny local model learns to write more letters 'a'.
 
     python recipes/quickstart.py [--steps 20] [--output_dir runs/quickstart]
 
 Runs on a laptop CPU in well under a minute, with no network: the model and tokenizer are built locally.
-Copy it as a starting point; `recipes/grpo.py` is the full recipe script.
+Copy it as a starting point; `recipes/grpo.py` is the full recipe script. The inline metadata above (PEP 723) lists
+what it imports, for `uv run recipes/quickstart.py`.
 """
 
 import argparse

@@ -2,6 +2,7 @@
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -50,6 +51,76 @@ def test_the_demo_command_uses_the_files_shipped_in_the_package_and_flags_win(pa
     assert parsed[1][1].output_dir == str(tmp_path / "elsewhere") and parsed[1][2].model_name_or_path == "my/model"
 
 
+def tensorboard_missing(monkeypatch):
+    """transformers' check, as after a plain `pip install trl-grpo-ext` (no `recipes` extra)."""
+    import transformers.integrations
+
+    monkeypatch.setattr(transformers.integrations, "is_tensorboard_available", lambda: False)
+
+
+def test_the_demo_runs_without_tensorboard_when_it_is_missing_saying_so_once(parsed, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    tensorboard_missing(monkeypatch)
+    assert cli.main(["demo", "--max_steps", "4"]) == 0
+    ((_, training_args, _),) = parsed
+    assert training_args.report_to == []  # the demo config names tensorboard
+    output = capsys.readouterr().out
+    assert output.count("TensorBoard is not installed") == 1
+    assert 'pip install "trl-grpo-ext[recipes]"' in output
+
+
+def test_the_demo_keeps_tensorboard_when_it_is_installed(parsed, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["demo", "--max_steps", "4"]) == 0
+    assert parsed[0][1].report_to == ["tensorboard"] and "not installed" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("logger", ["tensorboard", "trackio", "wandb"])
+def test_the_recipe_refuses_a_logger_that_is_not_installed_in_one_line(logger, monkeypatch):
+    import transformers.integrations
+
+    monkeypatch.setattr(transformers.integrations, f"is_{logger}_available", lambda: False)
+    install = 'pip install "trl-grpo-ext[recipes]"' if logger == "tensorboard" else f"pip install {logger}"
+    with pytest.raises(ValueError, match=f"^report_to names {logger}, which is not installed: {re.escape(install)}"):
+        grpo.check_loggers_installed(["none", logger])
+    grpo.check_loggers_installed([])  # nothing to check
+
+
+@pytest.mark.slow
+def test_the_demo_command_runs_where_tensorboard_cannot_be_imported(tmp_path):
+    """`trl-grpo-ext demo` in a process where `import tensorboard` fails and transformers finds no TensorBoard (a
+    `None` in `sys.modules` does both), matplotlib as well: the plain install's situation."""
+    code = (
+        "import sys\n"
+        "for name in ('tensorboard', 'tensorboardX', 'matplotlib'):\n"
+        "    sys.modules[name] = None\n"
+        "from trl_grpo_ext.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    command = [sys.executable, "-c", code, "demo", *PLAIN_DEMO_FLAGS]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    check_plain_demo_run(result, tmp_path)
+
+
+# A short demo run: two steps of 2 prompts x 8 completions, each logged, no held-out evaluation.
+PLAIN_DEMO_FLAGS = ["--max_steps", "2", "--logging_steps", "1", "--eval_samples", "0", "--save_strategy", "no"]
+PLAIN_DEMO_FLAGS += ["--per_device_train_batch_size", "16"]
+
+
+def check_plain_demo_run(result: subprocess.CompletedProcess, workdir) -> None:
+    """What a demo run without TensorBoard and matplotlib leaves: the adapter and card, no TensorBoard logs, no
+    report, each absence said once with the command that adds them."""
+    output = result.stdout + result.stderr
+    assert output.count("TensorBoard is not installed") == 1, output[-4000:]
+    files = set(os.listdir(workdir / "runs" / "tiny-demo"))
+    assert {"adapter_model.safetensors", "README.md"} <= files and not {"runs", "report.png"} & files
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith(os.path.join("Output folder: runs", "tiny-demo")) and "TensorBoard" not in last
+    assert "no report.png: matplotlib is not installed (pip install 'trl-grpo-ext[recipes]')" in last
+
+
 @pytest.mark.parametrize(
     ("command", "first_line"),
     [
@@ -70,7 +141,7 @@ def test_help_says_what_a_command_does_before_its_arguments(command, first_line,
 def test_the_command_lists_its_commands_and_refuses_unknown_ones(capsys):
     assert cli.main([]) == 0
     text = capsys.readouterr().out
-    assert "grpo" in text and "demo" in text and "usage: trl-grpo-ext" in text
+    assert all(command in text for command in ("grpo", "demo", "slurm")) and "usage: trl-grpo-ext" in text
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["train"])
     assert exit_info.value.code == 2 and "invalid choice: 'train'" in capsys.readouterr().err
@@ -84,6 +155,20 @@ def test_python_m_trl_grpo_ext_and_the_recipe_script_run_the_same_recipe():
         result = subprocess.run([sys.executable, *command], capture_output=True, text=True, cwd=REPO, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.startswith(usage) and "--max_steps" in result.stdout
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.parametrize(("target", "extra"), [("demo", "recipes"), ("quickstart", "recipes"), ("test", "dev")])
+def test_make_installs_what_each_target_needs(target, extra, tmp_path):
+    """`make demo` installs the `recipes` extra only (no DeepSpeed build); the tests get the `dev` extra."""
+    dry_run = subprocess.run(
+        ["make", "-n", target, f"VENV={tmp_path / 'venv'}"], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+    assert dry_run.returncode == 0, dry_run.stderr
+    installs = [line for line in dry_run.stdout.splitlines() if "pip install -e" in line]
+    assert installs[-1].endswith(f'pip install -e ".[{extra}]"'), installs
+    if extra == "recipes":
+        assert "[dev]" not in dry_run.stdout
 
 
 def test_the_repository_holds_one_copy_of_the_demo_files():
@@ -104,15 +189,57 @@ def _copy_sources(destination):
         shutil.copy(os.path.join(REPO, name), destination / name)
 
 
+#: What the `recipes` extra adds (TensorBoard, matplotlib): left out of the plain install's view of the packages.
+RECIPES_EXTRA_PACKAGES = ("tensorboard", "tensorboardx", "matplotlib", "mpl_toolkits", "pylab")
+
+
+def _fresh_venv(venv, wheel, env, dependencies: str, *, with_pip: bool = True) -> str:
+    """A virtual environment with the wheel installed (no dependencies, no index: no network) that sees the packages
+    of the folder `dependencies` through a path file, which adds the folder without running its path files (so a
+    development install of this project stays invisible there). Returns its `purelib` folder.
+
+    Without `with_pip` the environment gets no pip of its own (creating one takes about 10 s here): this
+    environment's pip installs the wheel into it (`pip --python`)."""
+    subprocess.run(
+        [sys.executable, "-m", "venv", *([] if with_pip else ["--without-pip"]), str(venv)],
+        check=True,
+        timeout=600,
+        env=env,
+    )
+    python = str(venv / "bin" / "python")
+    fresh_site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    ).stdout.strip()
+    with open(os.path.join(fresh_site, "dependencies.pth"), "w") as handle:
+        handle.write(dependencies + "\n")
+    pip = [python, "-m", "pip"] if with_pip else [sys.executable, "-m", "pip", "--python", python]
+    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--quiet", wheel], check=True, timeout=600, env=env)
+    return fresh_site
+
+
+def _without_recipes_extra(destination) -> str:
+    """A folder of links to this environment's packages, without those of the `recipes` extra: what a plain
+    `pip install trl-grpo-ext` has."""
+    destination.mkdir()
+    site = sysconfig.get_paths()["purelib"]
+    for name in os.listdir(site):
+        if not name.lower().startswith(RECIPES_EXTRA_PACKAGES):
+            os.symlink(os.path.join(site, name), destination / name)
+    return str(destination)
+
+
 @pytest.mark.slow
 def test_the_wheel_installs_a_command_that_runs_the_demo_from_an_empty_folder(tmp_path):
-    """Build the wheel, install it into a fresh virtual environment, run `trl-grpo-ext demo` in an empty folder.
+    """Build the wheel, install it into a fresh virtual environment, run `trl-grpo-ext demo` in an empty folder; then
+    the same as a plain install (`pip install trl-grpo-ext`, without the `recipes` extra: no TensorBoard, no
+    matplotlib), which runs without TensorBoard logs and report.png, saying so.
 
     The wheel holds the package and its metadata only: not the benchmarks (`python -m benchmarks`, from a checkout).
-
-    The fresh environment sees this one's packages (torch, trl, ...) through a path file, which adds their folder
-    without running its path files (so a development install of this project stays invisible there), and the wheel
-    is installed without dependencies and without an index: no network.
+    The fresh environments see this one's packages (torch, trl, ...) through a path file (see `_fresh_venv`).
     """
     sources = tmp_path / "src"
     sources.mkdir()
@@ -137,24 +264,11 @@ def test_the_wheel_installs_a_command_that_runs_the_demo_from_an_empty_folder(tm
     assert metadata.startswith("trl_grpo_ext-") and metadata.endswith(".dist-info"), metadata
 
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=600, env=env)
-    python = str(venv / "bin" / "python")
-    fresh_site = subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-        env=env,
-    ).stdout.strip()
-    with open(os.path.join(fresh_site, "dependencies.pth"), "w") as handle:
-        handle.write(sysconfig.get_paths()["purelib"] + "\n")
-    install = [python, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet", wheel]
-    subprocess.run(install, check=True, timeout=600, env=env)
-
+    fresh_site = _fresh_venv(venv, wheel, env, sysconfig.get_paths()["purelib"])
     workdir = tmp_path / "empty"
     workdir.mkdir()
     where = subprocess.run(
-        [python, "-c", "import trl_grpo_ext; print(trl_grpo_ext.__file__)"],
+        [str(venv / "bin" / "python"), "-c", "import trl_grpo_ext; print(trl_grpo_ext.__file__)"],
         capture_output=True,
         text=True,
         cwd=workdir,
@@ -170,4 +284,14 @@ def test_the_wheel_installs_a_command_that_runs_the_demo_from_an_empty_folder(tm
     assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json"} <= files
     assert {"README.md", "report.png"} <= files
     assert result.stdout.strip().splitlines()[-1].startswith(os.path.join("Output folder: runs", "tiny-demo"))
+    assert set(os.listdir(workdir)) == {"runs"}
+
+    plain = tmp_path / "plain"
+    _fresh_venv(plain, wheel, env, _without_recipes_extra(tmp_path / "plain-dependencies"), with_pip=False)
+    workdir = tmp_path / "plain-empty"
+    workdir.mkdir()
+    command = [str(plain / "bin" / "trl-grpo-ext"), "demo", *PLAIN_DEMO_FLAGS]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=workdir, env=env, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    check_plain_demo_run(result, workdir)
     assert set(os.listdir(workdir)) == {"runs"}

@@ -1,6 +1,9 @@
 """Diagnostics: each statistic against an independent recomputation, and what a training run logs."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -381,6 +384,109 @@ def test_tensorboard_receives_the_ratio_and_reward_spread_histograms(
     assert ratio[1].histogram_value.num == sum(ratio[1].histogram_value.bucket)
     assert ratio[1].histogram_value.max > ratio[1].histogram_value.min  # step 2 reuses step 1's completions
     assert "train/ratio/p95" in events.Tags()["scalars"]
+
+
+def trackio_rows(trackio_dir, project: str) -> list[tuple[int, dict]]:
+    """(step, metrics) of every entry in trackio's local store of `project` (its SQLite file)."""
+    import json
+    import sqlite3
+
+    with sqlite3.connect(trackio_dir / f"{project}.db") as connection:
+        rows = connection.execute("SELECT step, metrics FROM metrics ORDER BY id").fetchall()
+    return [(step, json.loads(metrics)) for step, metrics in rows]
+
+
+def run_with_logger(tmp_path, tiny_model_path, report_to: str, **env) -> None:
+    """tests/logger_run.py: two steps (the second off-policy) reporting to `report_to`, with `env` set."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "logger_run.py")
+    environment = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **env)
+    command = [sys.executable, script, str(tmp_path / "run"), tiny_model_path, report_to]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_trackio_receives_the_histograms_at_the_step_of_their_scalars(tiny_model_path, tmp_path):
+    run_with_logger(tmp_path, tiny_model_path, "trackio", TRACKIO_DIR=str(tmp_path / "trackio"))  # local store only
+    rows = trackio_rows(tmp_path / "trackio", "grpo-histograms")
+    histograms = [(step, metrics) for step, metrics in rows if "train/ratio/histogram" in metrics]
+    assert [metrics["train/global_step"] for _, metrics in histograms] == [1, 2]
+    scalar_steps = {metrics["train/global_step"]: step for step, metrics in rows if "train/ratio/p50" in metrics}
+    assert [step for step, _ in histograms] == [scalar_steps[1], scalar_steps[2]]  # beside their scalars
+    ratio = histograms[1][1]["train/ratio/histogram"]
+    assert ratio["_type"] == "trackio.histogram" and len(ratio["bins"]) == len(ratio["values"]) + 1
+    assert ratio["bins"][-1] > ratio["bins"][0] and sum(ratio["values"]) > 0  # step 2 reuses step 1's completions
+    assert "train/reward_std/group/histogram" in histograms[0][1]
+
+
+def wandb_history(wandb_dir) -> list[dict]:
+    """The history rows of the offline W&B run under `wandb_dir`, read from its `run-<id>.wandb` file: W&B's record
+    log (LevelDB's log format: 32 KiB blocks of records, each a 7-byte header of checksum, length and type - full,
+    first, middle or last fragment) of `Record` protocol buffers."""
+    import glob
+    import json
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = glob.glob(str(wandb_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    with open(path, "rb") as handle:
+        data = handle.read()
+    assert data[:4] == b":W&B"
+    records, pending, position, block = [], b"", 7, 32768
+    while position + 7 <= len(data):
+        if block - position % block < 7:  # a block's tail too short for a header is padding
+            position += block - position % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        chunk = data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind == 1:
+            records.append(chunk)
+        elif kind in (2, 3):
+            pending = (pending if kind == 3 else b"") + chunk
+        elif kind == 4:
+            records.append(pending + chunk)
+    rows = []
+    for raw in records:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            rows.append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
+    return rows
+
+
+@pytest.mark.slow
+def test_wandb_receives_the_histograms_offline(tiny_model_path, tmp_path):
+    wandb_env = {
+        name: str(tmp_path / "wandb-home") for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR")
+    }
+    run_with_logger(
+        tmp_path,
+        tiny_model_path,
+        "wandb",
+        WANDB_MODE="offline",
+        WANDB_DIR=str(tmp_path),
+        WANDB_SILENT="true",
+        **wandb_env,
+    )
+    rows = wandb_history(tmp_path)
+    histograms = [row for row in rows if "train/ratio/histogram/_type" in row]
+    assert [row["train/global_step"] for row in histograms] == [1, 2]  # W&B plots every metric against it
+    assert {row["train/ratio/histogram/_type"] for row in histograms} == {"histogram"}
+    bins, values = histograms[1]["train/ratio/histogram/bins"], histograms[1]["train/ratio/histogram/values"]
+    assert len(bins) == len(values) + 1 and bins[-1] > bins[0] and sum(values) > 0
+    assert "train/reward_std/group/histogram/_type" in histograms[0]
+    assert any("train/ratio/p50" in row for row in rows)
+
+
+def test_histogram_edges_start_at_the_minimum():
+    from trl_grpo_ext.diagnostics.loggers import histogram_edges
+
+    counts, edges = histogram_edges(([1.0, 1.5, 3.0], [2.0, 0.0, 1.0], 0.5, 3.0, 3.0, 4.5, 9.0))
+    assert counts == [2.0, 0.0, 1.0] and edges == [0.5, 1.0, 1.5, 3.0]
 
 
 def test_loggers_without_histograms_are_not_broken(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):

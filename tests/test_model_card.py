@@ -56,7 +56,7 @@ def test_adapter_card_front_matter_and_sections():
     text = card()
     front = yaml.safe_load(text.split("---")[1])
     assert front["library_name"] == "peft" and front["base_model"] == "Qwen/Qwen2.5-0.5B-Instruct"
-    assert front["tags"][:4] == ["trl", "grpo", "trl_grpo_ext", "lora"]
+    assert front["tags"][:5] == ["generated_from_trainer", "trl", "grpo", "trl_grpo_ext", "lora"]
     assert front["datasets"] == "openai/gsm8k" and front["model_name"] == "m"
     for piece in (
         "## Objective",
@@ -171,6 +171,27 @@ loss = -(1/G) * sum_i (1/|o_i|) * sum_t (S_it - beta * K_it),   A_i = (R_i - mea
 ```"""
 
 
+def headings(text: str) -> list[str]:
+    """The Markdown headings of a card's body, in order (lines in fenced code blocks are not headings)."""
+    found, fenced = [], False
+    for line in text.split("---", 2)[2].splitlines():
+        fenced ^= line.startswith("```")
+        if not fenced and re.match(r"#+ ", line):
+            found.append(line.strip())
+    return found
+
+
+def section(text: str, heading: str) -> str:
+    """The text under `heading`, up to the next heading of any level."""
+    body = text.split(f"\n{heading}\n", 1)[1]
+    return re.split(r"\n#+ ", body, maxsplit=1)[0].strip()
+
+
+def lines_of(text: str) -> list[str]:
+    """The non-blank lines of `text`, without trailing spaces (TRL's template leaves some)."""
+    return [line.rstrip() for line in text.splitlines() if line.strip()]
+
+
 def objective_section(text: str) -> str:
     return text.split("## Objective")[1].split("## Training configuration")[0]
 
@@ -178,7 +199,7 @@ def objective_section(text: str) -> str:
 def config_card(args, **overrides) -> str:
     """The card as `create_model_card` builds it for `args`: the configuration table and the objective's options."""
     return card(
-        config={key: getattr(args, key) for key in CARD_CONFIG_FIELDS},
+        config=model_card.card_config(args),
         objective=model_card.objective_options(args),
         **overrides,
     )
@@ -191,7 +212,8 @@ def test_the_card_of_trl_defaults_states_dapo_aggregation_over_the_window_and_no
     assert "loss = -(1/D) * sum_i sum_t S_it,   A_i = (R_i - mean_group R) / (std_group R + 1e-4)" in objective
     assert "D = sum_i |o_i| over the gradient-accumulation window" in objective
     assert "K_it" not in objective and "beta" not in objective and "(1/|o_i|)" not in objective
-    assert "DeepSeekMath" not in text and "the `dapo` objective of TRL" in text
+    # TRL's paper line cites DeepSeekMath (GRPO's paper); the card does not claim its objective.
+    assert "the DeepSeekMath objective" not in text and "the `dapo` objective of TRL" in text
     assert objective_section(config_card(args)) == objective
 
 
@@ -311,9 +333,9 @@ def test_the_card_links_the_active_wandb_trackio_and_comet_runs(monkeypatch):
     fake_active_runs(monkeypatch)
     urls = model_card.run_urls()
     assert urls == {"wandb_url": WANDB_URL, "trackio_url": TRACKIO_URL, "comet_url": COMET_URL}
-    text = card(**urls)
+    procedure = section(card(**urls), "## Training procedure")
     for tracker, url in (("Weights & Biases", WANDB_URL), ("Trackio", TRACKIO_URL), ("Comet", COMET_URL)):
-        assert f"[Visualize in {tracker}]({url})" in text
+        assert f'alt="Visualize in {tracker}"' in procedure and f"]({url})" in procedure  # TRL's badge
     assert "Visualize in" not in card(report_image=None)
 
 
@@ -336,6 +358,127 @@ def test_a_trainer_with_trl_defaults_writes_its_objective_name_dataset_and_run_l
     assert "loss = -(1/D) * sum_i sum_t S_it," in objective and "K_it" not in objective
     front = front_matter(text)
     assert front["model_name"] == "tiny-grpo" and front["datasets"] == local_dataset
-    assert {"trl", "grpo", "trl_grpo_ext"} <= set(front["tags"])
-    assert f"[Visualize in Weights & Biases]({WANDB_URL})" in text
-    assert f"[Visualize in Trackio]({TRACKIO_URL})" in text
+    assert {"trl", "grpo", "trl_grpo_ext", f"trackio:{TRACKIO_URL}"} <= set(front["tags"])
+    assert f"]({WANDB_URL})" in section(text, "## Training procedure")
+    assert f"]({TRACKIO_URL})" in section(text, "## Training procedure")
+
+
+def fake_active_runs_for_stock_trl(monkeypatch):
+    """The same runs as `fake_active_runs`, as stock TRL's `create_model_card` looks them up."""
+    import trl.trainer.base_trainer as base_trainer
+
+    fake_active_runs(monkeypatch)
+    monkeypatch.setattr(base_trainer, "is_wandb_available", lambda: True)
+    monkeypatch.setattr(base_trainer, "wandb", SimpleNamespace(run=SimpleNamespace(url=WANDB_URL)), raising=False)
+
+
+def stock_and_ext_cards(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, **card_kwargs) -> tuple[str, str]:
+    """The card of stock `trl.GRPOTrainer` and of `GRPOTrainerExt` for the same run and the same call."""
+    from trl import GRPOTrainer
+
+    texts = []
+    for name, trainer_class in (("stock", GRPOTrainer), ("ext", GRPOTrainerExt)):
+        trainer = trainer_class(
+            model=tiny_model_path,
+            reward_funcs=count_a_reward,
+            args=GRPOConfig(**tiny_grpo_args(tmp_path / name)),
+            train_dataset=prompt_dataset,
+            processing_class=tiny_tokenizer,
+        )
+        trainer.create_model_card(**card_kwargs)
+        texts.append((tmp_path / name / "README.md").read_text())
+    return texts[0], texts[1]
+
+
+def test_the_card_keeps_every_tag_and_heading_of_stock_trl_s_card(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, monkeypatch
+):
+    """Stock TRL 1.16's card for the same run (on Hugging Face Jobs, with W&B, trackio and Comet runs): each of its
+    front-matter fields (but `licence: license`, TRL's placeholder), each tag, each heading (same level, same order),
+    its tracked-run badges and paper line, framework versions and citations are in this package's card."""
+    monkeypatch.setenv("JOB_ID", "0123abcd")
+    fake_active_runs_for_stock_trl(monkeypatch)
+    stock, ours = stock_and_ext_cards(
+        tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, model_name="tiny-grpo", dataset_name="openai/gsm8k"
+    )
+    stock_front, our_front = front_matter(stock), front_matter(ours)
+    assert {"generated_from_trainer", "trl", "grpo", "hf_jobs", f"trackio:{TRACKIO_URL}"} <= set(stock_front["tags"])
+    assert set(stock_front["tags"]) <= set(our_front["tags"])
+    assert stock_front.pop("licence") == "license" and "licence" not in our_front
+    assert {key: our_front.get(key) for key in stock_front if key != "tags"} == {
+        key: value for key, value in stock_front.items() if key != "tags"
+    }
+    stock_headings, our_headings = headings(stock), headings(ours)
+    assert stock_headings == [
+        "# Model Card for tiny-grpo",
+        "## Quick start",
+        "## Training procedure",
+        "### Framework versions",
+        "## Citations",
+    ]
+    positions = [our_headings.index(heading) for heading in stock_headings]
+    assert positions == sorted(positions), our_headings  # in TRL's order, this package's sections in between
+    for heading in ("## Training procedure", "## Citations"):
+        assert lines_of(section(ours, heading)) == lines_of(section(stock, heading)), heading
+    assert "@article{shao2024deepseekmath" in section(ours, "## Citations")
+    assert "@software{vonwerra2020trl" in section(ours, "## Citations")
+    stock_versions = section(stock, "### Framework versions").splitlines()
+    our_versions = section(ours, "### Framework versions").splitlines()
+    assert set(stock_versions) <= set(our_versions) and our_versions[0].startswith("- trl_grpo_ext: ")
+
+
+def test_without_jobs_or_runs_the_card_has_neither_the_jobs_tag_nor_badges(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, monkeypatch
+):
+    monkeypatch.delenv("JOB_ID", raising=False)
+    stock, ours = stock_and_ext_cards(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, tags="my-tag")
+    stock_tags, our_tags = set(front_matter(stock)["tags"]), set(front_matter(ours)["tags"])
+    assert "hf_jobs" not in our_tags and not any(tag.startswith("trackio:") for tag in our_tags)
+    assert stock_tags <= our_tags and "my-tag" in our_tags
+    assert lines_of(section(ours, "## Training procedure")) == lines_of(section(stock, "## Training procedure"))
+    assert section(ours, "## Training procedure").startswith(
+        "This model was trained with GRPO, a method introduced in"
+    )
+
+
+def test_the_configuration_table_leaves_out_fields_that_did_not_act(tmp_path):
+    text = config_card(GRPOConfigExt(output_dir=str(tmp_path), max_steps=30, num_train_epochs=3, use_cpu=True))
+    table = section(text, "## Training configuration")
+    assert "| `max_steps` | 30 |" in table and "num_train_epochs" not in table  # max_steps > 0 sets the length
+    table = section(
+        config_card(GRPOConfigExt(output_dir=str(tmp_path), num_train_epochs=2, use_cpu=True)),
+        "## Training configuration",
+    )
+    assert "| `num_train_epochs` | 2 |" in table and "max_steps" not in table
+    args = GRPOConfigExt(output_dir=str(tmp_path), loss_type="cispo", epsilon_high=5.0, beta=0.0, use_cpu=True)
+    table = section(config_card(args), "## Training configuration")
+    assert "| `epsilon_high` | 5 |" in table and "| `epsilon` |" not in table  # CISPO truncates at eps_high only
+    args = GRPOConfigExt(output_dir=str(tmp_path), loss_type="sapo", use_cpu=True)
+    assert "epsilon" not in section(config_card(args), "## Training configuration")
+    args = GRPOConfigExt(output_dir=str(tmp_path), multi_objective_aggregation="normalize_then_sum", use_cpu=True)
+    assert "scale_rewards" not in section(config_card(args), "## Training configuration")
+    args = GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True)  # epsilon_high unset: TRL clips with epsilon
+    table = section(config_card(args), "## Training configuration")
+    assert "| `epsilon` | 0.2 |" in table and "epsilon_high" not in table
+
+
+def test_the_card_shows_lora_target_modules_as_the_user_wrote_them(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = GRPOTrainerExt(
+        model=tiny_model_path,
+        reward_funcs=count_a_reward,
+        args=GRPOConfigExt(**tiny_grpo_args(tmp_path)),
+        train_dataset=prompt_dataset,
+        processing_class=tiny_tokenizer,
+        peft_config=peft_config,
+    )
+    assert isinstance(peft_config.target_modules, set)  # PEFT wrote the 14 module paths it matched into it
+    trainer.create_model_card(model_name="tiny-lora")
+    text = (tmp_path / "README.md").read_text()
+    table = section(text, "## Training configuration")
+    assert "| `lora_target_modules` | all-linear |" in table and "| `lora_r` | 4 |" in table
+    assert "self_attn" not in text and front_matter(text)["library_name"] == "peft"

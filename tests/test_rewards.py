@@ -4,6 +4,7 @@ import pytest
 
 from trl_grpo_ext.recipes.rewards import (
     REWARD_FUNCS,
+    TRL_REWARD_FUNCS,
     exact_match,
     extract_final_number,
     gsm8k_accuracy,
@@ -157,7 +158,7 @@ def test_resolve_registry_names_and_import_paths(tmp_path, monkeypatch):
     ("names", "message"),
     [
         ([], "No reward function"),
-        (["nope"], "Unknown reward function 'nope'"),
+        (["nope"], "Unknown reward function 'nope': use one of \\['exact_match', 'gsm8k_accuracy', "),
         (["missing_module.func"], "Cannot import"),
         (["trl_grpo_ext.recipes.rewards.nothing"], "Cannot import"),
         (["trl_grpo_ext.recipes.rewards.REWARD_FUNCS"], "not callable"),
@@ -166,3 +167,67 @@ def test_resolve_registry_names_and_import_paths(tmp_path, monkeypatch):
 def test_resolve_errors_name_the_function(names, message):
     with pytest.raises(ValueError, match=message):
         resolve_reward_funcs(names)
+
+
+def test_unknown_names_list_this_packages_and_trls_rewards():
+    with pytest.raises(ValueError) as error:
+        resolve_reward_funcs(["accuracy"])
+    for name in [*REWARD_FUNCS, *TRL_REWARD_FUNCS]:
+        assert name in str(error.value), name
+
+
+def test_trl_rewards_by_name_keep_their_names_and_read_plain_and_chat_completions():
+    (think,) = resolve_reward_funcs(["think_format_reward"])
+    assert think.__name__ == "think_format_reward"  # TRL logs rewards/<name>/mean
+    completions = ["<think>9 * 2</think>18", "18", [{"role": "assistant", "content": "<think>a</think>b"}]]
+    assert think(completions) == [1.0, 0.0, 1.0]
+
+
+def test_the_soft_overlong_punishment_uses_the_runs_completion_limit():
+    (punish,) = resolve_reward_funcs(["get_soft_overlong_punishment"], max_completion_length=10)
+    # L_max = 10, L_cache = 10 // 5 = 2: 0 up to 8 tokens, then linear to -1 at 10, -1 beyond.
+    assert punish(completion_ids=[[0] * 8, [0] * 9, [0] * 10, [0] * 11]) == [0.0, -0.5, -1.0, -1.0]
+    with pytest.raises(ValueError, match="max_completion_length"):
+        resolve_reward_funcs(["get_soft_overlong_punishment"])
+
+
+def test_trls_math_verify_rewards_without_math_verify_name_the_extra(monkeypatch):
+    import importlib
+
+    # `trl` is a lazy module: its attribute `import_utils` is not the submodule.
+    monkeypatch.setattr(importlib.import_module("trl.import_utils"), "is_math_verify_available", lambda: False)
+    for name in ("accuracy_reward", "reasoning_accuracy_reward"):
+        with pytest.raises(
+            ValueError, match=r'math-verify, which is not installed: pip install "trl-grpo-ext\[math\]"'
+        ):
+            resolve_reward_funcs([name])
+
+
+# The same answers read by TRL's `accuracy_reward` (math-verify; LaTeX only: `\boxed{}` or `$...$`) and by
+# `gsm8k_accuracy`: (completion, solution, TRL's reward, gsm8k_accuracy's). docs/recipes.md shows this table.
+SAME_ANSWERS = [
+    ("<think>9 * 2 = 18</think><answer>18</answer>", "18", 0.0, 1.0),
+    ("<answer>9 * 2 = 18</answer>", "18", 0.0, 1.0),
+    ("The answer is 18.", "18", 0.0, 1.0),
+    ("#### 18", "18", 0.0, 1.0),
+    ("<answer>1,250</answer>", "1250", 0.0, 1.0),
+    ("<think>...</think><answer>\\boxed{18}</answer>", "18", 1.0, 1.0),
+    ("So she makes $\\boxed{18}$ dollars.", "18", 1.0, 1.0),
+    ("The answer is $18$.", "18", 1.0, 1.0),
+    ("\\boxed{2 \\times 9 = 18}", "18", 1.0, 1.0),
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0, 1.0),
+    ("\\boxed{1.5 \\text{ hours}}", "1.5", 1.0, 1.0),
+    ("\\boxed{3 \\cdot 4}", "12", 1.0, 0.0),
+    ("\\boxed{\\sqrt{4}}", "2", 1.0, 0.0),
+    ("$18$ eggs... no, 20 eggs", "20", 0.0, 1.0),
+    ("\\boxed{90 \\text{ minutes}}", "1.5", 0.0, 0.0),
+]
+
+
+@pytest.mark.parametrize(("completion", "solution", "trl", "ours"), SAME_ANSWERS)
+def test_trl_accuracy_reward_and_gsm8k_accuracy_on_the_same_answers(completion, solution, trl, ours):
+    pytest.importorskip("math_verify")
+    (accuracy,) = resolve_reward_funcs(["accuracy_reward"])
+    assert accuracy.__name__ == "accuracy_reward"
+    assert accuracy([completion], solution=[solution]) == [trl]
+    assert gsm8k_accuracy([completion], solution=[solution]) == [ours]

@@ -95,6 +95,12 @@ TRL_COPIES = (
         "the training sampling settings, decode)",
         "tests/test_evaluation.py::test_sampling_settings_build_the_generation_config_trl_trains_with",
     ),
+    (
+        "trl_grpo_ext.card_trl.trl_card_tags",
+        "trl/trainer/base_trainer.py: BaseTrainer.create_model_card (the tags added at run time: unsloth, hf_jobs, "
+        "trackio:<url>)",
+        "tests/test_model_card.py::test_the_card_keeps_every_tag_and_heading_of_stock_trl_s_card",
+    ),
 )
 
 #: 1.14.x, 1.15.x and 1.16.x, each tested with its oldest dependencies by `make test-compat` (with 1.15, whose

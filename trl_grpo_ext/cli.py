@@ -1,5 +1,6 @@
 """The `trl-grpo-ext` command (also `python -m trl_grpo_ext`): `grpo` runs the recipe, `demo` the offline demo,
-`report` the training report and health summary of a run."""
+`report` the training report and health summary of a run, `slurm` the recipe on N + 1 SLURM nodes (N train, one
+serves vLLM)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ COMMANDS = {
     "report": (
         "run_report",
         "report.png and a health summary (one verdict per signal) of a GRPO run's folder: RUN_DIR",
+    ),
+    "slurm": (
+        "recipes.slurm",
+        "the recipe on N + 1 SLURM nodes: N train, the last serves vLLM (--dry-run prints the commands)",
     ),
 }
 

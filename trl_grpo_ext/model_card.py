@@ -1,8 +1,10 @@
 """The model card (`README.md`) that a training run leaves in its output folder, ready for the Hugging Face Hub.
 
 `build_model_card` writes the text; `ModelCardMixin.create_model_card` (Trainer's hook) gathers what it needs from a
-trainer and also draws `report.png`. The card's objective is the one that ran (`objective_formula`): the loss type's
-policy term and aggregation (`ops.loss_types`) and the options that change it.
+trainer and also draws `report.png`. The card keeps everything stock TRL's card has for the same run (its tags and
+sections, rendered by TRL: `card_trl.py`) and adds the objective that ran (`objective_formula`: the loss type's
+policy term and aggregation, `ops.loss_types`, and the options that change it), the configuration that acted, as the
+user set it (`card_config.py`), the final metrics and the training report.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from transformers import is_wandb_available
 from transformers.utils import logging
 from trl.trainer.utils import get_comet_experiment_url, get_config_model_id, get_trackio_space_url
 
+from .card_config import CARD_CONFIG_FIELDS, card_config, user_lora_settings
 from .card_objective import (
     OBJECTIVE,
     OBJECTIVE_FIELDS,
@@ -25,9 +28,11 @@ from .card_objective import (
     objective_options,
     resolve_options,
 )
+from .card_trl import TRL_TAGS, trl_card_sections, trl_card_tags
 
 __all__ = [
     "build_model_card",
+    "card_config",
     "final_metrics",
     "objective_formula",
     "objective_options",
@@ -40,24 +45,6 @@ __all__ = [
 
 logger = logging.get_logger(__name__)
 
-CARD_CONFIG_FIELDS = (
-    "learning_rate",
-    "lr_scheduler_type",
-    "max_steps",
-    "num_train_epochs",
-    "per_device_train_batch_size",
-    "gradient_accumulation_steps",
-    "num_generations",
-    "max_completion_length",
-    "temperature",
-    "num_iterations",
-    "loss_type",
-    "beta",
-    "epsilon",
-    "epsilon_high",
-    "scale_rewards",
-    "seed",
-)
 CARD_METRICS = (
     "reward",
     "reward_std/group_mean",
@@ -73,7 +60,6 @@ CARD_METRICS = (
 )
 
 
-#: The configuration fields that decide the objective a run trains (`objective_options`, `objective_formula`).
 def final_metrics(log_history: list[dict], keys: tuple[str, ...] = CARD_METRICS) -> dict[str, float]:
     """The last logged value of each training metric in `keys` (rewards are logged only at generating steps)."""
     metrics: dict[str, float] = {}
@@ -104,14 +90,58 @@ def _is_hub_id(name: str | None) -> bool:
     return bool(name) and name.count("/") == 1 and not os.path.exists(name)
 
 
-def _package_versions() -> list[str]:
-    lines = []
-    for package in ("trl_grpo_ext", "trl", "transformers", "peft", "torch", "datasets", "accelerate"):
-        distribution = "trl-grpo-ext" if package == "trl_grpo_ext" else package
+#: Framework versions the card lists besides TRL's (TRL, Transformers, Pytorch, Datasets, Tokenizers): label, package.
+EXTRA_FRAMEWORKS = (("trl_grpo_ext", "trl-grpo-ext"), ("PEFT", "peft"), ("Accelerate", "accelerate"))
+
+
+def _framework_versions(trl_versions: str) -> list[str]:
+    """TRL's "Framework versions" list, with this package's version first and PEFT's and accelerate's after."""
+    extra = {}
+    for label, distribution in EXTRA_FRAMEWORKS:
         try:
-            lines.append(f"- {package}: {version(distribution)}")
+            extra[label] = f"- {label}: {version(distribution)}"
         except PackageNotFoundError:
             continue
+    first = [extra.pop("trl_grpo_ext")] if "trl_grpo_ext" in extra else []
+    return [*first, *[line for line in trl_versions.splitlines() if line.strip()], *extra.values()]
+
+
+def _quick_start(repo: str, is_adapter: bool) -> list[str]:
+    """The "Quick start" section: load the model (or the adapter on its base model) and generate."""
+    lines = ["## Quick start", "", "```python"]
+    if is_adapter:
+        lines += [
+            "from peft import AutoPeftModelForCausalLM",
+            "from transformers import AutoTokenizer",
+            "",
+            f'model = AutoPeftModelForCausalLM.from_pretrained("{repo}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
+        ]
+    else:
+        lines += [
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "",
+            f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
+        ]
+    return lines + [
+        'inputs = tokenizer(["<your prompt>"], return_tensors="pt").to(model.device)',
+        "output = model.generate(**inputs, max_new_tokens=64)",
+        'print(tokenizer.decode(output[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
+        "```",
+        "",
+    ]
+
+
+def _trl_sections_tail(trl_sections: dict[str, str]) -> list[str]:
+    """TRL's "Training procedure" (the tracked runs' badges, the paper line), "Framework versions" (with this
+    package's additions) and "Citations" (GRPO's paper, TRL), with TRL's headings and text."""
+    lines = []
+    for heading, body in trl_sections.items():
+        if heading.lstrip("#").strip() in ("Training procedure", "Citations"):
+            lines += [heading, "", body, ""] if body else [heading, ""]
+        elif heading.lstrip("#").strip() == "Framework versions":
+            lines += [heading, "", *_framework_versions(body), ""]
     return lines
 
 
@@ -134,25 +164,33 @@ def build_model_card(
     comet_url: str | None = None,
     alarms: list[str] | None = None,
 ) -> str:
-    """A model card with YAML front matter (`library_name`, `base_model` where known, `model_name`, `datasets`,
-    `tags`), the objective, the training configuration, the final metrics, the report image, the links of the
-    tracked runs and a usage snippet.
+    """A model card that holds every tag and section of stock TRL's card for the same run, and more.
+
+    Front matter: `library_name`, `base_model` where known, `model_name`, `datasets`, `tags` (TRL's
+    `generated_from_trainer`, `trl`, `grpo`, then `trl_grpo_ext`, `lora` for adapters and `tags`, where
+    `trl_card_tags` puts the run's `hf_jobs` and `trackio:<url>`), `pipeline_tag`. Sections: TRL's title; what the
+    model is; "Quick start"; "Objective"; "Training configuration"; "Final metrics"; "Training report" (the image);
+    then TRL's own "Training procedure" (the tracked runs' badges and the paper line), "Framework versions" (TRL's
+    list, with this package, PEFT and accelerate added) and "Citations" (GRPO's DeepSeekMath paper and TRL), as
+    TRL's `generate_model_card` renders them (`trl_card_sections`).
 
     Args:
         model_name: title of the card, and `model_name` of its front matter (as TRL writes it).
         base_model: Hub id of the base model, or `None` (a local path is not a Hub id and is left out).
         is_adapter: a PEFT adapter (`library_name: peft`, tag `lora`) rather than a full model.
-        config: training configuration fields to list (see `CARD_CONFIG_FIELDS`).
+        config: training configuration fields to list (`card_config(args)`: those that acted in the run).
         metrics: final training metrics (see `final_metrics`).
         extra_metrics: more rows for the metrics table, e.g. held-out accuracy before and after training.
-        tags, hub_model_id: card metadata.
+        tags: tags after TRL's and this package's (`trl_card_tags` adds the run's).
+        hub_model_id: the Hub repository of the model, for the quick start (default: `model_name`).
         dataset_name: the training set, written to the front matter's `datasets` as TRL writes it (a Hub id or not);
             linked to the Hub when it is a Hub id.
         report_image: relative path of the training report image, or `None`.
-        lora: LoRA settings to list (rank, alpha, target modules).
+        lora: LoRA settings to list (rank, alpha, target modules), as the user set them (`user_lora_settings`).
         objective: the options of the objective that ran (`objective_options(args)`, see `objective_formula`); by
             default the `OBJECTIVE_FIELDS` among `config`'s keys, and `GRPOConfigExt`'s defaults for the others.
-        wandb_url, trackio_url, comet_url: links of the Weights & Biases, Trackio and Comet runs (`run_urls()`).
+        wandb_url, trackio_url, comet_url: links of the Weights & Biases, Trackio and Comet runs (`run_urls()`),
+            shown as TRL shows them, in "Training procedure".
         alarms: the alarms raised during training, one line each (`health.assess(...).alarm_lines()`), for a
             "Training health" section; an empty list says that none was raised, `None` leaves the section out.
     """
@@ -162,11 +200,12 @@ def build_model_card(
         loss = "the DeepSeekMath objective"
     else:
         loss = f"the `{objective['loss_type']}` objective of TRL (below)"
-    all_tags = ["trl", "grpo", "trl_grpo_ext"] + (["lora"] if is_adapter else []) + list(tags or [])
+    all_tags = [*TRL_TAGS, "trl_grpo_ext"] + (["lora"] if is_adapter else []) + list(tags or [])
+    all_tags = list(dict.fromkeys(all_tags))
     data = ModelCardData(
         library_name="peft" if is_adapter else "transformers",
         base_model=base_model,
-        tags=list(dict.fromkeys(all_tags)),
+        tags=all_tags,
         datasets=dataset_name,
         model_name=model_name,
         pipeline_tag="text-generation",
@@ -179,16 +218,28 @@ def build_model_card(
     repo = hub_model_id or model_name
     what = "a LoRA adapter for" if is_adapter else "a fine-tune of"
     base = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a locally built base model"
+    trl_sections = trl_card_sections(
+        base_model=base_model,
+        model_name=model_name,
+        hub_model_id=hub_model_id,
+        dataset_name=dataset_name,
+        tags=all_tags,
+        wandb_url=wandb_url,
+        trackio_url=trackio_url,
+        comet_url=comet_url,
+    )
+    title = next((heading for heading in trl_sections if heading.startswith("# ")), f"# {model_name}")
     lines = [
         "---",
         data.to_yaml(),
         "---",
         "",
-        f"# {model_name}",
+        title,
         "",
         f"This model is {what} {base}{on}, trained with GRPO (group relative policy optimisation) by the "
         f"`GRPOTrainerExt` of `trl_grpo_ext`: a TRL `GRPOTrainer` whose loss is {loss}.",
         "",
+        *_quick_start(repo, is_adapter),
         "## Objective",
         "",
         "For each prompt, G completions are sampled and scored; token t of completion i:",
@@ -215,44 +266,10 @@ def build_model_card(
                 "No alarm was raised during training (truncation, reward spread, KL, clipping, ratio, entropy, "
                 "gradient norm, length, held-out metric)."
             ]
-    runs = [
-        f"- [Visualize in {tracker}]({url})"
-        for tracker, url in (("Weights & Biases", wandb_url), ("Trackio", trackio_url), ("Comet", comet_url))
-        if url
-    ]
-    if report_image or runs:
-        lines += ["", "## Training report"]
     if report_image:
+        lines += ["", "## Training report"]
         lines += ["", f"![Training curves: reward, reward spread, KL, clip fraction, ratio, loss]({report_image})"]
-    if runs:
-        lines += ["", *runs]
-    lines += ["", "## Usage", "", "```python"]
-    if is_adapter:
-        lines += [
-            "from peft import AutoPeftModelForCausalLM",
-            "from transformers import AutoTokenizer",
-            "",
-            f'model = AutoPeftModelForCausalLM.from_pretrained("{repo}")',
-            f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
-        ]
-    else:
-        lines += [
-            "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            "",
-            f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
-            f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
-        ]
-    lines += [
-        'inputs = tokenizer(["<your prompt>"], return_tensors="pt").to(model.device)',
-        "output = model.generate(**inputs, max_new_tokens=64)",
-        'print(tokenizer.decode(output[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
-        "```",
-        "",
-        "## Framework versions",
-        "",
-        *_package_versions(),
-        "",
-    ]
+    lines += ["", *_trl_sections_tail(trl_sections)]
     return "\n".join(lines)
 
 
@@ -271,12 +288,11 @@ class ModelCardMixin:
     ) -> None:
         """Write `README.md` (a Hub model card) and `report.png` (training curves) into `args.output_dir`.
 
-        Called by `Trainer.push_to_hub` and at every checkpoint, like TRL's own card, which it replaces: front matter
-        with `library_name`, `base_model` (when it is a Hub id), `model_name` and `datasets` (as TRL writes them),
-        tags (`trl`, `grpo`, `trl_grpo_ext`, and `lora` for adapters); the objective that runs; the training
-        configuration; the final metrics; the alarms raised (the rules of `args`' `warn_*` thresholds, replayed over
-        the log history); the report image (alarm episodes shaded) and the links of the W&B, Trackio and Comet runs
-        that TRL's card links; usage.
+        Called by `Trainer.push_to_hub` and at every checkpoint, like TRL's own card, which it replaces and keeps
+        whole (`build_model_card`): TRL's tags (`generated_from_trainer`, `trl`, `grpo`, `hf_jobs` on Hugging Face
+        Jobs, `trackio:<url>` for an active trackio run) and sections, with this package's objective, configuration
+        (the fields that acted, as the user set them), final metrics and report; the alarms raised (the
+        rules of `args`' `warn_*` thresholds, replayed over the log history).
         """
         if not self.is_world_process_zero():
             return
@@ -305,30 +321,27 @@ class ModelCardMixin:
             )
         except ImportError:
             logger.warning("matplotlib is not installed: no report.png (pip install 'trl-grpo-ext[recipes]').")
-        lora = None
-        if is_adapter:
-            peft_config = unwrapped.peft_config["default"]
-            targets = peft_config.target_modules
-            lora = {
-                "r": getattr(peft_config, "r", None),
-                "alpha": getattr(peft_config, "lora_alpha", None),
-                "target_modules": sorted(targets) if isinstance(targets, (set, list)) else targets,
-            }
+        # As the user set them (`peft_config` at construction); for a model that came wrapped, its own config.
+        lora = getattr(self, "_user_lora_settings", None)
+        if lora is None and is_adapter:
+            lora = user_lora_settings(unwrapped.peft_config["default"])
+        urls = run_urls()
+        tags = [tags] if isinstance(tags, str) else tags
         card = build_model_card(
             model_name=model_name or os.path.basename(os.path.normpath(output_dir)),
             base_model=base_model,
             is_adapter=is_adapter,
-            config={key: getattr(self.args, key, None) for key in CARD_CONFIG_FIELDS},
+            config=card_config(self.args),
             metrics=final_metrics(self.state.log_history),
             extra_metrics=self.card_metrics,
-            tags=[tags] if isinstance(tags, str) else tags,
+            tags=trl_card_tags(self.model.config, tags, urls["trackio_url"]),
             dataset_name=dataset_name,
             hub_model_id=self.hub_model_id,
             report_image="report.png" if report else None,
-            lora=lora,
+            lora=lora if is_adapter else None,
             objective=objective_options(self.args),
             alarms=health.alarm_lines(),
-            **run_urls(),
+            **urls,
         )
         with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as handle:
             handle.write(card)

@@ -27,6 +27,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import get_callable_name, get_config_model_id, is_async_callable
 
 from ._compat import FORWARD_KEYS, options_missing_from_trl, seed_before_model_init
+from .card_config import user_lora_settings
 from .checkpointing import CheckpointingMixin
 from .config import GRPOConfigExt
 from .diagnostics import DiagnosticsAccumulator
@@ -84,6 +85,8 @@ class GRPOTrainerExt(ModelCardMixin, NonFiniteGuardMixin, CheckpointingMixin, En
             raise ValueError(" ".join(problems))
         _check_train_dataset(kwargs.get("train_dataset"), kwargs.get("environment_factory"))
         seed_before_model_init(args)
+        # For the model card, before PEFT expands `target_modules="all-linear"` in the config it is given.
+        self._user_lora_settings = user_lora_settings(kwargs.get("peft_config"))
         super().__init__(model, _guard_reward_funcs(reward_funcs), args=args, **kwargs)
         check_launch(self.accelerator)  # processes that a launcher started but accelerate runs apart
 

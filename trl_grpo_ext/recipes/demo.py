@@ -4,7 +4,8 @@ A 0.5M-parameter model, partly taught to reverse strings of letters a-j (`"abc="
 a LoRA adapter and an exact-match reward, on the CPU, with no network. The model, its tokenizer, the data and the
 config ship inside the package (`trl_grpo_ext/recipes/tiny/`); the output goes to `./runs/tiny-demo` unless
 `--output_dir` says otherwise. Every field of `trl-grpo-ext grpo` is a flag here too (`--max_steps 50`,
-`--eval_samples 0`, ...).
+`--eval_samples 0`, ...). Without TensorBoard (a plain `pip install trl-grpo-ext`, without the `recipes` extra)
+it runs without TensorBoard logs, saying so once, and without `report.png` when matplotlib is missing too.
 """
 
 from __future__ import annotations
@@ -35,7 +36,12 @@ def demo_defaults() -> dict:
 def run(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run the demo with `argv` (default: the command line), whose flags override the demo config; the exit status."""
     return grpo.run(
-        argv, prog, description=DESCRIPTION, usage="%(prog)s [--field value ...]", defaults=demo_defaults()
+        argv,
+        prog,
+        optional_tensorboard=True,  # a plain `pip install trl-grpo-ext` has no TensorBoard: run without it
+        description=DESCRIPTION,
+        usage="%(prog)s [--field value ...]",
+        defaults=demo_defaults(),
     )
 
 

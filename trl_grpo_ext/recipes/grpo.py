@@ -47,9 +47,10 @@ class GRPOScriptArguments:
     reward_funcs: list[str] = field(
         default_factory=lambda: ["exact_match"],
         metadata={
-            "help": "Reward functions: names from trl_grpo_ext.recipes.rewards.REWARD_FUNCS (exact_match, "
-            "gsm8k_accuracy, think_answer_format) or import paths such as my_rewards.length_reward. Weights: "
-            "--reward_weights."
+            "help": "Reward functions: this package's (exact_match, gsm8k_accuracy, think_answer_format), TRL's by "
+            "the names `trl grpo` takes (accuracy_reward and reasoning_accuracy_reward, which need math-verify: pip "
+            "install 'trl-grpo-ext[math]'; think_format_reward; get_soft_overlong_punishment, over this run's "
+            "max_completion_length), or import paths such as my_rewards.length_reward. Weights: --reward_weights."
         },
     )
     eval_samples: int = field(
@@ -164,6 +165,44 @@ def resolve_resume_from_checkpoint(value: str | bool | None, output_dir: str) ->
     return value
 
 
+#: The loggers of `report_to` that transformers refuses only once the model is loaded when they are missing.
+CHECKED_LOGGERS = ("tensorboard", "trackio", "wandb")
+RECIPES_EXTRA = 'pip install "trl-grpo-ext[recipes]"'
+
+
+def _logger_installed(name: str) -> bool:
+    from transformers import integrations
+
+    return getattr(integrations, f"is_{name}_available")()
+
+
+def check_loggers_installed(report_to: list[str] | str | None) -> None:
+    """Refuse, before anything loads, a `report_to` that names TensorBoard, trackio or W&B when it is not installed
+    (transformers would fail only once the model is loaded, with a traceback).
+
+    Raises:
+        ValueError: one line naming the logger and the command that installs it.
+    """
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    for name in names:
+        if name in CHECKED_LOGGERS and not _logger_installed(name):
+            install = RECIPES_EXTRA if name == "tensorboard" else f"pip install {name}"
+            raise ValueError(
+                f"report_to names {name}, which is not installed: {install}, or leave it out of report_to."
+            )
+
+
+def drop_tensorboard_if_missing(training_args) -> bool:
+    """The demo logs to TensorBoard when it is installed (the `recipes` extra); after a plain `pip install
+    trl-grpo-ext` it runs without it, saying so once. Returns whether TensorBoard was dropped from `report_to`."""
+    if "tensorboard" not in (training_args.report_to or []) or _logger_installed("tensorboard"):
+        return False
+    # After `TrainingArguments.__post_init__`, `report_to` is a list and "none" is `[]`.
+    training_args.report_to = [name for name in training_args.report_to if name != "tensorboard"]
+    print(f"TensorBoard is not installed: this run writes no TensorBoard logs ({RECIPES_EXTRA} for them).")
+    return True
+
+
 DESCRIPTION = "Train with GRPO (GRPOTrainerExt) from a YAML config and flags; every config field is a flag."
 USAGE = "%(prog)s --config <yaml> [--field value ...]"
 
@@ -207,6 +246,7 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
         raise ValueError("Set `model_name_or_path` (a local folder or a Hub model id).")
     # Before anything loads, so that a wrong value fails at once.
     resume = resolve_resume_from_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
+    check_loggers_installed(training_args.report_to)
     dataset = load_recipe_dataset(
         script_args.dataset_name,
         script_args.dataset_config,
@@ -216,7 +256,7 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
     )
     train_dataset = dataset[script_args.dataset_train_split]
     test_dataset = dataset[script_args.dataset_test_split] if script_args.dataset_test_split in dataset else None
-    reward_funcs = resolve_reward_funcs(script_args.reward_funcs)
+    reward_funcs = resolve_reward_funcs(script_args.reward_funcs, training_args.max_completion_length)
     if script_args.eval_samples and test_dataset is None:
         raise ValueError(f"eval_samples={script_args.eval_samples} needs a '{script_args.dataset_test_split}' split.")
 
@@ -313,13 +353,23 @@ def parse_args(
     return parser.parse_args_and_config(argv)
 
 
-def run(argv: list[str] | None = None, prog: str | None = None, **parse_kwargs) -> int:
+def run(
+    argv: list[str] | None = None, prog: str | None = None, optional_tensorboard: bool = False, **parse_kwargs
+) -> int:
     """Parse `argv` (default: the command line, see `parse_args`) and run the recipe; the exit status (`--help`
-    exits with 0)."""
+    exits with 0).
+
+    Args:
+        optional_tensorboard: run without TensorBoard when it is not installed, saying so (the demo), instead of
+            refusing a `report_to` that names it.
+    """
     from trl_grpo_ext.recipes.cpu_engines import enable_sharded_engines_on_cpu
 
     enable_sharded_engines_on_cpu()  # an FSDP/DeepSpeed launch on CPU-only processes: shard for real (a check run)
-    main(*parse_args(argv, prog, **parse_kwargs))
+    script_args, training_args, model_args = parse_args(argv, prog, **parse_kwargs)
+    if optional_tensorboard:
+        drop_tensorboard_if_missing(training_args)
+    main(script_args, training_args, model_args)
     return 0
 
 

@@ -1,11 +1,14 @@
 """Reward functions for the recipes, and how a recipe finds one by name or import path.
 
 Every function follows TRL's reward-function contract: keyword arguments `prompts`, `completions` and one list per
-extra dataset column (`solution` here), returning one float per completion.
+extra dataset column (`solution` here), returning one float per completion. A recipe names this module's functions
+(`REWARD_FUNCS`), TRL's own by the names `trl grpo` takes them (`TRL_REWARD_FUNCS`, from `trl.rewards`), or any
+function by import path.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import re
@@ -15,6 +18,7 @@ from fractions import Fraction
 
 __all__ = [
     "REWARD_FUNCS",
+    "TRL_REWARD_FUNCS",
     "completion_text",
     "exact_match",
     "extract_final_number",
@@ -23,6 +27,7 @@ __all__ = [
     "numbers_equal",
     "resolve_reward_funcs",
     "think_answer_format",
+    "trl_reward_func",
 ]
 
 
@@ -179,23 +184,84 @@ REWARD_FUNCS: dict[str, Callable] = {
 }
 
 
-def resolve_reward_funcs(names: list[str]) -> list[Callable]:
-    """Reward functions from registry names (`REWARD_FUNCS`) or import paths (`my_pkg.rewards.func` or
-    `my_pkg.rewards:func`; the working directory is importable, as for TRL's own scripts).
+#: TRL's reward functions, by the names `trl grpo` takes (`trl/scripts/grpo.py`); the first two need math-verify.
+TRL_REWARD_FUNCS = (
+    "accuracy_reward",
+    "reasoning_accuracy_reward",
+    "think_format_reward",
+    "get_soft_overlong_punishment",
+)
+_MATH_VERIFY_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward")
+
+
+def _as_conversations(func: Callable) -> Callable:
+    """`func` (one of TRL's rewards, which read `completion[0]["content"]`) for plain-text completions too: a string
+    completion is passed as one assistant message. Keeps `func`'s name, under which TRL logs the reward."""
+
+    @functools.wraps(func)
+    def reward(completions: list, **kwargs) -> list:
+        messages = [[{"role": "assistant", "content": c}] if isinstance(c, str) else c for c in completions]
+        return func(messages, **kwargs)
+
+    return reward
+
+
+def trl_reward_func(name: str, max_completion_length: int | None = None) -> Callable:
+    """One of TRL's reward functions (`TRL_REWARD_FUNCS`), ready for a recipe.
+
+    `get_soft_overlong_punishment` is DAPO's soft overlong punishment over this run's completion limit: 0 up to
+    `L_max - L_cache` tokens, then falling linearly to -1 at `L_max`, with `L_max = max_completion_length` and
+    `L_cache = L_max // 5` (`trl grpo` fixes 1280 and 256, the same proportion, which never punishes a run whose limit
+    is below 1024 tokens). The others read plain-text completions as well as conversational ones.
 
     Raises:
-        ValueError: for an empty list, or a name that is neither registered nor importable.
+        ValueError: for `get_soft_overlong_punishment` without `max_completion_length`, or `accuracy_reward` and
+            `reasoning_accuracy_reward` without math-verify installed (naming `pip install "trl-grpo-ext[math]"`).
     """
+    from trl import rewards
+    from trl.import_utils import is_math_verify_available
+
+    if name == "get_soft_overlong_punishment":
+        if not max_completion_length:
+            raise ValueError("get_soft_overlong_punishment needs the run's max_completion_length.")
+        return rewards.get_soft_overlong_punishment(
+            max_completion_len=max_completion_length, soft_punish_cache=max(1, max_completion_length // 5)
+        )
+    if name in _MATH_VERIFY_REWARDS and not is_math_verify_available():
+        raise ValueError(
+            f"Reward function {name!r} (TRL's) verifies answers with math-verify, which is not installed: "
+            'pip install "trl-grpo-ext[math]".'
+        )
+    return _as_conversations(getattr(rewards, name))
+
+
+def resolve_reward_funcs(names: list[str], max_completion_length: int | None = None) -> list[Callable]:
+    """Reward functions from this module's names (`REWARD_FUNCS`), TRL's (`TRL_REWARD_FUNCS`, see `trl_reward_func`)
+    or import paths (`my_pkg.rewards.func` or `my_pkg.rewards:func`; the working directory is importable, as for
+    TRL's own scripts).
+
+    Args:
+        names: one entry per reward function.
+        max_completion_length: the run's completion limit, for `get_soft_overlong_punishment`.
+
+    Raises:
+        ValueError: for an empty list, or a name that is none of these (listing the known names), or one that is
+            not importable.
+    """
+    known = f"one of {sorted(REWARD_FUNCS)}, one of TRL's {list(TRL_REWARD_FUNCS)}, or an import path"
     if not names:
-        raise ValueError(f"No reward function given; name one of {sorted(REWARD_FUNCS)} or an import path.")
+        raise ValueError(f"No reward function given; name {known}.")
     funcs = []
     for name in names:
         if name in REWARD_FUNCS:
             funcs.append(REWARD_FUNCS[name])
             continue
+        if name in TRL_REWARD_FUNCS:
+            funcs.append(trl_reward_func(name, max_completion_length))
+            continue
         module_path, separator, attribute = name.rpartition(":") if ":" in name else name.rpartition(".")
         if not separator or not module_path:
-            raise ValueError(f"Unknown reward function {name!r}: use one of {sorted(REWARD_FUNCS)} or an import path.")
+            raise ValueError(f"Unknown reward function {name!r}: use {known} (my_module.my_reward).")
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
         try:
