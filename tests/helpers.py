@@ -104,10 +104,13 @@ def assert_logged_statistics_are_those_of_both_processes_pooled(ranks: list[dict
             lower = torch.quantile(log_ratios, quantile, interpolation="lower").item()
             higher = torch.quantile(log_ratios, quantile, interpolation="higher").item()
             assert lower - CORE_BIN_WIDTH - 1e-9 <= got <= higher + CORE_BIN_WIDTH + 1e-9
+        # The recorded terms are in backward units (divided by the accumulation steps); the logged ones are their sum
+        # over each optimizer step, averaged over the optimizer steps of both processes (one per log step each).
+        optimizer_steps = len(pooled) / MICRO_BATCHES_PER_LOG
         policy = [step["policy_loss"].item() for step in pooled]
         penalty = [step["kl_penalty"].item() for step in pooled]
-        assert entry["loss/policy"] == pytest.approx(sum(policy) / len(policy), rel=1e-6, abs=1e-9)
-        assert entry["loss/kl_penalty"] == pytest.approx(sum(penalty) / len(penalty), rel=1e-6, abs=1e-12)
+        assert entry["loss/policy"] == pytest.approx(sum(policy) / optimizer_steps, rel=1e-6, abs=1e-9)
+        assert entry["loss/kl_penalty"] == pytest.approx(sum(penalty) / optimizer_steps, rel=1e-6, abs=1e-12)
         assert entry["loss/policy"] + entry["loss/kl_penalty"] == pytest.approx(entry["loss"], rel=1e-5, abs=1e-7)
         # TRL's definitions: per micro-batch, a token mean over both processes; then the mean over micro-batches.
         per_step_kl, per_step_clip = [], []

@@ -104,7 +104,7 @@ class GRPOConfigExt(GRPOConfig):
         metadata={
             "help": "Quantiles of the importance ratio to log, each in [0, 1]; 0.05 is logged as ratio/p05. "
             "Resolution: within one histogram bin of the order statistics at that rank: 2.5e-4 relative when both "
-            "neighbouring order statistics lie in [0.61, 1.65], up to a tail bin (7.9% of |log r|) otherwise."
+            "neighbouring order statistics lie in [0.61, 1.65], up to a tail bin's width (0.079 |log r|) otherwise."
         },
     )
 
