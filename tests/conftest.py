@@ -56,10 +56,18 @@ def prompt_dataset() -> Dataset:
 
 
 @pytest.fixture(scope="session")
-def ddp_reference(tiny_model_path, tmp_path_factory) -> list[dict]:
-    """tests/distributed_run.py's `reference` run under DDP (two CPU processes): what each process saved."""
-    from helpers import DISTRIBUTED_RUN, launch, phase_results
+def ddp_run(tiny_model_path, tmp_path_factory):
+    """tests/distributed_run.py's `reference` and `heldout` phases under DDP (two CPU processes): their folder."""
+    from helpers import DISTRIBUTED_RUN, launch
 
     output_dir = tmp_path_factory.mktemp("ddp")
-    launch("cpu_ddp.yaml", [DISTRIBUTED_RUN, output_dir, tiny_model_path, "--phases", "reference"])
-    return phase_results(output_dir, "reference")
+    launch("cpu_ddp.yaml", [DISTRIBUTED_RUN, output_dir, tiny_model_path, "--phases", "reference,heldout"])
+    return output_dir
+
+
+@pytest.fixture(scope="session")
+def ddp_reference(ddp_run) -> list[dict]:
+    """The `reference` run under DDP: what each process saved."""
+    from helpers import phase_results
+
+    return phase_results(ddp_run, "reference")

@@ -14,6 +14,8 @@ process saves what the tests check in `<output_dir>/<phase>/rank<k>.pt`:
 - `nan-skip`, `nan-stop`: the loss of rank 1 is NaN in step `NAN_STEP`; each process's local weights before and after
   that step, or when training stopped.
 - `lora`: a LoRA adapter trained and saved; the full adapter and base tensors before and after.
+- `heldout`: the held-out evaluation (tests/helpers.py's prompts and metric) before training, and at the one step of
+  a run with learning rate 0 (the weights of the start, sharded by the engine then), with the collectives it made.
 - `recipe`: the recipe's `main` (`trl_grpo_ext.recipes.grpo`, which `recipes/grpo.py` runs) on the demo config,
   with held-out evaluation before and after training; it ends accelerate's process group, so it must be the last
   phase.
@@ -145,7 +147,7 @@ class WeightsAroundStep(TrainerCallback):
             self.after = local_weights(self.trainer.model)
 
 
-def make_trainer(output_dir, model_path, *, lora=False, **overrides) -> RunTrainer:
+def make_trainer(output_dir, model_path, *, lora=False, trainer_kwargs=None, **overrides) -> RunTrainer:
     # Different prompts on each process: the sampler hands each rank its own slice of every batch.
     prompts = [f"{letters}=" for letters in ("abc", "hello", "xyz", "qq", "aaa", "bcd", "zz", "kite")] * 8
     config = dict(
@@ -175,6 +177,7 @@ def make_trainer(output_dir, model_path, *, lora=False, **overrides) -> RunTrain
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=AutoTokenizer.from_pretrained(model_path),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if lora else None,
+        **(trainer_kwargs or {}),
     )
     trainer.records = {"steps": [], "rewards": [], "lengths": [], "log_calls": 0}
     return trainer
@@ -260,6 +263,27 @@ def run_lora(output_dir, model_path) -> dict:
     }
 
 
+def run_heldout(output_dir, model_path) -> dict:
+    from helpers import HELDOUT_OPTIONS, heldout_dataset, letter_a_metric
+
+    held_out = {"heldout_metrics": [letter_a_metric], "heldout_dataset": heldout_dataset()}
+    trainer = make_trainer(
+        output_dir,
+        model_path,
+        trainer_kwargs=held_out,
+        max_steps=1,
+        learning_rate=0.0,
+        heldout_every_steps=1,
+        **HELDOUT_OPTIONS,
+    )
+    calls_before = dict(collective_calls)
+    before = trainer.evaluate_heldout(log=False)
+    collectives = collective_calls["ours"] - calls_before["ours"]
+    trainer.train()
+    (during,) = [entry for entry in trainer.state.log_history if any(key.startswith("heldout/") for key in entry)]
+    return {"before": before, "during": during, "collectives": collectives, "engine": engine_proof(trainer)}
+
+
 def run_recipe(output_dir) -> dict:
     """The recipe's `main`, short, with held-out evaluation; the trainer it built is kept for the engine proof."""
     from trl_grpo_ext.recipes import grpo as recipe  # what recipes/grpo.py runs
@@ -310,6 +334,8 @@ def main() -> None:
             result = run_nan(output_dir, cli.model_path, phase.removeprefix("nan-"))
         elif phase == "lora":
             result = run_lora(output_dir, cli.model_path)
+        elif phase == "heldout":
+            result = run_heldout(output_dir, cli.model_path)
         elif phase == "recipe":
             result = run_recipe(output_dir)
         else:

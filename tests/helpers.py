@@ -159,3 +159,52 @@ def assert_one_gather_per_log_step(ranks: list[dict]) -> None:
         assert calls["ours"] == rank["records"]["log_calls"]  # one gather per log step
         assert calls["ours_in_loss"] == 0  # nothing per micro-batch
         assert calls["total"] > calls["ours"]  # the engine's own collectives were counted by the same hooks
+
+
+# Held-out evaluation shared by tests/test_heldout.py and tests/distributed_run.py's `heldout` phase: 11 prompts in
+# chunks of 2 (6 chunks, 4 completions each): two processes get unequal shares.
+HELDOUT_PROMPTS = [
+    f"{letters}=" for letters in ("abc", "hello", "xyz", "qq", "aaa", "bcd", "zz", "kite", "ab", "q", "a")
+]
+HELDOUT_OPTIONS = {"heldout_num_generations": 4, "heldout_pass_at": [1, 2, 4], "heldout_batch_size": 8}
+
+
+def letter_a_metric(completions, target, **kwargs) -> list[float]:
+    """1 when a completion contains the row's `target` letter, else 0; `None` (unscored) for an empty completion."""
+    pairs = zip(completions, target, strict=True)
+    return [None if not completion else float(letter in completion) for completion, letter in pairs]
+
+
+def heldout_dataset():
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": HELDOUT_PROMPTS, "target": ["a"] * len(HELDOUT_PROMPTS)})
+
+
+def heldout_in_one_process(model_path, output_dir) -> dict:
+    """What tests/distributed_run.py's `heldout` phase evaluates, computed by one process (its sampling settings)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+
+    args = GRPOConfigExt(**tiny_grpo_args(output_dir, max_completion_length=6, **HELDOUT_OPTIONS))
+    trainer = GRPOTrainerExt(
+        model=model_path,
+        reward_funcs=count_a_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": HELDOUT_PROMPTS}),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+        heldout_metrics=[letter_a_metric],
+        heldout_dataset=heldout_dataset(),
+    )
+    return trainer.evaluate_heldout(log=False)
+
+
+def assert_heldout_is_that_of_one_process(ranks: list[dict], expected: dict) -> None:
+    """Every process of a `heldout` phase, before training and on the engine's weights during it, got `expected`."""
+    assert 0.0 < expected["heldout/letter_a_metric/pass@4"] < 1.0
+    for rank in ranks:
+        assert rank["before"] == expected
+        assert {key: rank["during"][key] for key in expected} == expected
+        assert rank["collectives"] == 1  # the per-prompt counts, pooled with one gather

@@ -104,9 +104,11 @@ def test_the_sampler_mismatch_bounds_are_trl_s(mode, tiny_model_path, tiny_token
         monkeypatch.undo()
     outside_counts, unit_counts = 0, 0
     for output in captured:
-        log_ratio, units, outside = sampler_mismatch(output, mode, low, high)
+        mismatch = sampler_mismatch(output, mode, low, high)
+        units, outside = mismatch.units, mismatch.outside
         corrected = output["importance_sampling_ratio"]  # TRL's, after truncation or masking
-        changed = (corrected - torch.exp(log_ratio)).abs() > 1e-6
+        assert mismatch.applied is corrected
+        changed = (corrected - torch.exp(mismatch.log_ratio)).abs() > 1e-6
         assert torch.equal(outside & units, changed & units)
         outside_counts, unit_counts = outside_counts + int((outside & units).sum()), unit_counts + int(units.sum())
     assert 0 < outside_counts < unit_counts  # the bounds bound for some entries, not all

@@ -1,6 +1,7 @@
 """The recipe script and its configs: parsing, a short demo run and its output folder, push, resume, launch."""
 
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -180,9 +181,14 @@ def test_accelerate_configs_load(config):
 @pytest.mark.slow
 def test_demo_run_leaves_a_hub_ready_output_folder(tmp_path):
     output_dir = tmp_path / "demo"
-    result, _ = run_recipe(demo_args(output_dir))
+    result, _ = run_recipe(demo_args(output_dir, "--eval_k", "2", "--eval_every_steps", "2"))
 
-    assert set(result["before"]) == set(result["after"]) == {"exact_match"}
+    names = {"heldout/exact_match/mean@2", "heldout/exact_match/pass@2"}
+    assert set(result["before"]) == set(result["after"]) == names
+    assert all(0.0 <= value <= 1.0 for value in result["after"].values())
+    with open(output_dir / "checkpoint-4" / "trainer_state.json") as handle:
+        logged = [entry for entry in json.load(handle)["log_history"] if names <= set(entry)]
+    assert [entry["step"] for entry in logged] == [2, 4]  # eval_every_steps, during training
     files = set(os.listdir(output_dir))
     assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json"} <= files
     assert {"README.md", "report.png", "runs", "checkpoint-2", "checkpoint-4"} <= files
@@ -213,7 +219,7 @@ def test_demo_run_leaves_a_hub_ready_output_folder(tmp_path):
     for text in (
         "exp(ref_logp_it - logp_it)",
         "learning_rate",
-        "held-out exact_match (after)",
+        "held-out exact_match/pass@2 (after)",
         "report.png",
         "AutoPeftModelForCausalLM",
     ):
@@ -276,7 +282,6 @@ def test_a_stopped_run_resumes_from_its_last_checkpoint(tmp_path):
     _, (_, training_args, _) = run_recipe(
         demo_args(output_dir, "--resume_from_checkpoint", "true", "--eval_samples", "0")
     )
-    import json
 
     with open(output_dir / "checkpoint-4" / "trainer_state.json") as handle:
         state = json.load(handle)
@@ -301,6 +306,31 @@ def test_demo_recipe_under_accelerate_launch_with_two_cpu_processes(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path))
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "exact_match:" in result.stdout
+    assert "exact_match mean@1:" in result.stdout
     assert (tmp_path / "ddp" / "adapter_model.safetensors").is_file()
     assert (tmp_path / "ddp" / "README.md").is_file()
+
+
+def test_eval_k_and_eval_every_steps_set_the_trainers_held_out_fields():
+    script_args, training_args, _ = recipe.parse_args(
+        ["--config", DEMO_CONFIG, "--eval_samples", "8", "--eval_k", "4", "--eval_every_steps", "50"]
+    )
+    recipe.apply_eval_fields(script_args, training_args)
+    assert (training_args.heldout_num_generations, training_args.heldout_every_steps) == (4, 50)
+    default_args, default_training_args, _ = recipe.parse_args(["--config", DEMO_CONFIG])
+    assert (default_args.eval_k, default_args.eval_every_steps) == (1, 0)  # before and after training only
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--eval_samples", "0", "--eval_k", "4"], "need eval_samples > 0"),
+        (["--eval_samples", "8", "--eval_k", "0"], "eval_k must be >= 1"),
+        (["--eval_samples", "8", "--eval_k", "4", "--heldout_num_generations", "2"], "disagree: set eval_k only"),
+        (["--eval_samples", "8", "--eval_k", "2", "--heldout_pass_at", "4"], "needs eval_k >= 4"),
+    ],
+)
+def test_held_out_fields_that_disagree_are_refused(flags, message):
+    args = ["--config", DEMO_CONFIG, *flags]
+    with pytest.raises(ValueError, match=message):
+        recipe.apply_eval_fields(*recipe.parse_args(args)[:2])

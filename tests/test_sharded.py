@@ -13,8 +13,10 @@ import pytest
 import torch
 from helpers import (
     DISTRIBUTED_RUN,
+    assert_heldout_is_that_of_one_process,
     assert_logged_statistics_are_those_of_both_processes_pooled,
     assert_one_gather_per_log_step,
+    heldout_in_one_process,
     launch,
     phase_results,
 )
@@ -27,7 +29,7 @@ ENGINES = {
     "zero3": ("cpu_zero3.yaml", "DistributedType.DEEPSPEED", 3),
 }
 FIRST_LAUNCH = ("nan-skip", "nan-stop", "lora", "crash")  # "crash" kills the processes: last
-SECOND_LAUNCH = ("resume", "reference", "recipe")  # "recipe" ends the process group: last
+SECOND_LAUNCH = ("resume", "reference", "heldout", "recipe")  # "recipe" ends the process group: last
 # tests/distributed_run.py's constants
 SAVE_STEPS, KILL_STEP, MAX_STEPS, NAN_STEP = 3, 6, 8, 2
 COMPARED = ("loss", "grad_norm", "reward", "kl", "clip_ratio/region_mean", "ratio/mean", "entropy")
@@ -67,7 +69,7 @@ def complete_checkpoints(run_dir) -> list[int]:
 @pytest.mark.slow
 def test_the_engine_is_active_and_shards(engine_run):
     _, distributed_type, zero_stage = ENGINES[engine_run.engine]
-    for phase in ("nan-skip", "nan-stop", "lora", "resume", "reference", "recipe"):
+    for phase in ("nan-skip", "nan-stop", "lora", "resume", "reference", "heldout", "recipe"):
         for rank in engine_run.phase(phase):
             proof = rank["engine"]
             assert proof["distributed_type"] == distributed_type, phase
@@ -177,13 +179,21 @@ def test_lora_adapters_train_and_save(engine_run):
 
 
 @pytest.mark.slow
+def test_held_out_evaluation_on_sharded_weights_gives_the_numbers_of_one_process(
+    engine_run, tiny_model_path, tmp_path
+):
+    # `during`: at the run's one step, the weights sharded by the engine (learning rate 0: those of the start).
+    assert_heldout_is_that_of_one_process(
+        engine_run.phase("heldout"), heldout_in_one_process(tiny_model_path, tmp_path)
+    )
+
+
+@pytest.mark.slow
 def test_the_recipe_evaluates_held_out_prompts(engine_run):
     results = [rank["held_out"] for rank in engine_run.phase("recipe")]
-    if ENGINES[engine_run.engine][2] == 2:  # ZeRO-2 keeps whole weights on every process: the main one evaluates
-        assert results[1] == {"before": {}, "after": {}}
-    else:  # every process generated (the shards gathered layer by layer, or whole under ZeRO-3); all agree
-        assert results[0] == results[1]
-    assert set(results[0]["before"]) == set(results[0]["after"]) == {"exact_match"}
+    assert results[0] == results[1]  # every process sampled its share of the prompts; all got the pooled result
+    names = {"heldout/exact_match/mean@1", "heldout/exact_match/pass@1"}
+    assert set(results[0]["before"]) == set(results[0]["after"]) == names
     assert all(0.0 <= value <= 1.0 for value in results[0]["before"].values())
     with open(os.path.join(engine_run.output_dir, "recipe", "README.md")) as handle:
-        assert "held-out exact_match (after)" in handle.read()
+        assert "held-out exact_match/mean@1 (after)" in handle.read()

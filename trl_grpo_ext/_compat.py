@@ -90,7 +90,7 @@ TRL_COPIES = (
         "tests/test_drift.py::test_the_sampler_mismatch_bounds_are_trl_s",
     ),
     (
-        "trl_grpo_ext.recipes.evaluation.generate_completions",
+        "trl_grpo_ext.sampling.sample_batch",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (tokenise prompts, generate with "
         "the training sampling settings, decode)",
         "tests/test_evaluation.py::test_sampling_settings_build_the_generation_config_trl_trains_with",

@@ -110,6 +110,48 @@ class GRPOConfigExt(GRPOConfig):
         },
     )
 
+    log_sampler_mismatch: bool = field(
+        default=True,
+        metadata={
+            "help": "With use_vllm, log the sampler/trainer mismatch (sampling/importance_sampling_ratio_raw/*, "
+            "sampling/sampler_k3_kl), whether vllm_importance_sampling_correction is on or off. With the correction "
+            "off, TRL computes no trainer log-probs at generation; they then cost one forward pass without gradient "
+            "per generation batch (the training itself is unchanged)."
+        },
+    )
+
+    # Held-out evaluation (GRPOTrainerExt's `heldout_metrics` and `heldout_dataset` arguments)
+    heldout_every_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Run the held-out evaluation every this many optimizer steps, logged as heldout/<metric>/mean@<n> "
+            "and heldout/<metric>/pass@<k>. 0: only when the trainer evaluates (eval_strategy, evaluate()) or "
+            "evaluate_heldout() is called."
+        },
+    )
+    heldout_num_generations: int = field(
+        default=1,
+        metadata={"help": "Completions sampled per held-out prompt (n), exactly as training samples."},
+    )
+    heldout_pass_at: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "The k of each logged pass@k (unbiased estimator from the n samples), each in [1, n], "
+            "n = heldout_num_generations. Default: [n]."
+        },
+    )
+    heldout_pass_threshold: float = field(
+        default=1.0,
+        metadata={
+            "help": "A held-out completion passes (for pass@k) when its metric score is >= this: 1.0 suits 0/1 "
+            "metrics and full marks of graded ones. Unscored (None) completions do not pass."
+        },
+    )
+    heldout_batch_size: int = field(
+        default=256,
+        metadata={"help": "Held-out completions per generate call on each process (whole prompts: at least one)."},
+    )
+
     # Guardrails
     nonfinite_policy: str = field(
         default="skip",
@@ -240,6 +282,14 @@ class GRPOConfigExt(GRPOConfig):
         problems = _threshold_problems(self)
         if problems:
             raise ValueError(" ".join(problems))
+        for name in ("heldout_every_steps", "heldout_num_generations", "heldout_batch_size"):
+            minimum = 0 if name == "heldout_every_steps" else 1
+            if getattr(self, name) < minimum:
+                raise ValueError(f"`{name}` must be >= {minimum}, got {getattr(self, name)}.")
+        if self.heldout_pass_at is not None:  # k <= heldout_num_generations is checked by the trainer
+            self.heldout_pass_at = [int(k) for k in self.heldout_pass_at]
+            if not self.heldout_pass_at or min(self.heldout_pass_at) < 1:
+                raise ValueError(f"`heldout_pass_at` must list values >= 1, got {self.heldout_pass_at}.")
         problems = hyperparameter_problems(self.epsilon, self.epsilon_high, self.beta, self.delta)
         if problems:
             raise ValueError(" ".join(problems))

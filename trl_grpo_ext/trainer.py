@@ -7,8 +7,10 @@ module wires the loss and the diagnostics in; each other concern is mixed in fro
   dataclass in final units), the loss (`ops.policy_objective`), the extra terms (TRL's entropy bonus, the router
   loss) and the per-micro-batch diagnostics sums (`diagnostics`);
 - `_calculate_rewards`: the per-group reward spread and length/reward correlation;
-  `_generate_and_score_completions`: the sampler/trainer mismatch behind vLLM's importance-sampling correction;
-  `log`: the one gather of the diagnostics per log step;
+  `_generate_and_score_completions`: the sampler/trainer mismatch with vLLM, with or without its importance-sampling
+  correction; `log`: the one gather of the diagnostics per log step;
+- `HeldoutEvaluationMixin` (`heldout.py`): `evaluate`, `evaluate_heldout` and the `heldout_metrics`,
+  `heldout_dataset` arguments;
 - `NonFiniteGuardMixin` (`guardrails/nonfinite.py`): `training_step`, `_get_grad_norm`;
 - `CheckpointingMixin` (`checkpointing.py`): `_save_checkpoint`, `_get_output_dir`, `_push_from_checkpoint`,
   `_load_optimizer_and_scheduler`;
@@ -19,6 +21,7 @@ module wires the loss and the diagnostics in; each other concern is mixed in fro
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -32,8 +35,9 @@ from .checkpointing import CheckpointingMixin
 from .config import GRPOConfigExt
 from .diagnostics import DiagnosticsAccumulator
 from .diagnostics.loggers import write_histograms
-from .diagnostics.mismatch import sampler_mismatch
+from .diagnostics.mismatch import sampler_mismatch, trainer_logps, truncation_warning
 from .guardrails import AnomalyMonitor, GuardedAsyncReward, GuardedReward, NonFiniteGuardMixin
+from .heldout import HeldoutEvaluationMixin
 from .launch import check_launch
 from .model_card import ModelCardMixin
 from .objective_inputs import EntropyBonusMixin, fused_kernel_problems, gather_objective_inputs
@@ -46,7 +50,9 @@ __all__ = ["GRPOTrainerExt"]
 _TRL_PARAMETERS = list(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # without `self`
 
 
-class GRPOTrainerExt(ModelCardMixin, NonFiniteGuardMixin, CheckpointingMixin, EntropyBonusMixin, GRPOTrainer):
+class GRPOTrainerExt(
+    HeldoutEvaluationMixin, ModelCardMixin, NonFiniteGuardMixin, CheckpointingMixin, EntropyBonusMixin, GRPOTrainer
+):
     """[`trl.GRPOTrainer`] whose loss is this package's: the documents' GRPO objective by default, every TRL option
     honoured.
 
@@ -57,9 +63,11 @@ class GRPOTrainerExt(ModelCardMixin, NonFiniteGuardMixin, CheckpointingMixin, En
     normalise-then-sum), it trains step for step like stock TRL. With `peft_config=LoraConfig(...)` only the adapter
     is trained, and the reference log-probs come from the same model with its adapters disabled.
 
-    Besides TRL's metrics it logs the diagnostics (ratio distribution, per-group reward spread, loss split), keeps
-    non-finite updates off the weights, warns about anomalies, names failing reward functions, writes crash-safe
-    checkpoints that resume exactly, and writes a model card with a training report.
+    Besides TRL's metrics it logs the diagnostics (ratio distribution, per-group reward spread, loss split, the
+    sampler/trainer mismatch with vLLM), keeps non-finite updates off the weights, warns about anomalies, names
+    failing reward functions, writes crash-safe checkpoints that resume exactly, and writes a model card with a
+    training report. With `heldout_metrics=[...]` (and `heldout_dataset`, or `eval_dataset`) it evaluates held-out
+    prompts with k sampled completions each, independently of the reward (`heldout.HeldoutEvaluationMixin`).
 
     Raises:
         ValueError: at construction, for invalid `epsilon`/`epsilon_high`/`beta`, a `loss_implementation` that
@@ -115,10 +123,12 @@ class GRPOTrainerExt(ModelCardMixin, NonFiniteGuardMixin, CheckpointingMixin, En
                 clip_metrics=self._loss_type.clip_metrics,
                 loss_terms=loss_terms,
                 extra_metrics=extra_metrics,
-                sampler_mismatch=self.use_vllm and self.vllm_importance_sampling_correction,
+                sampler_mismatch=self.use_vllm and option("log_sampler_mismatch"),
             )
             for mode in ("train", "eval")
         }
+        if truncation_warning(args):
+            warnings.warn(truncation_warning(args), UserWarning, stacklevel=2)
         self._init_nonfinite_guard(option("nonfinite_policy"), option("max_nonfinite_skips"))
         if option("warn_on_anomalies"):
             # First in line, so that the loggers and the console after it see the `alarms/<name>` counts it adds.
@@ -191,15 +201,18 @@ class GRPOTrainerExt(ModelCardMixin, NonFiniteGuardMixin, CheckpointingMixin, En
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
-        if "importance_sampling_ratio" in output and "sampling_per_token_logps" in output:
-            mode = "train" if self.model.training else "eval"
+        mode = "train" if self.model.training else "eval"
+        if self._diagnostics[mode].sampler_mismatch and output.get("sampling_per_token_logps") is not None:
+            # TRL computes the trainer's log-probs at generation only for the correction (or misaligned steps)
+            logps = trainer_logps(self, output) if "old_per_token_logps" not in output else None
             mismatch = sampler_mismatch(
                 output,
                 self.vllm_importance_sampling_mode,
                 self.vllm_importance_sampling_clip_min,
                 self.vllm_importance_sampling_clip_max,
+                trainer_logps=logps,
             )
-            self._diagnostics[mode].add_sampler_mismatch(*mismatch)
+            self._diagnostics[mode].add_sampler_mismatch(mismatch)
         return output
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):

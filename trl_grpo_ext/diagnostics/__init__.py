@@ -3,7 +3,8 @@
 - `layout`: named fields of a flat vector, each with its reduction (`FieldLayout`);
 - `histogram`: the log-ratio histogram (`LogRatioHistogram`), for the loss's ratios and the sampler mismatch;
 - `accumulator`: the running sums between two log steps, one gather per log step (`DiagnosticsAccumulator`);
-- `mismatch`: the raw sampler/trainer ratios behind vLLM's importance-sampling correction;
+- `mismatch`: the sampler/trainer mismatch with vLLM (raw ratios, k3 KL, effective sample size), the truncation
+  warning;
 - `loggers`: histograms to the loggers that draw them.
 """
 

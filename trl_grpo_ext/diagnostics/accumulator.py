@@ -9,7 +9,9 @@ off the pooled sums. The vector has these parts, each a `FieldLayout`:
 - one window row (`DiagnosticsAccumulator.window_layout`): the importance-ratio histogram of the loss's tokens
   (`LogRatioHistogram`), the loss terms in the units of the backward loss, and the optimizer steps they span;
 - with the ratio statistics, the length/reward correlation's three sums (`LENGTH_LAYOUT`);
-- with vLLM, one mismatch row: the histogram of the raw sampler/trainer ratios and how many lie outside the bounds.
+- with vLLM, one mismatch row: the histogram of the raw sampler/trainer ratios, how many lie outside the
+  correction's bounds, the sums behind the sampler/trainer k3 KL and behind the effective sample size of the
+  weights TRL's correction applies (`MISMATCH_SUMS`).
 
 Its size depends on the number of micro-batches since the last log, never on the batch size or sequence length.
 """
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ops.loss_types import CLIP_METRICS
+from ..ops.numerics import kl_estimator
 from .histogram import LogRatioHistogram, quantile_metric_name
 from .layout import FieldLayout
 
@@ -45,6 +48,10 @@ STEP_LAYOUT = FieldLayout(
 MISMATCH_PREFIX = "sampling/importance_sampling_ratio_raw"
 # The length/reward correlation inside groups: this process's centred sums since the last log (`_length_moments`).
 LENGTH_LAYOUT = FieldLayout([("length_reward", "sum"), ("length_squares", "sum"), ("reward_squares", "sum")])
+# Beside the raw ratios' histogram: the units outside the bounds; sum of exp(d) - d - 1 over the tokens the sampler
+# scored and their number (d = trainer_logp - sampler_logp); the units, sum and sum of squares of the weights the
+# correction applies (none when it is off).
+MISMATCH_SUMS = ("outside", "k3_sum", "k3_tokens", "applied_units", "applied_sum", "applied_square_sum")
 
 
 @dataclass
@@ -75,8 +82,9 @@ class DiagnosticsAccumulator:
         loss_terms (`tuple[str, ...]`): the terms of `LOSS_TERMS` to report as `loss/<term>`.
         extra_metrics (`tuple[str, ...]`): names of further per-micro-batch metrics, each added as a `(sum, count)`
             pair by `add_loss_step` and reported as the pooled sum over the pooled count (like TRL's own).
-        sampler_mismatch (`bool`): also pool the raw sampler/trainer importance ratios of `add_sampler_mismatch`
-            (vLLM), reported as `sampling/importance_sampling_ratio_raw/*`.
+        sampler_mismatch (`bool`): also pool the sampler/trainer mismatch of `add_sampler_mismatch` (vLLM),
+            reported as `sampling/importance_sampling_ratio_raw/*`, `sampling/sampler_k3_kl` and, with the
+            correction on, `sampling/importance_sampling_ratio/ess`.
     """
 
     def __init__(
@@ -107,7 +115,7 @@ class DiagnosticsAccumulator:
         histogram = LogRatioHistogram.layout
         terms = [(term, "sum") for term in LOSS_TERMS]
         self.window_layout = FieldLayout([*histogram.fields("ratio/"), *terms, ("optimizer_steps", "sum")])
-        self.mismatch_layout = FieldLayout([*histogram.fields(), ("outside", "sum")])
+        self.mismatch_layout = FieldLayout([*histogram.fields(), *((name, "sum") for name in MISMATCH_SUMS)])
         self.reset()
 
     def reset(self) -> None:
@@ -218,20 +226,27 @@ class DiagnosticsAccumulator:
             moments = _length_moments(grouped.flatten(), std, lengths, first_row, num_generations)
             self._lengths = moments if self._lengths is None else self._lengths + moments
 
-    def add_sampler_mismatch(self, log_ratio: torch.Tensor, units: torch.Tensor, outside: torch.Tensor) -> None:
-        """Add the raw sampler/trainer importance ratios of one generation batch. Device ops only.
+    def add_sampler_mismatch(self, mismatch) -> None:
+        """Add the sampler/trainer mismatch of one generation batch. Device ops only.
 
         Args:
-            log_ratio (`torch.Tensor` of shape `(N, T)` or `(N, 1)`): `old_logp - sampler_logp`, per token or summed
-                per sequence, before any truncation or masking.
-            units (`torch.Tensor`, bool, same shape): which entries count (completion tokens, or every sequence).
-            outside (`torch.Tensor`, bool, same shape): entries whose ratio lies outside the correction's bounds.
+            mismatch (`diagnostics.mismatch.SamplerMismatch`): its `log_ratio`, `units` and `outside` (`(N, T)`, or
+                `(N, 1)` per sequence), `token_log_ratio` and `scored` (`(N, T)`) and `applied` (the correction's
+                weights, or `None`).
         """
         if not self.sampler_mismatch:
             return
+        log_ratio, units = mismatch.log_ratio, mismatch.units
         dtype = self._accumulator_dtype(log_ratio.device)
-        outside_count = (outside & units).sum().to(dtype).reshape(1)
-        segment = torch.cat([LogRatioHistogram.measure(log_ratio, units, dtype), outside_count])
+        scored = mismatch.scored
+        k3 = torch.where(scored, kl_estimator(mismatch.token_log_ratio.to(dtype)), 0.0)
+        sums = {"outside": (mismatch.outside & units).sum(), "k3_sum": k3.sum(), "k3_tokens": scored.sum()}
+        zero = torch.zeros((), dtype=dtype, device=log_ratio.device)
+        if mismatch.applied is not None:
+            applied = torch.where(units, mismatch.applied.to(dtype), 0.0)
+            sums.update(applied_units=units.sum(), applied_sum=applied.sum(), applied_square_sum=applied.pow(2).sum())
+        values = torch.stack([sums.get(name, zero).to(dtype) for name in MISMATCH_SUMS])
+        segment = torch.cat([LogRatioHistogram.measure(log_ratio, units, dtype), values])
         self._mismatch = segment if self._mismatch is None else self.mismatch_layout.merge(self._mismatch, segment)
 
     def is_empty(self) -> bool:
@@ -249,7 +264,7 @@ class DiagnosticsAccumulator:
         if self.sampler_mismatch:  # fixed size, an empty histogram when nothing was generated since the last log
             if self._mismatch is None:
                 empty = LogRatioHistogram.empty(parts[0].device, parts[0].dtype)
-                self._mismatch = torch.cat([empty, torch.zeros_like(empty[:1])])
+                self._mismatch = torch.cat([empty, empty.new_zeros(len(MISMATCH_SUMS))])
             parts.append(self._mismatch)
         return torch.cat(parts)
 
@@ -328,11 +343,22 @@ class DiagnosticsAccumulator:
         ratio = LogRatioHistogram.summarize(mismatch, self.quantiles, histogram=self.histograms)
         if ratio is None or ratio["units"] == 0:
             return
+        summary.scalars[f"{MISMATCH_PREFIX}/mean"] = ratio["mean"]
         summary.scalars[f"{MISMATCH_PREFIX}/min"] = ratio["min"]
         summary.scalars[f"{MISMATCH_PREFIX}/max"] = ratio["max"]
         summary.scalars[f"{MISMATCH_PREFIX}/outside_fraction"] = mismatch["outside"].item() / ratio["units"]
         for quantile, value in zip(self.quantiles, ratio["quantiles"], strict=True):
             summary.scalars[quantile_metric_name(quantile).replace("ratio/", f"{MISMATCH_PREFIX}/")] = value
+        # Effective sample size over the number of units, (sum w)^2 / (N sum w^2), in (0, 1]: 1 when every weight is
+        # equal, 1/N when one weight carries all. The raw ratios' sums are those of the histogram (kept as r - 1).
+        units, deviation, squares = ratio["units"], mismatch["deviation_sum"].item(), mismatch["square_sum"].item()
+        summary.scalars[f"{MISMATCH_PREFIX}/ess"] = _ess(units, units + deviation, units + 2 * deviation + squares)
+        if mismatch["applied_units"].item() > 0:
+            summary.scalars["sampling/importance_sampling_ratio/ess"] = _ess(
+                mismatch["applied_units"].item(), mismatch["applied_sum"].item(), mismatch["applied_square_sum"].item()
+            )
+        if mismatch["k3_tokens"].item() > 0:
+            summary.scalars["sampling/sampler_k3_kl"] = mismatch["k3_sum"].item() / mismatch["k3_tokens"].item()
         if self.histograms:
             summary.histograms[MISMATCH_PREFIX] = ratio["histogram"]
 
@@ -389,6 +415,11 @@ def _length_moments(
     return torch.stack(
         [(length_centred * reward_centred).sum(), length_centred.pow(2).sum(), reward_centred.pow(2).sum()]
     )
+
+
+def _ess(units: float, weight_sum: float, square_sum: float) -> float:
+    """`(sum w)^2 / (N * sum w^2)`: the effective sample size of N weights as a share of N (0 if every weight is 0)."""
+    return weight_sum**2 / (units * square_sum) if square_sum > 0 else 0.0
 
 
 def _value_histogram(values: torch.Tensor, num_buckets: int = 20) -> tuple:

@@ -56,8 +56,21 @@ class GRPOScriptArguments:
     eval_samples: int = field(
         default=0,
         metadata={
-            "help": "Before and after training, sample one completion for each of this many test prompts and print "
-            "the mean of every reward (held-out accuracy for exact-match rewards). 0 switches it off."
+            "help": "Held-out evaluation on this many test prompts, before and after training (and every "
+            "eval_every_steps): eval_k completions each, sampled exactly as training samples; every reward function "
+            "is a metric, printed as mean@k and pass@k (held-out accuracy for exact-match rewards) and added to the "
+            "model card. 0 switches it off."
+        },
+    )
+    eval_k: int = field(
+        default=1,
+        metadata={"help": "Completions sampled per held-out prompt (the k of mean@k and pass@k)."},
+    )
+    eval_every_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Also evaluate the held-out prompts every this many steps during training, logged as "
+            "heldout/<reward>/mean@<k> and heldout/<reward>/pass@<k>. 0: before and after training only."
         },
     )
     num_threads: int | None = field(
@@ -73,6 +86,33 @@ class GRPOScriptArguments:
             "choices": ["compact", "raw"],
         },
     )
+
+
+def apply_eval_fields(script_args: GRPOScriptArguments, training_args) -> None:
+    """Set the trainer's held-out fields from the recipe's `eval_k` and `eval_every_steps`.
+
+    Raises:
+        ValueError: a value out of range, held-out settings without `eval_samples`, or a `heldout_*` field of the
+            training config set to something else than the recipe's field says.
+    """
+    from trl_grpo_ext import GRPOConfigExt
+
+    if script_args.eval_k < 1 or script_args.eval_every_steps < 0:
+        raise ValueError(
+            f"eval_k must be >= 1 and eval_every_steps >= 0, got {script_args.eval_k} and "
+            f"{script_args.eval_every_steps}."
+        )
+    if not script_args.eval_samples and (script_args.eval_k != 1 or script_args.eval_every_steps):
+        raise ValueError("eval_k and eval_every_steps need eval_samples > 0 (the number of held-out prompts).")
+    defaults = GRPOConfigExt.__dataclass_fields__
+    for ours, theirs in (("eval_k", "heldout_num_generations"), ("eval_every_steps", "heldout_every_steps")):
+        value, current = getattr(script_args, ours), getattr(training_args, theirs)
+        if current not in (defaults[theirs].default, value):
+            raise ValueError(f"{ours}={value} and {theirs}={current} disagree: set {ours} only.")
+        setattr(training_args, theirs, value)
+    too_large = [k for k in training_args.heldout_pass_at or [] if k > script_args.eval_k]
+    if too_large:
+        raise ValueError(f"heldout_pass_at={training_args.heldout_pass_at} needs eval_k >= {max(too_large)}.")
 
 
 def output_summary(output_dir: str, since: float, logged: bool, logging_steps: float) -> str:
@@ -225,16 +265,19 @@ def make_parser(prog: str | None = None, description: str = DESCRIPTION, usage: 
 
 
 def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
-    """Train, evaluate, save and (if asked) push. Returns the held-out reward means before and after training."""
+    """Train, evaluate, save and (if asked) push.
+
+    Returns:
+        `dict`: `{"before": ..., "after": ...}`, each the held-out metrics of `HeldoutEvaluationMixin.evaluate_heldout`
+        (`heldout/<reward>/mean@<k>`, `heldout/<reward>/pass@<k>`), empty without `eval_samples`.
+    """
     import torch
     from transformers import AutoTokenizer
     from trl import get_peft_config, get_quantization_config
-    from trl.models import unwrap_model_for_generation
 
     from trl_grpo_ext import GRPOTrainerExt
     from trl_grpo_ext.console import CONSOLE_MODES, ConsoleCallback
     from trl_grpo_ext.recipes.data import load_recipe_dataset
-    from trl_grpo_ext.recipes.evaluation import SamplingSettings, sampled_reward_means
     from trl_grpo_ext.recipes.rewards import resolve_reward_funcs
 
     started = time.time()
@@ -259,6 +302,10 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
     reward_funcs = resolve_reward_funcs(script_args.reward_funcs, training_args.max_completion_length)
     if script_args.eval_samples and test_dataset is None:
         raise ValueError(f"eval_samples={script_args.eval_samples} needs a '{script_args.dataset_test_split}' split.")
+    apply_eval_fields(script_args, training_args)
+    heldout = None
+    if script_args.eval_samples:
+        heldout = test_dataset.select(range(min(script_args.eval_samples, len(test_dataset))))
 
     training_args.model_init_kwargs = {
         "revision": model_args.model_revision,
@@ -279,47 +326,36 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
         quantization_config=get_quantization_config(model_args),
+        heldout_metrics=reward_funcs if heldout is not None else None,
+        heldout_dataset=heldout,
     )
 
     if script_args.console == "compact":
         ConsoleCallback.install(trainer)
 
-    sharded = trainer.is_fsdp_enabled or (
-        trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
-    )
-
-    def evaluate() -> dict[str, float]:
-        rows = test_dataset.select(range(min(script_args.eval_samples, len(test_dataset)))).to_list()
-        # ZeRO-3: the whole weights gathered on every process for the generation; FSDP2: the layers gather theirs.
-        with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
-            return sampled_reward_means(
-                model,
-                trainer.processing_class,
-                rows,
-                reward_funcs,
-                SamplingSettings.from_config(training_args),  # sample as training does
-                seed=training_args.seed,
-                reward_kwargs={"trainer_state": trainer.state},
-            )
-
-    # Sharded weights: every process takes part in each generation (same prompts, same seed); the main one reports.
-    evaluating = script_args.eval_samples > 0 and (sharded or trainer.accelerator.is_main_process)
-    before = evaluate() if evaluating else {}
+    # Every process samples its share of the held-out prompts (sampled as training samples); all get the result.
+    before = trainer.evaluate_heldout(log=False) if heldout is not None else {}
     trainer.train(resume_from_checkpoint=resume)
-    after = evaluate() if evaluating else {}
+    after = trainer.evaluate_heldout(log=False) if heldout is not None else {}
 
-    trainer.card_metrics = {f"held-out {name} (before)": value for name, value in before.items()}
-    trainer.card_metrics.update({f"held-out {name} (after)": value for name, value in after.items()})
+    trainer.card_metrics = {f"held-out {name.removeprefix('heldout/')} (before)": v for name, v in before.items()}
+    trainer.card_metrics.update({f"held-out {name.removeprefix('heldout/')} (after)": v for name, v in after.items()})
     if training_args.push_to_hub:
         # Saves the model and tokenizer, writes the card and report, and uploads the output folder, once.
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
     else:
         trainer.save_model(training_args.output_dir)
         trainer.create_model_card(dataset_name=script_args.dataset_name)
-    if evaluating and trainer.accelerator.is_main_process:
-        print(f"\nHeld-out evaluation on {script_args.eval_samples} test prompts, one sampled completion each:")
+    if heldout is not None and trainer.accelerator.is_main_process:
+        each = (
+            "one sampled completion each"
+            if script_args.eval_k == 1
+            else f"{script_args.eval_k} sampled completions each"
+        )
+        print(f"\nHeld-out evaluation on {len(heldout)} test prompts, {each}:")
         for name in before:
-            print(f"  {name}: {before[name]:.3f} before GRPO -> {after[name]:.3f} after")
+            label = name.removeprefix("heldout/").replace("/", " ")
+            print(f"  {label}: {before[name]:.3f} before GRPO -> {after[name]:.3f} after")
     if trainer.accelerator.is_main_process:
         logged = any("loss" in entry for entry in trainer.state.log_history)
         print(output_summary(training_args.output_dir, started, logged, training_args.logging_steps))

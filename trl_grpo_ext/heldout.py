@@ -1,0 +1,394 @@
+"""Held-out evaluation during training, independent of the reward: mean@n and pass@k of metric functions.
+
+Metric functions have the reward-function signature, `f(prompts, completions, **columns) -> list[float | None]`
+(called as TRL calls reward functions, with `completion_ids`, the dataset's other columns and `trainer_state`). For
+each held-out prompt, `n` completions are sampled exactly as training samples (`sampling.py`: the same prompt tokens
+and chat template, the config's sampling fields and `generation_kwargs`, the same stops; in eval mode, with the
+random state of training left untouched). Logged, per metric:
+
+    heldout/<metric>/mean@<n>   mean score over all scored completions (None scores are left out)
+    heldout/<metric>/pass@<k>   mean over prompts of the unbiased estimator 1 - C(n - c, k) / C(n, k)
+
+where `c` counts a prompt's completions with score >= `heldout_pass_threshold` (an unscored completion counts as
+not passing). Under DDP, FSDP2 and ZeRO the prompts are split over the processes, in chunks each sampled under its
+own seed (`seed + chunk index`), so that a completion does not depend on how many processes share the work; the
+per-prompt counts are pooled with one gather and summed in prompt order, so one process and several give the same
+numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+from trl.trainer.utils import get_callable_name
+
+from .config import GRPOConfigExt
+from .sampling import SamplingSettings, sample_batch, sampling_model
+
+__all__ = ["HeldoutEvaluationMixin", "call_metric", "heldout_records", "pass_at_k", "pool_heldout_records"]
+
+#: The `GRPOConfigExt` fields of the held-out evaluation (a plain `trl.GRPOConfig` gets their defaults).
+HELDOUT_FIELDS = (
+    "heldout_every_steps",
+    "heldout_num_generations",
+    "heldout_pass_at",
+    "heldout_pass_threshold",
+    "heldout_batch_size",
+)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimator of pass@k from `n` samples of which `c` pass: `1 - C(n - c, k) / C(n, k)`.
+
+    The chance that `k` samples drawn without replacement from the `n` include at least one that passes. Computed
+    as `1 - prod_{i = n - c + 1}^{n} (1 - k / i)`, which needs no large binomials.
+
+    Args:
+        n (`int`): samples of the prompt, >= 1.
+        c (`int`): passing samples, in `[0, n]`.
+        k (`int`): in `[1, n]`.
+
+    Returns:
+        `float` in `[0, 1]`; 1 when fewer than `k` samples fail.
+    """
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}.")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def call_metric(
+    func: Callable, prompts: list, completions: list, completion_ids: list, columns: dict[str, list], **extras
+) -> list:
+    """Call a reward-style function as TRL calls reward functions; `log_extra` and `log_metric` do nothing here.
+
+    Args:
+        func: `f(prompts, completions, **kwargs)`, plain or async.
+        prompts, completions, completion_ids: one entry per completion.
+        columns: the dataset's other columns, one list per column, one entry per completion.
+        extras: more keyword arguments (`trainer_state` defaults to `None`).
+
+    Returns:
+        `list`: one score (or `None`) per completion.
+    """
+    kwargs = {"trainer_state": None, "log_extra": lambda *args: None, "log_metric": lambda *args: None}
+    kwargs.update(extras)
+    scores = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns, **kwargs)
+    scores = asyncio.run(scores) if inspect.isawaitable(scores) else scores
+    if len(scores) != len(completions):
+        raise ValueError(
+            f"held-out metric {get_callable_name(func)!r} returned {len(scores)} scores for {len(completions)} "
+            "completions: it must return one score (or None) per completion."
+        )
+    return list(scores)
+
+
+def _chunks(num_prompts: int, num_generations: int, batch_size: int) -> list[range]:
+    """The prompt ranges sampled in one `generate` call each: `batch_size // num_generations` prompts (at least 1)."""
+    per_chunk = max(1, batch_size // num_generations)
+    return [range(start, min(start + per_chunk, num_prompts)) for start in range(0, num_prompts, per_chunk)]
+
+
+def heldout_records(
+    model,
+    tokenizer,
+    dataset,
+    metrics: dict[str, Callable],
+    settings: SamplingSettings,
+    *,
+    num_generations: int,
+    threshold: float,
+    batch_size: int = 256,
+    seed: int = 0,
+    process_index: int = 0,
+    num_processes: int = 1,
+    synced_gpus: bool = False,
+    metric_kwargs: dict | None = None,
+) -> torch.Tensor:
+    """This process's per-prompt counts: one row per prompt it sampled, `(prompt index, then per metric: score sum,
+    scored completions, passing completions)`, float64, padded with rows of index -1 to the same number of rows on
+    every process.
+
+    Args:
+        model: the policy, whole or gathering its shards in the forward (then `synced_gpus=True`).
+        tokenizer: the processing class of the run.
+        dataset (`datasets.Dataset`): held-out rows with a `prompt` and the columns the metrics read.
+        metrics: name -> metric function.
+        settings: the sampling fields (`SamplingSettings.from_config(training_args)`).
+        num_generations: completions per prompt (`n`).
+        threshold: a completion passes when its score is >= this.
+        batch_size: completions per `generate` call.
+        seed: chunk `i` is sampled under seed `seed + i`.
+        process_index, num_processes: this process and how many share the prompts (chunk `i` goes to process
+            `i % num_processes`).
+        synced_gpus: every process makes the same number of `generate` calls (a process with fewer chunks samples
+            one again and drops it), each stepping until all processes are done: needed when the forward gathers
+            sharded weights.
+        metric_kwargs: more keyword arguments for the metrics (e.g. `trainer_state`).
+    """
+    chunks = _chunks(len(dataset), num_generations, batch_size)
+    mine = list(range(process_index, len(chunks), num_processes))
+    calls = math.ceil(len(chunks) / num_processes) if synced_gpus else len(mine)
+    max_rows = max(sum(len(chunks[i]) for i in range(p, len(chunks), num_processes)) for p in range(num_processes))
+    rows = []
+    with sampling_model(model):
+        for call in range(calls):
+            index = mine[call] if call < len(mine) else 0  # a repeat that keeps the processes in step
+            batch = dataset[chunks[index].start : chunks[index].stop]
+            prompts = [prompt for prompt in batch["prompt"] for _ in range(num_generations)]
+            torch.manual_seed(seed + index)
+            completions, completion_ids = sample_batch(model, tokenizer, prompts, settings, synced_gpus=synced_gpus)
+            if call >= len(mine):
+                continue
+            columns = {
+                key: [value for value in values for _ in range(num_generations)]
+                for key, values in batch.items()
+                if key not in ("prompt", "completion")
+            }
+            scores = {
+                name: call_metric(func, prompts, completions, completion_ids, columns, **(metric_kwargs or {}))
+                for name, func in metrics.items()
+            }
+            for offset, prompt_index in enumerate(chunks[index]):
+                row = [float(prompt_index)]
+                for name in metrics:
+                    group = scores[name][offset * num_generations : (offset + 1) * num_generations]
+                    scored = [float(score) for score in group if score is not None]
+                    row += [sum(scored), float(len(scored)), float(sum(score >= threshold for score in scored))]
+                rows.append(row)
+    width = 1 + 3 * len(metrics)
+    rows += [[-1.0] + [0.0] * (width - 1)] * (max(max_rows, 1) - len(rows))
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def pool_heldout_records(
+    records: torch.Tensor, names: list[str], num_generations: int, pass_at: list[int]
+) -> dict[str, float]:
+    """The held-out metrics from the gathered per-prompt rows of every process (`heldout_records`, stacked).
+
+    Rows are put in prompt order and summed in that order, so the result does not depend on the number of processes.
+
+    Returns:
+        `dict`: `heldout/<name>/mean@<n>` (NaN when no completion was scored) and `heldout/<name>/pass@<k>` for each
+        `k` of `pass_at`.
+    """
+    records = records.to(torch.float64).cpu()
+    records = records[records[:, 0] >= 0]
+    records = records[records[:, 0].argsort()].tolist()
+    values = {}
+    for position, name in enumerate(names):
+        score_sum = scored = 0.0
+        passes = dict.fromkeys(pass_at, 0.0)
+        for row in records:
+            total, count, passing = row[1 + 3 * position : 4 + 3 * position]
+            score_sum, scored = score_sum + total, scored + count
+            for k in pass_at:
+                passes[k] += pass_at_k(num_generations, round(passing), k)
+        values[f"heldout/{name}/mean@{num_generations}"] = score_sum / scored if scored else math.nan
+        for k in pass_at:
+            values[f"heldout/{name}/pass@{k}"] = passes[k] / len(records) if records else math.nan
+    return values
+
+
+class _HeldoutSchedule(TrainerCallback):
+    """Runs the held-out evaluation every `heldout_every_steps` optimizer steps; keeps its values for an evaluation
+    at the same step."""
+
+    def __init__(self, trainer: HeldoutEvaluationMixin):
+        self.trainer = trainer
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.trainer._heldout_step_values = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        every = self.trainer._heldout_options["heldout_every_steps"]
+        if every and state.global_step % every == 0:
+            self.trainer._heldout_step_values = (state.global_step, self.trainer.evaluate_heldout())
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer._heldout_step_values = None
+
+
+class HeldoutEvaluationMixin:
+    """Held-out evaluation for a `trl.GRPOTrainer` subclass (see the module docstring).
+
+    Adds two keyword arguments to the trainer:
+
+    - `heldout_metrics` (callable or list of callables): the metric functions; named as TRL names reward functions.
+    - `heldout_dataset` (`datasets.Dataset`, *optional*): the held-out prompts; defaults to `eval_dataset`.
+
+    The config's `heldout_*` fields (`GRPOConfigExt`) say how often and how. Each held-out pass logs its own entry
+    (`heldout/...`, at the current step). Every `evaluate()` includes one: its metrics then carry
+    `eval_heldout/<metric>/mean@<n>` and `.../pass@<k>`, which `metric_for_best_model="heldout/<metric>/mean@<n>"`
+    (with `load_best_model_at_end`, `save_strategy="best"` or early stopping) reads. With `eval_strategy` set and no
+    `eval_dataset`, an evaluation is the held-out pass alone (TRL's own evaluation, which generates and scores with
+    the reward functions, needs an `eval_dataset`).
+    """
+
+    def __init__(self, *args, heldout_metrics=None, heldout_dataset=None, **kwargs):
+        config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
+        defaults = GRPOConfigExt.__dataclass_fields__
+        options = {name: getattr(config, name, defaults[name].default) for name in HELDOUT_FIELDS}
+        metrics = _named_metrics(heldout_metrics)
+        eval_dataset = kwargs.get("eval_dataset")
+        if heldout_dataset is None and metrics and eval_dataset is not None:
+            if not hasattr(eval_dataset, "column_names"):
+                raise ValueError(
+                    "heldout_metrics: the held-out prompts default to eval_dataset, which must then be one "
+                    f"datasets.Dataset (got {type(eval_dataset).__name__}); pass heldout_dataset=..."
+                )
+            heldout_dataset = eval_dataset
+        _check_heldout(config, options, metrics, heldout_dataset)
+        self._heldout_only = bool(metrics) and eval_dataset is None and getattr(config, "eval_strategy", "no") != "no"
+        if self._heldout_only:
+            kwargs["eval_dataset"] = heldout_dataset  # what Trainer requires for eval_strategy; never generated from
+        super().__init__(*args, **kwargs)
+        self._heldout_metrics, self._heldout_dataset, self._heldout_options = metrics, heldout_dataset, options
+        self._heldout_step_values: tuple[int, dict[str, float]] | None = None
+        self._heldout_in_evaluate = False
+        if metrics:
+            self.add_callback(_HeldoutSchedule(self))
+
+    def evaluate_heldout(self, log: bool = True) -> dict[str, float]:
+        """Run the held-out evaluation now, on every process (each samples its share of the prompts).
+
+        Args:
+            log (`bool`): also log the values as their own entry at the current step.
+
+        Returns:
+            `dict`: `heldout/<metric>/mean@<n>` and `heldout/<metric>/pass@<k>`, the same on every process.
+        """
+        if not self._heldout_metrics:
+            raise ValueError("evaluate_heldout() needs heldout_metrics=[...] given to the trainer.")
+        from trl.models import unwrap_model_for_generation
+
+        options = self._heldout_options
+        n = options["heldout_num_generations"]
+        accelerator = self.accelerator
+        sharded = self.is_fsdp_enabled or (
+            self.is_deepspeed_enabled and accelerator.state.deepspeed_plugin.zero_stage == 3
+        )
+        dist = getattr(self, "_dist", None)  # TRL >= 1.16: FSDP1 needs its full parameters summoned
+        summon = dist.summon_full_params(self.model_wrapped, recurse=False) if dist is not None else nullcontext()
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped, accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation
+            ) as model,
+            summon,
+        ):
+            records = heldout_records(
+                model,
+                self.processing_class,
+                self._heldout_dataset,
+                self._heldout_metrics,
+                SamplingSettings.from_config(self.args),
+                num_generations=n,
+                threshold=options["heldout_pass_threshold"],
+                batch_size=options["heldout_batch_size"],
+                seed=self.args.seed,
+                process_index=accelerator.process_index,
+                num_processes=accelerator.num_processes,
+                synced_gpus=sharded and accelerator.num_processes > 1,
+                metric_kwargs={"trainer_state": self.state},
+            )
+        if self.is_fsdp_enabled:
+            _reshard(self.model_wrapped)
+        dtype = torch.float32 if accelerator.device.type == "mps" else torch.float64
+        if accelerator.num_processes > 1:  # the evaluation's only collective
+            records = accelerator.gather(records.to(accelerator.device, dtype))
+        values = pool_heldout_records(records, list(self._heldout_metrics), n, options["heldout_pass_at"] or [n])
+        if log:
+            # An entry of its own: GRPOTrainer.log would flush the training metrics into it. Logging clears
+            # `should_log`, which may still be due for this step's training metrics.
+            should_log = self.control.should_log
+            Trainer.log(self, dict(values))
+            self.control.should_log = should_log
+        return values
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """`Trainer.evaluate`, with the held-out metrics among the returned (and logged) metrics."""
+        if not self._heldout_metrics or self._heldout_in_evaluate:
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        step_values = self._heldout_step_values
+        if step_values is not None and step_values[0] == self.state.global_step:
+            values = step_values[1]  # the scheduled pass of this very step
+        else:
+            values = self.evaluate_heldout()
+        if self._heldout_only and eval_dataset is None:
+            metrics = {f"{metric_key_prefix}_{name}": value for name, value in values.items()}
+            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+            return metrics
+        for name, value in values.items():  # TRL's log adds them, with its `eval_` prefix, to the evaluation's
+            self._metrics["eval"][name].append(value)
+        self._heldout_in_evaluate = True  # a dict of evaluation datasets comes back here once per dataset
+        try:
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        finally:
+            self._heldout_in_evaluate = False
+
+
+def _reshard(model) -> None:
+    """Shard FSDP2 weights again after a held-out pass. FSDP2 keeps the root module's weights gathered after a forward
+    (in training, the backward that follows reshards them); a pass without backward would leave them whole."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2: nothing to reshard
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _named_metrics(metrics) -> dict[str, Callable]:
+    if metrics is None:
+        return {}
+    metrics = metrics if isinstance(metrics, (list, tuple)) else [metrics]
+    named = {}
+    for func in metrics:
+        if not callable(func) or isinstance(func, (str, torch.nn.Module)):
+            raise ValueError(
+                f"heldout_metrics must be functions f(prompts, completions, **columns) -> list[float], got "
+                f"{type(func).__name__} {func!r}."
+            )
+        name = get_callable_name(func)
+        if name in named:
+            raise ValueError(f"heldout_metrics: two metrics are named {name!r}; give them distinct names.")
+        named[name] = func
+    return named
+
+
+def _check_heldout(config, options: dict[str, Any], metrics: dict, dataset) -> None:
+    """Refuse, before any model is loaded, held-out settings that cannot run."""
+    if not metrics:
+        if options["heldout_every_steps"]:
+            raise ValueError(
+                f"heldout_every_steps={options['heldout_every_steps']} needs heldout_metrics=[...] (functions with "
+                "the reward-function signature) given to the trainer."
+            )
+        best = getattr(config, "metric_for_best_model", None) or ""
+        if best.removeprefix("eval_").startswith("heldout/"):
+            raise ValueError(f"metric_for_best_model={best!r} needs heldout_metrics=[...] given to the trainer.")
+        return
+    if dataset is None:
+        raise ValueError("heldout_metrics needs held-out prompts: pass heldout_dataset=... (or eval_dataset=...).")
+    if not hasattr(dataset, "column_names") or "prompt" not in dataset.column_names:
+        raise ValueError(
+            "heldout_dataset must be a datasets.Dataset with a 'prompt' column, got "
+            f"{getattr(dataset, 'column_names', type(dataset).__name__)}."
+        )
+    if len(dataset) == 0:
+        raise ValueError("heldout_dataset is empty.")
+    n, pass_at = options["heldout_num_generations"], options["heldout_pass_at"] or []
+    if any(k > n for k in pass_at):
+        raise ValueError(
+            f"heldout_pass_at={pass_at} needs heldout_num_generations >= {max(pass_at)} (got {n}): pass@k is "
+            "estimated from at least k samples per prompt."
+        )

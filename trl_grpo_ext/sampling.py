@@ -1,0 +1,239 @@
+"""Sampling as GRPO training samples: the prompts, the generation settings, the stops and the decoded completions.
+
+TRL's `GRPOTrainer` (its transformers generation path) tokenises a plain prompt with the tokenizer's special tokens
+(e.g. BOS), renders a conversational prompt with the chat template and `chat_template_kwargs`, samples with a
+`GenerationConfig` built from the config's sampling fields and `generation_kwargs`, stops at every EOS id of the
+tokenizer and of the model's `generation_config`, and hands reward functions conversational completions
+(`[{"role": "assistant", "content": ...}]`) for conversational prompts. This module does the same, so that a held-out
+score (`heldout.py`, the recipe's evaluation) measures the policy that training sees, and a reward function written
+for TRL runs unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from trl.chat_template_utils import parse_response
+from trl.data_utils import is_conversational
+from trl.trainer.utils import pad
+
+__all__ = [
+    "SamplingSettings",
+    "eos_token_ids",
+    "generate_completions",
+    "preserved_rng",
+    "sample_batch",
+    "sampling_model",
+    "tokenize_prompts",
+]
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """The sampling fields of a GRPO config (names and defaults as in `trl.GRPOConfig`).
+
+    Args:
+        max_completion_length: most tokens sampled per completion.
+        temperature, top_p, top_k, min_p, repetition_penalty: the sampling distribution; `top_k=0` and
+            `min_p=None` switch those cuts off.
+        cache_implementation: the KV cache `generate` uses.
+        generation_kwargs: more `GenerationConfig` fields; they override the ones above, as in TRL.
+        chat_template_kwargs: extra variables of the chat template (e.g. `{"enable_thinking": False}`).
+        pad_to_multiple_of: left-pad prompt batches to a multiple of this length.
+    """
+
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    cache_implementation: str | None = None
+    generation_kwargs: dict | None = None
+    chat_template_kwargs: dict | None = None
+    pad_to_multiple_of: int | None = None
+
+    @classmethod
+    def from_config(cls, args) -> SamplingSettings:
+        """The settings of a `trl.GRPOConfig` (or `GRPOConfigExt`): every field of this class, read by name."""
+        values = {}
+        for field in fields(cls):
+            if not hasattr(args, field.name):
+                raise ValueError(f"{type(args).__name__} has no field {field.name!r}: pass a trl.GRPOConfig.")
+            values[field.name] = getattr(args, field.name)
+        return cls(**values)
+
+    def generation_config(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> GenerationConfig:
+        """The `GenerationConfig` that `trl.GRPOTrainer.__init__` builds for these settings, model and tokenizer."""
+        generation_kwargs = {
+            "max_new_tokens": self.max_completion_length,
+            "do_sample": True,
+            "pad_token_id": _pad_token_id(tokenizer),
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": eos_token_ids(model, tokenizer),
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "cache_implementation": self.cache_implementation,
+            **(self.generation_kwargs or {}),
+        }
+        return GenerationConfig(**generation_kwargs, disable_compile=True)
+
+
+def _pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    # TRL sets a missing pad token to the EOS token; read it that way without changing the caller's tokenizer.
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Every id that ends a completion in TRL's GRPO: the tokenizer's EOS, then the model's `generation_config` ones
+    (an end-of-turn token such as `<|im_end|>`, for instance)."""
+    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
+    return ids if tokenizer.eos_token_id in ids else [tokenizer.eos_token_id, *ids]
+
+
+def tokenize_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: list, chat_template_kwargs: dict | None = None
+) -> list[list[int]]:
+    """Prompt token ids, unpadded, as `trl.GRPOTrainer` makes them.
+
+    Args:
+        tokenizer: the processing class of the run.
+        prompts: strings, tokenised with the tokenizer's special tokens; or conversations (lists of messages),
+            rendered with the chat template, a generation prompt and `chat_template_kwargs`.
+
+    Returns:
+        `list[list[int]]`: one list of ids per prompt.
+    """
+    if is_conversational({"prompt": prompts[0]}):
+        return tokenizer.apply_chat_template(
+            conversation=prompts,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **(chat_template_kwargs or {}),
+        )["input_ids"]
+    return tokenizer(text=prompts)["input_ids"]
+
+
+def _through_first_eos(ids: torch.Tensor, eos_ids: list[int]) -> list[list[int]]:
+    """Each row of `ids` `(B, C)` up to and including its first EOS id (what TRL keeps of a completion)."""
+    is_eos = torch.isin(ids, torch.tensor(eos_ids, device=ids.device))
+    lengths = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, ids.shape[1])
+    return [row[:length].tolist() for row, length in zip(ids.cpu(), lengths.tolist(), strict=True)]
+
+
+def _decode(tokenizer: PreTrainedTokenizerBase, completion_ids: list[list[int]], prompt_ids: list, chat: bool) -> list:
+    """Completions as TRL hands them to reward functions: strings, or lists with one assistant message."""
+    if not chat:
+        return tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    if getattr(tokenizer, "response_template", None) is not None or getattr(tokenizer, "response_schema", None):
+        pairs = zip(completion_ids, prompt_ids, strict=True)
+        return [[parse_response(tokenizer, ids, prefix=prompt)] for ids, prompt in pairs]
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return [[{"role": "assistant", "content": text}] for text in texts]
+
+
+@contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Run the block under the random state it finds, and restore that state afterwards (CPU and every CUDA
+    device): what the block draws leaves the random numbers of the code around it unchanged."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+@contextmanager
+def sampling_model(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
+    """`model` in eval mode, with gradients off and the random state preserved; its mode is restored afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), preserved_rng():
+            yield model
+    finally:
+        model.train(was_training)
+
+
+def sample_batch(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list,
+    settings: SamplingSettings,
+    *,
+    synced_gpus: bool | None = None,
+) -> tuple[list, list[list[int]]]:
+    """One `generate` call: a completion for each prompt, with the current random state and the model as it is.
+
+    Args:
+        model, tokenizer, settings: see `generate_completions`.
+        prompts: strings, or conversations (lists of messages); a prompt repeated `k` times gets `k` completions.
+        synced_gpus: passed to `generate`; `True` keeps every process stepping until all of them are done (needed
+            when the weights are sharded and each forward gathers them). `None`: transformers decides.
+
+    Returns:
+        `(completions, completion_ids)`: the decoded completions (strings, or lists holding one assistant message)
+        and their token ids through the first EOS.
+    """
+    chat = is_conversational({"prompt": prompts[0]})
+    pad_id = _pad_token_id(tokenizer)
+    prompt_ids = tokenize_prompts(tokenizer, prompts, settings.chat_template_kwargs)
+    rows = [torch.tensor(ids) for ids in prompt_ids]
+    padding = {"padding_side": "left", "pad_to_multiple_of": settings.pad_to_multiple_of}
+    input_ids = pad(rows, padding_value=pad_id, **padding)
+    attention_mask = pad([torch.ones_like(row) for row in rows], padding_value=0, **padding)
+    output = model.generate(
+        input_ids=input_ids.to(model.device),
+        attention_mask=attention_mask.to(model.device),
+        generation_config=settings.generation_config(model, tokenizer),
+        synced_gpus=synced_gpus,
+    )
+    completion_ids = _through_first_eos(output[:, input_ids.shape[1] :], eos_token_ids(model, tokenizer))
+    return _decode(tokenizer, completion_ids, prompt_ids, chat), completion_ids
+
+
+def generate_completions(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list,
+    settings: SamplingSettings | None = None,
+    *,
+    batch_size: int = 256,
+    seed: int = 0,
+    return_ids: bool = False,
+) -> list | tuple[list, list[list[int]]]:
+    """Sample one completion per prompt, as GRPO training samples (see the module docstring).
+
+    Args:
+        model: the policy (a PEFT model works too); sampled in eval mode, then put back in its previous mode.
+        tokenizer: the processing class of the run.
+        prompts: strings, or conversations (lists of messages).
+        settings: the sampling fields; `SamplingSettings.from_config(training_args)` for a run's own. Defaults to
+            TRL's defaults (plain sampling, temperature 1).
+        batch_size: prompts per `generate` call.
+        seed: seed of the sampling (drawn once, before the first batch); the global RNG state is restored afterwards.
+        return_ids: also return the completions' token ids.
+
+    Returns:
+        `list`: strings for plain prompts; for conversational prompts, lists holding one assistant message. With
+        `return_ids`, `(completions, completion_ids)`.
+    """
+    if not prompts:
+        raise ValueError("No prompts to sample from.")
+    settings = settings or SamplingSettings()
+    completions, all_ids = [], []
+    with sampling_model(model):
+        torch.manual_seed(seed)
+        for start in range(0, len(prompts), batch_size):
+            batch = prompts[start : start + batch_size]
+            batch_completions, batch_ids = sample_batch(model, tokenizer, batch, settings)
+            completions += batch_completions
+            all_ids += batch_ids
+    return (completions, all_ids) if return_ids else completions
