@@ -83,6 +83,18 @@ class GRPOConfigExt(GRPOConfig):
         },
     )
 
+    # Compute spent on the rows that teach
+    skip_zero_advantage_rows: bool = field(
+        default=False,
+        metadata={
+            "help": "Leave the rows whose advantage is 0 (a group with equal rewards) or that have no completion "
+            "token out of the training forward and backward, with the whole micro-batch's denominators, so that the "
+            "loss and gradient are those of the run without skipping (to float rounding). Exact only with beta=0, no "
+            "entropy bonus, no router loss and top_entropy_quantile=1; elsewhere it does nothing and warns once why. "
+            "Logs skipped_rows/fraction; entropy and ratio/* then describe the rows that trained."
+        },
+    )
+
     # Diagnostics
     log_diagnostics: bool = field(
         default=True,

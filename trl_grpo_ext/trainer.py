@@ -12,7 +12,9 @@ module wires the loss and the diagnostics in; each other concern is mixed in fro
 - `CheckpointingMixin` (`checkpointing.py`): `_save_checkpoint`, `_get_output_dir`, `_push_from_checkpoint`,
   `_load_optimizer_and_scheduler`;
 - `ModelCardMixin` (`model_card.py`): `create_model_card`;
-- `EntropyBonusMixin` (`objective_inputs.py`): TRL's entropy bonus and its adaptive controller.
+- `EntropyBonusMixin` (`objective_inputs.py`): TRL's entropy bonus and its adaptive controller;
+- `ZeroAdvantageRowSkipping` (`skipping.py`): with `skip_zero_advantage_rows`, `_compute_loss` trains only the rows
+  that can move the loss, with the whole micro-batch's denominators.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from .launch import check_launch
 from .model_card import ModelCardMixin
 from .objective_inputs import EntropyBonusMixin, fused_kernel_problems, gather_objective_inputs
 from .ops import LOSS_TYPES, hyperparameter_problems, policy_objective
+from .skipping import ZeroAdvantageRowSkipping, skipping_problems
 
 logger = logging.get_logger(__name__)
 
@@ -103,6 +106,17 @@ class GRPOTrainerExt(ModelCardMixin, NonFiniteGuardMixin, CheckpointingMixin, En
         extra_metrics = ("policy_loss",) if self._entropy_bonus_enabled else ()  # TRL logs it with a bonus only
         extra_metrics += ("aux_loss",) if self.aux_loss_enabled else ()
         extra_metrics += self._loss_type.extra_metrics
+        self._row_skipping = None
+        if option("skip_zero_advantage_rows"):
+            problems = skipping_problems(self)
+            if problems:
+                logger.warning(
+                    "skip_zero_advantage_rows=True does nothing in this run: leaving zero-advantage rows out would "
+                    "change the gradient, because " + "; ".join(problems) + "."
+                )
+            else:
+                self._row_skipping = ZeroAdvantageRowSkipping(self.importance_sampling_level)
+        skipping_metrics = ("skipped_rows/fraction",) if self._row_skipping is not None else ()
         self._diagnostics = {
             mode: DiagnosticsAccumulator(
                 ratio_stats=option("log_diagnostics"),
@@ -110,7 +124,7 @@ class GRPOTrainerExt(ModelCardMixin, NonFiniteGuardMixin, CheckpointingMixin, En
                 histograms=option("log_histograms"),
                 clip_metrics=self._loss_type.clip_metrics,
                 loss_terms=loss_terms,
-                extra_metrics=extra_metrics,
+                extra_metrics=extra_metrics + (skipping_metrics if mode == "train" else ()),
                 sampler_mismatch=self.use_vllm and self.vllm_importance_sampling_correction,
             )
             for mode in ("train", "eval")
@@ -130,8 +144,12 @@ class GRPOTrainerExt(ModelCardMixin, NonFiniteGuardMixin, CheckpointingMixin, En
 
     def _compute_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
         mode = "train" if self.model.training else "eval"
+        selection = None  # with skip_zero_advantage_rows: only the rows that can move the loss (skipping.py)
+        if mode == "train" and self._row_skipping is not None:
+            inputs, selection = self._row_skipping.select(inputs)
         logps, entropies, aux_loss = self._policy_logps_and_entropies(model, inputs)
-        objective = gather_objective_inputs(self, inputs, logps, entropies, aux_loss, mode)
+        num_rows = None if selection is None else selection.num_rows
+        objective = gather_objective_inputs(self, inputs, logps, entropies, aux_loss, mode, num_rows=num_rows)
         out = policy_objective(
             objective.logps,
             objective.old_logps,
@@ -153,6 +171,7 @@ class GRPOTrainerExt(ModelCardMixin, NonFiniteGuardMixin, CheckpointingMixin, En
             loss_scale=objective.loss_scale,
             implementation=self._loss_implementation,
             per_token=self._diagnostics[mode].ratio_stats,
+            **({} if selection is None else selection.policy_options()),
         )
         loss = out.loss
         # Each term in the units of the backward loss: summed over a step's micro-batches they give its loss.
@@ -173,6 +192,9 @@ class GRPOTrainerExt(ModelCardMixin, NonFiniteGuardMixin, CheckpointingMixin, En
             loss = loss + self.router_aux_loss_coef * aux_loss * scale
             terms["router"] = self.router_aux_loss_coef * aux_loss.detach() * scale
             extras["aux_loss"] = (aux_loss, 1)
+        if selection is not None:
+            extras["skipped_rows/fraction"] = selection.skipped_fraction()
+            out = selection.with_whole_batch_clip_counts(out)
         optimizer_step = mode == "eval" or self.accelerator.sync_gradients
         self._diagnostics[mode].add_loss_step(out, entropies, terms, extras, optimizer_step=optimizer_step)
         return loss
