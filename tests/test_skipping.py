@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
-from helpers import tiny_grpo_args
+from helpers import constant_reward, half_constant_reward, tiny_grpo_args
 from peft import LoraConfig
 from transformers import set_seed
 from trl import GRPOConfig, GRPOTrainer
@@ -21,7 +21,6 @@ from trl_grpo_ext.ops import LOSS_TYPES, policy_objective
 from trl_grpo_ext.skipping import ZeroAdvantageRowSkipping
 
 RTOL, ATOL = 1e-5, 1e-6
-CONSTANT_PROMPTS = {"xyz=", "qq="}  # half of the conftest `prompt_dataset`
 # Logged the same with and without skipping (entropy and ratio/* describe the trained rows only).
 SAME = (
     "loss",
@@ -34,18 +33,6 @@ SAME = (
     "clip_ratio/region_mean",
     "loss/policy",
 )
-
-
-def half_constant_reward(prompts, completions, **kwargs) -> list[float]:
-    """Constant for half of the prompts (their groups have no spread), letters 'a' and length for the others."""
-    return [
-        1.0 if prompt in CONSTANT_PROMPTS else completion.count("a") + 0.1 * len(completion)
-        for prompt, completion in zip(prompts, completions, strict=True)
-    ]
-
-
-def constant_reward(completions, **kwargs) -> list[float]:
-    return [1.0] * len(completions)
 
 
 class ForwardRowCounter:

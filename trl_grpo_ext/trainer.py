@@ -12,6 +12,8 @@ module wires the loss and the diagnostics in; each other concern is mixed in fro
 - `CheckpointingMixin` (`checkpointing.py`): `_save_checkpoint`, `_get_output_dir`, `_push_from_checkpoint`,
   `_load_optimizer_and_scheduler`;
 - `ModelCardMixin` (`model_card.py`): `create_model_card`;
+- `DynamicSamplingMixin` (`sampling.py`): with `dynamic_sampling`, `_generate_and_score_completions` replaces the
+  groups without reward spread by informative groups of fresh prompts;
 - `EntropyBonusMixin` (`objective_inputs.py`): TRL's entropy bonus and its adaptive controller;
 - `ZeroAdvantageRowSkipping` (`skipping.py`): with `skip_zero_advantage_rows`, `_compute_loss` trains only the rows
   that can move the loss, with the whole micro-batch's denominators.
@@ -38,6 +40,7 @@ from .launch import check_launch
 from .model_card import ModelCardMixin
 from .objective_inputs import EntropyBonusMixin, fused_kernel_problems, gather_objective_inputs
 from .ops import LOSS_TYPES, hyperparameter_problems, policy_objective
+from .sampling import DynamicSamplingMixin
 from .skipping import ZeroAdvantageRowSkipping, skipping_problems
 
 logger = logging.get_logger(__name__)
@@ -47,7 +50,9 @@ __all__ = ["GRPOTrainerExt"]
 _TRL_PARAMETERS = list(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # without `self`
 
 
-class GRPOTrainerExt(ModelCardMixin, NonFiniteGuardMixin, CheckpointingMixin, EntropyBonusMixin, GRPOTrainer):
+class GRPOTrainerExt(
+    ModelCardMixin, DynamicSamplingMixin, NonFiniteGuardMixin, CheckpointingMixin, EntropyBonusMixin, GRPOTrainer
+):
     """[`trl.GRPOTrainer`] whose loss is this package's: the documents' GRPO objective by default, every TRL option
     honoured.
 
@@ -130,6 +135,7 @@ class GRPOTrainerExt(ModelCardMixin, NonFiniteGuardMixin, CheckpointingMixin, En
             for mode in ("train", "eval")
         }
         self._init_nonfinite_guard(option("nonfinite_policy"), option("max_nonfinite_skips"))
+        self._init_dynamic_sampling(option("dynamic_sampling"), option("dynamic_sampling_max_rounds"))
         if option("warn_on_anomalies"):
             self.add_callback(
                 AnomalyMonitor(
@@ -230,14 +236,19 @@ class GRPOTrainerExt(ModelCardMixin, NonFiniteGuardMixin, CheckpointingMixin, En
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        mode = "train" if self.model.training else "eval"
+        if not self._defer_reward_spread:  # dynamic sampling adds the batch that trains once it is assembled
+            self._add_reward_spread(rewards_per_func, "train" if self.model.training else "eval")
+        return rewards_per_func
+
+    def _add_reward_spread(self, rewards_per_func: torch.Tensor, mode: str) -> None:
+        """Feed the per-group reward spread of a generation batch (`(N, F)`, every process's rows) to the
+        diagnostics."""
         # The total reward TRL builds its advantages from; rows that no function scored stay NaN.
         weights = self.reward_weights.to(rewards_per_func.device)
         rewards = (rewards_per_func * weights).nansum(dim=1)
         rewards = torch.where(torch.isnan(rewards_per_func).all(dim=1), torch.nan, rewards)
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         self._diagnostics[mode].add_rewards(rewards, num_generations)
-        return rewards_per_func
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
