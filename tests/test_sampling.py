@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import CONSTANT_PROMPTS, constant_reward, count_a_reward, half_constant_reward, tiny_grpo_args
 from peft import LoraConfig
-from transformers import set_seed
+from transformers import TrainerCallback, set_seed
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
@@ -392,3 +392,42 @@ def test_a_killed_run_with_dynamic_sampling_resumes_to_the_logs_of_the_uninterru
         for key in COMPARED:
             if key in expected[step]:
                 assert got[step][key] == expected[step][key], (step, key)
+
+
+def test_the_checkpoint_of_a_non_finite_stop_holds_the_prompt_stream_of_the_step_start(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    from trl_grpo_ext.checkpointing import load_grpo_state
+    from trl_grpo_ext.guardrails import NonFiniteTrainingError
+
+    drawn = {}
+
+    class NanAtStep3(GRPOTrainerExt):
+        def _compute_loss(self, model, inputs):
+            loss = super()._compute_loss(model, inputs)
+            if self.state.global_step + 1 == 3:
+                drawn["during"] = self._prompt_stream.state_dict()  # after step 3's generation drew
+                loss = loss * math.nan
+            return loss
+
+    class AtStepStart(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                drawn["start"] = trainer._prompt_stream.state_dict()
+
+    set_seed(0)
+    trainer = NanAtStep3(
+        model=tiny_model_path,
+        reward_funcs=half_constant_reward,
+        args=GRPOConfigExt(
+            **tiny_grpo_args(tmp_path, num_iterations=2, beta=0.0, dynamic_sampling=True, nonfinite_policy="stop")
+        ),
+        train_dataset=prompt_dataset,
+        processing_class=tiny_tokenizer,
+        callbacks=[AtStepStart()],
+    )
+    with pytest.raises(NonFiniteTrainingError, match="checkpoint-2"):
+        trainer.train()
+    assert drawn["during"] != drawn["start"]  # step 3 generated with extra rounds
+    state = load_grpo_state(str(tmp_path / "checkpoint-2"), 0, "cpu")
+    assert state["extras"]["prompt_stream"] == drawn["start"]
