@@ -19,6 +19,7 @@ shorter runs without evaluation (the step time of skipping at the measured zero-
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -144,7 +145,10 @@ def train_and_evaluate(side: str, seed: int, steps: int, eval_every: int, eval_s
         peft_config=lora,
         callbacks=[clock],
     )
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(config["output_dir"], ignore_errors=True)
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     logged = {
         name: statistics.mean(entry[name] for entry in logs if name in entry)
