@@ -65,7 +65,9 @@ class GRPOTrainerExt(
 
     Besides TRL's metrics it logs the diagnostics (ratio distribution, per-group reward spread, loss split), keeps
     non-finite updates off the weights, warns about anomalies, names failing reward functions, writes crash-safe
-    checkpoints that resume exactly, and writes a model card with a training report.
+    checkpoints that resume exactly, and writes a model card with a training report. Opt-in (`GRPOConfigExt`):
+    `dynamic_sampling` replaces the groups without reward spread by informative ones generated for fresh prompts, and
+    `skip_zero_advantage_rows` leaves the rows that cannot move the loss out of the training forward, exactly.
 
     Raises:
         ValueError: at construction, for invalid `epsilon`/`epsilon_high`/`beta`, a `loss_implementation` that
