@@ -1,7 +1,8 @@
-"""`python -m benchmarks {e2e,kernel,comm,all} [--json PATH]`: benchmarks that print tables and write JSON.
+"""`python -m benchmarks {e2e,kernel,comm,learning,all} [--json PATH]`: benchmarks that print tables and write JSON.
 
 Every comparison runs its sides alternately in one invocation, with pinned CPU threads, and reports medians with
-min/max. See each module's docstring for what it measures.
+min/max. See each module's docstring for what it measures. `learning` (held-out exact match against training time
+on the demo task, several seeds per side; tens of minutes on one thread) is not part of `all`.
 
 `python -m benchmarks gpu [--out DIR] ...`: the prepared check on a GPU (see `gpu.py`; its own options).
 """
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(gpu_main(argv[1:]))
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument("suite", choices=["e2e", "kernel", "comm", "all", "gpu"])
+    parser.add_argument("suite", choices=["e2e", "kernel", "comm", "learning", "all", "gpu"])
     parser.add_argument("--json", default=None, help="where to write the results (default: bench-<suite>.json)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 was fastest for small models)")
     parser.add_argument("--repeats", type=int, default=5, help="repeats of each end-to-end comparison")
@@ -29,6 +30,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds: checks that it runs")
     parser.add_argument("--e2e-steps", type=int, default=16, help="training steps per end-to-end run")
     parser.add_argument("--e2e-modes", default="full,lora", help="comma-separated: full, lora")
+    parser.add_argument("--learning-steps", type=int, default=400, help="training steps per learning run (the demo's)")
+    parser.add_argument("--learning-seeds", type=int, default=3, help="seeds per side of the learning benchmark")
+    parser.add_argument("--eval-every", type=int, default=25, help="steps between held-out evaluations (learning)")
+    parser.add_argument("--eval-samples", type=int, default=300, help="held-out prompts per evaluation (learning)")
     args = parser.parse_args(argv)
     pin_threads(args.threads)
     results = {"environment": environment(), "command": " ".join(["python -m benchmarks", *argv])}
@@ -69,6 +74,23 @@ def main(argv: list[str] | None = None) -> None:
 
         results["comm"] = comm.run(batch_sizes=(8,) if args.quick else comm.BATCH_SIZES)
         tables.append("Collectives added by metrics\n" + comm.table(results["comm"]))
+
+    if args.suite == "learning":
+        from . import learning
+
+        results["learning"] = learning.run(
+            seeds=tuple(range(1 if args.quick else args.learning_seeds)),
+            steps=4 if args.quick else args.learning_steps,
+            eval_every=2 if args.quick else args.eval_every,
+            eval_samples=16 if args.quick else args.eval_samples,
+            threads=args.threads,
+            skip_steps=2 if args.quick else 60,
+        )
+        title = (
+            "Held-out exact match against training time on the demo task (CPU seconds of one thread; target: reach "
+            "stock TRL's final exact match in <= 0.75 of its training time)"
+        )
+        tables.append(title + "\n" + learning.table(results["learning"]))
 
     for table in tables:
         print(table, end="\n\n")

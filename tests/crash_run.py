@@ -1,10 +1,11 @@
 """A small GRPOTrainerExt run in its own process, for the crash and resume tests (tests/test_reliability.py).
 
     python tests/crash_run.py <output_dir> <model_path> [--lora] [--resume] [--max_steps N] [--save_steps N]
-        [--kill_during_save_of STEP]
+        [--kill_during_save_of STEP] [--dynamic_sampling]
 
 Writes `<output_dir>/log_history.json` when training ends. `--kill_during_save_of STEP` makes the process kill
 itself (SIGKILL) halfway through writing the checkpoint of that step: after the model, before the optimizer.
+`--dynamic_sampling` turns dynamic sampling on, with a reward that is constant for a third of the prompts.
 """
 
 import argparse
@@ -26,6 +27,12 @@ def reward(completions, **kwargs):
     return [completion.count("a") + 0.1 * len(completion) for completion in completions]
 
 
+def reward_constant_on_some_prompts(prompts, completions, **kwargs):
+    return [
+        1.0 if prompt in ("xyz=", "qq=") else value for prompt, value in zip(prompts, reward(completions), strict=True)
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("output_dir")
@@ -36,6 +43,7 @@ def main() -> None:
     parser.add_argument("--save_steps", type=int, default=2)
     parser.add_argument("--num_iterations", type=int, default=2)
     parser.add_argument("--kill_during_save_of", type=int, default=None)
+    parser.add_argument("--dynamic_sampling", action="store_true")
     cli = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -54,10 +62,11 @@ def main() -> None:
         seed=0,
         gradient_checkpointing=False,
         disable_tqdm=True,
+        dynamic_sampling=cli.dynamic_sampling,
     )
     trainer = GRPOTrainerExt(
         model=cli.model_path,
-        reward_funcs=reward,
+        reward_funcs=reward_constant_on_some_prompts if cli.dynamic_sampling else reward,
         args=args,
         train_dataset=Dataset.from_dict({"prompt": ["abc=", "hello=", "xyz=", "qq=", "kite=", "zz="] * 20}),
         processing_class=AutoTokenizer.from_pretrained(cli.model_path),

@@ -23,6 +23,22 @@ def count_a_reward(completions, **kwargs) -> list[float]:
     return [completion.count("a") + 0.1 * len(completion) for completion in completions]
 
 
+CONSTANT_PROMPTS = {"xyz=", "qq="}  # half of the conftest `prompt_dataset`
+
+
+def half_constant_reward(prompts, completions, **kwargs) -> list[float]:
+    """Constant for half of the prompts (their groups have no spread), letters 'a' and length for the others."""
+    return [
+        1.0 if prompt in CONSTANT_PROMPTS else completion.count("a") + 0.1 * len(completion)
+        for prompt, completion in zip(prompts, completions, strict=True)
+    ]
+
+
+def constant_reward(completions, **kwargs) -> list[float]:
+    """The same reward for every completion: no group has any spread."""
+    return [1.0] * len(completions)
+
+
 def tiny_grpo_args(output_dir, **overrides) -> dict:
     """Keyword arguments for a few-step CPU GRPO run on the tiny model."""
     args = dict(

@@ -82,3 +82,35 @@ def test_the_communication_benchmark_counts_one_gather_per_log_step(tmp_path, mo
         assert ours["other"]["calls"] == stock["other"]["calls"]  # generation and rewards: the same on both sides
     assert runs[("ext", 4)]["ext_diagnostics"]["bytes"] == runs[("ext", 8)]["ext_diagnostics"]["bytes"]
     assert runs[("trl", 4)]["trl_loss_metrics"]["bytes"] < runs[("trl", 8)]["trl_loss_metrics"]["bytes"]
+
+
+def test_the_learning_summary_times_each_side_to_stock_trl_s_final_exact_match():
+    from benchmarks import learning
+
+    def run(side, seed, curve, step_times, logged=None):
+        return {
+            "side": side,
+            "seed": seed,
+            "curve": curve,
+            "training_cpu_s": curve[-1][1],
+            "training_wall_s": curve[-1][2],
+            "step_times": step_times,
+            "logged": logged or {"frac_reward_zero_std": 0.4},
+        }
+
+    runs = [
+        run("trl", 0, [(0, 0.0, 0.0, 0.2), (10, 50.0, 60.0, 0.5), (20, 100.0, 120.0, 0.6)], [5.0, 5.0]),
+        run("trl", 1, [(0, 0.0, 0.0, 0.2), (10, 50.0, 60.0, 0.7), (20, 100.0, 120.0, 0.8)], [5.0, 5.0]),
+        run("ext_beta0_skip", 0, [(0, 0.0, 0.0, 0.2), (10, 30.0, 40.0, 0.7), (20, 60.0, 80.0, 0.7)], [3.0, 3.0]),
+        run("ext_beta0_skip", 1, [(0, 0.0, 0.0, 0.2), (10, 30.0, 40.0, 0.5), (20, 60.0, 80.0, 0.6)], [3.0, 3.0]),
+    ]
+    results = learning.summary(runs, ("trl", "ext_beta0_skip"))
+    assert results["target_exact_match"] == pytest.approx(0.7)  # stock TRL's mean final exact match
+    assert results["trl_training_cpu_s"] == 100.0
+    trl, skip = results["summary"]["trl"], results["summary"]["ext_beta0_skip"]
+    assert trl["time_to_target_cpu_s"] == [None, 50.0]  # the first evaluation at or above the target
+    assert skip["time_to_target_cpu_s"] == [30.0, None]
+    assert skip["time_to_target_vs_trl_training"] == pytest.approx(0.3)
+    assert skip["step_time_median_cpu_s"] == 3.0
+    text = learning.table({**results, "skip_step_times": {}})
+    assert "CPU s to 0.700" in text and "(1/2)" in text

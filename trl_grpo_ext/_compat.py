@@ -90,6 +90,18 @@ TRL_COPIES = (
         "tests/test_drift.py::test_the_sampler_mismatch_bounds_are_trl_s",
     ),
     (
+        "trl_grpo_ext.sampling_plan.trl_advantages",
+        "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (advantages from the gathered "
+        "rewards: group, batch or no scaling, sum_then_normalize or normalize_then_sum)",
+        "tests/test_sampling.py::test_advantages_and_reward_metrics_of_a_batch_are_trl_s",
+    ),
+    (
+        "trl_grpo_ext.sampling_plan.trl_reward_metrics",
+        "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (reward, reward_std, "
+        "frac_reward_zero_std, rewards/<name>/mean and std)",
+        "tests/test_sampling.py::test_advantages_and_reward_metrics_of_a_batch_are_trl_s",
+    ),
+    (
         "trl_grpo_ext.sampling.sample_batch",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (tokenise prompts, generate with "
         "the training sampling settings, decode)",

@@ -85,6 +85,37 @@ class GRPOConfigExt(GRPOConfig):
         },
     )
 
+    # Compute spent on the rows that teach
+    skip_zero_advantage_rows: bool = field(
+        default=False,
+        metadata={
+            "help": "Leave the rows whose advantage is 0 (a group with equal rewards) or that have no completion "
+            "token out of the training forward and backward, with the whole micro-batch's denominators, so that the "
+            "loss and gradient are those of the run without skipping (to float rounding). Exact only with beta=0, no "
+            "entropy bonus, no router loss and top_entropy_quantile=1; elsewhere it does nothing and warns once why. "
+            "Logs skipped_rows/fraction; entropy and ratio/* then describe the rows that trained."
+        },
+    )
+
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO's dynamic sampling: after TRL scored a generation batch, replace the groups whose rewards "
+            "are all equal (advantage 0, no policy gradient) by informative groups generated for fresh prompts of "
+            "the training set, one whole generation batch per extra round, at most dynamic_sampling_max_rounds "
+            "rounds; advantages are then computed on the assembled batch as TRL computes them. Places still empty "
+            "after the last round keep their zero-spread group (same batch shape on every process). Needs a "
+            "map-style train_dataset. Logs dynamic_sampling/*."
+        },
+    )
+    dynamic_sampling_max_rounds: int = field(
+        default=3,
+        metadata={
+            "help": "With dynamic_sampling, the most extra generation rounds per generation batch (>= 1); each costs "
+            "one generation batch's generation and scoring."
+        },
+    )
+
     # Diagnostics
     log_diagnostics: bool = field(
         default=True,
@@ -277,6 +308,11 @@ class GRPOConfigExt(GRPOConfig):
             )
         if self.nonfinite_policy not in NONFINITE_POLICIES:
             raise ValueError(f"`nonfinite_policy` must be one of {NONFINITE_POLICIES}, got {self.nonfinite_policy!r}.")
+        if self.dynamic_sampling_max_rounds < 1:
+            raise ValueError(
+                f"`dynamic_sampling_max_rounds` must be >= 1 (extra generation rounds), got "
+                f"{self.dynamic_sampling_max_rounds}; set dynamic_sampling=False to generate once."
+            )
         if self.max_nonfinite_skips < 0:
             raise ValueError(f"`max_nonfinite_skips` must be >= 0, got {self.max_nonfinite_skips}.")
         problems = _threshold_problems(self)

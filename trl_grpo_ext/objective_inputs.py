@@ -140,16 +140,24 @@ def _denominator(trainer, record: LossType, inputs: dict[str, Any], num_rows: in
 
 
 def gather_objective_inputs(
-    trainer, inputs: dict[str, Any], logps: torch.Tensor, entropies: torch.Tensor, aux_loss, mode: str
+    trainer,
+    inputs: dict[str, Any],
+    logps: torch.Tensor,
+    entropies: torch.Tensor,
+    aux_loss,
+    mode: str,
+    num_rows: int | None = None,
 ) -> ObjectiveInputs:
     """The objective's inputs for one micro-batch of TRL's batch `inputs`, in final units.
 
     Args:
         trainer (`GRPOTrainer`): read only: its options and TRL's helpers.
-        inputs (`dict`): the micro-batch TRL prepared.
+        inputs (`dict`): the micro-batch TRL prepared (or the rows of it that train, see `num_rows`).
         logps, entropies (`torch.Tensor` of shape `(N, T)`): the policy's log-probs (with gradient) and entropies.
         aux_loss (`torch.Tensor` or `None`): the router loss.
         mode (`str`): `"train"` or `"eval"`.
+        num_rows (`int`, *optional*): the rows of the whole micro-batch when `inputs` holds only some of them
+            (`skipping.py`): `dr_grpo`'s divisor counts them all. Default: the rows of `inputs`.
     """
     record = LOSS_TYPES[trainer.loss_type]
     mask = inputs["completion_mask"]
@@ -169,7 +177,7 @@ def gather_objective_inputs(
         token_weights=token_weights,
         entropy_mask=entropy_mask,
         sequence_weights=sequence_weights,
-        denominator=_denominator(trainer, record, inputs, logps.size(0), mode),
+        denominator=_denominator(trainer, record, inputs, logps.size(0) if num_rows is None else num_rows, mode),
         loss_scale=1.0 if record.window_normalised else accumulation_scale,
         accumulation_scale=accumulation_scale,
     )

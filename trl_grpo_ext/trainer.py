@@ -15,7 +15,11 @@ module wires the loss and the diagnostics in; each other concern is mixed in fro
 - `CheckpointingMixin` (`checkpointing.py`): `_save_checkpoint`, `_get_output_dir`, `_push_from_checkpoint`,
   `_load_optimizer_and_scheduler`;
 - `ModelCardMixin` (`model_card.py`): `create_model_card`;
-- `EntropyBonusMixin` (`objective_inputs.py`): TRL's entropy bonus and its adaptive controller.
+- `DynamicSamplingMixin` (`dynamic_sampling.py`): with `dynamic_sampling`, `_generate_and_score_completions`
+  replaces the groups without reward spread by informative groups of fresh prompts;
+- `EntropyBonusMixin` (`objective_inputs.py`): TRL's entropy bonus and its adaptive controller;
+- `ZeroAdvantageRowSkipping` (`skipping.py`): with `skip_zero_advantage_rows`, `_compute_loss` trains only the rows
+  that can move the loss, with the whole micro-batch's denominators.
 """
 
 from __future__ import annotations
@@ -36,12 +40,14 @@ from .config import GRPOConfigExt
 from .diagnostics import DiagnosticsAccumulator
 from .diagnostics.loggers import write_histograms
 from .diagnostics.mismatch import sampler_mismatch, trainer_logps, truncation_warning
+from .dynamic_sampling import DynamicSamplingMixin
 from .guardrails import AnomalyMonitor, GuardedAsyncReward, GuardedReward, NonFiniteGuardMixin
 from .heldout import HeldoutEvaluationMixin
 from .launch import check_launch
 from .model_card import ModelCardMixin
 from .objective_inputs import EntropyBonusMixin, fused_kernel_problems, gather_objective_inputs
 from .ops import LOSS_TYPES, hyperparameter_problems, policy_objective
+from .skipping import ZeroAdvantageRowSkipping, skipping_problems
 
 logger = logging.get_logger(__name__)
 
@@ -51,7 +57,13 @@ _TRL_PARAMETERS = list(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  
 
 
 class GRPOTrainerExt(
-    HeldoutEvaluationMixin, ModelCardMixin, NonFiniteGuardMixin, CheckpointingMixin, EntropyBonusMixin, GRPOTrainer
+    HeldoutEvaluationMixin,
+    ModelCardMixin,
+    DynamicSamplingMixin,
+    NonFiniteGuardMixin,
+    CheckpointingMixin,
+    EntropyBonusMixin,
+    GRPOTrainer,
 ):
     """[`trl.GRPOTrainer`] whose loss is this package's: the documents' GRPO objective by default, every TRL option
     honoured.
@@ -67,7 +79,10 @@ class GRPOTrainerExt(
     sampler/trainer mismatch with vLLM), keeps non-finite updates off the weights, warns about anomalies, names
     failing reward functions, writes crash-safe checkpoints that resume exactly, and writes a model card with a
     training report. With `heldout_metrics=[...]` (and `heldout_dataset`, or `eval_dataset`) it evaluates held-out
-    prompts with k sampled completions each, independently of the reward (`heldout.HeldoutEvaluationMixin`).
+    prompts with k sampled completions each, independently of the reward (`heldout.HeldoutEvaluationMixin`). Opt-in
+    (`GRPOConfigExt`): `dynamic_sampling` replaces the groups without reward spread by informative ones generated for
+    fresh prompts, and `skip_zero_advantage_rows` leaves the rows that cannot move the loss out of the training
+    forward, exactly.
 
     Raises:
         ValueError: at construction, for invalid `epsilon`/`epsilon_high`/`beta`, a `loss_implementation` that
@@ -115,6 +130,17 @@ class GRPOTrainerExt(
         extra_metrics = ("policy_loss",) if self._entropy_bonus_enabled else ()  # TRL logs it with a bonus only
         extra_metrics += ("aux_loss",) if self.aux_loss_enabled else ()
         extra_metrics += self._loss_type.extra_metrics
+        self._row_skipping = None
+        if option("skip_zero_advantage_rows"):
+            problems = skipping_problems(self)
+            if problems:
+                logger.warning(
+                    "skip_zero_advantage_rows=True does nothing in this run: leaving zero-advantage rows out would "
+                    "change the gradient, because " + "; ".join(problems) + "."
+                )
+            else:
+                self._row_skipping = ZeroAdvantageRowSkipping(self.importance_sampling_level)
+        skipping_metrics = ("skipped_rows/fraction",) if self._row_skipping is not None else ()
         self._diagnostics = {
             mode: DiagnosticsAccumulator(
                 ratio_stats=option("log_diagnostics"),
@@ -122,7 +148,7 @@ class GRPOTrainerExt(
                 histograms=option("log_histograms"),
                 clip_metrics=self._loss_type.clip_metrics,
                 loss_terms=loss_terms,
-                extra_metrics=extra_metrics,
+                extra_metrics=extra_metrics + (skipping_metrics if mode == "train" else ()),
                 sampler_mismatch=self.use_vllm and option("log_sampler_mismatch"),
             )
             for mode in ("train", "eval")
@@ -130,14 +156,19 @@ class GRPOTrainerExt(
         if truncation_warning(args):
             warnings.warn(truncation_warning(args), UserWarning, stacklevel=2)
         self._init_nonfinite_guard(option("nonfinite_policy"), option("max_nonfinite_skips"))
+        self._init_dynamic_sampling(option("dynamic_sampling"), option("dynamic_sampling_max_rounds"))
         if option("warn_on_anomalies"):
             # First in line, so that the loggers and the console after it see the `alarms/<name>` counts it adds.
             self.callback_handler.callbacks.insert(0, AnomalyMonitor.from_config(args))
 
     def _compute_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
         mode = "train" if self.model.training else "eval"
+        selection = None  # with skip_zero_advantage_rows: only the rows that can move the loss (skipping.py)
+        if mode == "train" and self._row_skipping is not None:
+            inputs, selection = self._row_skipping.select(inputs)
         logps, entropies, aux_loss = self._policy_logps_and_entropies(model, inputs)
-        objective = gather_objective_inputs(self, inputs, logps, entropies, aux_loss, mode)
+        num_rows = None if selection is None else selection.num_rows
+        objective = gather_objective_inputs(self, inputs, logps, entropies, aux_loss, mode, num_rows=num_rows)
         out = policy_objective(
             objective.logps,
             objective.old_logps,
@@ -159,6 +190,7 @@ class GRPOTrainerExt(
             loss_scale=objective.loss_scale,
             implementation=self._loss_implementation,
             per_token=self._diagnostics[mode].ratio_stats,
+            **({} if selection is None else selection.policy_options()),
         )
         loss = out.loss
         # Each term in the units of the backward loss: summed over a step's micro-batches they give its loss.
@@ -179,6 +211,9 @@ class GRPOTrainerExt(
             loss = loss + self.router_aux_loss_coef * aux_loss * scale
             terms["router"] = self.router_aux_loss_coef * aux_loss.detach() * scale
             extras["aux_loss"] = (aux_loss, 1)
+        if selection is not None:
+            extras["skipped_rows/fraction"] = selection.skipped_fraction()
+            out = selection.with_whole_batch_clip_counts(out)
         optimizer_step = mode == "eval" or self.accelerator.sync_gradients
         self._diagnostics[mode].add_loss_step(out, entropies, terms, extras, optimizer_step=optimizer_step)
         return loss
@@ -217,17 +252,24 @@ class GRPOTrainerExt(
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        mode = "train" if self.model.training else "eval"
+        if not self._defer_reward_spread:  # dynamic sampling adds the batch that trains once it is assembled
+            # This process's completion lengths are the rows of its slice (TRL's `process_slice`) of the rewards.
+            lengths = torch.tensor([len(ids) for ids in completion_ids_list], device=rewards_per_func.device)
+            first_row = self.accelerator.process_index * len(prompts)
+            self._add_reward_spread(rewards_per_func, "train" if self.model.training else "eval", lengths, first_row)
+        return rewards_per_func
+
+    def _add_reward_spread(
+        self, rewards_per_func: torch.Tensor, mode: str, lengths: torch.Tensor | None = None, first_row: int = 0
+    ) -> None:
+        """Feed the per-group reward spread of a generation batch (`(N, F)`, every process's rows), and with this
+        process's completion `lengths` (rows `first_row ..`) the length/reward correlation, to the diagnostics."""
         # The total reward TRL builds its advantages from; rows that no function scored stay NaN.
         weights = self.reward_weights.to(rewards_per_func.device)
         rewards = (rewards_per_func * weights).nansum(dim=1)
         rewards = torch.where(torch.isnan(rewards_per_func).all(dim=1), torch.nan, rewards)
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        # This process's completion lengths are the rows of its slice (TRL's `process_slice`) of the gathered rewards.
-        lengths = torch.tensor([len(ids) for ids in completion_ids_list], device=rewards.device)
-        first_row = self.accelerator.process_index * len(prompts)
         self._diagnostics[mode].add_rewards(rewards, num_generations, lengths, first_row)
-        return rewards_per_func
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"

@@ -182,6 +182,8 @@ def policy_objective(
     token_weights: torch.Tensor | None = None,
     denominator: float | torch.Tensor | None = None,
     loss_scale: float = 1.0,
+    batch_rows: int | None = None,
+    batch_tokens: float | torch.Tensor | None = None,
     implementation: str = "auto",
     per_token: bool = True,
 ) -> GRPOLossOutput:
@@ -213,6 +215,11 @@ def policy_objective(
             (required for `dr_grpo`, `dapo`, `cispo`, `vespo`).
         loss_scale (`float`, defaults to `1.0`): multiplies the aggregation's row weights, so that `loss`,
             `policy_loss` and `kl` come out in the caller's units (a trainer: divided by the accumulation steps).
+        batch_rows (`int`, *optional*), batch_tokens (`float` or 0-dim `torch.Tensor`, *optional*): the rows `N` and
+            completion tokens `sum_j |o_j|` of the whole micro-batch, when the rows passed are only part of it and the
+            others add exactly 0 (`trl_grpo_ext.skipping`): `sequence_mean` and `sequence_sum` divide by
+            `batch_rows`, `token_mean` by `batch_tokens`, so that each row keeps its weight in the whole micro-batch.
+            Default: the rows and tokens passed.
         implementation (`str`, defaults to `"auto"`): one of `IMPLEMENTATIONS` (see the module docstring).
         per_token (`bool`, defaults to `True`): also return the per-token values (ratios, KL terms, clip masks).
 
@@ -222,7 +229,8 @@ def policy_objective(
     Raises:
         ValueError: naming the offending argument, for an unknown `loss_type`, `importance_sampling_level` or
             `implementation`, an implementation asked for outside its domain, bad hyper-parameters, a missing
-            `sequence_weights` or `denominator`, a shape or device mismatch, or an empty batch.
+            `sequence_weights` or `denominator`, a `batch_rows` below the rows passed, a shape or device mismatch, or
+            an empty batch.
     """
     record = loss_type_record(loss_type)
     if importance_sampling_level not in ("token", "sequence"):
@@ -248,9 +256,15 @@ def policy_objective(
         optional={"sequence_weights": sequence_weights, "token_weights": token_weights},
     )
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    if batch_rows is not None and not (isinstance(batch_rows, int) and batch_rows >= inputs.mask.size(0)):
+        raise ValueError(
+            f"`batch_rows` must be an int >= the {inputs.mask.size(0)} rows passed (the whole micro-batch's rows), "
+            f"got {batch_rows!r}."
+        )
 
     def row_weights_of(tokens: torch.Tensor) -> torch.Tensor:
-        return AGGREGATIONS[record.aggregation](tokens, denominator) * loss_scale
+        weights = AGGREGATIONS[record.aggregation](tokens, denominator, batch_rows, batch_tokens)
+        return weights * loss_scale
 
     outside = domain_problems(
         policy_term=record.policy_term,

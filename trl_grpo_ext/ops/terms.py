@@ -21,6 +21,10 @@ An aggregation turns per-token losses `L` (0 at masked positions) into the micro
 | sequence_sum | `1 / N` | longer completions weigh more |
 
 A row without completion tokens adds 0 and, in `sequence_mean`, still counts in `N`.
+
+`N` and `sum_j |o_j|` are those of the whole micro-batch. A caller that passes only some of its rows (the others add
+exactly 0: zero-advantage rows without a KL term, see `trl_grpo_ext.skipping`) gives them as `batch_rows` and
+`batch_tokens`, so that each row passed keeps the weight it has in the whole micro-batch.
 """
 
 from __future__ import annotations
@@ -88,27 +92,33 @@ POLICY_TERMS: dict[str, Callable] = {
 }
 
 
-# Aggregations, as row weights `c_i`, `(N,)`, from the completion tokens of each row `|o_i|`, `(N,)`.
+# Aggregations, as row weights `c_i`, `(N,)`, from the completion tokens of each row `|o_i|`, `(N,)`; `batch_rows` and
+# `batch_tokens` are N and sum_j |o_j| of the whole micro-batch (default: of the rows given).
 
 
-def sequence_mean(tokens_per_row: torch.Tensor, denominator=None) -> torch.Tensor:
+def sequence_mean(tokens_per_row: torch.Tensor, denominator=None, batch_rows=None, batch_tokens=None) -> torch.Tensor:
     """`c_i = 1 / (N * |o_i|)`: `(1/N) sum_i (1/|o_i|) sum_t L_it`, each completion weighs the same."""
-    return 1.0 / (tokens_per_row.numel() * tokens_per_row.clamp(min=1))
+    rows = tokens_per_row.numel() if batch_rows is None else batch_rows
+    return 1.0 / (rows * tokens_per_row.clamp(min=1))
 
 
-def token_mean(tokens_per_row: torch.Tensor, denominator=None) -> torch.Tensor:
+def token_mean(tokens_per_row: torch.Tensor, denominator=None, batch_rows=None, batch_tokens=None) -> torch.Tensor:
     """`c_i = 1 / sum_j |o_j|`: `sum_it L_it / sum_i |o_i|`, each token of the micro-batch weighs the same."""
-    return torch.ones_like(tokens_per_row) / tokens_per_row.sum().clamp(min=1)
+    tokens = tokens_per_row.sum() if batch_tokens is None else batch_tokens
+    return torch.ones_like(tokens_per_row) / torch.as_tensor(tokens, dtype=tokens_per_row.dtype).clamp(min=1)
 
 
-def sum_over_denominator(tokens_per_row: torch.Tensor, denominator) -> torch.Tensor:
+def sum_over_denominator(
+    tokens_per_row: torch.Tensor, denominator, batch_rows=None, batch_tokens=None
+) -> torch.Tensor:
     """`c_i = 1 / D`: `sum_it L_it / D`, with `D` fixed by the caller (e.g. all tokens of the accumulation window)."""
     return torch.ones_like(tokens_per_row) / denominator
 
 
-def sequence_sum(tokens_per_row: torch.Tensor, denominator=None) -> torch.Tensor:
+def sequence_sum(tokens_per_row: torch.Tensor, denominator=None, batch_rows=None, batch_tokens=None) -> torch.Tensor:
     """`c_i = 1 / N`: `(1/N) sum_i sum_t L_it`, longer completions weigh more (LUSPO)."""
-    return torch.full_like(tokens_per_row, 1.0 / tokens_per_row.numel())
+    rows = tokens_per_row.numel() if batch_rows is None else batch_rows
+    return torch.full_like(tokens_per_row, 1.0 / rows)
 
 
 AGGREGATIONS: dict[str, Callable] = {

@@ -1,0 +1,348 @@
+"""Learning against training time on the demo task: held-out exact match as training goes, per side and seed.
+
+Every side trains the shipped demo (`trl_grpo_ext/recipes/tiny`: the warmed-up 0.5M-parameter model, a LoRA adapter,
+16 prompts x 8 completions per step, `num_iterations=2`, the demo config's sampling and learning rate) for the same
+number of steps, each run in its own process, one after the other (sides rotating from seed to seed). Every
+`eval_every` steps a callback samples one completion for each of the first `eval_samples` test prompts (with a fixed
+seed, the training RNG restored afterwards) and scores exact match; the clocks stop while it does, so the times are
+training time only. Two clocks: the process's CPU time (one thread: the wall time of the same run on an idle core,
+whatever else the machine runs) and the wall time. Reported per side, over the seeds: the final held-out exact
+match, the training time, the time at which each seed first reached the target (stock TRL's mean final exact match),
+the median step time, and the logged zero-spread fraction, dynamic-sampling rounds and share of rows skipped.
+
+Sides: stock `trl.GRPOTrainer` with the documents' objective (`loss_type="grpo"`, `beta=0.04`,
+`use_bias_correction_kl=False`), `GRPOTrainerExt` with its defaults (the same objective), with `dynamic_sampling`,
+and with `beta=0` plus `skip_zero_advantage_rows`. `skip_step_times` times `beta=0` with and without skipping on
+shorter runs without evaluation (the step time of skipping at the measured zero-spread fraction).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+from .common import format_table, pin_threads
+
+SIDES = {
+    "trl": "stock trl.GRPOTrainer(loss_type='grpo', beta=0.04, use_bias_correction_kl=False)",
+    "ext": "GRPOTrainerExt, GRPOConfigExt defaults (beta=0.04)",
+    "ext_dynamic": "GRPOTrainerExt, dynamic_sampling=True",
+    "ext_beta0_skip": "GRPOTrainerExt, beta=0, skip_zero_advantage_rows=True",
+    "ext_beta0": "GRPOTrainerExt, beta=0",
+}
+LEARNING_SIDES = ("trl", "ext", "ext_dynamic", "ext_beta0_skip")
+OPTIONS = {
+    "trl": {},
+    "ext": {},
+    "ext_dynamic": {"dynamic_sampling": True},
+    "ext_beta0": {"beta": 0.0},
+    "ext_beta0_skip": {"beta": 0.0, "skip_zero_advantage_rows": True},
+}
+LOGGED = (
+    "frac_reward_zero_std",
+    "dynamic_sampling/frac_reward_zero_std_generated",
+    "dynamic_sampling/rounds",
+    "skipped_rows/fraction",
+)
+
+
+def train_and_evaluate(side: str, seed: int, steps: int, eval_every: int, eval_samples: int, threads: int) -> dict:
+    """One run of `side`: held-out exact match every `eval_every` steps against training seconds, and step times."""
+    from dataclasses import fields
+
+    from peft import LoraConfig
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+    from trl_grpo_ext.recipes.data import load_recipe_dataset
+    from trl_grpo_ext.recipes.demo import demo_defaults
+    from trl_grpo_ext.recipes.evaluation import SamplingSettings, sampled_reward_means
+    from trl_grpo_ext.recipes.rewards import exact_match
+
+    pin_threads(threads)
+    demo = demo_defaults()
+    names = {field.name for field in fields(GRPOConfig) if field.init}
+    config = {key: value for key, value in demo.items() if key in names}
+    config.update(
+        output_dir=tempfile.mkdtemp(prefix="bench-learning-"),
+        max_steps=steps,
+        seed=seed,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=min(10, steps),
+    )
+    if side == "trl":
+        trainer_class = GRPOTrainer
+        args = GRPOConfig(**config, loss_type="grpo", use_bias_correction_kl=False)  # beta, epsilon: the demo's
+    else:
+        trainer_class, args = GRPOTrainerExt, GRPOConfigExt(**{**config, **OPTIONS[side]})
+    dataset = load_recipe_dataset(demo["dataset_name"])
+    eval_rows = dataset["test"].select(range(eval_samples)).to_list() if eval_samples else []
+    model_path = demo["model_name_or_path"]
+    lora = LoraConfig(
+        r=demo["lora_r"],
+        lora_alpha=demo["lora_alpha"],
+        lora_dropout=demo["lora_dropout"],
+        target_modules=demo["lora_target_modules"],
+    )
+    curve: list[tuple[int, float, float, float]] = []  # (step, training CPU s, training wall s, exact match)
+    step_times: list[float] = []  # CPU seconds
+
+    class Clock(TrainerCallback):
+        """Training time only: held-out evaluations stop the clocks."""
+
+        cpu = wall = 0.0
+
+        def start(self) -> None:
+            self.cpu_started, self.wall_started = time.process_time(), time.perf_counter()
+
+        def stop(self) -> None:
+            self.cpu += time.process_time() - self.cpu_started
+            self.wall += time.perf_counter() - self.wall_started
+
+        def evaluate(self, step: int, model) -> None:
+            if not eval_samples:
+                return
+            score = sampled_reward_means(
+                model,
+                trainer.processing_class,
+                eval_rows,
+                [exact_match],
+                SamplingSettings.from_config(args),
+                seed=1234,  # the same held-out sample at every point and for every side
+            )["exact_match"]
+            curve.append((step, self.cpu, self.wall, score))
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.evaluate(0, model)
+            self.start()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.step_started = time.process_time()
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            step_times.append(time.process_time() - self.step_started)
+            if eval_samples and (state.global_step % eval_every == 0 or state.global_step == steps):
+                self.stop()
+                self.evaluate(state.global_step, model)
+                self.start()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if not eval_samples:
+                self.stop()
+
+    clock = Clock()
+    trainer = trainer_class(
+        model=model_path,
+        reward_funcs=exact_match,
+        args=args,
+        train_dataset=dataset["train"],
+        processing_class=AutoTokenizer.from_pretrained(model_path, padding_side="left"),
+        peft_config=lora,
+        callbacks=[clock],
+    )
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(config["output_dir"], ignore_errors=True)
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    logged = {
+        name: statistics.mean(entry[name] for entry in logs if name in entry)
+        for name in LOGGED
+        if any(name in entry for entry in logs)
+    }
+    return {
+        "side": side,
+        "seed": seed,
+        "curve": curve,
+        "training_cpu_s": clock.cpu,
+        "training_wall_s": clock.wall,
+        "step_times": step_times,
+        "logged": logged,
+    }
+
+
+def _worker(queue, *arguments) -> None:
+    queue.put(train_and_evaluate(*arguments))
+
+
+def _run_one(context, side: str, seed: int, steps: int, eval_every: int, eval_samples: int, threads: int) -> dict:
+    queue = context.Queue()
+    process = context.Process(target=_worker, args=(queue, side, seed, steps, eval_every, eval_samples, threads))
+    process.start()
+    result = queue.get()
+    process.join()
+    if process.exitcode != 0:
+        raise RuntimeError(f"the benchmark process of {side} (seed {seed}) failed ({process.exitcode})")
+    return result
+
+
+def _rotations(sides: tuple[str, ...], index: int) -> tuple[str, ...]:
+    return sides[index % len(sides) :] + sides[: index % len(sides)]  # no side always first (machine drift)
+
+
+def run(
+    seeds: tuple[int, ...] = (0, 1, 2),
+    steps: int = 400,
+    eval_every: int = 25,
+    eval_samples: int = 300,
+    threads: int = 1,
+    sides: tuple[str, ...] = LEARNING_SIDES,
+    skip_steps: int = 60,
+) -> dict:
+    """Every side for every seed, one process at a time, then `skip_step_times`; what `--json` writes."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    runs = []
+    for index, seed in enumerate(seeds):
+        for side in _rotations(sides, index):
+            result = _run_one(context, side, seed, steps, eval_every, eval_samples, threads)
+            runs.append(result)
+            step, cpu, wall, score = result["curve"][-1]
+            print(f"  {side} seed {seed}: exact match {score:.3f} after {step} steps, {cpu:.0f} CPU s ({wall:.0f} s)")
+    skip = []
+    if skip_steps:
+        for index, seed in enumerate(seeds):
+            for side in _rotations(("ext_beta0", "ext_beta0_skip"), index):
+                skip.append(_run_one(context, side, seed, skip_steps, skip_steps, 0, threads))
+    config = dict(
+        seeds=list(seeds),
+        steps=steps,
+        eval_every=eval_every,
+        eval_samples=eval_samples,
+        threads=threads,
+        skip_steps=skip_steps,
+    )
+    return {
+        "config": config,
+        "sides": {side: SIDES[side] for side in (*sides, "ext_beta0")},
+        "runs": runs,
+        "skip_runs": skip,
+        **summary(runs, sides),
+        "skip_step_times": skip_summary(skip),
+    }
+
+
+def _time_to(curve, target: float) -> float | None:
+    """Training CPU seconds at the first evaluation whose exact match reaches `target` (None if none does)."""
+    return next((cpu for _, cpu, _, score in curve if score >= target), None)
+
+
+def _logged(side_runs: list[dict]) -> dict[str, float]:
+    return {
+        name: statistics.mean(run["logged"][name] for run in side_runs)
+        for name in LOGGED
+        if all(name in run["logged"] for run in side_runs)
+    }
+
+
+def summary(runs: list[dict], sides) -> dict:
+    """Per side: final exact match, training time, time to the target, step time, logged fractions."""
+    by_side = {side: [run for run in runs if run["side"] == side] for side in sides}
+    reference = by_side.get("trl") or by_side[sides[0]]
+    target = statistics.mean(run["curve"][-1][3] for run in reference)
+    reference_time = statistics.mean(run["training_cpu_s"] for run in reference)
+    rows = {}
+    for side, side_runs in by_side.items():
+        reached = [_time_to(run["curve"], target) for run in side_runs]
+        times = [seconds for seconds in reached if seconds is not None]
+        rows[side] = {
+            "final_exact_match": [run["curve"][-1][3] for run in side_runs],
+            "training_cpu_s": [run["training_cpu_s"] for run in side_runs],
+            "training_wall_s": [run["training_wall_s"] for run in side_runs],
+            "time_to_target_cpu_s": reached,
+            "time_to_target_vs_trl_training": statistics.mean(times) / reference_time if times else None,
+            "step_time_median_cpu_s": statistics.median(t for run in side_runs for t in run["step_times"]),
+            "logged": _logged(side_runs),
+        }
+    return {"target_exact_match": target, "trl_training_cpu_s": reference_time, "summary": rows}
+
+
+def skip_summary(runs: list[dict]) -> dict:
+    """Median step time (CPU s) of `beta=0` without and with skipping, and what skipping left out."""
+    rows = {}
+    for side in ("ext_beta0", "ext_beta0_skip"):
+        side_runs = [run for run in runs if run["side"] == side]
+        if side_runs:
+            rows[side] = {
+                "step_time_median_cpu_s": statistics.median(t for run in side_runs for t in run["step_times"]),
+                "logged": _logged(side_runs),
+            }
+    return rows
+
+
+def _zero_std(logged: dict) -> str:
+    """The zero-spread fraction of what was generated (with dynamic sampling, of every round; then that of the
+    batches that trained in parentheses)."""
+    generated = logged.get("dynamic_sampling/frac_reward_zero_std_generated")
+    trained = logged.get("frac_reward_zero_std")
+    if generated is not None:
+        return f"{generated:.2f} ({trained:.2f})"
+    return f"{trained:.2f}" if trained is not None else "-"
+
+
+def table(results: dict) -> str:
+    def spread(values, digits):
+        return f"{statistics.mean(values):.{digits}f} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
+
+    headers = [
+        "side",
+        "final exact match",
+        "training CPU s",
+        f"CPU s to {results['target_exact_match']:.3f} (seeds)",
+        "/ trl training",
+        "step CPU s",
+        "zero-std generated (trained)",
+        "rounds",
+        "skipped",
+    ]
+    rows = []
+    for side, row in results["summary"].items():
+        reached = [seconds for seconds in row["time_to_target_cpu_s"] if seconds is not None]
+        ratio = row["time_to_target_vs_trl_training"]
+        logged = row["logged"]
+        rows.append(
+            [
+                side,
+                spread(row["final_exact_match"], 3),
+                spread(row["training_cpu_s"], 0),
+                (spread(reached, 0) if reached else "-") + f" ({len(reached)}/{len(row['time_to_target_cpu_s'])})",
+                f"{ratio:.2f}" if ratio is not None else "-",
+                f"{row['step_time_median_cpu_s']:.3f}",
+                _zero_std(logged),
+                _value(logged, "dynamic_sampling/rounds"),
+                _value(logged, "skipped_rows/fraction"),
+            ]
+        )
+    text = format_table(headers, rows)
+    skip = results.get("skip_step_times") or {}
+    if len(skip) == 2:
+        without = skip["ext_beta0"]
+        text += "\n\n" + format_table(
+            ["beta=0", "step CPU s (median)", "zero-std", "skipped", "/ without"],
+            [
+                [
+                    name,
+                    f"{row['step_time_median_cpu_s']:.3f}",
+                    _value(row["logged"], "frac_reward_zero_std"),
+                    _value(row["logged"], "skipped_rows/fraction"),
+                    f"{row['step_time_median_cpu_s'] / without['step_time_median_cpu_s']:.2f}",
+                ]
+                for name, row in (("without skipping", without), ("skip_zero_advantage_rows", skip["ext_beta0_skip"]))
+            ],
+        )
+    return text
+
+
+def _value(logged: dict, name: str) -> str:
+    return f"{logged[name]:.2f}" if name in logged else "-"
+
+
+if __name__ == "__main__":  # a quick look: python -m benchmarks.learning
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    print(table(run(seeds=(0,), steps=12, eval_every=6, eval_samples=32, skip_steps=6)))

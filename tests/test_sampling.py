@@ -1,0 +1,433 @@
+"""Dynamic sampling: the groups that train have a reward spread, their advantages are TRL's for the batch that trains,
+rounds are bounded, nothing changes where nothing is dropped, and a killed run resumes exactly."""
+
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import CONSTANT_PROMPTS, constant_reward, count_a_reward, half_constant_reward, tiny_grpo_args
+from peft import LoraConfig
+from transformers import TrainerCallback, set_seed
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+from trl_grpo_ext.sampling_plan import (
+    PromptStream,
+    fill_slots,
+    group_placement,
+    informative_groups,
+    trl_advantages,
+    trl_reward_metrics,
+)
+
+G = 4
+
+
+def length_reward(prompts, completions, **kwargs) -> list[float]:
+    """A second reward, constant on the same prompts as `half_constant_reward`."""
+    return [
+        0.0 if prompt in CONSTANT_PROMPTS else float(len(completion) % 3)
+        for prompt, completion in zip(prompts, completions, strict=True)
+    ]
+
+
+class BatchRecorder:
+    """Keeps every training batch `_generate_and_score_completions` hands to TRL (before TRL shuffles it)."""
+
+    def __init__(self, trainer):
+        self.batches = []
+        original = trainer._generate_and_score_completions
+
+        def recorded(inputs):
+            output = original(inputs)
+            if trainer.model.training:
+                self.batches.append({key: value for key, value in output.items()})
+            return output
+
+        trainer._generate_and_score_completions = recorded
+
+
+def make_trainer(model_path, tokenizer, dataset, output_dir, *, rewards=None, lora=False, **options):
+    options = {"num_iterations": 2, "gradient_accumulation_steps": 2, "beta": 0.0, **options}
+    set_seed(0)
+    trainer = GRPOTrainerExt(
+        model=model_path,
+        reward_funcs=rewards or [half_constant_reward],
+        args=GRPOConfigExt(**tiny_grpo_args(output_dir, **options)),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if lora else None,
+    )
+    return trainer, BatchRecorder(trainer)
+
+
+def generation_logs(trainer) -> list[dict]:
+    return [entry for entry in trainer.state.log_history if "dynamic_sampling/rounds" in entry]
+
+
+def batch_rewards(batch, tokenizer, reward_funcs) -> torch.Tensor:
+    """`(N, F)`: each reward function on the batch's prompts and completions, decoded again."""
+    prompts = tokenizer.batch_decode(batch["prompt_ids"], skip_special_tokens=True)
+    completions = tokenizer.batch_decode(batch["completion_ids"], skip_special_tokens=True)
+    return torch.tensor(
+        [func(prompts=prompts, completions=completions) for func in reward_funcs], dtype=torch.float32
+    ).T
+
+
+def expected_advantages(rewards: torch.Tensor, scale_rewards: str, aggregation: str) -> torch.Tensor:
+    """TRL's documented advantages, written out: group means, then group, batch or no scaling."""
+    if aggregation == "normalize_then_sum":
+        grouped = rewards.view(-1, G, rewards.size(1))
+        normalised = (grouped - grouped.mean(dim=1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + 1e-4)
+        total = normalised.view(-1, rewards.size(1)).sum(dim=1)
+        return (total - total.mean()) / (total.std() + 1e-4)
+    total = rewards.sum(dim=1)
+    grouped = total.view(-1, G)
+    centred = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
+    if scale_rewards == "none":
+        return centred
+    if scale_rewards == "batch":
+        return centred / (total.std() + 1e-4)
+    return centred / (grouped.std(dim=1, keepdim=True).expand(-1, G).reshape(-1) + 1e-4)
+
+
+# name -> (options, reward functions); each run takes about a second
+COMBINATIONS = {
+    "dapo-iterations-2-ga-2": ({"loss_type": "dapo"}, None),
+    "steps-per-generation-4": ({"loss_type": "grpo", "steps_per_generation": 4, "num_iterations": 1}, None),
+    "batch-scaling": ({"loss_type": "grpo", "scale_rewards": "batch"}, None),
+    "no-scaling": ({"loss_type": "dr_grpo", "scale_rewards": "none"}, None),
+    "normalize-then-sum": (
+        {"loss_type": "bnpo", "multi_objective_aggregation": "normalize_then_sum"},
+        [half_constant_reward, length_reward],
+    ),
+    "kl-penalty": ({"loss_type": "grpo", "beta": 0.04}, None),
+    "lora": ({"loss_type": "dapo", "learning_rate": 5e-2, "lora": True}, None),
+    "luspo": ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, None),
+    "cispo": ({"loss_type": "cispo", "epsilon_high": 1.1}, None),
+    "sapo": ({"loss_type": "sapo"}, None),
+    "vespo": ({"loss_type": "vespo"}, None),
+    "with-skipping": ({"loss_type": "dapo", "skip_zero_advantage_rows": True}, None),
+}
+
+
+@pytest.mark.parametrize("name", list(COMBINATIONS))
+def test_every_group_that_trains_has_a_reward_spread_and_trl_s_advantages_for_the_batch(
+    name, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    options, rewards = COMBINATIONS[name]
+    options = dict(options)
+    lora = options.pop("lora", False)
+    rewards = rewards or [half_constant_reward]
+    trainer, recorder = make_trainer(
+        tiny_model_path,
+        tiny_tokenizer,
+        prompt_dataset,
+        tmp_path,
+        rewards=rewards,
+        lora=lora,
+        dynamic_sampling=True,
+        dynamic_sampling_max_rounds=8,
+        **options,
+    )
+    trainer.train()
+    rows = trainer.args.generation_batch_size
+    assert recorder.batches and all(batch["prompt_ids"].size(0) == rows for batch in recorder.batches)
+    for batch in recorder.batches:
+        assert batch["completion_ids"].shape == batch["completion_mask"].shape
+        assert batch["num_items_in_batch"].item() == batch["completion_mask"].sum().item()
+        per_func = batch_rewards(batch, tiny_tokenizer, rewards)
+        assert (per_func.sum(dim=1).view(-1, G).std(dim=1) > 0).all()  # no group without spread trains
+        expected = expected_advantages(per_func, trainer.scale_rewards, trainer.multi_objective_aggregation)
+        torch.testing.assert_close(batch["advantages"].float(), expected, rtol=1e-4, atol=1e-5)
+    logs = generation_logs(trainer)
+    assert logs and all(entry["frac_reward_zero_std"] == 0.0 for entry in logs)
+    assert any(entry["dynamic_sampling/rounds"] > 0 for entry in logs)
+    for entry in logs:
+        generated = entry["dynamic_sampling/generated_groups"]
+        assert generated == (entry["dynamic_sampling/rounds"] + 1) * rows / G
+        assert 0.0 < entry["dynamic_sampling/kept_fraction"] < 1.0
+        if trainer.scale_rewards != "batch" and trainer.multi_objective_aggregation == "sum_then_normalize":
+            # TRL's frac_reward_zero_std (else it tests the batch's std, not the groups')
+            assert entry["dynamic_sampling/frac_reward_zero_std_generated"] > 0.0
+
+
+def test_rounds_stop_at_the_limit_and_a_short_batch_keeps_its_zero_spread_groups(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    trainer, recorder = make_trainer(
+        tiny_model_path,
+        tiny_tokenizer,
+        prompt_dataset,
+        tmp_path,
+        rewards=[constant_reward],
+        dynamic_sampling=True,
+        dynamic_sampling_max_rounds=2,
+    )
+    trainer.train()
+    logs = generation_logs(trainer)
+    assert len(logs) == 2  # 4 steps, num_iterations=2
+    for entry in logs:
+        assert entry["dynamic_sampling/rounds"] == 2.0
+        assert entry["dynamic_sampling/kept_fraction"] == 0.0
+        assert entry["frac_reward_zero_std"] == 1.0
+        assert entry["dynamic_sampling/generated_groups"] == 3 * trainer.args.generation_batch_size / G
+    for batch in recorder.batches:  # the batch TRL sampled first, whole
+        assert batch["prompt_ids"].size(0) == trainer.args.generation_batch_size
+        assert (batch["advantages"] == 0).all()
+    assert all(entry["loss"] == 0.0 for entry in trainer.state.log_history if "loss" in entry)
+
+
+def test_where_no_group_is_dropped_the_run_is_stock_trl_s(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    options = tiny_grpo_args(tmp_path / "s", num_iterations=2, gradient_accumulation_steps=2, beta=0.0)
+    set_seed(0)
+    stock = GRPOTrainer(
+        model=tiny_model_path,
+        reward_funcs=count_a_reward,
+        args=GRPOConfig(**options),
+        train_dataset=prompt_dataset,
+        processing_class=tiny_tokenizer,
+    )
+    stock.train()
+    trainer, _ = make_trainer(
+        tiny_model_path,
+        tiny_tokenizer,
+        prompt_dataset,
+        tmp_path / "o",
+        rewards=[count_a_reward],
+        loss_type="dapo",  # TRL's defaults where GRPOConfigExt's differ
+        use_bias_correction_kl=True,
+        dynamic_sampling=True,
+    )
+    trainer.train()
+    expected = [entry for entry in stock.state.log_history if "loss" in entry]
+    got = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(expected) == len(got) == 4
+    for want, have in zip(expected, got, strict=True):
+        for key, value in want.items():
+            if key != "step_time" and isinstance(value, float) and not math.isnan(value):
+                assert have[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert all(entry["dynamic_sampling/rounds"] == 0.0 for entry in generation_logs(trainer))
+
+
+def test_the_completions_table_holds_the_rows_that_train(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    trainer, recorder = make_trainer(
+        tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, dynamic_sampling=True, max_steps=1
+    )
+    trainer.train()
+    batch = recorder.batches[-1]
+    assert list(trainer._logs["prompt"]) == tiny_tokenizer.batch_decode(batch["prompt_ids"], skip_special_tokens=True)
+    assert list(trainer._logs["advantages"]) == pytest.approx(batch["advantages"].tolist())
+    assert not set(trainer._logs["prompt"]) & {"xyz=", "qq="}
+
+
+def test_a_plain_trl_config_and_the_default_do_not_sample_dynamically(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    for args in (GRPOConfig(**tiny_grpo_args(tmp_path)), GRPOConfigExt(**tiny_grpo_args(tmp_path))):
+        trainer = GRPOTrainerExt(
+            model=tiny_model_path,
+            reward_funcs=half_constant_reward,
+            args=args,
+            train_dataset=prompt_dataset,
+            processing_class=tiny_tokenizer,
+        )
+        assert not trainer._dynamic_sampling
+
+
+def test_an_iterable_dataset_or_no_extra_round_is_refused(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    with pytest.raises(ValueError, match="dynamic_sampling_max_rounds"):
+        GRPOConfigExt(**tiny_grpo_args(tmp_path, dynamic_sampling=True, dynamic_sampling_max_rounds=0))
+    with pytest.raises(ValueError, match="map-style"):
+        GRPOTrainerExt(
+            model=tiny_model_path,
+            reward_funcs=half_constant_reward,
+            args=GRPOConfigExt(**tiny_grpo_args(tmp_path, dynamic_sampling=True)),
+            train_dataset=prompt_dataset.to_iterable_dataset(),
+            processing_class=tiny_tokenizer,
+        )
+
+
+def unscored_on_odd_lengths(completions, **kwargs):
+    return [
+        None if len(completion) % 2 else completion.count("b") + 0.2 * len(completion) for completion in completions
+    ]
+
+
+@pytest.mark.parametrize(
+    ("scale_rewards", "aggregation"),
+    [
+        ("group", "sum_then_normalize"),
+        ("batch", "sum_then_normalize"),
+        ("none", "sum_then_normalize"),
+        ("group", "normalize_then_sum"),
+    ],
+)
+def test_advantages_and_reward_metrics_of_a_batch_are_trl_s(
+    scale_rewards, aggregation, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    """The copy of TRL's inline advantage block gives TRL's own advantages and reward metrics, bit for bit, also with
+    rows that a reward function did not score and groups without spread."""
+    set_seed(0)
+    trainer = GRPOTrainer(
+        model=tiny_model_path,
+        reward_funcs=[half_constant_reward, unscored_on_odd_lengths],
+        args=GRPOConfig(
+            **tiny_grpo_args(tmp_path, scale_rewards=scale_rewards, multi_objective_aggregation=aggregation)
+        ),
+        train_dataset=prompt_dataset,
+        processing_class=tiny_tokenizer,
+    )
+    captured = []
+    original = trainer._calculate_rewards
+
+    def capture(*args, **kwargs):
+        captured.append(original(*args, **kwargs))
+        return captured[-1]
+
+    trainer._calculate_rewards = capture
+    trainer.model.train()
+    batch = next(iter(trainer.get_train_dataloader()))
+    output = trainer._generate_and_score_completions(batch)
+    rewards_per_func = captured[0]
+    assert torch.isnan(rewards_per_func[:, 1]).any() and not torch.isnan(rewards_per_func[:, 1]).all()
+    advantages, is_std_zero, _ = trl_advantages(
+        rewards_per_func, trainer.reward_weights, trainer.num_generations, scale_rewards, aggregation
+    )
+    assert torch.equal(advantages, output["advantages"])
+    metrics = trl_reward_metrics(rewards_per_func, trainer.reward_weights, trainer.reward_func_names, is_std_zero)
+    assert set(metrics) <= set(trainer._metrics["train"])
+    for name, value in metrics.items():
+        logged = trainer._metrics["train"][name][-1]
+        assert value == logged or (math.isnan(value) and math.isnan(logged)), name
+
+
+def test_informative_groups_are_those_with_a_defined_nonzero_spread():
+    nan = math.nan
+    rewards = torch.tensor(
+        [1.0, 1.0, 1.0, 1.0]  # no spread
+        + [0.0, 1.0, 0.0, 0.0]  # spread
+        + [nan, nan, nan, nan]  # nothing scored
+        + [nan, 2.0, nan, nan]  # one scored: no spread defined
+        + [nan, 2.0, 3.0, nan]  # two scored, different
+    )
+    assert informative_groups(rewards, 4).tolist() == [False, True, False, False, True]
+
+
+def test_groups_take_only_places_with_the_same_placement():
+    # 2 processes of 6 rows, groups of 4: group 1 spans both processes.
+    placements = group_placement(3, 4, 6)
+    assert placements == [((0, 4),), ((0, 2), (1, 2)), ((1, 4),)]
+    informative = [
+        torch.tensor([False, False, True]),
+        torch.tensor([True, False, True]),
+        torch.tensor([False, True, True]),
+    ]
+    assignment, short = fill_slots(informative, placements)
+    assert assignment == [(1, 0), (2, 1), (0, 2)]
+    assert short == 0
+    assignment, short = fill_slots(informative[:2], placements)
+    assert assignment == [(1, 0), (0, 1), (0, 2)] and short == 1  # group 1 kept: nothing else fits its place
+    # One process, groups of 4 over 8 rows: any informative group fills any place, in order.
+    placements = group_placement(2, 4, 8)
+    assignment, short = fill_slots([torch.tensor([False, False]), torch.tensor([False, True])], placements)
+    assert assignment == [(1, 1), (0, 1)] and short == 1
+
+
+def test_the_prompt_stream_is_seeded_resumable_and_continues_over_epochs():
+    stream = PromptStream(5, seed=3)
+    first = stream.draw(3)
+    state = stream.state_dict()
+    rest = stream.draw(7)
+    assert sorted(first + rest[:2]) == list(range(5))  # one permutation, then the next
+    assert sorted(rest[2:]) == list(range(5))
+    again = PromptStream(5, seed=3)
+    again.load_state_dict(state)
+    assert again.draw(7) == rest
+    assert PromptStream(5, seed=4).draw(5) != PromptStream(5, seed=3).draw(5)
+    assert PromptStream(4, seed=0, shuffle=False).draw(6) == [0, 1, 2, 3, 0, 1]
+
+
+CRASH_RUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_run.py")
+COMPARED = (
+    "loss",
+    "grad_norm",
+    "reward",
+    "frac_reward_zero_std",
+    "dynamic_sampling/rounds",
+    "dynamic_sampling/kept_fraction",
+    "dynamic_sampling/frac_reward_zero_std_generated",
+)
+
+
+@pytest.mark.slow
+def test_a_killed_run_with_dynamic_sampling_resumes_to_the_logs_of_the_uninterrupted_run(tiny_model_path, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+
+    def run(output_dir, *extra):
+        command = [sys.executable, CRASH_RUN, str(output_dir), tiny_model_path, "--dynamic_sampling", *extra]
+        return subprocess.run(command, capture_output=True, text=True, env=env)
+
+    reference = run(tmp_path / "reference", "--save_steps", "100")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    # Checkpoint 3 falls between a generation (with extra rounds) and its reuse; die while writing checkpoint 6.
+    killed = run(tmp_path / "run", "--save_steps", "3", "--kill_during_save_of", "6")
+    assert killed.returncode == -signal.SIGKILL
+    resumed = run(tmp_path / "run", "--save_steps", "3", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    import json
+
+    def logs(output_dir):
+        with open(output_dir / "log_history.json") as handle:
+            return {entry["step"]: entry for entry in json.load(handle) if "loss" in entry}
+
+    expected, got = logs(tmp_path / "reference"), logs(tmp_path / "run")
+    assert any(entry.get("dynamic_sampling/rounds", 0) > 0 for step, entry in expected.items() if step > 3)
+    for step in (step for step in expected if step > 3):
+        for key in COMPARED:
+            if key in expected[step]:
+                assert got[step][key] == expected[step][key], (step, key)
+
+
+def test_the_checkpoint_of_a_non_finite_stop_holds_the_prompt_stream_of_the_step_start(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    from trl_grpo_ext.checkpointing import load_grpo_state
+    from trl_grpo_ext.guardrails import NonFiniteTrainingError
+
+    drawn = {}
+
+    class NanAtStep3(GRPOTrainerExt):
+        def _compute_loss(self, model, inputs):
+            loss = super()._compute_loss(model, inputs)
+            if self.state.global_step + 1 == 3:
+                drawn["during"] = self._prompt_stream.state_dict()  # after step 3's generation drew
+                loss = loss * math.nan
+            return loss
+
+    class AtStepStart(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                drawn["start"] = trainer._prompt_stream.state_dict()
+
+    set_seed(0)
+    trainer = NanAtStep3(
+        model=tiny_model_path,
+        reward_funcs=half_constant_reward,
+        args=GRPOConfigExt(
+            **tiny_grpo_args(tmp_path, num_iterations=2, beta=0.0, dynamic_sampling=True, nonfinite_policy="stop")
+        ),
+        train_dataset=prompt_dataset,
+        processing_class=tiny_tokenizer,
+        callbacks=[AtStepStart()],
+    )
+    with pytest.raises(NonFiniteTrainingError, match="checkpoint-2"):
+        trainer.train()
+    assert drawn["during"] != drawn["start"]  # step 3 generated with extra rounds
+    state = load_grpo_state(str(tmp_path / "checkpoint-2"), 0, "cpu")
+    assert state["extras"]["prompt_stream"] == drawn["start"]

@@ -1,0 +1,306 @@
+"""Dynamic sampling (DAPO's, `GRPOConfigExt.dynamic_sampling`): train on groups whose rewards differ.
+
+A group whose completions all get the same reward has advantage 0: it gives no policy gradient (only the KL term).
+`DynamicSamplingMixin._generate_and_score_completions` lets TRL generate and score its generation batch as usual,
+drops the groups without reward spread (`sampling_plan.informative_groups`), and generates and scores, with TRL's
+own code path, a whole generation batch of fresh training prompts (`sampling_plan.PromptStream`) per extra round, at
+most `dynamic_sampling_max_rounds` rounds, until every dropped group has been replaced by an informative one. The
+advantages are then computed on the assembled batch as TRL computes them on a batch (`sampling_plan.trl_advantages`:
+group, batch or no scaling, either multi-objective aggregation), and `num_items_in_batch` is recounted.
+
+A batch that stays short after the last round keeps, in the places not filled, the zero-spread groups TRL sampled
+first: the batch keeps its shape, so every process still trains the same number of rows and micro-batches, and
+`steps_per_generation`, gradient accumulation and the loss normalisations stay those of the configuration; those
+groups add only the KL term (nothing when `beta == 0`; `skip_zero_advantage_rows` then leaves them out of the
+forward), where shrinking the batch would make micro-batches uneven across processes and change every denominator.
+
+Several processes. TRL's sampler lays a generation batch out group by group over the processes, and a group can span
+two; every extra round has the same layout. A group only takes the place of one with the same placement (the same
+processes, as many rows on each: `sampling_plan.fill_slots`), so no row moves between processes and each keeps its
+number of rows. The keep/drop decisions are taken on the rewards gathered from every process, identically
+everywhere, and then checked: one small gather per round compares them, and rows per process, across processes, and
+a difference raises an error naming it rather than leaving the processes waiting for each other.
+
+Prompts of different rounds were padded to different widths: the assembled batch pads them again (prompts on the
+left, completions on the right). The log-probs TRL computed for a round (sampling, reference) stay those of that
+round's padding: with rotary position embeddings (Llama, Qwen, Mistral, ...) extra left padding changes a forward
+only to float rounding; models with absolute position embeddings see their prompts shifted.
+
+Metrics (once per generation batch): `dynamic_sampling/kept_fraction` (informative groups / generated groups),
+`dynamic_sampling/rounds` (extra rounds), `dynamic_sampling/generated_groups`, and
+`dynamic_sampling/frac_reward_zero_std_generated` (TRL's `frac_reward_zero_std` over every generated group). TRL's
+reward metrics (`reward`, `reward_std`, `frac_reward_zero_std`, `rewards/<name>/*`), this package's
+`reward_std/group_*` and the completions table describe the batch that trains; `completions/*` and `num_tokens`
+count everything generated.
+
+Resume: the prompt stream's state is saved with every checkpoint (`CheckpointingMixin._resume_extras`), and rewound to
+the start of the step for the checkpoint a non-finite stop writes, so that a resumed run draws the same prompts.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+from trl.trainer.utils import pad
+
+from .sampling_plan import (
+    PromptStream,
+    fill_slots,
+    group_placement,
+    informative_groups,
+    trl_advantages,
+    trl_reward_metrics,
+)
+
+__all__ = ["DynamicSamplingMixin"]
+
+# Per-row tensors of TRL's generation batch: the side they are padded on and the padding value ("pad": the token).
+_ROW_TENSORS = {
+    "prompt_ids": ("left", "pad"),
+    "prompt_mask": ("left", 0),
+    "completion_ids": ("right", "pad"),
+    "completion_mask": ("right", 0),
+    "tool_mask": ("right", 1),
+    "old_per_token_logps": ("right", 0.0),
+    "ref_per_token_logps": ("right", 0.0),
+    "sampling_per_token_logps": ("right", 0.0),
+    "importance_sampling_ratio": ("right", 1.0),
+}
+_RECOMPUTED = ("advantages", "num_items_in_batch")
+
+
+@dataclass
+class _Round:
+    """One generation batch TRL generated and scored: its local output, the gathered rewards, its table rows."""
+
+    output: dict[str, Any]
+    rewards_per_func: torch.Tensor  # (N, F), every process's rows
+    informative: torch.Tensor  # (K,) bool
+    frac_reward_zero_std: float
+    logs: dict[str, Any]
+
+
+class _StreamAtStepStart(TrainerCallback):
+    """Remembers the prompt stream's state at the start of every optimizer step (for a non-finite stop)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.trainer._prompt_stream_at_step_start = self.trainer._prompt_stream.state_dict()
+
+
+class DynamicSamplingMixin:
+    """Dynamic sampling for a `GRPOTrainer` subclass (see the module docstring); placed before `NonFiniteGuardMixin`
+    and `CheckpointingMixin` in its bases. Call `_init_dynamic_sampling` at the end of `__init__`."""
+
+    _dynamic_sampling = False
+    _defer_reward_spread = False  # while the rounds of one batch are scored (the trainer's reward diagnostics wait)
+
+    def _init_dynamic_sampling(self, enabled: bool, max_rounds: int) -> None:
+        if not enabled:
+            return
+        dataset = self.train_dataset
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+            raise ValueError(
+                "dynamic_sampling draws fresh prompts by index: it needs a map-style `train_dataset` (a "
+                "datasets.Dataset), not an IterableDataset. Load the dataset without `streaming=True`, or set "
+                "dynamic_sampling=False."
+            )
+        if max_rounds < 1:
+            raise ValueError(f"`dynamic_sampling_max_rounds` must be >= 1, got {max_rounds}.")
+        self._dynamic_sampling = True
+        self._dynamic_sampling_max_rounds = max_rounds
+        self._prompt_stream = PromptStream(len(dataset), self.args.seed, shuffle=self.shuffle_dataset)
+        self._prompt_stream_at_step_start = self._prompt_stream.state_dict()
+        self._sampling_dataset = None
+        self.add_callback(_StreamAtStepStart(self))
+
+    def _resume_extras(self) -> dict:
+        extras = super()._resume_extras()
+        if self._dynamic_sampling:
+            extras["prompt_stream"] = self._prompt_stream.state_dict()
+        return extras
+
+    def _restore_resume_extras(self, extras: dict) -> None:
+        super()._restore_resume_extras(extras)
+        if self._dynamic_sampling and "prompt_stream" in extras:
+            self._prompt_stream.load_state_dict(extras["prompt_stream"])
+
+    def _stop_on_nonfinite_step(self, step: int, grad_norm: float, applied: bool) -> None:
+        if self._dynamic_sampling:  # the checkpoint of the state before the step draws this step's prompts again
+            self._prompt_stream.load_state_dict(self._prompt_stream_at_step_start)
+        super()._stop_on_nonfinite_step(step, grad_norm, applied)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._last_rewards_per_func = rewards_per_func  # gathered from every process
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        if not self._dynamic_sampling or not self.model.training:
+            return super()._generate_and_score_completions(inputs)
+        metrics = self._metrics["train"]
+        lengths_before = {name: len(values) for name, values in metrics.items()}
+        self._defer_reward_spread = True
+        try:
+            rounds = [self._scored_round(inputs)]
+            local_rows = len(inputs)
+            total_rows = rounds[0].rewards_per_func.size(0)
+            num_groups = total_rows // self.num_generations
+            placements = group_placement(num_groups, self.num_generations, local_rows)
+            assignment, short = fill_slots([r.informative for r in rounds], placements)
+            self._check_processes_agree(local_rows, total_rows, rounds[-1].informative, short)
+            while short and len(rounds) <= self._dynamic_sampling_max_rounds:
+                rounds.append(self._scored_round(self._fresh_inputs(num_groups, local_rows)))
+                assignment, short = fill_slots([r.informative for r in rounds], placements)
+                self._check_processes_agree(local_rows, total_rows, rounds[-1].informative, short)
+        finally:
+            self._defer_reward_spread = False
+
+        sources = [
+            (round_index, group * self.num_generations + offset)
+            for round_index, group in assignment
+            for offset in range(self.num_generations)
+        ]  # per global row of the batch that trains: (round, global row in that round)
+        rewards_per_func = torch.stack([rounds[r].rewards_per_func[row] for r, row in sources])
+        advantages, is_std_zero, _ = trl_advantages(
+            rewards_per_func,
+            self.reward_weights,
+            self.num_generations,
+            self.scale_rewards,
+            self.multi_objective_aggregation,
+        )
+        start = self.accelerator.process_index * local_rows
+        local_sources = [(r, row - start) for r, row in sources[start : start + local_rows]]
+        if len(rounds) == 1:
+            output = rounds[0].output  # nothing replaced: TRL's batch as it is
+        else:
+            output = self._assemble(rounds, local_sources)
+        output["advantages"] = advantages[start : start + local_rows]
+
+        # TRL's reward metrics of the batch that trains, in place of those of each round
+        trained = trl_reward_metrics(rewards_per_func, self.reward_weights, self.reward_func_names, is_std_zero)
+        for name, value in trained.items():
+            del metrics[name][lengths_before.get(name, 0) :]
+            metrics[name].append(value)
+        kept = sum(r.informative.sum().item() for r in rounds)
+        metrics["dynamic_sampling/kept_fraction"].append(kept / (num_groups * len(rounds)))
+        metrics["dynamic_sampling/rounds"].append(float(len(rounds) - 1))
+        metrics["dynamic_sampling/generated_groups"].append(float(num_groups * len(rounds)))
+        generated = sum(r.frac_reward_zero_std for r in rounds) / len(rounds)
+        metrics["dynamic_sampling/frac_reward_zero_std_generated"].append(generated)
+        self._rewrite_completions_table(rounds, sources, advantages)
+        self._add_reward_spread(rewards_per_func, "train")
+        return output
+
+    def _scored_round(self, inputs: list[dict]) -> _Round:
+        """TRL's `_generate_and_score_completions` on `inputs`, with what the plan needs of it."""
+        self._logs["extra"].clear()  # so that the columns left after the call are this round's (N values each)
+        output = super()._generate_and_score_completions(inputs)
+        unknown = sorted(set(output) - set(_ROW_TENSORS) - set(_RECOMPUTED))
+        if unknown:  # the same keys on every process: all of them raise
+            raise ValueError(
+                f"dynamic_sampling cannot assemble a batch that holds {unknown} (multimodal inputs): their tensors "
+                "are not one row per completion. Set dynamic_sampling=False for this model."
+            )
+        rewards_per_func = self._last_rewards_per_func
+        _, is_std_zero, rewards = trl_advantages(
+            rewards_per_func,
+            self.reward_weights,
+            self.num_generations,
+            self.scale_rewards,
+            self.multi_objective_aggregation,
+        )
+        logs = {
+            "prompt": list(self._logs["prompt"]),
+            "completion": list(self._logs["completion"]),
+            "rewards": {name: list(values) for name, values in self._logs["rewards"].items()},
+            "extra": {name: list(values) for name, values in self._logs["extra"].items()},
+        }
+        return _Round(
+            output=output,
+            rewards_per_func=rewards_per_func,
+            informative=informative_groups(rewards, self.num_generations),
+            frac_reward_zero_std=is_std_zero.float().mean().item(),
+            logs=logs,
+        )
+
+    def _fresh_inputs(self, num_groups: int, local_rows: int) -> list[dict]:
+        """This process's rows of a generation batch of fresh prompts, laid out as TRL's sampler lays them out (each
+        prompt `num_generations` times in a row, the global batch split over the processes in order)."""
+        if self._sampling_dataset is None:  # the columns the data loader hands out
+            self._sampling_dataset = self._remove_unused_columns(self.train_dataset, description="training")
+        prompts = self._prompt_stream.draw(num_groups)  # the same on every process
+        indices = [index for index in prompts for _ in range(self.num_generations)]
+        start = self.accelerator.process_index * local_rows
+        return [self._sampling_dataset[index] for index in indices[start : start + local_rows]]
+
+    def _check_processes_agree(self, local_rows: int, total_rows: int, informative: torch.Tensor, short: int) -> None:
+        """Raise, on every process alike, if the processes hold different numbers of rows or took different
+        decisions (one gather of three numbers)."""
+        flags = informative.double()
+        checksum = (flags * torch.arange(1, flags.numel() + 1, dtype=torch.float64, device=flags.device)).sum()
+        mine = torch.stack([torch.tensor(float(local_rows), dtype=torch.float64, device=flags.device), checksum])
+        mine = torch.cat([mine, torch.tensor([float(short)], dtype=torch.float64, device=flags.device)])
+        table = self.accelerator.gather(mine[None].to(self.accelerator.device)).view(-1, 3).cpu()
+        if not torch.equal(table[:, 0], torch.full_like(table[:, 0], table[0, 0].item())):
+            raise RuntimeError(
+                f"dynamic_sampling: the processes hold different numbers of rows ({table[:, 0].long().tolist()}) in "
+                "a generation batch; it needs the same number on every process (TRL's sampler with a map-style "
+                "dataset gives that)."
+            )
+        if total_rows != local_rows * self.accelerator.num_processes:
+            raise RuntimeError(
+                f"dynamic_sampling: {total_rows} rewards were gathered for {self.accelerator.num_processes} "
+                f"processes of {local_rows} rows each."
+            )
+        if not torch.equal(table, table[:1].expand_as(table)):
+            raise RuntimeError(
+                "dynamic_sampling: the processes took different keep/drop decisions on the same gathered rewards "
+                f"(checksums and places left {table[:, 1:].tolist()}); a reward or device that is not deterministic "
+                "across processes can cause this."
+            )
+
+    def _assemble(self, rounds: list[_Round], local_sources: list[tuple[int, int]]) -> dict[str, Any]:
+        """This process's batch: row `i` is row `local_sources[i][1]` of round `local_sources[i][0]`, padded again."""
+        output = {}
+        pad_id = getattr(self.processing_class, "tokenizer", self.processing_class).pad_token_id  # TRL's pad token
+        for key, value in rounds[0].output.items():
+            if key in _RECOMPUTED or value is None:
+                continue
+            side, padding = _ROW_TENSORS[key]
+            rows = [rounds[r].output[key][row] for r, row in local_sources]
+            output[key] = pad(
+                rows,
+                padding_value=pad_id if padding == "pad" else padding,
+                padding_side=side,
+                pad_to_multiple_of=self.pad_to_multiple_of,
+            )
+        loss_mask = output["completion_mask"]
+        if "tool_mask" in output:
+            loss_mask = loss_mask * output["tool_mask"]
+        output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()  # as TRL counts it
+        return output
+
+    def _rewrite_completions_table(self, rounds: list[_Round], sources, advantages: torch.Tensor) -> None:
+        """TRL's completions table (`_logs`, one generation batch) holds the rows that train."""
+        size = len(sources)
+        self._logs["prompt"] = deque((rounds[r].logs["prompt"][row] for r, row in sources), maxlen=size)
+        self._logs["completion"] = deque((rounds[r].logs["completion"][row] for r, row in sources), maxlen=size)
+        for name in self._logs["rewards"]:
+            column = self._logs["rewards"][name]
+            column.clear()
+            column.extend(rounds[r].logs["rewards"][name][row] for r, row in sources)
+        self._logs["advantages"] = deque(advantages.tolist(), maxlen=size)
+        self._logs["extra"].clear()
+        columns = sorted({name for r in rounds for name in r.logs["extra"]})
+        for name in columns:
+            values = [rounds[r].logs["extra"].get(name) for r, _ in sources]
+            self._logs["extra"][name].extend(
+                None if column is None else column[row] for column, (_, row) in zip(values, sources, strict=True)
+            )

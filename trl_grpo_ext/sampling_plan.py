@@ -1,0 +1,211 @@
+"""The decisions of dynamic sampling (`dynamic_sampling.py`), as functions of gathered tensors: alike everywhere.
+
+- `trl_advantages`, `trl_reward_metrics`: TRL's advantages and reward metrics of a generation batch, from its gathered
+  rewards (a copy of the inline block of TRL 1.16's `GRPOTrainer._generate_and_score_completions`, recorded in
+  `_compat.TRL_COPIES` and pinned by `tests/test_sampling.py`), so that a batch assembled from several generation
+  rounds gets the advantages TRL would give it.
+- `informative_groups`: which groups have a reward spread (the others have advantage 0: no policy gradient).
+- `group_placement`, `fill_slots`: which generated group trains in which place of the batch. TRL's sampler lays a
+  generation batch out group by group over the processes; a group may span two. Each extra round has the same
+  layout, so a group can take the place of another with the same placement (the same processes, as many rows on
+  each) without any row moving between processes.
+- `PromptStream`: the fresh prompts of the extra rounds, in a seeded order of their own (two integers of state).
+"""
+
+from __future__ import annotations
+
+import torch
+from trl.trainer.utils import nanstd
+
+__all__ = [
+    "PromptStream",
+    "fill_slots",
+    "group_placement",
+    "informative_groups",
+    "trl_advantages",
+    "trl_reward_metrics",
+]
+
+
+def trl_advantages(
+    rewards_per_func: torch.Tensor,
+    reward_weights: torch.Tensor,
+    num_generations: int,
+    scale_rewards: str,
+    multi_objective_aggregation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TRL's advantages of a generation batch, from the rewards of every process.
+
+    Copy of the advantage block of TRL 1.16's `GRPOTrainer._generate_and_score_completions`
+    (`trl/trainer/grpo_trainer.py`), which is inline there.
+
+    Args:
+        rewards_per_func (`torch.Tensor` of shape `(N, F)`): every reward function's reward, gathered from all
+            processes, NaN where a function did not score; rows group-contiguous.
+        reward_weights (`torch.Tensor` of shape `(F,)`): TRL's `reward_weights`.
+        num_generations (`int`): G.
+        scale_rewards (`str`): `"group"`, `"batch"` or `"none"`.
+        multi_objective_aggregation (`str`): `"sum_then_normalize"` or `"normalize_then_sum"`.
+
+    Returns:
+        `(advantages, is_std_zero, rewards)`, each `(N,)`: the advantages (0 for unscorable rows), TRL's zero-std flag
+        (its `frac_reward_zero_std` is the mean), and the combined reward the advantages are built from (NaN for rows
+        no function scored; with `normalize_then_sum`, the sum of the per-group normalised rewards).
+    """
+    device = rewards_per_func.device
+    weights = reward_weights.to(device).unsqueeze(0)
+    unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)
+    if multi_objective_aggregation == "sum_then_normalize":
+        rewards = (rewards_per_func * weights).nansum(dim=1)
+        rewards[unscorable_mask] = torch.nan
+        mean_grouped_rewards = torch.nanmean(rewards.view(-1, num_generations), dim=1)
+        mean_grouped_rewards = mean_grouped_rewards.repeat_interleave(num_generations, dim=0)
+        if scale_rewards in ["group", "none"]:
+            if num_generations > 1:
+                std_rewards = nanstd(rewards.view(-1, num_generations), dim=1)
+                std_rewards = std_rewards.repeat_interleave(num_generations, dim=0)
+            else:
+                std_rewards = torch.zeros_like(rewards)
+        elif scale_rewards == "batch":
+            std_rewards = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        else:
+            raise ValueError(f"Invalid value for scale_rewards: {scale_rewards}. Must be 'batch', 'group' or 'none'.")
+        advantages = rewards - mean_grouped_rewards
+        if scale_rewards != "none":
+            advantages = advantages / (std_rewards + 1e-4)
+        is_std_zero = torch.isclose(std_rewards, torch.zeros_like(std_rewards))
+    elif multi_objective_aggregation == "normalize_then_sum":
+        grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.size(1))
+        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+        std_k = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
+        reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.size(1))
+        rewards = (reward_k * weights).nansum(dim=1)
+        rewards[unscorable_mask] = torch.nan
+        std_rewards = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        advantages = (rewards - torch.nanmean(rewards)) / (std_rewards + 1e-4)
+        is_std_zero = torch.isclose(std_rewards, torch.zeros_like(std_rewards))
+    else:
+        raise ValueError(
+            f"Invalid multi_objective_aggregation: {multi_objective_aggregation}. Must be 'sum_then_normalize' or "
+            "'normalize_then_sum'."
+        )
+    return torch.nan_to_num(advantages, nan=0.0), is_std_zero, rewards
+
+
+def trl_reward_metrics(
+    rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, names: list[str], is_std_zero: torch.Tensor
+) -> dict[str, float]:
+    """TRL's reward metrics of a generation batch (`reward`, `reward_std`, `frac_reward_zero_std`,
+    `rewards/<name>/mean`, `rewards/<name>/std`), as the same TRL block logs them."""
+    metrics = {}
+    for i, name in enumerate(names):
+        metrics[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
+        metrics[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
+    unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable_mask] = torch.nan
+    metrics["reward"] = torch.nanmean(rewards).item()
+    metrics["reward_std"] = nanstd(rewards).item()
+    metrics["frac_reward_zero_std"] = is_std_zero.float().mean().item()
+    return metrics
+
+
+def informative_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """Which groups have a reward spread, `(K,)` bool, from TRL's combined reward `(N,)` (`trl_advantages`).
+
+    A group is dropped when the standard deviation of its scored rewards is 0 (as TRL's `torch.isclose` tests it) or
+    undefined (fewer than two scored completions): its advantages are then all 0, or all but 0 under
+    `normalize_then_sum` (a shift shared by the whole group). Rows that no reward function scored are left out of
+    the statistics, as TRL leaves them out.
+    """
+    std = nanstd(rewards.view(-1, num_generations), dim=1)
+    return torch.isfinite(std) & ~torch.isclose(std, torch.zeros_like(std))
+
+
+def group_placement(num_groups: int, num_generations: int, rows_per_process: int) -> list[tuple]:
+    """Where each group of a generation batch lies: `((process, rows), ...)` per group, for TRL's layout (global row
+    `i` on process `i // rows_per_process`)."""
+    placements = []
+    for group in range(num_groups):
+        start, end = group * num_generations, (group + 1) * num_generations
+        segments = []
+        for process in range(start // rows_per_process, (end - 1) // rows_per_process + 1):
+            low, high = max(start, process * rows_per_process), min(end, (process + 1) * rows_per_process)
+            segments.append((process, high - low))
+        placements.append(tuple(segments))
+    return placements
+
+
+def fill_slots(informative: list[torch.Tensor], placements: list[tuple]) -> tuple[list[tuple[int, int]], int]:
+    """Which generated group trains in each place of the batch.
+
+    Args:
+        informative (`list[torch.Tensor]`): per round (0 the batch TRL sampled, then the extra rounds), `(K,)` bool.
+        placements (`list[tuple]`): `group_placement` of a round (the same for every round).
+
+    Returns:
+        `(assignment, short)`: per place `j` of round 0, the `(round, group)` that trains there, and how many places
+        no informative group of the same placement could fill: they keep round 0's group (see `dynamic_sampling.py`).
+        Round 0's informative groups keep their places; the others are filled in order of round, then group.
+    """
+    assignment = [(0, group) for group in range(len(placements))]
+    waiting: dict[tuple, list[int]] = {}
+    for group, ok in enumerate(informative[0].tolist()):
+        if not ok:
+            waiting.setdefault(placements[group], []).append(group)
+    for round_index, flags in enumerate(informative[1:], start=1):
+        for group, ok in enumerate(flags.tolist()):
+            places = waiting.get(placements[group])
+            if ok and places:
+                assignment[places.pop(0)] = (round_index, group)
+    return assignment, sum(len(places) for places in waiting.values())
+
+
+class PromptStream:
+    """Indices of the training set for the extra rounds: successive permutations (or the plain order without
+    shuffling), each drawn from a generator seeded with `seed` and the permutation's number.
+
+    Its state is `(epoch, position)`: two integers, saved with each checkpoint, identical on every process.
+
+    Args:
+        size (`int`): number of prompts in the training set.
+        seed (`int`): the run's seed.
+        shuffle (`bool`): draw in a random order (TRL's `shuffle_dataset`).
+    """
+
+    # Kept apart from the seeds TRL's sampler draws from (`seed` itself): the same prompts in another order.
+    SEED_OFFSET = 0x5EED
+
+    def __init__(self, size: int, seed: int, shuffle: bool = True):
+        if size < 1:
+            raise ValueError("PromptStream needs a training set with at least one prompt.")
+        self.size, self.seed, self.shuffle = size, seed, shuffle
+        self.epoch, self.position = 0, 0
+        self._order: list[int] | None = None
+
+    def _permutation(self) -> list[int]:
+        if self._order is None:
+            if self.shuffle:
+                generator = torch.Generator().manual_seed(self.seed + self.SEED_OFFSET + self.epoch)
+                self._order = torch.randperm(self.size, generator=generator).tolist()
+            else:
+                self._order = list(range(self.size))
+        return self._order
+
+    def draw(self, count: int) -> list[int]:
+        """The next `count` indices (continuing into the next permutation when this one runs out)."""
+        drawn = []
+        while len(drawn) < count:
+            order = self._permutation()
+            take = min(count - len(drawn), self.size - self.position)
+            drawn += order[self.position : self.position + take]
+            self.position += take
+            if self.position == self.size:
+                self.epoch, self.position, self._order = self.epoch + 1, 0, None
+        return drawn
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position, self._order = int(state["epoch"]), int(state["position"]), None
