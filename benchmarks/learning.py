@@ -198,7 +198,9 @@ def _run_one(context, side: str, seed: int, steps: int, eval_every: int, eval_sa
 
 
 def _rotations(sides: tuple[str, ...], index: int) -> tuple[str, ...]:
-    return sides[index % len(sides) :] + sides[: index % len(sides)]  # no side always first (machine drift)
+    """`sides` rotated by `index` places: no side always first (the machine's speed drifts)."""
+    shift = index % len(sides) if sides else 0
+    return sides[shift:] + sides[:shift]
 
 
 def run(

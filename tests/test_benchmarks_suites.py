@@ -127,3 +127,10 @@ def test_the_skipping_step_times_split_generation_from_training():
     assert skip["ext_beta0"]["rest_mean_cpu_s"] == pytest.approx(1.0)
     assert skip["ext_beta0_skip"]["rest_mean_cpu_s"] == pytest.approx(0.8)
     assert "0.800 (0.80)" in learning.skip_table(skip)
+
+
+def test_the_learning_benchmark_rotates_its_sides_and_runs_with_none():
+    from benchmarks import learning
+
+    assert learning._rotations(("a", "b", "c"), 4) == ("b", "c", "a")
+    assert learning._rotations((), 1) == ()
