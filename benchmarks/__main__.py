@@ -34,6 +34,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--learning-seeds", type=int, default=3, help="seeds per side of the learning benchmark")
     parser.add_argument("--eval-every", type=int, default=25, help="steps between held-out evaluations (learning)")
     parser.add_argument("--eval-samples", type=int, default=300, help="held-out prompts per evaluation (learning)")
+    parser.add_argument(
+        "--learning-sides",
+        default="trl,ext,ext_dynamic,ext_beta0_skip",
+        help="comma-separated sides of the learning runs (empty: only the skipping step-time runs)",
+    )
+    parser.add_argument("--skip-steps", type=int, default=100, help="steps of each skipping step-time run (0: none)")
     args = parser.parse_args(argv)
     pin_threads(args.threads)
     results = {"environment": environment(), "command": " ".join(["python -m benchmarks", *argv])}
@@ -84,13 +90,18 @@ def main(argv: list[str] | None = None) -> None:
             eval_every=2 if args.quick else args.eval_every,
             eval_samples=16 if args.quick else args.eval_samples,
             threads=args.threads,
-            skip_steps=2 if args.quick else 60,
+            sides=tuple(side for side in args.learning_sides.split(",") if side),
+            skip_steps=2 if args.quick else args.skip_steps,
         )
-        title = (
-            "Held-out exact match against training time on the demo task (CPU seconds of one thread; target: reach "
-            "stock TRL's final exact match in <= 0.75 of its training time)"
-        )
-        tables.append(title + "\n" + learning.table(results["learning"]))
+        if results["learning"]["runs"]:
+            title = (
+                "Held-out exact match against training time on the demo task (CPU seconds of one thread; target: "
+                "reach stock TRL's final exact match in <= 0.75 of its training time)"
+            )
+            tables.append(title + "\n" + learning.table(results["learning"]))
+        if len(results["learning"]["skip_step_times"]) == 2:
+            title = "Step time with skip_zero_advantage_rows against without (beta=0, the demo; CPU seconds, mean)"
+            tables.append(title + "\n" + learning.skip_table(results["learning"]["skip_step_times"]))
 
     for table in tables:
         print(table, end="\n\n")

@@ -12,8 +12,10 @@ the median step time, and the logged zero-spread fraction, dynamic-sampling roun
 
 Sides: stock `trl.GRPOTrainer` with the documents' objective (`loss_type="grpo"`, `beta=0.04`,
 `use_bias_correction_kl=False`), `GRPOTrainerExt` with its defaults (the same objective), with `dynamic_sampling`,
-and with `beta=0` plus `skip_zero_advantage_rows`. `skip_step_times` times `beta=0` with and without skipping on
-shorter runs without evaluation (the step time of skipping at the measured zero-spread fraction).
+and with `beta=0` plus `skip_zero_advantage_rows`. Then `beta=0` without and with skipping trains shorter runs
+without evaluation (`skip_steps`), timed per step in two parts: TRL's generation and scoring, and the rest (the
+training forward and backward, which skipping shortens, and the optimizer): the step time of skipping at the measured
+zero-spread fraction.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ def train_and_evaluate(side: str, seed: int, steps: int, eval_every: int, eval_s
     )
     curve: list[tuple[int, float, float, float]] = []  # (step, training CPU s, training wall s, exact match)
     step_times: list[float] = []  # CPU seconds
+    generation_times: list[float] = []  # CPU seconds of each step spent in TRL's generation and scoring
 
     class Clock(TrainerCallback):
         """Training time only: held-out evaluations stop the clocks."""
@@ -123,9 +126,11 @@ def train_and_evaluate(side: str, seed: int, steps: int, eval_every: int, eval_s
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.step_started = time.process_time()
+            self.generating = 0.0
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             step_times.append(time.process_time() - self.step_started)
+            generation_times.append(self.generating)
             if eval_samples and (state.global_step % eval_every == 0 or state.global_step == steps):
                 self.stop()
                 self.evaluate(state.global_step, model)
@@ -145,6 +150,16 @@ def train_and_evaluate(side: str, seed: int, steps: int, eval_every: int, eval_s
         peft_config=lora,
         callbacks=[clock],
     )
+    generate = trainer._generate_and_score_completions
+
+    def timed_generation(inputs):  # generation, rewards, old and reference log-probs (with dynamic sampling: rounds)
+        started = time.process_time()
+        try:
+            return generate(inputs)
+        finally:
+            clock.generating += time.process_time() - started
+
+    trainer._generate_and_score_completions = timed_generation
     try:
         trainer.train()
     finally:
@@ -162,6 +177,7 @@ def train_and_evaluate(side: str, seed: int, steps: int, eval_every: int, eval_s
         "training_cpu_s": clock.cpu,
         "training_wall_s": clock.wall,
         "step_times": step_times,
+        "generation_times": generation_times,
         "logged": logged,
     }
 
@@ -182,7 +198,9 @@ def _run_one(context, side: str, seed: int, steps: int, eval_every: int, eval_sa
 
 
 def _rotations(sides: tuple[str, ...], index: int) -> tuple[str, ...]:
-    return sides[index % len(sides) :] + sides[: index % len(sides)]  # no side always first (machine drift)
+    """`sides` rotated by `index` places: no side always first (the machine's speed drifts)."""
+    shift = index % len(sides) if sides else 0
+    return sides[shift:] + sides[:shift]
 
 
 def run(
@@ -223,7 +241,7 @@ def run(
         "sides": {side: SIDES[side] for side in (*sides, "ext_beta0")},
         "runs": runs,
         "skip_runs": skip,
-        **summary(runs, sides),
+        **(summary(runs, sides) if runs else {}),
         "skip_step_times": skip_summary(skip),
     }
 
@@ -264,13 +282,18 @@ def summary(runs: list[dict], sides) -> dict:
 
 
 def skip_summary(runs: list[dict]) -> dict:
-    """Median step time (CPU s) of `beta=0` without and with skipping, and what skipping left out."""
+    """Mean step time (CPU s) of `beta=0` without and with skipping, split into TRL's generation and scoring and the
+    rest (the training forward and backward, the optimizer), and what skipping left out."""
     rows = {}
     for side in ("ext_beta0", "ext_beta0_skip"):
         side_runs = [run for run in runs if run["side"] == side]
         if side_runs:
+            steps = [t for run in side_runs for t in run["step_times"]]
+            generation = [t for run in side_runs for t in run["generation_times"]]
             rows[side] = {
-                "step_time_median_cpu_s": statistics.median(t for run in side_runs for t in run["step_times"]),
+                "step_time_mean_cpu_s": statistics.mean(steps),
+                "generation_mean_cpu_s": statistics.mean(generation),
+                "rest_mean_cpu_s": statistics.mean(steps) - statistics.mean(generation),
                 "logged": _logged(side_runs),
             }
     return rows
@@ -319,24 +342,30 @@ def table(results: dict) -> str:
                 _value(logged, "skipped_rows/fraction"),
             ]
         )
-    text = format_table(headers, rows)
-    skip = results.get("skip_step_times") or {}
-    if len(skip) == 2:
-        without = skip["ext_beta0"]
-        text += "\n\n" + format_table(
-            ["beta=0", "step CPU s (median)", "zero-std", "skipped", "/ without"],
+    return format_table(headers, rows)
+
+
+def skip_table(skip: dict) -> str:
+    """`beta=0` without and with `skip_zero_advantage_rows`: mean step time and its two parts."""
+    without = skip["ext_beta0"]
+    rows = []
+
+    def against(row: dict, key: str) -> str:
+        return f"{row[key]:.3f} ({row[key] / without[key]:.2f})"
+
+    for name, row in (("without skipping", without), ("skip_zero_advantage_rows", skip["ext_beta0_skip"])):
+        rows.append(
             [
-                [
-                    name,
-                    f"{row['step_time_median_cpu_s']:.3f}",
-                    _value(row["logged"], "frac_reward_zero_std"),
-                    _value(row["logged"], "skipped_rows/fraction"),
-                    f"{row['step_time_median_cpu_s'] / without['step_time_median_cpu_s']:.2f}",
-                ]
-                for name, row in (("without skipping", without), ("skip_zero_advantage_rows", skip["ext_beta0_skip"]))
-            ],
+                name,
+                against(row, "step_time_mean_cpu_s"),
+                f"{row['generation_mean_cpu_s']:.3f}",
+                against(row, "rest_mean_cpu_s"),
+                _value(row["logged"], "frac_reward_zero_std"),
+                _value(row["logged"], "skipped_rows/fraction"),
+            ]
         )
-    return text
+    headers = ["beta=0", "step CPU s (/ without)", "generation", "training (/ without)", "zero-std", "skipped"]
+    return format_table(headers, rows)
 
 
 def _value(logged: dict, name: str) -> str:
@@ -345,4 +374,5 @@ def _value(logged: dict, name: str) -> str:
 
 if __name__ == "__main__":  # a quick look: python -m benchmarks.learning
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    print(table(run(seeds=(0,), steps=12, eval_every=6, eval_samples=32, skip_steps=6)))
+    quick = run(seeds=(0,), steps=12, eval_every=6, eval_samples=32, skip_steps=6)
+    print(table(quick) + "\n\n" + skip_table(quick["skip_step_times"]))

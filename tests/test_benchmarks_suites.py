@@ -114,3 +114,23 @@ def test_the_learning_summary_times_each_side_to_stock_trl_s_final_exact_match()
     assert skip["step_time_median_cpu_s"] == 3.0
     text = learning.table({**results, "skip_step_times": {}})
     assert "CPU s to 0.700" in text and "(1/2)" in text
+
+
+def test_the_skipping_step_times_split_generation_from_training():
+    from benchmarks import learning
+
+    runs = [
+        {"side": "ext_beta0", "step_times": [1.0, 3.0], "generation_times": [0.5, 1.5], "logged": {}},
+        {"side": "ext_beta0_skip", "step_times": [0.8, 2.8], "generation_times": [0.5, 1.5], "logged": {}},
+    ]
+    skip = learning.skip_summary(runs)
+    assert skip["ext_beta0"]["rest_mean_cpu_s"] == pytest.approx(1.0)
+    assert skip["ext_beta0_skip"]["rest_mean_cpu_s"] == pytest.approx(0.8)
+    assert "0.800 (0.80)" in learning.skip_table(skip)
+
+
+def test_the_learning_benchmark_rotates_its_sides_and_runs_with_none():
+    from benchmarks import learning
+
+    assert learning._rotations(("a", "b", "c"), 4) == ("b", "c", "a")
+    assert learning._rotations((), 1) == ()
