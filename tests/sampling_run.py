@@ -105,7 +105,11 @@ def train(output_dir, model_path, reward, **overrides) -> dict:
         trainer.train()
     except RuntimeError as raised:
         error = str(raised)
-    return {"log_history": trainer.state.log_history, "error": error, **trainer.records}
+    engine = {
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "processes": trainer.accelerator.num_processes,
+    }
+    return {"log_history": trainer.state.log_history, "error": error, "engine": engine, **trainer.records}
 
 
 def main() -> None:

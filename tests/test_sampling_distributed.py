@@ -17,7 +17,11 @@ def engine_run(request, tiny_model_path, tmp_path_factory) -> str:
     output_dir = str(tmp_path_factory.mktemp(request.param))
     phases = "dynamic,skip-whole,skip,disagree"  # "disagree" ends training with an error: last
     launch(ENGINES[request.param], [SAMPLING_RUN, output_dir, tiny_model_path, "--phases", phases])
-    return output_dir
+    return output_dir, request.param
+
+
+# The engine accelerate must really run (a CPU launch can silently fall back to independent processes).
+ACTIVE_ENGINE = {"ddp": "MULTI_CPU", "fsdp2": "FSDP", "zero3": "DEEPSPEED"}
 
 
 def training_logs(rank: dict) -> list[dict]:
@@ -30,8 +34,11 @@ def reward_constant_on_some_prompts(prompt: str, completion: str) -> float:  # t
 
 @pytest.mark.slow
 def test_processes_keep_the_same_groups_train_as_many_micro_batches_and_log_alike(engine_run):
+    engine_run, engine = engine_run
     ranks = phase_results(engine_run, "dynamic")
     assert all(rank["error"] is None for rank in ranks)
+    for rank in ranks:
+        assert rank["engine"]["processes"] == 2 and rank["engine"]["distributed_type"].endswith(ACTIVE_ENGINE[engine])
     assert training_logs(ranks[0]) == training_logs(ranks[1])
     assert ranks[0]["micro_batches"] == ranks[1]["micro_batches"] == 8
     logs = [entry for entry in training_logs(ranks[0]) if "dynamic_sampling/rounds" in entry]
@@ -54,6 +61,7 @@ def test_processes_keep_the_same_groups_train_as_many_micro_batches_and_log_alik
 
 @pytest.mark.slow
 def test_a_process_that_skips_every_row_trains_in_step_with_the_other(engine_run):
+    engine_run, _ = engine_run
     whole, skipped = phase_results(engine_run, "skip-whole"), phase_results(engine_run, "skip")
     assert skipped[1]["forward_rows"] == [1] * 8  # rank 1's rewards are all equal: one carrier row per micro-batch
     assert whole[1]["forward_rows"] == [4] * 8
@@ -69,6 +77,7 @@ def test_a_process_that_skips_every_row_trains_in_step_with_the_other(engine_run
 
 @pytest.mark.slow
 def test_processes_that_decide_differently_raise_an_error_naming_it_instead_of_waiting(engine_run):
+    engine_run, _ = engine_run
     ranks = phase_results(engine_run, "disagree")
     for rank in ranks:
         assert rank["error"] is not None and "different keep/drop decisions" in rank["error"]
