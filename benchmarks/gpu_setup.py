@@ -49,7 +49,7 @@ ALPHABET = "abcdefghij="
 # A random model puts ~1/vocab of its mass on <eos>: completions would all run to the length limit, and the
 # per-sequence normalisation would go untested. A 10x larger <eos> embedding row ends about half of them earlier.
 EOS_SCALE = 10.0
-# The documents' objective, spelled out for stock TRL (GRPOConfigExt's defaults).
+# DeepSeekMath's GRPO objective, spelled out for stock TRL (GRPOConfigExt's defaults).
 STOCK_EQUIVALENT = dict(loss_type="grpo", beta=0.04, epsilon=0.2, use_bias_correction_kl=False)
 
 

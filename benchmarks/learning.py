@@ -10,7 +10,7 @@ whatever else the machine runs) and the wall time. Reported per side, over the s
 match, the training time, the time at which each seed first reached the target (stock TRL's mean final exact match),
 the median step time, and the logged zero-spread fraction, dynamic-sampling rounds and share of rows skipped.
 
-Sides: stock `trl.GRPOTrainer` with the documents' objective (`loss_type="grpo"`, `beta=0.04`,
+Sides: stock `trl.GRPOTrainer` with DeepSeekMath's GRPO objective (`loss_type="grpo"`, `beta=0.04`,
 `use_bias_correction_kl=False`), `GRPOTrainerExt` with its defaults (the same objective), with `dynamic_sampling`,
 and with `beta=0` plus `skip_zero_advantage_rows`. Then `beta=0` without and with skipping trains shorter runs
 without evaluation (`skip_steps`), timed per step in two parts: TRL's generation and scoring, and the rest (the

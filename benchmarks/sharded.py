@@ -173,7 +173,7 @@ def _count_a_reward(completions, **kwargs) -> list[float]:
 
 def _worker(engine: str, run_dir: str, model_path: str) -> None:
     """One process of an engine's launch: a clean run, then one whose last process has a NaN loss in `NAN_STEP`."""
-    from trl_grpo_ext.recipes.cpu_engines import enable_sharded_engines_on_cpu
+    from trl_grpo_ext.testing import enable_sharded_engines_on_cpu
 
     on_cpu = enable_sharded_engines_on_cpu() is not None  # without CUDA: the CPU smoke test
     from datasets import Dataset

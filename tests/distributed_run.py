@@ -30,7 +30,7 @@ import traceback
 # `benchmarks` (below) is not installed: it is imported from this checkout, which a script's sys.path lacks.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trl_grpo_ext.recipes.cpu_engines import enable_sharded_engines_on_cpu
+from trl_grpo_ext.testing import enable_sharded_engines_on_cpu
 
 # Before anything creates accelerate's state: an FSDP or DeepSpeed launch on CPU processes shards for real.
 ENGINE = enable_sharded_engines_on_cpu()
@@ -307,7 +307,7 @@ def run_recipe(output_dir) -> dict:
     args += ["--per_device_train_batch_size", "16", "--logging_steps", "1", "--save_steps", "2", "--eval_samples", "8"]
     args += ["--report_to", "none", "--use_cpu", str(ENGINE != "deepspeed").lower()]
     try:
-        held_out = recipe.main(*recipe.make_parser().parse_args_and_config(args=args))
+        held_out = recipe.main(*recipe.parse_args(args))
     finally:
         trl_grpo_ext.GRPOTrainerExt = GRPOTrainerExt
     return {"held_out": held_out, "engine": engine_proof(built[0])}

@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-from trl_grpo_ext.recipes.cpu_engines import enable_sharded_engines_on_cpu
+from trl_grpo_ext.testing import enable_sharded_engines_on_cpu
 
 ENGINE = enable_sharded_engines_on_cpu()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,7 +27,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt  # noqa: E402
-from trl_grpo_ext import dynamic_sampling as sampling_module  # noqa: E402
+from trl_grpo_ext.sampling import dynamic as sampling_module  # noqa: E402
 
 CONSTANT_PROMPTS = ("xyz=", "qq=")
 RANK = int(os.environ.get("RANK", "0"))

@@ -8,7 +8,7 @@ from transformers import TrainerControl, TrainerState, TrainingArguments
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.guardrails import ALARM_FIELDS, AnomalyMonitor
 from trl_grpo_ext.guardrails.alarms import DEFAULT_THRESHOLDS, pearson
-from trl_grpo_ext.health import assess
+from trl_grpo_ext.report.health import assess
 
 
 def fired_at(stream, name, **thresholds):

@@ -4,14 +4,16 @@ import ast
 import importlib
 import inspect
 import pathlib
+import re
 
 import pytest
 import torch
+import trl
 from helpers import count_a_reward, tiny_grpo_args
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-from trl_grpo_ext._compat import FORWARD_KEYS, TRL_COPIES
+from trl_grpo_ext._compat import CALLED_METHODS, FORWARD_KEYS, OVERRIDDEN_HOOKS, TRL_ATTRIBUTES, TRL_COPIES
 
 TESTS = pathlib.Path(__file__).parent
 
@@ -38,6 +40,54 @@ def test_every_recorded_copy_names_a_live_object_and_the_test_that_pins_it():
         source = (TESTS.parent / path.split(" ")[0]).read_text()
         if function:
             assert f"def {function}(" in source, test
+
+
+@pytest.fixture(scope="module")
+def stock_trainer(tiny_model_path, tiny_tokenizer, tmp_path_factory):
+    """A stock `trl.GRPOTrainer` as built for a training run (nothing is trained)."""
+    from datasets import Dataset
+
+    args = GRPOConfig(**tiny_grpo_args(tmp_path_factory.mktemp("stock")))
+    dataset = Dataset.from_dict({"prompt": ["abc="] * 8})
+    return GRPOTrainer(tiny_model_path, count_a_reward, args, dataset, processing_class=tiny_tokenizer)
+
+
+def test_the_trainer_overrides_exactly_the_pinned_hooks_of_trl():
+    """Every method of `GRPOTrainerExt` that TRL (or transformers' Trainer) also has is a pinned hook, each defined in
+    `GRPOTrainerExt` itself: no other class of the package sits between it and TRL."""
+    assert GRPOTrainerExt.__bases__ == (GRPOTrainer,)
+    overridden = {
+        name
+        for name, value in vars(GRPOTrainerExt).items()
+        if callable(value) and hasattr(GRPOTrainer, name) and name != "__init__"
+    }
+    assert overridden == set(OVERRIDDEN_HOOKS)
+
+
+@pytest.mark.parametrize("name", sorted({**OVERRIDDEN_HOOKS, **CALLED_METHODS}))
+def test_every_hook_and_method_of_trl_the_package_uses_takes_the_arguments_it_is_given(name, stock_trainer):
+    arguments = {**OVERRIDDEN_HOOKS, **CALLED_METHODS}[name]
+    signature = inspect.signature(getattr(stock_trainer, name))  # bound: without `self`
+    signature.bind(**dict.fromkeys(arguments))  # raises TypeError for a renamed or removed parameter
+
+
+@pytest.mark.parametrize("name", TRL_ATTRIBUTES)
+def test_every_attribute_of_trl_the_package_reads_is_set_by_trl(name, stock_trainer):
+    assert hasattr(stock_trainer, name), f"trl.GRPOTrainer {trl.__version__} has no attribute {name!r}"
+
+
+def test_the_pinned_attributes_are_all_the_private_ones_the_package_reads():
+    """A private attribute of the trainer that some module of the package reads is in `TRL_ATTRIBUTES`, unless the
+    package sets it itself."""
+    package = TESTS.parent / "trl_grpo_ext"
+    sources = "\n".join(path.read_text() for path in package.rglob("*.py"))
+    read = set(re.findall(r"\btrainer\._([a-z][a-z0-9_]*)\b", sources))
+    read |= set(re.findall(r"\bself\._([a-z][a-z0-9_]*)\b", (package / "trainer.py").read_text()))
+    ours = set(re.findall(r"\bself\._([a-z][a-z0-9_]*)\s*(?::[^=]*)?=", (package / "trainer.py").read_text()))
+    methods = {name.lstrip("_") for name in vars(GRPOTrainerExt)} | {name.lstrip("_") for name in CALLED_METHODS}
+    trl_private = {name for name in read - ours - methods if not callable(getattr(GRPOTrainer, f"_{name}", None))}
+    assert {"logs", "metrics", "step", "buffered_inputs"} <= trl_private  # what the scan must find, at least
+    assert {f"_{name}" for name in trl_private} <= set(TRL_ATTRIBUTES)
 
 
 def test_the_forwarded_model_inputs_are_trl_s():

@@ -11,9 +11,9 @@ from helpers import HELDOUT_OPTIONS, count_a_reward, heldout_dataset, letter_a_m
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-from trl_grpo_ext import heldout as heldout_module
-from trl_grpo_ext.heldout import heldout_records, pass_at_k, pool_heldout_records
-from trl_grpo_ext.sampling import SamplingSettings, generate_completions
+from trl_grpo_ext.sampling import heldout as heldout_module
+from trl_grpo_ext.sampling.generation import SamplingSettings, generate_completions
+from trl_grpo_ext.sampling.heldout import heldout_records, pass_at_k, pool_heldout_records
 
 SETTINGS = SamplingSettings(max_completion_length=6)
 

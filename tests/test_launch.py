@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 from helpers import REPO, launch
 
-from trl_grpo_ext.launch import check_launch, launched_processes
+from trl_grpo_ext.guardrails.launch import check_launch, launched_processes
 
 
 def accelerator(num_processes, distributed_type="NO"):
@@ -54,7 +54,7 @@ from datasets import Dataset
 from helpers import count_a_reward, tiny_grpo_args
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-from trl_grpo_ext.launch import check_launch
+from trl_grpo_ext.guardrails.launch import check_launch
 
 output_dir, model_path, use_cpu = sys.argv[1:]
 trainer = GRPOTrainerExt(

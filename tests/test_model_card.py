@@ -14,10 +14,11 @@ from transformers.training_args import OptimizerNames
 from trl import GRPOConfig
 from trl.trainer.utils import generate_model_card
 
-from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt, model_card
-from trl_grpo_ext.health import assess
-from trl_grpo_ext.model_card import CARD_CONFIG_FIELDS, build_model_card, final_metrics
+from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+from trl_grpo_ext.card import builder as model_card
+from trl_grpo_ext.card.builder import CARD_CONFIG_FIELDS, build_model_card, final_metrics
 from trl_grpo_ext.report import build_report_figure, missing_panels, plot_training_report
+from trl_grpo_ext.report.health import assess
 
 HISTORY = [
     {"loss": 0.1, "reward": 0.2, "kl": 0.01, "ratio/p05": 0.9, "ratio/p50": 1.0, "ratio/p95": 1.1, "step": 1},
@@ -162,7 +163,7 @@ def test_the_card_lists_the_alarms_raised_or_says_there_were_none():
     assert "No alarm was raised" in card(alarms=[]) and "## Training health" not in card()
 
 
-# The source documents' objective, as the card of GRPOConfigExt's defaults has always written it.
+# DeepSeekMath's GRPO objective, as the card of GRPOConfigExt's defaults has always written it.
 DOCUMENTS_OBJECTIVE = """```
 r_it = exp(logp_it - old_logp_it)
 S_it = min(r_it * A_i, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i)

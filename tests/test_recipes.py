@@ -12,6 +12,7 @@ import yaml
 from helpers import free_port
 
 from trl_grpo_ext.recipes import grpo as recipe
+from trl_grpo_ext.recipes.arguments import resume_checkpoint
 from trl_grpo_ext.recipes.demo import DEMO_DIR
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,35 +130,35 @@ def make_checkpoints(output_dir, *steps):
 @pytest.mark.parametrize("value", [None, False, "", "false", "False", "FALSE", "no", "No", "0", "f", "n"])
 def test_resume_from_checkpoint_false_starts_fresh(tmp_path, value):
     make_checkpoints(tmp_path, 2)
-    assert recipe.resolve_resume_from_checkpoint(value, str(tmp_path)) is None
+    assert resume_checkpoint(value, str(tmp_path)) is None
 
 
 @pytest.mark.parametrize("value", [True, "true", "True", "TRUE", "yes", "Yes", "1", "t", "y", "last"])
 def test_resume_from_checkpoint_true_picks_the_last_checkpoint(tmp_path, value):
     make_checkpoints(tmp_path, 2, 10, 4)
-    assert recipe.resolve_resume_from_checkpoint(value, str(tmp_path)) == str(tmp_path / "checkpoint-10")
+    assert resume_checkpoint(value, str(tmp_path)) == str(tmp_path / "checkpoint-10")
 
 
 def test_resume_from_checkpoint_path_is_that_checkpoint(tmp_path):
     make_checkpoints(tmp_path, 2, 4)
     path = str(tmp_path / "checkpoint-2")
-    assert recipe.resolve_resume_from_checkpoint(path, str(tmp_path / "elsewhere")) == path
+    assert resume_checkpoint(path, str(tmp_path / "elsewhere")) == path
 
 
 def test_resume_from_checkpoint_true_without_a_checkpoint_names_the_folder(tmp_path):
     # As Trainer.train(resume_from_checkpoint=True) does: an error, not a fresh start; a missing folder too.
     for output_dir in (tmp_path, tmp_path / "missing"):
         with pytest.raises(ValueError, match=f"no checkpoint-<step> folder in output_dir '{output_dir}'"):
-            recipe.resolve_resume_from_checkpoint("true", str(output_dir))
+            resume_checkpoint("true", str(output_dir))
 
 
 def test_resume_from_checkpoint_wrong_path_names_the_path(tmp_path):
     missing = str(tmp_path / "checkpoint-7")
-    with pytest.raises(ValueError, match=f"no checkpoint folder at '{missing}'"):
-        recipe.resolve_resume_from_checkpoint(missing, str(tmp_path))
+    with pytest.raises(ValueError, match=f"'{missing}' is not a checkpoint folder"):
+        resume_checkpoint(missing, str(tmp_path))
     (tmp_path / "not-a-checkpoint").mkdir()
     with pytest.raises(ValueError, match="not-a-checkpoint' is not a checkpoint folder"):
-        recipe.resolve_resume_from_checkpoint(str(tmp_path / "not-a-checkpoint"), str(tmp_path))
+        resume_checkpoint(str(tmp_path / "not-a-checkpoint"), str(tmp_path))
 
 
 def test_a_run_with_resume_from_checkpoint_false_starts_fresh(tmp_path):
@@ -181,14 +182,14 @@ def test_accelerate_configs_load(config):
 @pytest.mark.slow
 def test_demo_run_leaves_a_hub_ready_output_folder(tmp_path):
     output_dir = tmp_path / "demo"
-    result, _ = run_recipe(demo_args(output_dir, "--eval_k", "2", "--eval_every_steps", "2"))
+    result, _ = run_recipe(demo_args(output_dir, "--heldout_num_generations", "2", "--heldout_every_steps", "2"))
 
     names = {"heldout/exact_match/mean@2", "heldout/exact_match/pass@2"}
     assert set(result["before"]) == set(result["after"]) == names
     assert all(0.0 <= value <= 1.0 for value in result["after"].values())
     with open(output_dir / "checkpoint-4" / "trainer_state.json") as handle:
         logged = [entry for entry in json.load(handle)["log_history"] if names <= set(entry)]
-    assert [entry["step"] for entry in logged] == [2, 4]  # eval_every_steps, during training
+    assert [entry["step"] for entry in logged] == [2, 4]  # heldout_every_steps, during training
     files = set(os.listdir(output_dir))
     assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json"} <= files
     assert {"README.md", "report.png", "runs", "checkpoint-2", "checkpoint-4"} <= files
@@ -311,26 +312,6 @@ def test_demo_recipe_under_accelerate_launch_with_two_cpu_processes(tmp_path):
     assert (tmp_path / "ddp" / "README.md").is_file()
 
 
-def test_eval_k_and_eval_every_steps_set_the_trainers_held_out_fields():
-    script_args, training_args, _ = recipe.parse_args(
-        ["--config", DEMO_CONFIG, "--eval_samples", "8", "--eval_k", "4", "--eval_every_steps", "50"]
-    )
-    recipe.apply_eval_fields(script_args, training_args)
-    assert (training_args.heldout_num_generations, training_args.heldout_every_steps) == (4, 50)
-    default_args, default_training_args, _ = recipe.parse_args(["--config", DEMO_CONFIG])
-    assert (default_args.eval_k, default_args.eval_every_steps) == (1, 0)  # before and after training only
-
-
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--eval_samples", "0", "--eval_k", "4"], "need eval_samples > 0"),
-        (["--eval_samples", "8", "--eval_k", "0"], "eval_k must be >= 1"),
-        (["--eval_samples", "8", "--eval_k", "4", "--heldout_num_generations", "2"], "disagree: set eval_k only"),
-        (["--eval_samples", "8", "--eval_k", "2", "--heldout_pass_at", "4"], "needs eval_k >= 4"),
-    ],
-)
-def test_held_out_fields_that_disagree_are_refused(flags, message):
-    args = ["--config", DEMO_CONFIG, *flags]
-    with pytest.raises(ValueError, match=message):
-        recipe.apply_eval_fields(*recipe.parse_args(args)[:2])
+def test_held_out_settings_without_held_out_prompts_are_refused_before_anything_loads():
+    with pytest.raises(ValueError, match="heldout_every_steps=5 needs eval_samples > 0"):
+        recipe.main(*recipe.parse_args(["--config", DEMO_CONFIG, "--eval_samples", "0", "--heldout_every_steps", "5"]))

@@ -7,8 +7,8 @@ from helpers import count_a_reward, tiny_grpo_args
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt, cli
-from trl_grpo_ext.health import SIGNALS, assess
-from trl_grpo_ext.run_report import find_trainer_state
+from trl_grpo_ext.report.command import find_trainer_state
+from trl_grpo_ext.report.health import SIGNALS, assess
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -15,7 +15,7 @@ from transformers import TrainerCallback, set_seed
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-from trl_grpo_ext.sampling_plan import (
+from trl_grpo_ext.sampling.plan import (
     PromptStream,
     fill_slots,
     group_placement,
@@ -236,7 +236,7 @@ def test_a_plain_trl_config_and_the_default_do_not_sample_dynamically(
             train_dataset=prompt_dataset,
             processing_class=tiny_tokenizer,
         )
-        assert not trainer._dynamic_sampling
+        assert trainer._dynamic_sampler is None
 
 
 def test_an_iterable_dataset_or_no_extra_round_is_refused(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
@@ -406,14 +406,14 @@ def test_the_checkpoint_of_a_non_finite_stop_holds_the_prompt_stream_of_the_step
         def _compute_loss(self, model, inputs):
             loss = super()._compute_loss(model, inputs)
             if self.state.global_step + 1 == 3:
-                drawn["during"] = self._prompt_stream.state_dict()  # after step 3's generation drew
+                drawn["during"] = self._dynamic_sampler.stream.state_dict()  # after step 3's generation drew
                 loss = loss * math.nan
             return loss
 
     class AtStepStart(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             if state.global_step == 2:
-                drawn["start"] = trainer._prompt_stream.state_dict()
+                drawn["start"] = trainer._dynamic_sampler.stream.state_dict()
 
     set_seed(0)
     trainer = NanAtStep3(

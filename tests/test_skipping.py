@@ -18,7 +18,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext import trainer as trainer_module
 from trl_grpo_ext.ops import LOSS_TYPES, policy_objective
-from trl_grpo_ext.skipping import ZeroAdvantageRowSkipping
+from trl_grpo_ext.sampling.skipping import ZeroAdvantageRowSkipping
 
 RTOL, ATOL = 1e-5, 1e-6
 # Logged the same with and without skipping (entropy and ratio/* describe the trained rows only).

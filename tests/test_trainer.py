@@ -1,4 +1,4 @@
-"""`GRPOTrainerExt` against stock TRL with the documents' objective, and its LoRA behaviour (other TRL options:
+"""`GRPOTrainerExt` against stock TRL with DeepSeekMath's GRPO objective, and its LoRA behaviour (other TRL options:
 `test_variants.py`)."""
 
 import gc

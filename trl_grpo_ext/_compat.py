@@ -39,7 +39,10 @@ from typing import Any
 from packaging.version import Version
 
 __all__ = [
+    "CALLED_METHODS",
     "FORWARD_KEYS",
+    "OVERRIDDEN_HOOKS",
+    "TRL_ATTRIBUTES",
     "SUPPORTED_TRL",
     "TRL_COPIES",
     "OPTIONS_ADDED",
@@ -64,6 +67,92 @@ FORWARD_KEYS = (
     "image_position_ids",
 )
 
+#: Every hook of TRL's `GRPOTrainer` (and transformers' `Trainer`) that `GRPOTrainerExt` overrides, each in
+#: `trainer.py` only, with the arguments it is called with (by name). `tests/test_drift.py` binds them to the installed
+#: TRL's signatures, so a release that renames or reshapes one fails a fast test rather than a slow one.
+OVERRIDDEN_HOOKS = {
+    "_compute_loss": ("model", "inputs"),
+    "_generate_and_score_completions": ("inputs",),
+    "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
+    "log": ("logs", "start_time"),
+    "training_step": ("model", "inputs", "num_items_in_batch"),
+    "_get_grad_norm": ("model", "grad_norm"),
+    "_save_checkpoint": ("model", "trial"),
+    "_get_output_dir": ("trial",),
+    "_push_from_checkpoint": ("checkpoint_folder",),
+    "_load_optimizer_and_scheduler": ("checkpoint",),
+    "evaluate": ("eval_dataset", "ignore_keys", "metric_key_prefix"),
+    "create_model_card": ("model_name", "dataset_name", "tags"),
+}
+
+#: TRL methods the package calls, with the arguments it passes (by name; pinned like `OVERRIDDEN_HOOKS`).
+CALLED_METHODS = {
+    "_get_per_token_logps_and_entropies": (
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+        "compute_entropy",
+        "compute_aux_loss",
+        *FORWARD_KEYS,
+    ),
+    "_remove_unused_columns": ("dataset", "description"),
+    "get_off_policy_mask": (
+        "advantages",
+        "per_token_logps",
+        "sampling_per_token_logps",
+        "mask",
+        "off_policy_threshold",
+    ),
+    "get_high_entropy_mask": ("entropies", "mask", "threshold"),
+    "get_gamma_weights": (
+        "advantages",
+        "log_ratio_per_token",
+        "mask",
+        "importance_sampling_ratio",
+        "k_pos",
+        "lambda_pos",
+        "k_neg",
+        "lambda_neg",
+    ),
+}
+
+#: Attributes of a built `GRPOTrainer` that the package reads (or, for TRL's state, writes): TRL's private state
+#: first, then the options TRL resolves in `__init__`. `tests/test_drift.py` checks each on a stock trainer.
+TRL_ATTRIBUTES = (
+    "_metrics",
+    "_logs",
+    "_step",
+    "_buffered_inputs",
+    "_entropy_bonus_enabled",
+    "_entropy_window_stats",
+    "_last_world_entropy",
+    "epsilon_low",
+    "epsilon_high",
+    "loss_type",
+    "beta",
+    "importance_sampling_level",
+    "use_vllm",
+    "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_min",
+    "vllm_importance_sampling_clip_max",
+    "num_generations",
+    "num_generations_eval",
+    "reward_weights",
+    "reward_func_names",
+    "scale_rewards",
+    "multi_objective_aggregation",
+    "aux_loss_enabled",
+    "entropy_coef",
+    "use_adaptive_entropy",
+    "top_entropy_quantile",
+    "off_policy_mask_threshold",
+    "max_completion_length",
+    "shuffle_dataset",
+    "pad_to_multiple_of",
+)
+
 #: Every piece of TRL code this package reproduces because TRL offers no hook for it: where it lives here, TRL's
 #: file and function, and the test that compares its behaviour with TRL's own (a TRL release that changes the
 #: original fails that test).
@@ -75,7 +164,7 @@ TRL_COPIES = (
         "tests/test_drift.py::test_the_forwarded_model_inputs_are_trl_s",
     ),
     (
-        "trl_grpo_ext.objective_inputs.EntropyBonusMixin._entropy_bonus",
+        "trl_grpo_ext.objective_inputs.entropy_bonus",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._compute_loss (entropy bonus and adaptive entropy controller)",
         "tests/test_drift.py::test_the_entropy_bonus_is_trl_s",
     ),
@@ -90,25 +179,25 @@ TRL_COPIES = (
         "tests/test_drift.py::test_the_sampler_mismatch_bounds_are_trl_s",
     ),
     (
-        "trl_grpo_ext.sampling_plan.trl_advantages",
+        "trl_grpo_ext.sampling.plan.trl_advantages",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (advantages from the gathered "
         "rewards: group, batch or no scaling, sum_then_normalize or normalize_then_sum)",
         "tests/test_sampling.py::test_advantages_and_reward_metrics_of_a_batch_are_trl_s",
     ),
     (
-        "trl_grpo_ext.sampling_plan.trl_reward_metrics",
+        "trl_grpo_ext.sampling.plan.trl_reward_metrics",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (reward, reward_std, "
         "frac_reward_zero_std, rewards/<name>/mean and std)",
         "tests/test_sampling.py::test_advantages_and_reward_metrics_of_a_batch_are_trl_s",
     ),
     (
-        "trl_grpo_ext.sampling.sample_batch",
+        "trl_grpo_ext.sampling.generation.sample_batch",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (tokenise prompts, generate with "
         "the training sampling settings, decode)",
         "tests/test_evaluation.py::test_sampling_settings_build_the_generation_config_trl_trains_with",
     ),
     (
-        "trl_grpo_ext.card_trl.trl_card_tags",
+        "trl_grpo_ext.card.stock.trl_card_tags",
         "trl/trainer/base_trainer.py: BaseTrainer.create_model_card (the tags added at run time: unsloth, hf_jobs, "
         "trackio:<url>)",
         "tests/test_model_card.py::test_the_card_keeps_every_tag_and_heading_of_stock_trl_s_card",

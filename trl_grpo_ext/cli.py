@@ -18,7 +18,7 @@ COMMANDS = {
         "the offline demo on a tiny shipped model (CPU, no network, ~2 minutes) into ./runs/tiny-demo",
     ),
     "report": (
-        "run_report",
+        "report.command",
         "report.png and a health summary (one verdict per signal) of a GRPO run's folder: RUN_DIR",
     ),
     "slurm": (

@@ -1,8 +1,8 @@
-"""`GRPOConfigExt`: TRL's `GRPOConfig` with the source documents' defaults."""
+"""`GRPOConfigExt`: TRL's `GRPOConfig` with the defaults of DeepSeekMath's GRPO objective."""
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from dataclasses import dataclass, field
 
 import transformers
@@ -11,25 +11,26 @@ from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
 from ._compat import check_transformers_version, check_trl_version
-from .guardrails.alarms import DEFAULT_THRESHOLDS
+from .guardrails.alarms import ALARMS
 from .guardrails.nonfinite import NONFINITE_POLICIES
 from .objective_inputs import fused_kernel_problems
 from .ops import IMPLEMENTATIONS, hyperparameter_problems
+from .ops.validation import kernel_refusal
 
 check_trl_version(trl.__version__)
 check_transformers_version(transformers.__version__)
 
-__all__ = ["GRPOConfigExt"]
+__all__ = ["GRPOConfigExt", "config_problems", "option", "validate_config"]
 
 
 @dataclass
 class GRPOConfigExt(GRPOConfig):
-    """Configuration for [`GRPOTrainerExt`]: a [`trl.GRPOConfig`] whose defaults give the documents' GRPO objective.
+    """Configuration for [`GRPOTrainerExt`]: a [`trl.GRPOConfig`] whose defaults give DeepSeekMath's GRPO objective.
 
     Defaults that differ from TRL 1.16:
 
     - `beta=0.04` (TRL: 0.0): the KL penalty to the reference model is on, as in the DeepSeekMath paper.
-    - `loss_type="grpo"` (TRL: "dapo"): per-sequence length normalisation, the documents' objective (every other TRL
+    - `loss_type="grpo"` (TRL: "dapo"): per-sequence length normalisation, DeepSeekMath's objective (every other TRL
       loss type is honoured as TRL computes it).
     - `use_bias_correction_kl=False` (TRL: True): the KL estimator is `exp(d) - d - 1`, not multiplied by the
       importance ratio.
@@ -53,15 +54,16 @@ class GRPOConfigExt(GRPOConfig):
     loss_type: str = field(
         default="grpo",
         metadata={
-            "help": "Loss aggregation. 'grpo' (average the tokens of each completion, then the completions) is the "
-            "documents' objective; 'dapo', 'dr_grpo', 'bnpo', 'cispo', 'sapo', 'luspo' and 'vespo' are computed as "
-            "TRL computes them (trl_grpo_ext.ops.policy_objective)."
+            "help": "Loss aggregation. 'grpo' (average the tokens of each completion, then the completions) is "
+            "DeepSeekMath's GRPO objective; 'dapo', 'dr_grpo', 'bnpo', 'cispo', 'sapo', 'luspo' and 'vespo' are "
+            "computed as TRL computes them (trl_grpo_ext.ops.policy_objective); a loss type of one's own: "
+            "trl_grpo_ext.ops.register_loss_type."
         },
     )
     use_bias_correction_kl: bool = field(
         default=False,
         metadata={
-            "help": "Multiply the per-token KL by the importance ratio (TRL's default). Not part of the documents' "
+            "help": "Multiply the per-token KL by the importance ratio (TRL's default). Not part of DeepSeekMath's "
             "objective, whose KL estimator is exp(d) - d - 1; honoured as TRL does when True."
         },
     )
@@ -212,85 +214,19 @@ class GRPOConfigExt(GRPOConfig):
             "switches that alarm off."
         },
     )
-    warn_zero_std_fraction: float | None = field(
-        default=DEFAULT_THRESHOLDS["warn_zero_std_fraction"],
-        metadata={
-            "help": "Alarm zero_std: at least this share of completions is in groups with equal rewards "
-            "(frac_reward_zero_std): no learning signal from them. In (0, 1]."
-        },
-    )
-    warn_no_spread_steps: int | None = field(
-        default=DEFAULT_THRESHOLDS["warn_no_spread_steps"],
-        metadata={
-            "help": "Alarm no_spread: every group has equal rewards for this many log steps in a row (nothing is "
-            "learned); the warning says whether truncation (completions/clipped_ratio) is the cause. >= 1."
-        },
-    )
-    warn_truncated_fraction: float | None = field(
-        default=DEFAULT_THRESHOLDS["warn_truncated_fraction"],
-        metadata={
-            "help": "Alarm truncation: at least this share of completions reached max_completion_length without "
-            "an end-of-sequence token (TRL's completions/clipped_ratio). In (0, 1]."
-        },
-    )
-    warn_clip_fraction: float | None = field(
-        default=DEFAULT_THRESHOLDS["warn_clip_fraction"],
-        metadata={
-            "help": "Alarm clip_fraction: clip_ratio/region_mean stays above this for warn_patience log steps. "
-            "In (0, 1]."
-        },
-    )
-    warn_ratio_p95: float | None = field(
-        default=DEFAULT_THRESHOLDS["warn_ratio_p95"],
-        metadata={"help": "Alarm ratio_p95: the 95th percentile of the importance ratio exceeds this. > 1."},
-    )
-    warn_ratio_max: float | None = field(
-        default=DEFAULT_THRESHOLDS["warn_ratio_max"],
-        metadata={"help": "Alarm ratio_max: the largest importance ratio exceeds this. > 1."},
-    )
-    warn_kl_jump: float | None = field(
-        default=DEFAULT_THRESHOLDS["warn_kl_jump"],
-        metadata={
-            "help": "Alarm kl_jump: kl exceeds this factor times the median of its previous 10 logged values "
-            "(judged once 5 are there; a median below 0.01 counts as 0.01). > 1."
-        },
-    )
-    warn_entropy_collapse: float | None = field(
-        default=DEFAULT_THRESHOLDS["warn_entropy_collapse"],
-        metadata={
-            "help": "Alarm entropy_collapse: entropy falls below this fraction of the mean of its first 3 logged "
-            "values. In (0, 1)."
-        },
-    )
-    warn_grad_norm_spike: float | None = field(
-        default=DEFAULT_THRESHOLDS["warn_grad_norm_spike"],
-        metadata={
-            "help": "Alarm grad_norm_spike: grad_norm exceeds this factor times the median of its previous 20 "
-            "logged values (judged once 5 are there; a median below 1e-3 counts as 1e-3), or is not finite. > 1."
-        },
-    )
-    warn_length_drift_corr: float | None = field(
-        default=DEFAULT_THRESHOLDS["warn_length_drift_corr"],
-        metadata={
-            "help": "Alarm length_drift: over the last 10 log steps (judged from 6) the reward rose, "
-            "completions/mean_length changed by at least a fifth, and the two correlate at least this much (absolute "
-            "Pearson correlation). In (0, 1]."
-        },
-    )
-    warn_length_group_corr: float | None = field(
-        default=DEFAULT_THRESHOLDS["warn_length_group_corr"],
-        metadata={
-            "help": "Alarm length_in_group: inside groups, completion length and reward correlate at least this "
-            "much (reward_length_corr/within_group, logged with log_diagnostics). In (0, 1]."
-        },
-    )
-    warn_heldout_drop: float | None = field(
-        default=DEFAULT_THRESHOLDS["warn_heldout_drop"],
-        metadata={
-            "help": "Alarm reward_vs_heldout: a logged held-out metric (heldout/<metric>/mean@<k>) falls by this "
-            "fraction of its best value while the training reward is above its level at that best. > 0."
-        },
-    )
+    # One field per alarm: default, range and help are its record's (`guardrails.alarms.ALARMS`).
+    warn_zero_std_fraction: float | None = ALARMS["zero_std"].config_field()
+    warn_no_spread_steps: int | None = ALARMS["no_spread"].config_field()
+    warn_truncated_fraction: float | None = ALARMS["truncation"].config_field()
+    warn_clip_fraction: float | None = ALARMS["clip_fraction"].config_field()
+    warn_ratio_p95: float | None = ALARMS["ratio_p95"].config_field()
+    warn_ratio_max: float | None = ALARMS["ratio_max"].config_field()
+    warn_kl_jump: float | None = ALARMS["kl_jump"].config_field()
+    warn_entropy_collapse: float | None = ALARMS["entropy_collapse"].config_field()
+    warn_grad_norm_spike: float | None = ALARMS["grad_norm_spike"].config_field()
+    warn_length_drift_corr: float | None = ALARMS["length_drift"].config_field()
+    warn_length_group_corr: float | None = ALARMS["length_in_group"].config_field()
+    warn_heldout_drop: float | None = ALARMS["reward_vs_heldout"].config_field()
     warn_patience: int = field(
         default=3, metadata={"help": "Consecutive log steps a high clip fraction must last before its alarm. >= 1."}
     )
@@ -299,77 +235,82 @@ class GRPOConfigExt(GRPOConfig):
         if self.bf16 is None:
             self.bf16 = not self.fp16 and not self.use_cpu and is_torch_bf16_gpu_available()
         self.ratio_quantiles = [float(q) for q in self.ratio_quantiles]
-        bad = [q for q in self.ratio_quantiles if not 0.0 <= q <= 1.0]
-        if bad:
-            raise ValueError(f"`ratio_quantiles` must lie in [0, 1], got {bad}.")
-        if self.loss_implementation not in IMPLEMENTATIONS:
-            raise ValueError(
-                f"`loss_implementation` must be one of {IMPLEMENTATIONS}, got {self.loss_implementation!r}."
-            )
-        if self.nonfinite_policy not in NONFINITE_POLICIES:
-            raise ValueError(f"`nonfinite_policy` must be one of {NONFINITE_POLICIES}, got {self.nonfinite_policy!r}.")
-        if self.dynamic_sampling_max_rounds < 1:
-            raise ValueError(
-                f"`dynamic_sampling_max_rounds` must be >= 1 (extra generation rounds), got "
-                f"{self.dynamic_sampling_max_rounds}; set dynamic_sampling=False to generate once."
-            )
-        if self.max_nonfinite_skips < 0:
-            raise ValueError(f"`max_nonfinite_skips` must be >= 0, got {self.max_nonfinite_skips}.")
-        problems = _threshold_problems(self)
-        if problems:
-            raise ValueError(" ".join(problems))
-        for name in ("heldout_every_steps", "heldout_num_generations", "heldout_batch_size"):
-            minimum = 0 if name == "heldout_every_steps" else 1
-            if getattr(self, name) < minimum:
-                raise ValueError(f"`{name}` must be >= {minimum}, got {getattr(self, name)}.")
-        if self.heldout_pass_at is not None:  # k <= heldout_num_generations is checked by the trainer
+        if self.heldout_pass_at is not None:
             self.heldout_pass_at = [int(k) for k in self.heldout_pass_at]
-            if not self.heldout_pass_at or min(self.heldout_pass_at) < 1:
-                raise ValueError(f"`heldout_pass_at` must list values >= 1, got {self.heldout_pass_at}.")
-        problems = hyperparameter_problems(self.epsilon, self.epsilon_high, self.beta, self.delta)
+        problems = config_problems(self)  # before TRL's own checks, which load nothing either
         if problems:
             raise ValueError(" ".join(problems))
         super().__post_init__()
-        outside = fused_kernel_problems(self) if self.loss_implementation in ("fused", "compiled") else []
-        if outside:
-            raise ValueError(
-                f"loss_implementation={self.loss_implementation!r} cannot compute this objective: the fused kernel "
-                + "; ".join(outside)
-                + ". Use 'auto' (the kernel wherever it applies) or 'reference'."
-            )
+        validate_config(self, only_after_trl=True)
 
 
-# field -> (lowest, highest, whether the lowest is allowed, whether the highest is allowed, the range in words)
-_THRESHOLD_RANGES = {
-    "warn_zero_std_fraction": (0.0, 1.0, False, True, "in (0, 1]"),
-    "warn_no_spread_steps": (1, math.inf, True, False, ">= 1"),
-    "warn_truncated_fraction": (0.0, 1.0, False, True, "in (0, 1]"),
-    "warn_clip_fraction": (0.0, 1.0, False, True, "in (0, 1]"),
-    "warn_ratio_p95": (1.0, math.inf, False, False, "> 1"),
-    "warn_ratio_max": (1.0, math.inf, False, False, "> 1"),
-    "warn_kl_jump": (1.0, math.inf, False, False, "> 1"),
-    "warn_entropy_collapse": (0.0, 1.0, False, False, "in (0, 1)"),
-    "warn_grad_norm_spike": (1.0, math.inf, False, False, "> 1"),
-    "warn_length_drift_corr": (0.0, 1.0, False, True, "in (0, 1]"),
-    "warn_length_group_corr": (0.0, 1.0, False, True, "in (0, 1]"),
-    "warn_heldout_drop": (0.0, math.inf, False, False, "> 0"),
+#: `GRPOConfigExt`'s own fields and their defaults (what a plain `trl.GRPOConfig`, which lacks them, runs with).
+_DEFAULTS = {
+    name: spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+    for name, spec in GRPOConfigExt.__dataclass_fields__.items()
 }
 
 
-def _threshold_problems(args) -> list[str]:
-    """One sentence per alarm threshold out of its range (`None` switches an alarm off and is always fine)."""
+def option(args, name: str):
+    """`args.<name>`, or `GRPOConfigExt`'s default for a configuration without that field (a plain `trl.GRPOConfig`).
+
+    Raises:
+        AttributeError: for a name that is neither a field of `args` nor one of `GRPOConfigExt`.
+    """
+    if hasattr(args, name):
+        return getattr(args, name)
+    if name not in _DEFAULTS:
+        raise AttributeError(f"{type(args).__name__} has no field {name!r}, and GRPOConfigExt neither.")
+    return _DEFAULTS[name]
+
+
+def _at_least(args, name: str, minimum: int) -> str | None:
+    value = option(args, name)
+    return f"`{name}` must be >= {minimum}, got {value}." if value < minimum else None
+
+
+def config_problems(args, *, only_after_trl: bool = False) -> list[str]:
+    """Every reason why the configuration `args` (a `GRPOConfigExt` or a plain `trl.GRPOConfig`) cannot train, one
+    sentence each (empty: none). The one validation of a configuration: `GRPOConfigExt.__post_init__` and
+    `GRPOTrainerExt.__init__` (for a plain `trl.GRPOConfig`, or one changed after construction) both call it.
+
+    Args:
+        only_after_trl (`bool`): only the checks that need the fields `trl.GRPOConfig.__post_init__` resolves
+            (the loss kernel's domain); without it, every other check.
+    """
+    if only_after_trl:
+        implementation = option(args, "loss_implementation")
+        outside = fused_kernel_problems(args) if implementation in ("fused", "compiled") else []
+        return [kernel_refusal(implementation, outside, "loss_implementation")] if outside else []
     problems = []
-    for name, (low, high, low_ok, high_ok, words) in _THRESHOLD_RANGES.items():
-        value = getattr(args, name)
-        if value is None:
-            continue
-        inside = (low <= value if low_ok else low < value) and (value <= high if high_ok else value < high)
-        if not inside:
-            problems.append(f"`{name}` must be {words} (or None to switch its alarm off), got {value}.")
-    if args.warn_no_spread_steps is not None and args.warn_no_spread_steps != int(args.warn_no_spread_steps):
-        problems.append(
-            f"`warn_no_spread_steps` must be a whole number of log steps, got {args.warn_no_spread_steps}."
+    quantiles = option(args, "ratio_quantiles")
+    if any(not 0.0 <= q <= 1.0 for q in quantiles):
+        problems.append(f"`ratio_quantiles` must lie in [0, 1], got {[q for q in quantiles if not 0.0 <= q <= 1.0]}.")
+    for name, choices in (("loss_implementation", IMPLEMENTATIONS), ("nonfinite_policy", NONFINITE_POLICIES)):
+        if option(args, name) not in choices:
+            problems.append(f"`{name}` must be one of {choices}, got {option(args, name)!r}.")
+    problems += [
+        problem
+        for problem in (
+            _at_least(args, "dynamic_sampling_max_rounds", 1),
+            _at_least(args, "max_nonfinite_skips", 0),
+            _at_least(args, "warn_patience", 1),
+            _at_least(args, "heldout_every_steps", 0),
+            _at_least(args, "heldout_num_generations", 1),
+            _at_least(args, "heldout_batch_size", 1),
+            *(alarm.problem(option(args, alarm.field)) for alarm in ALARMS.values()),
         )
-    if args.warn_patience < 1:
-        problems.append(f"`warn_patience` must be >= 1, got {args.warn_patience}.")
+        if problem is not None
+    ]
+    pass_at = option(args, "heldout_pass_at")
+    if pass_at is not None and (not pass_at or min(pass_at) < 1):  # k <= heldout_num_generations: the trainer's
+        problems.append(f"`heldout_pass_at` must list values >= 1, got {pass_at}.")
+    problems += hyperparameter_problems(args.epsilon, args.epsilon_high, args.beta, args.delta)
     return problems
+
+
+def validate_config(args, *, only_after_trl: bool = False) -> None:
+    """Raise `ValueError` with every problem `config_problems` finds (see there)."""
+    problems = config_problems(args, only_after_trl=only_after_trl)
+    if problems:
+        raise ValueError(" ".join(problems))

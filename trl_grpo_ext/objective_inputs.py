@@ -4,7 +4,7 @@
 units (`ObjectiveInputs`): the per-token weights that TRL computes with its own helpers (`get_off_policy_mask`,
 `get_high_entropy_mask`, `get_gamma_weights`, the vLLM importance-sampling ratio of the generation batch), the divisor
 of the window-level aggregations, and the scales that put the loss in the units TRL backpropagates. It also holds
-TRL's entropy bonus with its adaptive controller (`EntropyBonusMixin`), which TRL offers no hook for: a copy
+TRL's entropy bonus with its adaptive controller (`entropy_bonus`), which TRL offers no hook for: a copy
 recorded in `_compat.TRL_COPIES` and pinned by `tests/test_drift.py`.
 """
 
@@ -18,7 +18,7 @@ import torch
 from .ops.fused import domain_problems
 from .ops.loss_types import LOSS_TYPES, LossType, loss_type_record
 
-__all__ = ["EntropyBonusMixin", "ObjectiveInputs", "fused_kernel_problems", "gather_objective_inputs"]
+__all__ = ["ObjectiveInputs", "entropy_bonus", "fused_kernel_problems", "gather_objective_inputs"]
 
 
 def _token_weights_in_use(args) -> bool:
@@ -157,7 +157,7 @@ def gather_objective_inputs(
         aux_loss (`torch.Tensor` or `None`): the router loss.
         mode (`str`): `"train"` or `"eval"`.
         num_rows (`int`, *optional*): the rows of the whole micro-batch when `inputs` holds only some of them
-            (`skipping.py`): `dr_grpo`'s divisor counts them all. Default: the rows of `inputs`.
+            (`sampling.skipping`): `dr_grpo`'s divisor counts them all. Default: the rows of `inputs`.
     """
     record = LOSS_TYPES[trainer.loss_type]
     mask = inputs["completion_mask"]
@@ -183,41 +183,38 @@ def gather_objective_inputs(
     )
 
 
-class EntropyBonusMixin:
-    """TRL's entropy bonus (`entropy_coef`, `use_adaptive_entropy`) for a `GRPOTrainer` subclass.
+def entropy_bonus(trainer, entropies, mask, entropy_mask, mode: str) -> tuple[float, torch.Tensor]:
+    """TRL's entropy bonus (`entropy_coef`, `use_adaptive_entropy`) of one micro-batch: `(coef, H)`, the coefficient
+    applied and the 0-dim mean entropy over the tokens the policy term acts on (the entropy mask's, when one is used);
+    the loss gets `-coef * H` (times the accumulation scale).
 
-    Copy of the entropy-bonus block of TRL 1.16's `GRPOTrainer._compute_loss` (`trl/trainer/grpo_trainer.py`), which
-    has no hook of its own. The controller's state is TRL's (`entropy_coef`, `_last_world_entropy`,
+    With the adaptive controller, the coefficient of the previous optimizer step applies (0 while the entropy
+    of the last window is above `entropy_target`); at each optimizer step the window's entropy, reduced over
+    processes, moves the coefficient by `entropy_coef_delta` within `[entropy_coef_min, entropy_coef_max]`.
+
+    Copy of the entropy-bonus block of TRL 1.16's `GRPOTrainer._compute_loss` (`trl/trainer/grpo_trainer.py`),
+    which has no hook of its own. The controller's state is TRL's (`entropy_coef`, `_last_world_entropy`,
     `_entropy_window_stats`), which TRL checkpoints.
     """
-
-    def _entropy_bonus(self, entropies, mask, entropy_mask, mode: str) -> tuple[float, torch.Tensor]:
-        """`(coef, H)`: the coefficient applied and the 0-dim mean entropy over the tokens the policy term acts on
-        (the entropy mask's, when one is used); the loss gets `-coef * H` (times the accumulation scale).
-
-        With the adaptive controller, the coefficient of the previous optimizer step applies (0 while the entropy
-        of the last window is above `entropy_target`); at each optimizer step the window's entropy, reduced over
-        processes, moves the coefficient by `entropy_coef_delta` within `[entropy_coef_min, entropy_coef_max]`.
-        """
-        effective = mask.bool() if entropy_mask is None else mask.bool() & entropy_mask.bool()
-        selected = torch.where(effective, entropies, 0.0)
-        mean_entropy = selected.sum() / effective.sum().clamp(min=1)
-        args = self.args
-        if self.use_adaptive_entropy:
-            coef = self.entropy_coef if self._last_world_entropy <= args.entropy_target else 0.0
-        else:
-            coef = self.entropy_coef
-        if self.use_adaptive_entropy and mode == "train":
-            window = torch.stack([selected.sum(), effective.sum().to(selected.dtype)]).detach()
-            stats = self._entropy_window_stats
-            self._entropy_window_stats = window if stats is None else stats + window
-            if self.accelerator.sync_gradients:  # the last micro-batch of the optimizer step
-                totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
-                world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
-                if world_entropy <= args.entropy_target:
-                    self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
-                else:
-                    self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
-                self._last_world_entropy = world_entropy
-                self._entropy_window_stats = None
-        return coef, mean_entropy
+    effective = mask.bool() if entropy_mask is None else mask.bool() & entropy_mask.bool()
+    selected = torch.where(effective, entropies, 0.0)
+    mean_entropy = selected.sum() / effective.sum().clamp(min=1)
+    args = trainer.args
+    if trainer.use_adaptive_entropy:
+        coef = trainer.entropy_coef if trainer._last_world_entropy <= args.entropy_target else 0.0
+    else:
+        coef = trainer.entropy_coef
+    if trainer.use_adaptive_entropy and mode == "train":
+        window = torch.stack([selected.sum(), effective.sum().to(selected.dtype)]).detach()
+        stats = trainer._entropy_window_stats
+        trainer._entropy_window_stats = window if stats is None else stats + window
+        if trainer.accelerator.sync_gradients:  # the last micro-batch of the optimizer step
+            totals = trainer.accelerator.reduce(trainer._entropy_window_stats, reduction="sum")
+            world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+            if world_entropy <= args.entropy_target:
+                trainer.entropy_coef = min(trainer.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+            else:
+                trainer.entropy_coef = max(trainer.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+            trainer._last_world_entropy = world_entropy
+            trainer._entropy_window_stats = None
+    return coef, mean_entropy

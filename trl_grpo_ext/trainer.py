@@ -1,25 +1,22 @@
 """`GRPOTrainerExt`: TRL's `GRPOTrainer` whose loss is this package's.
 
-Generation, rewards, advantages, reference log-probs, PEFT and distributed training are TRL's, unchanged. This
-module wires the loss and the diagnostics in; each other concern is mixed in from its own module:
+Generation, rewards, advantages, reference log-probs, PEFT and distributed training are TRL's, unchanged. Every TRL
+(and transformers `Trainer`) hook that the package overrides is overridden here, once (`_compat.OVERRIDDEN_HOOKS` pins
+their signatures against the installed TRL), and hands its concern to the helper that holds it:
 
-- `_compute_loss`: the objective's inputs from TRL's state (`objective_inputs.gather_objective_inputs`, one
-  dataclass in final units), the loss (`ops.policy_objective`), the extra terms (TRL's entropy bonus, the router
-  loss) and the per-micro-batch diagnostics sums (`diagnostics`);
-- `_calculate_rewards`: the per-group reward spread and length/reward correlation;
-  `_generate_and_score_completions`: the sampler/trainer mismatch with vLLM, with or without its importance-sampling
-  correction; `log`: the one gather of the diagnostics per log step;
-- `HeldoutEvaluationMixin` (`heldout.py`): `evaluate`, `evaluate_heldout` and the `heldout_metrics`,
-  `heldout_dataset` arguments;
-- `NonFiniteGuardMixin` (`guardrails/nonfinite.py`): `training_step`, `_get_grad_norm`;
-- `CheckpointingMixin` (`checkpointing.py`): `_save_checkpoint`, `_get_output_dir`, `_push_from_checkpoint`,
-  `_load_optimizer_and_scheduler`;
-- `ModelCardMixin` (`model_card.py`): `create_model_card`;
-- `DynamicSamplingMixin` (`dynamic_sampling.py`): with `dynamic_sampling`, `_generate_and_score_completions`
-  replaces the groups without reward spread by informative groups of fresh prompts;
-- `EntropyBonusMixin` (`objective_inputs.py`): TRL's entropy bonus and its adaptive controller;
-- `ZeroAdvantageRowSkipping` (`skipping.py`): with `skip_zero_advantage_rows`, `_compute_loss` trains only the rows
-  that can move the loss, with the whole micro-batch's denominators.
+- `_compute_loss`: the objective (`objective_inputs.gather_objective_inputs`, `ops.policy_objective`), row skipping
+  (`sampling.skipping`) and the per-micro-batch diagnostics sums (`diagnostics`);
+- `_generate_and_score_completions`: dynamic sampling (`sampling.dynamic.DynamicSampler`), the per-group reward
+  spread of the batch that trains, the sampler/trainer mismatch with vLLM (`diagnostics.mismatch`);
+- `_calculate_rewards`: the rewards and completion lengths of the batch just scored;
+- `log`: the one gather of the diagnostics per log step;
+- `training_step`, `_get_grad_norm`: the non-finite guard (`guardrails.nonfinite.NonFiniteStepGuard`);
+- `_save_checkpoint`, `_get_output_dir`, `_push_from_checkpoint`, `_load_optimizer_and_scheduler`: crash-safe
+  checkpoints and exact resume (`checkpointing.Checkpoints`);
+- `evaluate`: held-out evaluation (`sampling.heldout.HeldoutEvaluator`);
+- `create_model_card`: the model card and `report.png` (`card.builder.write_model_card`).
+
+The state that a resumed run needs is registered by name with `Checkpoints.register`, once, here.
 """
 
 from __future__ import annotations
@@ -31,23 +28,24 @@ from typing import Any
 import torch
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import get_callable_name, get_config_model_id, is_async_callable
+from trl.trainer.utils import get_config_model_id
 
 from ._compat import FORWARD_KEYS, options_missing_from_trl, seed_before_model_init
-from .card_config import user_lora_settings
-from .checkpointing import CheckpointingMixin
-from .config import GRPOConfigExt
+from .card.builder import write_model_card
+from .card.fields import user_lora_settings
+from .checkpointing import Checkpoints
+from .config import GRPOConfigExt, config_problems, option
 from .diagnostics import DiagnosticsAccumulator
 from .diagnostics.loggers import write_histograms
 from .diagnostics.mismatch import sampler_mismatch, trainer_logps, truncation_warning
-from .dynamic_sampling import DynamicSamplingMixin
-from .guardrails import AnomalyMonitor, GuardedAsyncReward, GuardedReward, NonFiniteGuardMixin
-from .heldout import HeldoutEvaluationMixin
-from .launch import check_launch
-from .model_card import ModelCardMixin
-from .objective_inputs import EntropyBonusMixin, fused_kernel_problems, gather_objective_inputs
-from .ops import LOSS_TYPES, hyperparameter_problems, policy_objective
-from .skipping import ZeroAdvantageRowSkipping, skipping_problems
+from .guardrails import AnomalyMonitor, NonFiniteGuard, NonFiniteStepGuard
+from .guardrails.launch import check_launch
+from .guardrails.reward_errors import guard_reward_funcs
+from .objective_inputs import entropy_bonus, gather_objective_inputs
+from .ops import LOSS_TYPES, policy_objective
+from .sampling.dynamic import DynamicSampler, ScoredBatch
+from .sampling.heldout import HeldoutEvaluator
+from .sampling.skipping import ZeroAdvantageRowSkipping, skipping_problems
 
 logger = logging.get_logger(__name__)
 
@@ -56,20 +54,12 @@ __all__ = ["GRPOTrainerExt"]
 _TRL_PARAMETERS = list(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # without `self`
 
 
-class GRPOTrainerExt(
-    HeldoutEvaluationMixin,
-    ModelCardMixin,
-    DynamicSamplingMixin,
-    NonFiniteGuardMixin,
-    CheckpointingMixin,
-    EntropyBonusMixin,
-    GRPOTrainer,
-):
-    """[`trl.GRPOTrainer`] whose loss is this package's: the documents' GRPO objective by default, every TRL option
+class GRPOTrainerExt(GRPOTrainer):
+    """[`trl.GRPOTrainer`] whose loss is this package's: DeepSeekMath's GRPO objective by default, every TRL option
     honoured.
 
     Takes the same arguments as `trl.GRPOTrainer`, by position or by name. `args` defaults to a [`GRPOConfigExt`]
-    (the documents' objective); with a plain `trl.GRPOConfig`, or any TRL option set (every `loss_type`,
+    (DeepSeekMath's objective); with a plain `trl.GRPOConfig`, or any TRL option set (every `loss_type`,
     sequence-level importance sampling, `delta`, entropy masking and bonus, off-policy masking, the KL bias
     correction, vLLM's importance-sampling correction, the Mixture-of-Experts router loss, batch reward scaling,
     normalise-then-sum), it trains step for step like stock TRL. With `peft_config=LoraConfig(...)` only the adapter
@@ -79,20 +69,37 @@ class GRPOTrainerExt(
     sampler/trainer mismatch with vLLM), keeps non-finite updates off the weights, warns about anomalies, names
     failing reward functions, writes crash-safe checkpoints that resume exactly, and writes a model card with a
     training report. With `heldout_metrics=[...]` (and `heldout_dataset`, or `eval_dataset`) it evaluates held-out
-    prompts with k sampled completions each, independently of the reward (`heldout.HeldoutEvaluationMixin`). Opt-in
+    prompts with k sampled completions each, independently of the reward (`sampling.heldout`). Opt-in
     (`GRPOConfigExt`): `dynamic_sampling` replaces the groups without reward spread by informative ones generated for
     fresh prompts, and `skip_zero_advantage_rows` leaves the rows that cannot move the loss out of the training
     forward, exactly.
 
+    Args:
+        heldout_metrics (callable or list of callables, *optional*): metric functions with the reward-function
+            signature, evaluated on held-out prompts (`heldout_*` fields of [`GRPOConfigExt`]).
+        heldout_dataset (`datasets.Dataset`, *optional*): the held-out prompts; default: `eval_dataset`.
+        Every other argument is `trl.GRPOTrainer`'s.
+
     Raises:
-        ValueError: at construction, for invalid `epsilon`/`epsilon_high`/`beta`, a `loss_implementation` that
-            cannot compute the configured objective, an option the installed TRL lacks, an empty training set, or
-            one without a `prompt` column.
+        ValueError: at construction, for an invalid configuration (`config.config_problems`: `epsilon`,
+            `epsilon_high`, `beta`, a `loss_implementation` that cannot compute the configured objective, ...), an
+            option the installed TRL lacks, an empty training set, or one without a `prompt` column.
     """
 
     _tag_names = ["trl", "grpo", "trl_grpo_ext"]
+    #: Extra rows for the model card's metrics table (e.g. held-out accuracy measured by a recipe).
+    card_metrics: dict[str, float] | None = None
 
-    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *positional, **kwargs):
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: GRPOConfig | None = None,
+        *positional,
+        heldout_metrics=None,
+        heldout_dataset=None,
+        **kwargs,
+    ):
         if len(positional) > len(_TRL_PARAMETERS) - 3:
             raise TypeError(f"GRPOTrainerExt takes at most {len(_TRL_PARAMETERS)} arguments besides `self`.")
         for name, value in zip(_TRL_PARAMETERS[3:], positional, strict=False):
@@ -102,68 +109,80 @@ class GRPOTrainerExt(
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = GRPOConfigExt(f"{model_name.split('/')[-1]}-GRPO")
-        problems = hyperparameter_problems(args.epsilon, args.epsilon_high, args.beta, args.delta)
-        problems += options_missing_from_trl(args)
+        # Before any model is loaded; GRPOConfigExt checked itself too, this covers a plain trl.GRPOConfig and a
+        # configuration changed after construction.
+        problems = config_problems(args) + config_problems(args, only_after_trl=True) + options_missing_from_trl(args)
         if problems:
             raise ValueError(" ".join(problems))
         _check_train_dataset(kwargs.get("train_dataset"), kwargs.get("environment_factory"))
+        heldout = HeldoutEvaluator(args, heldout_metrics, heldout_dataset, kwargs.get("eval_dataset"))
+        if heldout.stands_in_for_eval_dataset:
+            kwargs["eval_dataset"] = heldout.dataset
         seed_before_model_init(args)
         # For the model card, before PEFT expands `target_modules="all-linear"` in the config it is given.
         self._user_lora_settings = user_lora_settings(kwargs.get("peft_config"))
-        super().__init__(model, _guard_reward_funcs(reward_funcs), args=args, **kwargs)
+        super().__init__(model, guard_reward_funcs(reward_funcs), args=args, **kwargs)
         check_launch(self.accelerator)  # processes that a launcher started but accelerate runs apart
 
-        def option(name):  # a plain trl.GRPOConfig has none of the extra fields: GRPOConfigExt's defaults then
-            return getattr(args, name, GRPOConfigExt.__dataclass_fields__[name].default)
-
         self._loss_type = LOSS_TYPES[self.loss_type]
-        self._loss_implementation = option("loss_implementation")
-        if self._loss_implementation in ("fused", "compiled") and fused_kernel_problems(args):
-            raise ValueError(  # GRPOConfigExt checks this too; here for configs changed after construction
-                f"loss_implementation={self._loss_implementation!r} cannot compute this objective: the fused kernel "
-                + "; ".join(fused_kernel_problems(args))
-                + ". Use 'auto' (the kernel wherever it applies) or 'reference'."
+        self._loss_implementation = option(args, "loss_implementation")
+        self._row_skipping = self._build_row_skipping(option(args, "skip_zero_advantage_rows"))
+        self._diagnostics = {mode: self._build_diagnostics(mode) for mode in ("train", "eval")}
+        if truncation_warning(args):
+            warnings.warn(truncation_warning(args), UserWarning, stacklevel=2)
+        self._scored: ScoredBatch | None = None  # the rewards of the generation batch scored last
+
+        self._checkpoints = Checkpoints(self)
+        self._nonfinite_guard = NonFiniteGuard(option(args, "nonfinite_policy"), option(args, "max_nonfinite_skips"))
+        self._checkpoints.register("nonfinite_guard", self._nonfinite_guard)
+        self._nonfinite_steps = NonFiniteStepGuard(self, self._nonfinite_guard, self._checkpoints)
+        self._dynamic_sampler = None
+        if option(args, "dynamic_sampling"):
+            rounds = option(args, "dynamic_sampling_max_rounds")
+            self._dynamic_sampler = DynamicSampler(self, rounds, last_scored=lambda: self._scored)
+            self._checkpoints.register("prompt_stream", self._dynamic_sampler.stream, rewind=True)
+        self._heldout = heldout
+        heldout.attach(self)
+        if option(args, "warn_on_anomalies"):
+            # First in line, so that the loggers and the console after it see the `alarms/<name>` counts it adds.
+            self.callback_handler.callbacks.insert(0, AnomalyMonitor.from_config(args))
+
+    def _build_row_skipping(self, enabled: bool) -> ZeroAdvantageRowSkipping | None:
+        if not enabled:
+            return None
+        problems = skipping_problems(self)
+        if problems:
+            logger.warning(
+                "skip_zero_advantage_rows=True does nothing in this run: leaving zero-advantage rows out would "
+                "change the gradient, because " + "; ".join(problems) + "."
             )
+            return None
+        return ZeroAdvantageRowSkipping(self.importance_sampling_level)
+
+    def _build_diagnostics(self, mode: str) -> DiagnosticsAccumulator:
         loss_terms = ("policy", "kl_penalty")
         loss_terms += ("entropy_bonus",) if self._entropy_bonus_enabled else ()
         loss_terms += ("router",) if self.aux_loss_enabled else ()
         extra_metrics = ("policy_loss",) if self._entropy_bonus_enabled else ()  # TRL logs it with a bonus only
         extra_metrics += ("aux_loss",) if self.aux_loss_enabled else ()
         extra_metrics += self._loss_type.extra_metrics
-        self._row_skipping = None
-        if option("skip_zero_advantage_rows"):
-            problems = skipping_problems(self)
-            if problems:
-                logger.warning(
-                    "skip_zero_advantage_rows=True does nothing in this run: leaving zero-advantage rows out would "
-                    "change the gradient, because " + "; ".join(problems) + "."
-                )
-            else:
-                self._row_skipping = ZeroAdvantageRowSkipping(self.importance_sampling_level)
-        skipping_metrics = ("skipped_rows/fraction",) if self._row_skipping is not None else ()
-        self._diagnostics = {
-            mode: DiagnosticsAccumulator(
-                ratio_stats=option("log_diagnostics"),
-                quantiles=getattr(args, "ratio_quantiles", None),
-                histograms=option("log_histograms"),
-                clip_metrics=self._loss_type.clip_metrics,
-                loss_terms=loss_terms,
-                extra_metrics=extra_metrics + (skipping_metrics if mode == "train" else ()),
-                sampler_mismatch=self.use_vllm and option("log_sampler_mismatch"),
-            )
-            for mode in ("train", "eval")
-        }
-        if truncation_warning(args):
-            warnings.warn(truncation_warning(args), UserWarning, stacklevel=2)
-        self._init_nonfinite_guard(option("nonfinite_policy"), option("max_nonfinite_skips"))
-        self._init_dynamic_sampling(option("dynamic_sampling"), option("dynamic_sampling_max_rounds"))
-        if option("warn_on_anomalies"):
-            # First in line, so that the loggers and the console after it see the `alarms/<name>` counts it adds.
-            self.callback_handler.callbacks.insert(0, AnomalyMonitor.from_config(args))
+        if mode == "train" and self._row_skipping is not None:
+            extra_metrics += ("skipped_rows/fraction",)
+        return DiagnosticsAccumulator(
+            ratio_stats=option(self.args, "log_diagnostics"),
+            quantiles=option(self.args, "ratio_quantiles"),
+            histograms=option(self.args, "log_histograms"),
+            clip_metrics=self._loss_type.clip_metrics,
+            loss_terms=loss_terms,
+            extra_metrics=extra_metrics,
+            sampler_mismatch=self.use_vllm and option(self.args, "log_sampler_mismatch"),
+        )
+
+    # The objective
 
     def _compute_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
         mode = "train" if self.model.training else "eval"
-        selection = None  # with skip_zero_advantage_rows: only the rows that can move the loss (skipping.py)
+        selection = None  # with skip_zero_advantage_rows: only the rows that can move the loss (sampling.skipping)
         if mode == "train" and self._row_skipping is not None:
             inputs, selection = self._row_skipping.select(inputs)
         logps, entropies, aux_loss = self._policy_logps_and_entropies(model, inputs)
@@ -202,7 +221,7 @@ class GRPOTrainerExt(
         if self._entropy_bonus_enabled:
             # As TRL logs it: the policy loss before the bonus and before any division by the accumulation steps.
             extras["policy_loss"] = (out.loss.detach() / objective.loss_scale, 1)
-            coef, mean_entropy = self._entropy_bonus(entropies, objective.mask, objective.entropy_mask, mode)
+            coef, mean_entropy = entropy_bonus(self, entropies, objective.mask, objective.entropy_mask, mode)
             loss = loss - coef * mean_entropy * scale
             terms["entropy_bonus"] = -coef * mean_entropy.detach() * scale
             if mode == "train" and self.accelerator.sync_gradients:
@@ -234,9 +253,16 @@ class GRPOTrainerExt(
             **{key: inputs.get(key) for key in FORWARD_KEYS},
         )
 
+    # Generation and rewards
+
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
+        stock = super()._generate_and_score_completions
+        if self._dynamic_sampler is not None and mode == "train":
+            output, scored = self._dynamic_sampler.generate(inputs, stock)
+        else:
+            output, scored = stock(inputs), self._scored
+        self._add_reward_spread(scored, mode)
         if self._diagnostics[mode].sampler_mismatch and output.get("sampling_per_token_logps") is not None:
             # TRL computes the trainer's log-probs at generation only for the correction (or misaligned steps)
             logps = trainer_logps(self, output) if "old_per_token_logps" not in output else None
@@ -252,24 +278,23 @@ class GRPOTrainerExt(
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if not self._defer_reward_spread:  # dynamic sampling adds the batch that trains once it is assembled
-            # This process's completion lengths are the rows of its slice (TRL's `process_slice`) of the rewards.
-            lengths = torch.tensor([len(ids) for ids in completion_ids_list], device=rewards_per_func.device)
-            first_row = self.accelerator.process_index * len(prompts)
-            self._add_reward_spread(rewards_per_func, "train" if self.model.training else "eval", lengths, first_row)
+        # This process's completion lengths are the rows of its slice (TRL's `process_slice`) of the rewards.
+        lengths = torch.tensor([len(ids) for ids in completion_ids_list], device=rewards_per_func.device)
+        self._scored = ScoredBatch(rewards_per_func, lengths, self.accelerator.process_index * len(prompts))
         return rewards_per_func
 
-    def _add_reward_spread(
-        self, rewards_per_func: torch.Tensor, mode: str, lengths: torch.Tensor | None = None, first_row: int = 0
-    ) -> None:
-        """Feed the per-group reward spread of a generation batch (`(N, F)`, every process's rows), and with this
-        process's completion `lengths` (rows `first_row ..`) the length/reward correlation, to the diagnostics."""
+    def _add_reward_spread(self, scored: ScoredBatch, mode: str) -> None:
+        """Feed the per-group reward spread of the batch that trains, and the length/reward correlation, to the
+        diagnostics."""
         # The total reward TRL builds its advantages from; rows that no function scored stay NaN.
+        rewards_per_func = scored.rewards_per_func
         weights = self.reward_weights.to(rewards_per_func.device)
         rewards = (rewards_per_func * weights).nansum(dim=1)
         rewards = torch.where(torch.isnan(rewards_per_func).all(dim=1), torch.nan, rewards)
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        self._diagnostics[mode].add_rewards(rewards, num_generations, lengths, first_row)
+        self._diagnostics[mode].add_rewards(rewards, num_generations, scored.lengths, scored.first_row)
+
+    # Logging
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
@@ -290,6 +315,67 @@ class GRPOTrainerExt(
         if summary.histograms and self.accelerator.is_main_process:
             write_histograms(self.callback_handler, summary.histograms, mode, self.state.global_step)
 
+    # The non-finite guard
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._nonfinite_steps.record_loss(loss)
+        return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return self._nonfinite_steps.judge_step(model, super()._get_grad_norm(model, grad_norm=grad_norm))
+
+    # Checkpoints
+
+    def _save_checkpoint(self, model, trial) -> None:
+        with self._checkpoints.staged_save(trial):
+            super()._save_checkpoint(model, trial)
+
+    def _get_output_dir(self, trial) -> str:
+        return self._checkpoints.output_dir(super()._get_output_dir(trial=trial))
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if self._checkpoints.may_push():
+            super()._push_from_checkpoint(checkpoint_folder)
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        self._checkpoints.load(checkpoint)
+
+    # Held-out evaluation and the model card
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """`Trainer.evaluate`, with the held-out metrics among the returned (and logged) metrics."""
+        return self._heldout.evaluate(super().evaluate, eval_dataset, ignore_keys, metric_key_prefix)
+
+    def evaluate_heldout(self, log: bool = True) -> dict[str, float]:
+        """Run the held-out evaluation now, on every process (each samples its share of the prompts).
+
+        Args:
+            log (`bool`): also log the values as their own entry at the current step.
+
+        Returns:
+            `dict`: `heldout/<metric>/mean@<n>` and `heldout/<metric>/pass@<k>`, the same on every process.
+        """
+        return self._heldout.run(log)
+
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+        **kwargs,
+    ) -> None:
+        """Write `README.md` (a Hub model card) and `report.png` into `args.output_dir` (`card.write_model_card`)."""
+        write_model_card(
+            self,
+            model_name,
+            dataset_name,
+            tags,
+            lora_settings=self._user_lora_settings,
+            card_metrics=self.card_metrics,
+        )
+
 
 def _check_train_dataset(train_dataset, environment_factory) -> None:
     """Refuse, before any model is loaded, a training set that cannot produce a batch."""
@@ -304,19 +390,3 @@ def _check_train_dataset(train_dataset, environment_factory) -> None:
             f"`train_dataset` has no 'prompt' column (its columns are {train_dataset.column_names}); rename the "
             "column holding the prompts to 'prompt'."
         )
-
-
-def _guard_reward_funcs(reward_funcs):
-    """Wrap callable reward functions so that their errors name the function and the failing completion."""
-    if reward_funcs is None:
-        return None
-    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
-    guarded = []
-    for func in funcs:
-        if isinstance(func, (str, torch.nn.Module)) or not callable(func) or isinstance(func, GuardedReward):
-            guarded.append(func)
-        elif is_async_callable(func):
-            guarded.append(GuardedAsyncReward(func, get_callable_name(func)))
-        else:
-            guarded.append(GuardedReward(func, get_callable_name(func)))
-    return guarded

@@ -1,26 +1,29 @@
 """Guardrails of a long run, one module each:
 
 - `nonfinite`: keeps optimizer steps with a NaN or infinite loss or gradient off the weights (skip or stop);
-- `alarms`: the alarm rules, each judging one log entry at a time (used live and by `trl_grpo_ext.health`);
+- `alarms`: one record per alarm (`ALARMS`: rule, threshold field, default, range, help), each rule judging one log
+  entry at a time (used live and by `trl_grpo_ext.report.health`);
 - `anomaly`: warns, from the logged metrics, about runs that stopped learning or drift, and counts the alarms;
-- `reward_errors`: names the reward function and the completion behind an exception.
+- `reward_errors`: names the reward function and the completion behind an exception or a bad value;
+- `launch`: refuses processes that a launcher started but that would train apart.
 """
 
-from .alarms import ALARM_FIELDS, RULES
+from .alarms import ALARM_FIELDS, ALARMS, Alarm
 from .anomaly import AnomalyMonitor, Episode
-from .nonfinite import NONFINITE_POLICIES, NonFiniteGuard, NonFiniteGuardMixin, NonFiniteTrainingError, StepVerdict
+from .nonfinite import NONFINITE_POLICIES, NonFiniteGuard, NonFiniteStepGuard, NonFiniteTrainingError, StepVerdict
 from .reward_errors import GuardedAsyncReward, GuardedReward, RewardFunctionError
 
 __all__ = [
+    "ALARMS",
     "ALARM_FIELDS",
     "NONFINITE_POLICIES",
-    "RULES",
+    "Alarm",
     "AnomalyMonitor",
     "Episode",
     "GuardedAsyncReward",
     "GuardedReward",
     "NonFiniteGuard",
-    "NonFiniteGuardMixin",
+    "NonFiniteStepGuard",
     "NonFiniteTrainingError",
     "RewardFunctionError",
     "StepVerdict",

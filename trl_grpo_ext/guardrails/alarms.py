@@ -2,10 +2,10 @@
 
 An entry is what `Trainer.log` records: the dict a callback's `on_log` gets, or one item of
 `trainer_state.json`'s `log_history`. `AnomalyMonitor` (`anomaly.py`) feeds the rules live and gives each alarm
-once per episode; `trl_grpo_ext.health` feeds a finished run's history through the same rules. Each rule:
+once per episode; `trl_grpo_ext.report.health` feeds a finished run's history through the same rules. Each rule:
 
-- `name`: the alarm's name, counted as `alarms/<name>`;
-- `field`: the `GRPOConfigExt` field holding its threshold (`None` there switches the alarm off);
+- `name`, `field`: its record's (`ALARMS`: one `Alarm` per alarm, with its threshold's field, default, range and
+  help, which `GRPOConfigExt`, `AnomalyMonitor`, the report and the card read);
 - `judge(entry)`: the warning text when the condition holds, `False` when it does not, `None` when the entry does
   not tell (the metric was not logged in it: rewards are logged only at the steps that generate, for instance).
 
@@ -15,12 +15,15 @@ in order, each once.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 import re
 import statistics
 from collections.abc import Mapping
+from dataclasses import dataclass
 
-__all__ = ["ALARM_FIELDS", "DEFAULT_THRESHOLDS", "HELDOUT_KEY", "RULES", "Rule", "build_rules", "pearson"]
+__all__ = ["ALARMS", "ALARM_FIELDS", "DEFAULT_THRESHOLDS", "HELDOUT_KEY", "Alarm", "Rule", "build_rules", "pearson"]
 
 #: A held-out metric's mean over k completions per prompt (`heldout/<metric>/mean@<k>`), also with `eval_` in front.
 HELDOUT_KEY = re.compile(r"^(?:eval_)?heldout/(?P<metric>.+)/mean@(?P<k>\d+)$")
@@ -51,7 +54,8 @@ def pearson(xs: list[float], ys: list[float]) -> float | None:
 
 
 class Rule:
-    """One alarm: its name, its threshold's config field, and `judge` (see the module docstring)."""
+    """The condition of one alarm: `judge` (see the module docstring); `name` and `field` are its record's
+    (`ALARMS`)."""
 
     name: str = ""
     field: str = ""
@@ -70,7 +74,7 @@ class Rule:
 
 
 class ZeroStdRule(Rule):
-    name, field, keys = "zero_std", "warn_zero_std_fraction", ("frac_reward_zero_std",)
+    keys = ("frac_reward_zero_std",)
 
     def judge(self, entry):
         value = _number(entry, "frac_reward_zero_std")
@@ -86,7 +90,7 @@ class ZeroStdRule(Rule):
 
 
 class ClipFractionRule(Rule):
-    name, field, keys = "clip_fraction", "warn_clip_fraction", ("clip_ratio/region_mean",)
+    keys = ("clip_ratio/region_mean",)
 
     def __init__(self, threshold: float, patience: int = 3):
         super().__init__(threshold)
@@ -114,8 +118,6 @@ class RatioRule(Rule):
         super().__init__(threshold)
         self.key = key
         self.keys = (key,)
-        self.name = key.replace("/", "_")
-        self.field = f"warn_{self.name}"
 
     def judge(self, entry):
         value = entry.get(self.key)
@@ -131,7 +133,7 @@ class RatioRule(Rule):
 
 
 class KLJumpRule(Rule):
-    name, field, keys = "kl_jump", "warn_kl_jump", ("kl",)
+    keys = ("kl",)
     FLOOR = 1e-2  # a median below this counts as this: KL grows from 0 at the start of every run
     HISTORY = 10  # the previous values the median is taken over
     MIN_HISTORY = 5  # values needed before a jump can be judged
@@ -155,7 +157,7 @@ class KLJumpRule(Rule):
 
 
 class TruncationRule(Rule):
-    name, field, keys = "truncation", "warn_truncated_fraction", ("completions/clipped_ratio",)
+    keys = ("completions/clipped_ratio",)
 
     def judge(self, entry):
         value = _number(entry, "completions/clipped_ratio")
@@ -173,7 +175,7 @@ class TruncationRule(Rule):
 class NoSpreadRule(Rule):
     """No reward spread in any group for `threshold` log steps in a row; says whether truncation is the cause."""
 
-    name, field, keys = "no_spread", "warn_no_spread_steps", ("frac_reward_zero_std",)
+    keys = ("frac_reward_zero_std",)
     ALL = 1 - 1e-6  # `frac_reward_zero_std` at or above this: every group had equal rewards
     CAUSE = 0.9  # truncated share (mean over the streak) from which truncation is named as the cause
 
@@ -218,7 +220,7 @@ class NoSpreadRule(Rule):
 
 
 class EntropyCollapseRule(Rule):
-    name, field, keys = "entropy_collapse", "warn_entropy_collapse", ("entropy",)
+    keys = ("entropy",)
     BASELINE = 3  # the first logged values whose mean is the reference
 
     def __init__(self, threshold: float):
@@ -244,7 +246,7 @@ class EntropyCollapseRule(Rule):
 
 
 class GradNormSpikeRule(Rule):
-    name, field, keys = "grad_norm_spike", "warn_grad_norm_spike", ("grad_norm",)
+    keys = ("grad_norm",)
     FLOOR = 1e-3  # a median below this counts as this: steps without reward spread have next to no gradient
     HISTORY = 20
     MIN_HISTORY = 5
@@ -276,7 +278,7 @@ class GradNormSpikeRule(Rule):
 class LengthDriftRule(Rule):
     """Across log steps: the mean completion length moves in step with the rising reward."""
 
-    name, field, keys = "length_drift", "warn_length_drift_corr", ("completions/mean_length", "reward")
+    keys = ("completions/mean_length", "reward")
     WINDOW = 10  # the last log steps carrying both the reward and the length
     MIN_WINDOW = 6
     MIN_CHANGE = 0.2  # relative change of the length (mean of the window's second half over its first half)
@@ -316,7 +318,7 @@ class LengthDriftRule(Rule):
 class LengthInGroupRule(Rule):
     """Inside groups: the longer completions of a prompt score higher (GRPOTrainerExt's pooled correlation)."""
 
-    name, field, keys = "length_in_group", "warn_length_group_corr", ("reward_length_corr/within_group",)
+    keys = ("reward_length_corr/within_group",)
 
     def judge(self, entry):
         value = _number(entry, "reward_length_corr/within_group")
@@ -334,7 +336,7 @@ class LengthInGroupRule(Rule):
 class RewardVsHeldoutRule(Rule):
     """The training reward rises while a held-out metric (`heldout/<metric>/mean@<k>`) falls from its best."""
 
-    name, field, keys = "reward_vs_heldout", "warn_heldout_drop", ("heldout/<metric>/mean@<k>", "reward")
+    keys = ("heldout/<metric>/mean@<k>", "reward")
     RECENT = 3  # training rewards averaged around a held-out evaluation
 
     def __init__(self, threshold: float):
@@ -374,46 +376,243 @@ class RewardVsHeldoutRule(Rule):
         return found
 
 
-#: alarm name -> (rule class, `GRPOConfigExt` field of its threshold, the field's default), in checking order.
-RULES = {
-    "zero_std": (ZeroStdRule, "warn_zero_std_fraction", 0.9),
-    "no_spread": (NoSpreadRule, "warn_no_spread_steps", 3),
-    "truncation": (TruncationRule, "warn_truncated_fraction", 0.5),
-    "clip_fraction": (ClipFractionRule, "warn_clip_fraction", 0.2),
-    "ratio_p95": (RatioRule, "warn_ratio_p95", 1.5),
-    "ratio_max": (RatioRule, "warn_ratio_max", 100.0),
-    "kl_jump": (KLJumpRule, "warn_kl_jump", 10.0),
-    "entropy_collapse": (EntropyCollapseRule, "warn_entropy_collapse", 0.1),
-    "grad_norm_spike": (GradNormSpikeRule, "warn_grad_norm_spike", 10.0),
-    "length_drift": (LengthDriftRule, "warn_length_drift_corr", 0.9),
-    "length_in_group": (LengthInGroupRule, "warn_length_group_corr", 0.8),
-    "reward_vs_heldout": (RewardVsHeldoutRule, "warn_heldout_drop", 0.1),
+@dataclass(frozen=True)
+class Alarm:
+    """Everything about one alarm, in one place: its rule, its threshold's `GRPOConfigExt` field with its default,
+    range and help, and how the monitor, the report and the card name it.
+
+    Attributes:
+        name (`str`): counted as `alarms/<name>`.
+        rule (`type[Rule]`): the condition; built with the threshold and `rule_options`.
+        field (`str`): the `GRPOConfigExt` field of the threshold (`None` there switches the alarm off);
+            `AnomalyMonitor` takes it as a keyword without the `warn_` prefix.
+        default (`float`): the field's default.
+        low, high (`float`): the range of the threshold; `low_inclusive`, `high_inclusive` say whether the ends are in.
+        help (`str`): the field's help (what the alarm means).
+        whole (`bool`): the threshold counts log steps (a whole number).
+        rule_options (`dict`): more arguments of the rule (the metric a ratio alarm reads).
+    """
+
+    name: str
+    rule: type[Rule]
+    field: str
+    default: float
+    low: float
+    high: float
+    low_inclusive: bool
+    high_inclusive: bool
+    help: str
+    whole: bool = False
+    rule_options: Mapping = dataclasses.field(default_factory=dict)
+
+    @property
+    def keyword(self) -> str:
+        return self.field.removeprefix("warn_")
+
+    def range_text(self) -> str:
+        """The range in words: `in (0, 1]`, `> 1`, `>= 1`."""
+        if math.isinf(self.high):
+            return f"{'>=' if self.low_inclusive else '>'} {self.low:g}"
+        return (
+            f"in {'[' if self.low_inclusive else '('}{self.low:g}, {self.high:g}{']' if self.high_inclusive else ')'}"
+        )
+
+    def problem(self, value) -> str | None:
+        """The sentence that refuses `value` for this alarm's field, `None` when it is fine (`None` always is)."""
+        if value is None:
+            return None
+        inside = (self.low <= value if self.low_inclusive else self.low < value) and (
+            value <= self.high if self.high_inclusive else value < self.high
+        )
+        if not inside:
+            return f"`{self.field}` must be {self.range_text()} (or None to switch its alarm off), got {value}."
+        if self.whole and value != int(value):
+            return f"`{self.field}` must be a whole number of log steps, got {value}."
+        return None
+
+    def build(self, threshold: float, patience: int = 3) -> Rule:
+        """The rule, judging against `threshold` (`patience`: `warn_patience`, for the rules that wait)."""
+        options = dict(self.rule_options)
+        if "patience" in inspect.signature(self.rule).parameters:
+            options["patience"] = patience
+        rule = self.rule(threshold, **options)
+        rule.name, rule.field = self.name, self.field
+        return rule
+
+    def config_field(self) -> dataclasses.Field:
+        """The `GRPOConfigExt` field of the threshold: its default and help."""
+        return dataclasses.field(
+            default=self.default,
+            metadata={"help": f"{self.help} {self.range_text()[0].upper()}{self.range_text()[1:]}."},
+        )
+
+
+#: alarm name -> its record, in checking order.
+ALARMS: dict[str, Alarm] = {
+    alarm.name: alarm
+    for alarm in (
+        Alarm(
+            "zero_std",
+            ZeroStdRule,
+            "warn_zero_std_fraction",
+            0.9,
+            0.0,
+            1.0,
+            False,
+            True,
+            "Alarm zero_std: at least this share of completions is in groups with equal rewards (judged on the "
+            "groups themselves, whatever scale_rewards): no learning signal from them.",
+        ),
+        Alarm(
+            "no_spread",
+            NoSpreadRule,
+            "warn_no_spread_steps",
+            3,
+            1,
+            math.inf,
+            True,
+            False,
+            "Alarm no_spread: every group has equal rewards for this many log steps in a row (nothing is learned); "
+            "the warning says whether truncation (completions/clipped_ratio) is the cause.",
+            whole=True,
+        ),
+        Alarm(
+            "truncation",
+            TruncationRule,
+            "warn_truncated_fraction",
+            0.5,
+            0.0,
+            1.0,
+            False,
+            True,
+            "Alarm truncation: at least this share of completions reached max_completion_length without an "
+            "end-of-sequence token (TRL's completions/clipped_ratio).",
+        ),
+        Alarm(
+            "clip_fraction",
+            ClipFractionRule,
+            "warn_clip_fraction",
+            0.2,
+            0.0,
+            1.0,
+            False,
+            True,
+            "Alarm clip_fraction: clip_ratio/region_mean stays above this for warn_patience log steps.",
+        ),
+        Alarm(
+            "ratio_p95",
+            RatioRule,
+            "warn_ratio_p95",
+            1.5,
+            1.0,
+            math.inf,
+            False,
+            False,
+            "Alarm ratio_p95: the 95th percentile of the importance ratio exceeds this.",
+            rule_options={"key": "ratio/p95"},
+        ),
+        Alarm(
+            "ratio_max",
+            RatioRule,
+            "warn_ratio_max",
+            100.0,
+            1.0,
+            math.inf,
+            False,
+            False,
+            "Alarm ratio_max: the largest importance ratio exceeds this.",
+            rule_options={"key": "ratio/max"},
+        ),
+        Alarm(
+            "kl_jump",
+            KLJumpRule,
+            "warn_kl_jump",
+            10.0,
+            1.0,
+            math.inf,
+            False,
+            False,
+            "Alarm kl_jump: kl exceeds this factor times the median of its previous 10 logged values (judged once "
+            "5 are there; a median below 0.01 counts as 0.01).",
+        ),
+        Alarm(
+            "entropy_collapse",
+            EntropyCollapseRule,
+            "warn_entropy_collapse",
+            0.1,
+            0.0,
+            1.0,
+            False,
+            False,
+            "Alarm entropy_collapse: entropy falls below this fraction of the mean of its first 3 logged values.",
+        ),
+        Alarm(
+            "grad_norm_spike",
+            GradNormSpikeRule,
+            "warn_grad_norm_spike",
+            10.0,
+            1.0,
+            math.inf,
+            False,
+            False,
+            "Alarm grad_norm_spike: grad_norm exceeds this factor times the median of its previous 20 logged values "
+            "(judged once 5 are there; a median below 1e-3 counts as 1e-3), or is not finite.",
+        ),
+        Alarm(
+            "length_drift",
+            LengthDriftRule,
+            "warn_length_drift_corr",
+            0.9,
+            0.0,
+            1.0,
+            False,
+            True,
+            "Alarm length_drift: over the last 10 log steps (judged from 6) the reward rose, "
+            "completions/mean_length changed by at least a fifth, and the two correlate at least this much "
+            "(absolute Pearson correlation).",
+        ),
+        Alarm(
+            "length_in_group",
+            LengthInGroupRule,
+            "warn_length_group_corr",
+            0.8,
+            0.0,
+            1.0,
+            False,
+            True,
+            "Alarm length_in_group: inside groups, completion length and reward correlate at least this much "
+            "(reward_length_corr/within_group, logged with log_diagnostics).",
+        ),
+        Alarm(
+            "reward_vs_heldout",
+            RewardVsHeldoutRule,
+            "warn_heldout_drop",
+            0.1,
+            0.0,
+            math.inf,
+            False,
+            False,
+            "Alarm reward_vs_heldout: a logged held-out metric (heldout/<metric>/mean@<k>) falls by this fraction "
+            "of its best value while the training reward is above its level at that best.",
+        ),
+    )
 }
 #: alarm name -> its `GRPOConfigExt` field.
-ALARM_FIELDS = {name: field for name, (_, field, _) in RULES.items()}
-#: `GRPOConfigExt` field -> its default (the config's fields take theirs from here).
-DEFAULT_THRESHOLDS = {field: default for _, field, default in RULES.values()}
+ALARM_FIELDS = {name: alarm.field for name, alarm in ALARMS.items()}
+#: `GRPOConfigExt` field -> its default.
+DEFAULT_THRESHOLDS = {alarm.field: alarm.default for alarm in ALARMS.values()}
 
 
 def build_rules(thresholds: Mapping[str, float | None], patience: int = 3) -> list[Rule]:
-    """The rules whose threshold is set, in `RULES` order.
+    """The rules whose threshold is set, in `ALARMS` order.
 
     Args:
-        thresholds: alarm name (a key of `RULES`) -> threshold, `None` (or absent) to leave that alarm out.
+        thresholds: alarm name (a key of `ALARMS`) -> threshold, `None` (or absent) to leave that alarm out.
         patience: log steps in a row a high clip fraction must last (`warn_patience`).
     """
-    unknown = set(thresholds) - set(RULES)
+    unknown = set(thresholds) - set(ALARMS)
     if unknown:
-        raise ValueError(f"unknown alarms {sorted(unknown)}; known: {list(RULES)}.")
-    rules: list[Rule] = []
-    for name, (rule_class, _, _) in RULES.items():
-        threshold = thresholds.get(name)
-        if threshold is None:
-            continue
-        if rule_class is RatioRule:
-            rules.append(RatioRule(threshold, name.replace("ratio_", "ratio/")))
-        elif rule_class is ClipFractionRule:
-            rules.append(ClipFractionRule(threshold, patience))
-        else:
-            rules.append(rule_class(threshold))
-    return rules
+        raise ValueError(f"unknown alarms {sorted(unknown)}; known: {list(ALARMS)}.")
+    return [
+        alarm.build(thresholds[name], patience) for name, alarm in ALARMS.items() if thresholds.get(name) is not None
+    ]

@@ -3,7 +3,7 @@
 It warns, once per episode and naming what to change, when most groups carry no learning signal, the rewards stay
 without spread, most completions are truncated, the clip fraction stays high, the importance-ratio tail explodes,
 the KL jumps, the entropy collapses, `grad_norm` spikes, the length follows the reward, or the training reward rises
-while a held-out metric falls. The rules themselves are in `alarms.py`; `trl_grpo_ext.health` replays a finished
+while a held-out metric falls. The rules themselves are in `alarms.py`; `trl_grpo_ext.report.health` replays a finished
 run through the same ones.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from transformers import TrainerCallback
 from transformers.utils import logging
 
-from .alarms import ALARM_FIELDS, DEFAULT_THRESHOLDS, RULES, Rule, build_rules
+from .alarms import ALARMS, Rule, build_rules
 
 __all__ = ["AnomalyMonitor", "Episode"]
 
@@ -58,44 +58,19 @@ class AnomalyMonitor(TrainerCallback):
     resumed run keeps its counts and the rules their running medians.
 
     Args:
-        zero_std_fraction, no_spread_steps, truncated_fraction, clip_fraction, ratio_p95, ratio_max, kl_jump,
-        entropy_collapse, grad_norm_spike, length_drift_corr, length_group_corr, heldout_drop: the thresholds,
-            named as `GRPOConfigExt`'s `warn_*` fields without the prefix (their help says what each means);
-            `None` switches that alarm off.
         patience: log steps in a row a high clip fraction must last (`warn_patience`).
+        thresholds: one per alarm, named as `GRPOConfigExt`'s `warn_*` fields without the prefix
+            (`zero_std_fraction`, `no_spread_steps`, ..., `heldout_drop`: `alarms.ALARMS`, whose help says what each
+            means); `None` switches that alarm off, a threshold not given takes its default.
     """
 
-    def __init__(
-        self,
-        *,
-        zero_std_fraction: float | None = DEFAULT_THRESHOLDS["warn_zero_std_fraction"],
-        no_spread_steps: int | None = DEFAULT_THRESHOLDS["warn_no_spread_steps"],
-        truncated_fraction: float | None = DEFAULT_THRESHOLDS["warn_truncated_fraction"],
-        clip_fraction: float | None = DEFAULT_THRESHOLDS["warn_clip_fraction"],
-        ratio_p95: float | None = DEFAULT_THRESHOLDS["warn_ratio_p95"],
-        ratio_max: float | None = DEFAULT_THRESHOLDS["warn_ratio_max"],
-        kl_jump: float | None = DEFAULT_THRESHOLDS["warn_kl_jump"],
-        entropy_collapse: float | None = DEFAULT_THRESHOLDS["warn_entropy_collapse"],
-        grad_norm_spike: float | None = DEFAULT_THRESHOLDS["warn_grad_norm_spike"],
-        length_drift_corr: float | None = DEFAULT_THRESHOLDS["warn_length_drift_corr"],
-        length_group_corr: float | None = DEFAULT_THRESHOLDS["warn_length_group_corr"],
-        heldout_drop: float | None = DEFAULT_THRESHOLDS["warn_heldout_drop"],
-        patience: int = 3,
-    ):
-        self.thresholds = {  # alarm name -> threshold, in `RULES` order
-            "zero_std": zero_std_fraction,
-            "no_spread": no_spread_steps,
-            "truncation": truncated_fraction,
-            "clip_fraction": clip_fraction,
-            "ratio_p95": ratio_p95,
-            "ratio_max": ratio_max,
-            "kl_jump": kl_jump,
-            "entropy_collapse": entropy_collapse,
-            "grad_norm_spike": grad_norm_spike,
-            "length_drift": length_drift_corr,
-            "length_in_group": length_group_corr,
-            "reward_vs_heldout": heldout_drop,
-        }
+    def __init__(self, *, patience: int = 3, **thresholds: float | None):
+        keywords = {alarm.keyword: name for name, alarm in ALARMS.items()}
+        unknown = sorted(set(thresholds) - set(keywords))
+        if unknown:
+            raise TypeError(f"AnomalyMonitor got unknown thresholds {unknown}; known: {sorted(keywords)}.")
+        #: alarm name -> threshold, in `ALARMS` order (a threshold not given takes its field's default)
+        self.thresholds = {name: thresholds.get(alarm.keyword, alarm.default) for name, alarm in ALARMS.items()}
         if patience < 1:
             raise ValueError(f"`patience` must be >= 1, got {patience}.")
         self.patience = patience
@@ -105,11 +80,10 @@ class AnomalyMonitor(TrainerCallback):
     def from_config(cls, args) -> AnomalyMonitor:
         """The monitor that `args`' `warn_*` fields describe; a plain `trl.GRPOConfig` (which has none) gets
         `GRPOConfigExt`'s defaults."""
-        kwargs = {
-            field.removeprefix("warn_"): getattr(args, field, DEFAULT_THRESHOLDS[field])
-            for field in ALARM_FIELDS.values()
-        }
-        return cls(**kwargs, patience=getattr(args, "warn_patience", 3))
+        from ..config import option
+
+        thresholds = {alarm.keyword: option(args, alarm.field) for alarm in ALARMS.values()}
+        return cls(**thresholds, patience=option(args, "warn_patience"))
 
     def reset(self) -> None:
         """Forget every entry seen: fresh rules, no counts, no episodes."""
@@ -158,7 +132,7 @@ class AnomalyMonitor(TrainerCallback):
 
     def alarm_metrics(self) -> dict[str, int]:
         """`alarms/<name>`: how many times each alarm given so far was given (the others are left out)."""
-        return {f"alarms/{name}": self.counts[name] for name in RULES if name in self.counts}
+        return {f"alarms/{name}": self.counts[name] for name in ALARMS if name in self.counts}
 
     def replay(self, log_history: list[dict]) -> None:
         """Start afresh and feed `log_history` (a `TrainerState`'s) without warning."""

@@ -17,8 +17,8 @@ DeepSpeed engine) skips that update and lowers the scale by itself, and the guar
 A DeepSpeed engine without an overflow check (for example bf16 with `check_grad_overflow: false`) applies a
 non-finite update before the guard can see it: the guard then stops with `applied=True` and writes no checkpoint.
 
-`NonFiniteGuardMixin` gives a `GRPOTrainer` subclass the guard: it decides on each step and carries the verdict out,
-here, through Trainer's `training_step` and `_get_grad_norm` hooks.
+`NonFiniteGuard` decides on each step; `NonFiniteStepGuard` carries the verdict out for `GRPOTrainerExt`, whose
+`training_step` and `_get_grad_norm` hooks (Trainer's) call it.
 """
 
 from __future__ import annotations
@@ -27,18 +27,19 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 
-from ..checkpointing import StepStart, capture_rng
+if TYPE_CHECKING:
+    from ..checkpointing import Checkpoints
 
 __all__ = [
     "NONFINITE_POLICIES",
     "NonFiniteGuard",
-    "NonFiniteGuardMixin",
+    "NonFiniteStepGuard",
     "NonFiniteTrainingError",
     "StepVerdict",
     "report_step_skipped",
@@ -164,81 +165,53 @@ def report_step_skipped(optimizer, skipped: bool) -> None:
     optimizer._is_overflow = skipped
 
 
-class _StepStartCallback(TrainerCallback):
-    """Keeps, at the start of every optimizer step, what a checkpoint of the state before that step needs."""
+class NonFiniteStepGuard:
+    """Carries the guard's verdicts out in a `GRPOTrainer`: `GRPOTrainerExt.training_step` hands it each micro-batch's
+    loss, and `GRPOTrainerExt._get_grad_norm` the step's gradient norm before the optimizer step.
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.epoch_rng = None
-
-    def on_epoch_begin(self, args, state, control, **kwargs):
-        # Before the epoch's data-loader iterator draws from the generators: a run resumed at the start of an epoch
-        # restores them before creating that iterator, so this is the state a checkpoint of the epoch's first step
-        # must hold. Later steps are resumed after their batches were drawn, as captured at their beginning.
-        self.epoch_rng = capture_rng()
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        trainer, rng, self.epoch_rng = self.trainer, self.epoch_rng, None
-        if rng is None:
-            trainer._step_start = StepStart(trainer._step, trainer._buffered_inputs)
-        else:
-            trainer._step_start = StepStart(trainer._step, trainer._buffered_inputs, rng=rng)
-
-
-class NonFiniteGuardMixin:
-    """The non-finite guard for a `GRPOTrainer` subclass, placed before `CheckpointingMixin` in its bases (which
-    writes the checkpoint of a stop and saves the guard's counters for a resume).
-
-    Call `_init_nonfinite_guard` at the end of `__init__`.
+    Args:
+        trainer (`GRPOTrainer`): its accelerator, optimizer, state and engine are read.
+        guard (`NonFiniteGuard`): the decisions.
+        checkpoints (`Checkpoints`): writes the checkpoint of the state before a stopped step.
     """
 
-    _step_start: StepStart | None = None
+    def __init__(self, trainer, guard: NonFiniteGuard, checkpoints: Checkpoints):
+        self.trainer, self.guard, self.checkpoints = trainer, guard, checkpoints
+        if guard.policy != "off":
+            checkpoints.track_step_start()
 
-    def _init_nonfinite_guard(self, policy: str, max_consecutive_skips: int) -> None:
-        self._nonfinite_guard = NonFiniteGuard(policy, max_consecutive_skips)
-        if policy != "off":
-            self.add_callback(_StepStartCallback(self))
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """The loss that went into backward, judged at the optimizer step."""
+        self.guard.record_loss(loss)
 
-    def _resume_extras(self) -> dict:
-        return {**super()._resume_extras(), "nonfinite_guard": self._nonfinite_guard.state_dict()}
-
-    def _restore_resume_extras(self, extras: dict) -> None:
-        super()._restore_resume_extras(extras)
-        if "nonfinite_guard" in extras:
-            self._nonfinite_guard.load_state_dict(extras["nonfinite_guard"])
-
-    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self._nonfinite_guard.record_loss(loss)  # the loss that went into backward, judged at the optimizer step
-        return loss
-
-    def _get_grad_norm(self, model, grad_norm=None):
-        """Trainer's gradient norm of the step about to be taken, after the guard's verdict on it was carried out."""
-        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
-        guard = self._nonfinite_guard
+    def judge_step(self, model, grad_norm):
+        """Trainer's gradient norm of the step about to be taken, after the guard's verdict on it was carried out
+        (the update dropped, or training stopped with `NonFiniteTrainingError`)."""
+        trainer, guard = self.trainer, self.guard
+        accelerator = trainer.accelerator
         losses_finite = guard.pop_losses_finite()
         if guard.policy == "off" or grad_norm is None:
             return grad_norm
 
         def any_loss_nonfinite() -> bool:  # one collective, reached by every process alike (see `judge`)
-            flag = torch.ones((), device=self.accelerator.device) if losses_finite is None else losses_finite.float()
-            return bool(self.accelerator.reduce(1.0 - flag, reduction="sum").item() > 0)
+            flag = torch.ones((), device=accelerator.device) if losses_finite is None else losses_finite.float()
+            return bool(accelerator.reduce(1.0 - flag, reduction="sum").item() > 0)
 
-        deepspeed = self.is_deepspeed_enabled
+        deepspeed = trainer.is_deepspeed_enabled
         # The norm is global (gradients are already reduced across processes): every process decides alike.
         verdict = guard.judge(
             math.isfinite(float(grad_norm)),
-            loss_scaled=self.accelerator.scaler is not None or (deepspeed and self.args.fp16),
+            loss_scaled=accelerator.scaler is not None or (deepspeed and trainer.args.fp16),
             engine_stepped=deepspeed,
-            engine_skipped=deepspeed and self.accelerator.optimizer_step_was_skipped,
+            engine_skipped=deepspeed and accelerator.optimizer_step_was_skipped,
             any_loss_nonfinite=any_loss_nonfinite,
         )
-        own_skip_flag = not deepspeed and self.accelerator.scaler is None
+        own_skip_flag = not deepspeed and accelerator.scaler is None
         if own_skip_flag:
-            report_step_skipped(self.optimizer, verdict.action == "skip")
+            report_step_skipped(trainer.optimizer, verdict.action == "skip")
         if verdict.action in ("step", "overflow"):
             return grad_norm
-        step = self.state.global_step + 1
+        step = trainer.state.global_step + 1
         if verdict.action == "skip":
             if own_skip_flag:
                 # Optimizers leave parameters without a gradient untouched: no update, no momentum, no weight decay.
@@ -251,15 +224,15 @@ class NonFiniteGuardMixin:
             return grad_norm
         if not deepspeed:  # the engine drops the gradients itself (and its `zero_grad` takes no `set_to_none`)
             model.zero_grad(set_to_none=True)
-        self._stop_on_nonfinite_step(step, float(grad_norm), applied=verdict.applied)  # FSDP2: a DTensor
+        self._stop(step, float(grad_norm), applied=verdict.applied)  # FSDP2: a DTensor
 
-    def _stop_on_nonfinite_step(self, step: int, grad_norm: float, applied: bool) -> None:
+    def _stop(self, step: int, grad_norm: float, applied: bool) -> None:
         """Raise `NonFiniteTrainingError`, naming a checkpoint of the state before this step (written if missing)."""
-        run_dir = self._get_output_dir(trial=None)
         cause = f"Step {step}: the gradient norm is {grad_norm} (a NaN or infinite loss or gradient"
-        if self._nonfinite_guard.consecutive:
-            cause += f", {self._nonfinite_guard.consecutive} steps in a row"
+        if self.guard.consecutive:
+            cause += f", {self.guard.consecutive} steps in a row"
         if applied:
+            run_dir = self.trainer._get_output_dir(trial=None)
             last = get_last_checkpoint(run_dir) if os.path.isdir(run_dir) else None
             raise NonFiniteTrainingError(
                 f"{cause}). The DeepSpeed engine applied this update inside backward without skipping it, so the "
@@ -267,13 +240,7 @@ class NonFiniteGuardMixin:
                 'Turn the engine\'s overflow check on (bf16: "check_grad_overflow": true) so that such steps are '
                 "skipped, lower the learning rate, or check the rewards and inputs for NaN."
             )
-        checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if not os.path.isdir(checkpoint):  # an existing one holds this very state already, and is never rewritten
-            if self._step_start is not None:
-                self._step = self._step_start.step
-                self._buffered_inputs = self._step_start.buffered_inputs
-                self._step_start.restore_rng()
-            self._save_checkpoint(self.model_wrapped, trial=None)
+        checkpoint = self.checkpoints.save_state_before_step()
         raise NonFiniteTrainingError(
             f"{cause}). Training stopped before the update reached the weights; the last good state is in "
             f"{checkpoint}. Lower the learning rate, check the rewards and inputs for NaN, or set "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
-__all__ = ["GuardedAsyncReward", "GuardedReward", "RewardFunctionError"]
+__all__ = ["GuardedAsyncReward", "GuardedReward", "RewardFunctionError", "guard_reward_funcs"]
 
 
 class RewardFunctionError(RuntimeError):
@@ -72,3 +72,23 @@ class GuardedAsyncReward(GuardedReward):
                 f"Reward function '{self.__name__}' raised {type(error).__name__}: {error} on a batch of "
                 f"{len(kwargs.get('completions', []))} completions."
             ) from error
+
+
+def guard_reward_funcs(reward_funcs):
+    """`reward_funcs` (as `GRPOTrainer` takes them) with every plain or async callable wrapped, so that its errors
+    name the function and the failing completion; model ids, models and already guarded functions are kept."""
+    import torch
+    from trl.trainer.utils import get_callable_name, is_async_callable
+
+    if reward_funcs is None:
+        return None
+    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+    guarded = []
+    for func in funcs:
+        if isinstance(func, (str, torch.nn.Module)) or not callable(func) or isinstance(func, GuardedReward):
+            guarded.append(func)
+        elif is_async_callable(func):
+            guarded.append(GuardedAsyncReward(func, get_callable_name(func)))
+        else:
+            guarded.append(GuardedReward(func, get_callable_name(func)))
+    return guarded

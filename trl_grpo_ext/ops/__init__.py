@@ -1,8 +1,8 @@
 """The objective as pure tensor code (torch only: nothing here imports TRL or transformers).
 
-- `objective`: `grpo_loss` (the documents' objective) and `policy_objective` (every TRL loss type);
+- `objective`: `grpo_loss` (DeepSeekMath's GRPO objective) and `policy_objective` (every TRL loss type);
 - `terms`: the catalogue of policy terms and aggregations, each written once;
-- `loss_types`: one record per loss type;
+- `loss_types`: one record per loss type, with its formula text; `register_loss_type` adds one's own;
 - `fused`: the fused (and compiled) kernel of the clipped-surrogate rows;
 - `numerics`: the exponential continued linearly above a threshold, the `exp(d) - d - 1` estimator;
 - `validation`: the checks on inputs and hyper-parameters;
@@ -10,7 +10,7 @@
 """
 
 from .advantages import group_relative_advantages
-from .loss_types import LOSS_TYPES, LossType
+from .loss_types import LOSS_TYPES, LossType, register_loss_type, register_policy_term
 from .numerics import EXP_LINEAR_ABOVE
 from .objective import IMPLEMENTATIONS, GRPOLossOutput, grpo_loss, policy_objective
 from .validation import hyperparameter_problems
@@ -25,4 +25,6 @@ __all__ = [
     "grpo_loss",
     "hyperparameter_problems",
     "policy_objective",
+    "register_loss_type",
+    "register_policy_term",
 ]

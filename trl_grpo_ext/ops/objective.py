@@ -30,7 +30,7 @@ from .fused import domain_problems, fused_loss
 from .loss_types import loss_type_record
 from .numerics import exp_linear_above, kl_estimator
 from .terms import AGGREGATIONS, POLICY_TERMS, aggregate
-from .validation import ValidatedInputs, hyperparameter_problems, validate_inputs
+from .validation import ValidatedInputs, hyperparameter_problems, kernel_refusal, validate_inputs
 
 __all__ = ["IMPLEMENTATIONS", "GRPOLossOutput", "grpo_loss", "policy_objective"]
 
@@ -217,7 +217,7 @@ def policy_objective(
             `policy_loss` and `kl` come out in the caller's units (a trainer: divided by the accumulation steps).
         batch_rows (`int`, *optional*), batch_tokens (`float` or 0-dim `torch.Tensor`, *optional*): the rows `N` and
             completion tokens `sum_j |o_j|` of the whole micro-batch, when the rows passed are only part of it and the
-            others add exactly 0 (`trl_grpo_ext.skipping`): `sequence_mean` and `sequence_sum` divide by
+            others add exactly 0 (`trl_grpo_ext.sampling.skipping`): `sequence_mean` and `sequence_sum` divide by
             `batch_rows`, `token_mean` by `batch_tokens`, so that each row keeps its weight in the whole micro-batch.
             Default: the rows and tokens passed.
         implementation (`str`, defaults to `"auto"`): one of `IMPLEMENTATIONS` (see the module docstring).
@@ -275,11 +275,7 @@ def policy_objective(
         beta=beta,
     )
     if implementation in ("fused", "compiled") and outside:
-        raise ValueError(
-            f"implementation={implementation!r} cannot compute this objective: the fused kernel "
-            + "; ".join(outside)
-            + ". Use implementation='reference' (or 'auto', which picks the kernel wherever it applies)."
-        )
+        raise ValueError(kernel_refusal(implementation, outside))
     if implementation == "auto":
         implementation = "reference" if outside else "fused"
 
@@ -350,7 +346,7 @@ def grpo_loss(
     beta: float = 0.04,
     implementation: str = "fused",
 ) -> GRPOLossOutput:
-    """The documents' GRPO loss `-J`: per-sequence length normalisation and the `exp(d) - d - 1` KL estimator.
+    """DeepSeekMath's GRPO loss `-J`: per-sequence length normalisation and the `exp(d) - d - 1` KL estimator.
 
     The `grpo` row of `policy_objective` (see the module docstring for the formula).
 

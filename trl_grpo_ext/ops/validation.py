@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ValidatedInputs", "hyperparameter_problems", "validate_inputs"]
+__all__ = ["ValidatedInputs", "hyperparameter_problems", "kernel_refusal", "validate_inputs"]
 
 
 def _is_number(value) -> bool:
@@ -141,4 +141,17 @@ def validate_inputs(
         advantages=advantages.detach(),
         mask=mask,
         dtype=torch.promote_types(logps.dtype, torch.float32),
+    )
+
+
+def kernel_refusal(implementation: str, problems: list[str], argument: str = "implementation") -> str:
+    """The error for a fused or compiled kernel asked for outside its domain (`problems`: `fused.domain_problems`).
+
+    Args:
+        argument (`str`): the name the caller gave the choice (`"loss_implementation"` in a config).
+    """
+    return (
+        f"{argument}={implementation!r} cannot compute this objective: the fused kernel "
+        + "; ".join(problems)
+        + f". Use {argument}='auto' (the kernel wherever it applies) or 'reference'."
     )

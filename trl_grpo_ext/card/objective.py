@@ -1,7 +1,7 @@
 """The objective block of the model card: the formula of the loss type and options that trained the model.
 
 Built from the loss-type record (`ops.loss_types`) and the run's options, so that a card published to the Hub
-describes what ran: for `GRPOConfigExt`'s defaults, the documents' objective.
+describes what ran: for `GRPOConfigExt`'s defaults, DeepSeekMath's GRPO objective.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 
-from .config import GRPOConfigExt
-from .ops.loss_types import loss_type_record
+from ..config import option
+from ..ops.loss_types import loss_type_record, vllm_correction_line
 
 __all__ = [
     "OBJECTIVE",
@@ -52,7 +52,7 @@ OBJECTIVE_FIELDS = (
     "use_adaptive_entropy",
 )
 
-#: The documents' objective: the formula block of `GRPOConfigExt`'s defaults.
+#: DeepSeekMath's GRPO objective: the formula block of `GRPOConfigExt`'s defaults.
 OBJECTIVE = r"""```
 r_it = exp(logp_it - old_logp_it)
 S_it = min(r_it * A_i, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i)
@@ -66,76 +66,22 @@ _ADVANTAGES = {
     "batch": "A_i = (R_i - mean_group R) / (std_batch R + 1e-4)",
     "none": "A_i = R_i - mean_group R",
 }
-# `sum_i c_i * sum_t X_it` of each aggregation (`ops.terms.AGGREGATIONS`), before the sign.
-_AGGREGATIONS = {
-    "sequence_mean": "(1/G) * sum_i (1/|o_i|) * sum_t",
-    "token_mean": "(1/T) * sum_i sum_t",
-    "sum_over_denominator": "(1/D) * sum_i sum_t",
-    "sequence_sum": "(1/G) * sum_i sum_t",
-}
-_DIVISORS = {
-    "window_tokens": "D = sum_i |o_i| over the gradient-accumulation window (i: every completion of the window)",
-    "rows_times_max_length": "D = G * max_completion_length",
-}
-
-
-def _default_options() -> dict:
-    return {name: GRPOConfigExt.__dataclass_fields__[name].default for name in OBJECTIVE_FIELDS}
 
 
 def resolve_options(options: Mapping | None) -> dict:
     """Every `OBJECTIVE_FIELDS` entry: those of `options` (other keys ignored), `GRPOConfigExt`'s for the rest."""
     given = {key: value for key, value in (options or {}).items() if key in OBJECTIVE_FIELDS}
-    return {**_default_options(), **given}
+    return {**objective_options(None), **given}
 
 
 def objective_options(args) -> dict:
-    """The `OBJECTIVE_FIELDS` of a configuration (`trl.GRPOConfig` or `GRPOConfigExt`); a field that `args` lacks
-    takes `GRPOConfigExt`'s default."""
-    defaults = _default_options()
-    return {name: getattr(args, name, defaults[name]) for name in OBJECTIVE_FIELDS}
-
-
-def _policy_term_lines(policy_term: str, options: Mapping) -> list[str]:
-    """`S_it`, the per-token term the loss maximises (`-P` of `ops.terms`), and what it is built from."""
-    if policy_term == "clipped":
-        unclipped = "r_it * A_i" if options["delta"] is None else "min(r_it, delta) * A_i"
-        lines = [f"S_it = min({unclipped}, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i)"]
-        if options["delta"] is not None:
-            lines[0] += f",   delta = {format_value(options['delta'])} (two-sided clipping)"
-        return lines
-    if policy_term == "cispo":
-        return ["S_it = sg(min(r_it, eps_high)) * A_i * logp_it,   sg: stop-gradient (CISPO)"]
-    if policy_term == "sapo":
-        return [
-            "S_it = (4 / tau_i) * sigmoid(tau_i * (r_it - 1)) * A_i,   "
-            f"tau_i = {format_value(options['sapo_temperature_pos'])} if A_i > 0 else "
-            f"{format_value(options['sapo_temperature_neg'])} (SAPO)"
-        ]
-    if policy_term == "vespo":
-        correction = " * rho_i" if _vllm_correction(options) else ""  # TRL's gamma weights take the correction
-        lines = [
-            "S_it = sg(phi_i) * A_i * logp_it,   sg: stop-gradient (VESPO)",
-            "phi_i = exp(lambda + k * log(w_i) - lambda * w_i),   w_i = exp(sum_t (logp_it - old_logp_it))"
-            + correction
-            + ",   (k, lambda) = (vespo_k_pos, vespo_lambda_pos) if A_i >= 0 else (vespo_k_neg, vespo_lambda_neg)",
-        ]
-        if correction:
-            lines.append(_vllm_line("rho_i", "the completion", options))
-        return lines
-    raise ValueError(f"No formula for the policy term {policy_term!r}.")
+    """The `OBJECTIVE_FIELDS` of a configuration (`trl.GRPOConfig` or `GRPOConfigExt`; `None`: `GRPOConfigExt`'s
+    defaults); a field that `args` lacks takes `GRPOConfigExt`'s default."""
+    return {name: option(args, name) for name in OBJECTIVE_FIELDS}
 
 
 def _vllm_correction(options: Mapping) -> bool:
     return bool(options["use_vllm"] and options["vllm_importance_sampling_correction"])
-
-
-def _vllm_line(symbol: str, of: str, options: Mapping) -> str:
-    mode = options["vllm_importance_sampling_mode"]
-    return (
-        f"{symbol} = pi_old / pi_vllm of {of}, truncated or masked: vLLM's importance-sampling correction "
-        f"(vllm_importance_sampling_mode={mode!r})"
-    )
 
 
 def _token_weight_lines(policy_term: str, options: Mapping) -> list[str]:
@@ -157,7 +103,7 @@ def _token_weight_lines(policy_term: str, options: Mapping) -> list[str]:
         )
     if _vllm_correction(options) and policy_term != "vespo":  # VESPO folds it into phi_i
         factors.append("rho_it")
-        lines.append(_vllm_line("rho_it", "token t", options))
+        lines.append(vllm_correction_line("rho_it", "token t", options))
     if not factors:
         return []
     return [f"w_it = {' * '.join(factors)}", *lines]
@@ -219,7 +165,7 @@ def objective_formula(options: Mapping | None = None) -> str:
             )
         else:
             lines.append("r_it = exp(logp_it - old_logp_it)")
-    lines += _policy_term_lines(record.policy_term, options)
+    lines += record.policy_formula(options)
     if kl:
         lines.append(f"K_it = ({_KL_ESTIMATOR}) * r_it" if bias_corrected else f"K_it = {_KL_ESTIMATOR}")
     weights = _token_weight_lines(record.policy_term, options)
@@ -227,10 +173,8 @@ def objective_formula(options: Mapping | None = None) -> str:
     summand = f"({term} - beta * K_it)" if kl else (f"({term})" if weights else term)
     bonus, entropy = _entropy_lines(options)
     advantage, advantage_defs = _advantage_lines(options)
-    lines.append(f"loss = -{_AGGREGATIONS[record.aggregation]} {summand}{bonus},   {advantage}")
-    if record.aggregation == "token_mean":
-        lines.append("T = sum_i |o_i| over the micro-batch")
-    if record.divisor is not None:
-        lines.append(_DIVISORS[record.divisor])
+    lines.append(f"loss = -{record.aggregation_formula} {summand}{bonus},   {advantage}")
+    if record.divisor_formula is not None:
+        lines.append(record.divisor_formula)
     lines += weights + entropy + advantage_defs
     return "\n".join(["```", *lines, "```"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 
-from .ops.loss_types import loss_type_record
+from ..ops.loss_types import loss_type_record
 
 __all__ = ["CARD_CONFIG_FIELDS", "card_config", "inactive_fields", "user_lora_settings"]
 
@@ -35,23 +35,19 @@ CARD_CONFIG_FIELDS = (
     "seed",
 )
 
-# The clipping bounds each policy term uses (`ops.terms`): CISPO truncates the ratio at `epsilon_high` only; SAPO
-# (temperatures) and VESPO (gamma weights) do not clip.
-_CLIP_FIELDS = {"clipped": ("epsilon", "epsilon_high"), "cispo": ("epsilon_high",), "sapo": (), "vespo": ()}
-
 
 def inactive_fields(args) -> set[str]:
     """The fields of `CARD_CONFIG_FIELDS` whose value did not act in a run with `args` (a `trl.GRPOConfig`):
 
     - `num_train_epochs` when `max_steps > 0` (Trainer then stops at `max_steps`), else `max_steps`;
-    - `epsilon` and `epsilon_high` where the loss type does not use them (see `_CLIP_FIELDS`);
+    - `epsilon` and `epsilon_high` where the loss type does not use them (the loss type's `clip_fields`);
     - `scale_rewards` with `multi_objective_aggregation="normalize_then_sum"`, which normalises each reward over
       its group and the sum over the batch whatever `scale_rewards` says.
     """
     inactive = {"num_train_epochs"} if getattr(args, "max_steps", -1) > 0 else {"max_steps"}
     loss_type = getattr(args, "loss_type", None)
     if loss_type is not None:
-        used = _CLIP_FIELDS[loss_type_record(loss_type).policy_term]
+        used = loss_type_record(loss_type).clip_fields
         inactive |= {name for name in ("epsilon", "epsilon_high") if name not in used}
     if getattr(args, "multi_objective_aggregation", None) == "normalize_then_sum":
         inactive.add("scale_rewards")

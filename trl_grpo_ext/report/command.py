@@ -109,7 +109,7 @@ def run(argv: list[str] | None = None, prog: str | None = None) -> int:
 def _draw(history: list[dict], output: str, run_dir: str, episodes) -> str:
     """Write the report image; one line saying what was written and which panels had nothing to draw."""
     try:
-        from .report import missing_panels, plot_training_report
+        from .figure import missing_panels, plot_training_report
 
         written = plot_training_report(
             history, output, title=os.path.basename(os.path.normpath(run_dir)), episodes=episodes

@@ -1,10 +1,10 @@
 """The model card (`README.md`) that a training run leaves in its output folder, ready for the Hugging Face Hub.
 
-`build_model_card` writes the text; `ModelCardMixin.create_model_card` (Trainer's hook) gathers what it needs from a
-trainer and also draws `report.png`. The card keeps everything stock TRL's card has for the same run (its tags and
-sections, rendered by TRL: `card_trl.py`) and adds the objective that ran (`objective_formula`: the loss type's
-policy term and aggregation, `ops.loss_types`, and the options that change it), the configuration that acted, as the
-user set it (`card_config.py`), the final metrics and the training report.
+`build_model_card` writes the text; `write_model_card` (what `GRPOTrainerExt.create_model_card`, Trainer's hook,
+does) gathers what it needs from a trainer and also draws `report.png`. The card keeps everything stock TRL's card
+has for the same run (its tags and sections, rendered by TRL: `stock.py`) and adds the objective that ran
+(`objective.objective_formula`: the loss type's record, `ops.loss_types`, and the options that change it), the
+configuration that acted, as the user set it (`fields.py`), the final metrics and the training report.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from transformers import is_wandb_available
 from transformers.utils import logging
 from trl.trainer.utils import get_comet_experiment_url, get_config_model_id, get_trackio_space_url
 
-from .card_config import CARD_CONFIG_FIELDS, card_config, user_lora_settings
-from .card_objective import (
+from .fields import CARD_CONFIG_FIELDS, card_config, user_lora_settings
+from .objective import (
     OBJECTIVE,
     OBJECTIVE_FIELDS,
     format_value,
@@ -28,7 +28,7 @@ from .card_objective import (
     objective_options,
     resolve_options,
 )
-from .card_trl import TRL_TAGS, trl_card_sections, trl_card_tags
+from .stock import TRL_TAGS, trl_card_sections, trl_card_tags
 
 __all__ = [
     "build_model_card",
@@ -40,7 +40,7 @@ __all__ = [
     "CARD_CONFIG_FIELDS",
     "CARD_METRICS",
     "OBJECTIVE_FIELDS",
-    "ModelCardMixin",
+    "write_model_card",
 ]
 
 logger = logging.get_logger(__name__)
@@ -273,75 +273,78 @@ def build_model_card(
     return "\n".join(lines)
 
 
-class ModelCardMixin:
-    """`create_model_card` for a `GRPOTrainer` subclass: this module's card and the training report."""
+def write_model_card(
+    trainer,
+    model_name: str | None = None,
+    dataset_name: str | None = None,
+    tags: str | list[str] | None = None,
+    *,
+    lora_settings: dict | None = None,
+    card_metrics: Mapping[str, float] | None = None,
+) -> None:
+    """Write `README.md` (a Hub model card) and `report.png` (training curves) into the trainer's `args.output_dir`.
 
-    #: Extra rows for the model card's metrics table (e.g. held-out accuracy measured by a recipe).
-    card_metrics: dict[str, float] | None = None
+    What `GRPOTrainerExt.create_model_card` does (called by `Trainer.push_to_hub` and at every checkpoint, like TRL's
+    own card, which it replaces and keeps whole: `build_model_card`): TRL's tags (`generated_from_trainer`, `trl`,
+    `grpo`, `hf_jobs` on Hugging Face Jobs, `trackio:<url>` for an active trackio run) and sections, with this
+    package's objective, configuration (the fields that acted, as the user set them), final metrics and report; the
+    alarms raised (the rules of `args`' `warn_*` thresholds, replayed over the log history).
 
-    def create_model_card(
-        self,
-        model_name: str | None = None,
-        dataset_name: str | None = None,
-        tags: str | list[str] | None = None,
-        **kwargs,
-    ) -> None:
-        """Write `README.md` (a Hub model card) and `report.png` (training curves) into `args.output_dir`.
+    Args:
+        trainer (`GRPOTrainer`): the run.
+        model_name, dataset_name, tags: as `Trainer.create_model_card` takes them.
+        lora_settings (`dict`, *optional*): the LoRA settings as the user gave them (`fields.user_lora_settings` of
+            the `peft_config`, read before PEFT expanded it); default: the wrapped model's own.
+        card_metrics (`Mapping`, *optional*): extra rows of the metrics table (e.g. held-out accuracy of a recipe).
+    """
+    if not trainer.is_world_process_zero():
+        return
+    from peft import PeftModel
 
-        Called by `Trainer.push_to_hub` and at every checkpoint, like TRL's own card, which it replaces and keeps
-        whole (`build_model_card`): TRL's tags (`generated_from_trainer`, `trl`, `grpo`, `hf_jobs` on Hugging Face
-        Jobs, `trackio:<url>` for an active trackio run) and sections, with this package's objective, configuration
-        (the fields that acted, as the user set them), final metrics and report; the alarms raised (the
-        rules of `args`' `warn_*` thresholds, replayed over the log history).
-        """
-        if not self.is_world_process_zero():
-            return
-        from peft import PeftModel
+    from ..guardrails.anomaly import AnomalyMonitor
+    from ..report.health import assess
 
-        output_dir = self.args.output_dir
-        os.makedirs(output_dir, exist_ok=True)
-        model_id = get_config_model_id(self.model.config)
-        base_model = model_id if model_id and not os.path.isdir(model_id) else None
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        is_adapter = isinstance(unwrapped, PeftModel)
-        from .guardrails.anomaly import AnomalyMonitor
-        from .health import assess
+    args = trainer.args
+    output_dir = args.output_dir
+    os.makedirs(output_dir, exist_ok=True)
+    model_id = get_config_model_id(trainer.model.config)
+    base_model = model_id if model_id and not os.path.isdir(model_id) else None
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    is_adapter = isinstance(unwrapped, PeftModel)
+    health = assess(trainer.state.log_history, AnomalyMonitor.from_config(args))
+    report = None
+    try:
+        from ..report.figure import plot_training_report
 
-        health = assess(self.state.log_history, AnomalyMonitor.from_config(self.args))
-        report = None
-        try:
-            from .report import plot_training_report
-
-            report = plot_training_report(
-                self.state.log_history,
-                os.path.join(output_dir, "report.png"),
-                title=model_name,
-                clip_range=(self.epsilon_low, self.epsilon_high),
-                episodes=health.episodes,
-            )
-        except ImportError:
-            logger.warning("matplotlib is not installed: no report.png (pip install 'trl-grpo-ext[recipes]').")
-        # As the user set them (`peft_config` at construction); for a model that came wrapped, its own config.
-        lora = getattr(self, "_user_lora_settings", None)
-        if lora is None and is_adapter:
-            lora = user_lora_settings(unwrapped.peft_config["default"])
-        urls = run_urls()
-        tags = [tags] if isinstance(tags, str) else tags
-        card = build_model_card(
-            model_name=model_name or os.path.basename(os.path.normpath(output_dir)),
-            base_model=base_model,
-            is_adapter=is_adapter,
-            config=card_config(self.args),
-            metrics=final_metrics(self.state.log_history),
-            extra_metrics=self.card_metrics,
-            tags=trl_card_tags(self.model.config, tags, urls["trackio_url"]),
-            dataset_name=dataset_name,
-            hub_model_id=self.hub_model_id,
-            report_image="report.png" if report else None,
-            lora=lora if is_adapter else None,
-            objective=objective_options(self.args),
-            alarms=health.alarm_lines(),
-            **urls,
+        report = plot_training_report(
+            trainer.state.log_history,
+            os.path.join(output_dir, "report.png"),
+            title=model_name,
+            clip_range=(trainer.epsilon_low, trainer.epsilon_high),
+            episodes=health.episodes,
         )
-        with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as handle:
-            handle.write(card)
+    except ImportError:
+        logger.warning("matplotlib is not installed: no report.png (pip install 'trl-grpo-ext[recipes]').")
+    lora = lora_settings
+    if lora is None and is_adapter:  # a model that came wrapped: its own config
+        lora = user_lora_settings(unwrapped.peft_config["default"])
+    urls = run_urls()
+    tags = [tags] if isinstance(tags, str) else tags
+    card = build_model_card(
+        model_name=model_name or os.path.basename(os.path.normpath(output_dir)),
+        base_model=base_model,
+        is_adapter=is_adapter,
+        config=card_config(args),
+        metrics=final_metrics(trainer.state.log_history),
+        extra_metrics=card_metrics,
+        tags=trl_card_tags(trainer.model.config, tags, urls["trackio_url"]),
+        dataset_name=dataset_name,
+        hub_model_id=trainer.hub_model_id,
+        report_image="report.png" if report else None,
+        lora=lora if is_adapter else None,
+        objective=objective_options(args),
+        alarms=health.alarm_lines(),
+        **urls,
+    )
+    with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as handle:
+        handle.write(card)

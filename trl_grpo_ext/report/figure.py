@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from .guardrails.anomaly import Episode
+    from ..guardrails.anomaly import Episode
 
-from .guardrails.alarms import HELDOUT_KEY
+from ..guardrails.alarms import HELDOUT_KEY
 
 __all__ = ["PANELS", "build_report_figure", "missing_panels", "plot_training_report"]
 

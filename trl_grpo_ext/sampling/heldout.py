@@ -2,7 +2,7 @@
 
 Metric functions have the reward-function signature, `f(prompts, completions, **columns) -> list[float | None]`
 (called as TRL calls reward functions, with `completion_ids`, the dataset's other columns and `trainer_state`). For
-each held-out prompt, `n` completions are sampled exactly as training samples (`sampling.py`: the same prompt tokens
+each held-out prompt, `n` completions are sampled exactly as training samples (`generation.py`: the same prompt tokens
 and chat template, the config's sampling fields and `generation_kwargs`, the same stops; in eval mode, with the
 random state of training left untouched). Logged, per metric:
 
@@ -29,10 +29,10 @@ import torch
 from transformers import Trainer, TrainerCallback
 from trl.trainer.utils import get_callable_name
 
-from .config import GRPOConfigExt
-from .sampling import SamplingSettings, sample_batch, sampling_model
+from ..config import option
+from .generation import SamplingSettings, sample_batch, sampling_model
 
-__all__ = ["HeldoutEvaluationMixin", "call_metric", "heldout_records", "pass_at_k", "pool_heldout_records"]
+__all__ = ["HeldoutEvaluator", "call_metric", "heldout_records", "pass_at_k", "pool_heldout_records"]
 
 #: The `GRPOConfigExt` fields of the held-out evaluation (a plain `trl.GRPOConfig` gets their defaults).
 HELDOUT_FIELDS = (
@@ -202,62 +202,70 @@ class _HeldoutSchedule(TrainerCallback):
     """Runs the held-out evaluation every `heldout_every_steps` optimizer steps; keeps its values for an evaluation
     at the same step."""
 
-    def __init__(self, trainer: HeldoutEvaluationMixin):
-        self.trainer = trainer
+    def __init__(self, evaluator: HeldoutEvaluator):
+        self.evaluator = evaluator
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.trainer._heldout_step_values = None
+        self.evaluator.step_values = None
 
     def on_step_end(self, args, state, control, **kwargs):
-        every = self.trainer._heldout_options["heldout_every_steps"]
+        every = self.evaluator.options["heldout_every_steps"]
         if every and state.global_step % every == 0:
-            self.trainer._heldout_step_values = (state.global_step, self.trainer.evaluate_heldout())
+            self.evaluator.step_values = (state.global_step, self.evaluator.run())
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.trainer._heldout_step_values = None
+        self.evaluator.step_values = None
 
 
-class HeldoutEvaluationMixin:
-    """Held-out evaluation for a `trl.GRPOTrainer` subclass (see the module docstring).
-
-    Adds two keyword arguments to the trainer:
-
-    - `heldout_metrics` (callable or list of callables): the metric functions; named as TRL names reward functions.
-    - `heldout_dataset` (`datasets.Dataset`, *optional*): the held-out prompts; defaults to `eval_dataset`.
+class HeldoutEvaluator:
+    """Held-out evaluation for a `trl.GRPOTrainer` (see the module docstring): `GRPOTrainerExt`'s `heldout_metrics` and
+    `heldout_dataset` arguments, its `evaluate_heldout()` and the held-out part of its `evaluate()`.
 
     The config's `heldout_*` fields (`GRPOConfigExt`) say how often and how. Each held-out pass logs its own entry
     (`heldout/...`, at the current step). Every `evaluate()` includes one: its metrics then carry
     `eval_heldout/<metric>/mean@<n>` and `.../pass@<k>`, which `metric_for_best_model="heldout/<metric>/mean@<n>"`
     (with `load_best_model_at_end`, `save_strategy="best"` or early stopping) reads. With `eval_strategy` set and no
     `eval_dataset`, an evaluation is the held-out pass alone (TRL's own evaluation, which generates and scores with
-    the reward functions, needs an `eval_dataset`).
+    the reward functions, needs an `eval_dataset`): `stands_in_for_eval_dataset`.
+
+    Built before the trainer (its checks come before any model is loaded), then `attach`ed to it.
+
+    Args:
+        args (`trl.GRPOConfig`): the run's configuration.
+        metrics (callable or list of callables, *optional*): the metric functions; named as TRL names reward
+            functions.
+        dataset (`datasets.Dataset`, *optional*): the held-out prompts; defaults to `eval_dataset`.
+        eval_dataset: the trainer's `eval_dataset` argument.
     """
 
-    def __init__(self, *args, heldout_metrics=None, heldout_dataset=None, **kwargs):
-        config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
-        defaults = GRPOConfigExt.__dataclass_fields__
-        options = {name: getattr(config, name, defaults[name].default) for name in HELDOUT_FIELDS}
-        metrics = _named_metrics(heldout_metrics)
-        eval_dataset = kwargs.get("eval_dataset")
-        if heldout_dataset is None and metrics and eval_dataset is not None:
+    def __init__(self, args, metrics=None, dataset=None, eval_dataset=None):
+        self.options = {name: option(args, name) for name in HELDOUT_FIELDS}
+        self.metrics = _named_metrics(metrics)
+        if dataset is None and self.metrics and eval_dataset is not None:
             if not hasattr(eval_dataset, "column_names"):
                 raise ValueError(
                     "heldout_metrics: the held-out prompts default to eval_dataset, which must then be one "
                     f"datasets.Dataset (got {type(eval_dataset).__name__}); pass heldout_dataset=..."
                 )
-            heldout_dataset = eval_dataset
-        _check_heldout(config, options, metrics, heldout_dataset)
-        self._heldout_only = bool(metrics) and eval_dataset is None and getattr(config, "eval_strategy", "no") != "no"
-        if self._heldout_only:
-            kwargs["eval_dataset"] = heldout_dataset  # what Trainer requires for eval_strategy; never generated from
-        super().__init__(*args, **kwargs)
-        self._heldout_metrics, self._heldout_dataset, self._heldout_options = metrics, heldout_dataset, options
-        self._heldout_step_values: tuple[int, dict[str, float]] | None = None
-        self._heldout_in_evaluate = False
-        if metrics:
-            self.add_callback(_HeldoutSchedule(self))
+            dataset = eval_dataset
+        _check_heldout(args, self.options, self.metrics, dataset)
+        self.dataset = dataset
+        #: No `eval_dataset` but an `eval_strategy`: the held-out prompts are what Trainer gets as its eval_dataset
+        #: (which it requires), and an evaluation is the held-out pass alone; they are never generated from by TRL.
+        self.stands_in_for_eval_dataset = (
+            bool(self.metrics) and eval_dataset is None and getattr(args, "eval_strategy", "no") != "no"
+        )
+        self.step_values: tuple[int, dict[str, float]] | None = None
+        self._in_evaluate = False
+        self.trainer = None
 
-    def evaluate_heldout(self, log: bool = True) -> dict[str, float]:
+    def attach(self, trainer) -> None:
+        """Evaluate for `trainer` (built with this evaluator's arguments) from now on."""
+        self.trainer = trainer
+        if self.metrics:
+            trainer.add_callback(_HeldoutSchedule(self))
+
+    def run(self, log: bool = True) -> dict[str, float]:
         """Run the held-out evaluation now, on every process (each samples its share of the prompts).
 
         Args:
@@ -266,73 +274,75 @@ class HeldoutEvaluationMixin:
         Returns:
             `dict`: `heldout/<metric>/mean@<n>` and `heldout/<metric>/pass@<k>`, the same on every process.
         """
-        if not self._heldout_metrics:
+        if not self.metrics:
             raise ValueError("evaluate_heldout() needs heldout_metrics=[...] given to the trainer.")
         from trl.models import unwrap_model_for_generation
 
-        options = self._heldout_options
+        trainer, options = self.trainer, self.options
         n = options["heldout_num_generations"]
-        accelerator = self.accelerator
-        sharded = self.is_fsdp_enabled or (
-            self.is_deepspeed_enabled and accelerator.state.deepspeed_plugin.zero_stage == 3
+        accelerator = trainer.accelerator
+        sharded = trainer.is_fsdp_enabled or (
+            trainer.is_deepspeed_enabled and accelerator.state.deepspeed_plugin.zero_stage == 3
         )
-        dist = getattr(self, "_dist", None)  # TRL >= 1.16: FSDP1 needs its full parameters summoned
-        summon = dist.summon_full_params(self.model_wrapped, recurse=False) if dist is not None else nullcontext()
+        dist = getattr(trainer, "_dist", None)  # TRL >= 1.16: FSDP1 needs its full parameters summoned
+        summon = dist.summon_full_params(trainer.model_wrapped, recurse=False) if dist is not None else nullcontext()
         with (
             unwrap_model_for_generation(
-                self.model_wrapped, accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation
+                trainer.model_wrapped, accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation
             ) as model,
             summon,
         ):
             records = heldout_records(
                 model,
-                self.processing_class,
-                self._heldout_dataset,
-                self._heldout_metrics,
-                SamplingSettings.from_config(self.args),
+                trainer.processing_class,
+                self.dataset,
+                self.metrics,
+                SamplingSettings.from_config(trainer.args),
                 num_generations=n,
                 threshold=options["heldout_pass_threshold"],
                 batch_size=options["heldout_batch_size"],
-                seed=self.args.seed,
+                seed=trainer.args.seed,
                 process_index=accelerator.process_index,
                 num_processes=accelerator.num_processes,
                 synced_gpus=sharded and accelerator.num_processes > 1,
-                metric_kwargs={"trainer_state": self.state},
+                metric_kwargs={"trainer_state": trainer.state},
             )
-        if self.is_fsdp_enabled:
-            _reshard(self.model_wrapped)
+        if trainer.is_fsdp_enabled:
+            _reshard(trainer.model_wrapped)
         dtype = torch.float32 if accelerator.device.type == "mps" else torch.float64
         if accelerator.num_processes > 1:  # the evaluation's only collective
             records = accelerator.gather(records.to(accelerator.device, dtype))
-        values = pool_heldout_records(records, list(self._heldout_metrics), n, options["heldout_pass_at"] or [n])
+        values = pool_heldout_records(records, list(self.metrics), n, options["heldout_pass_at"] or [n])
         if log:
             # An entry of its own: GRPOTrainer.log would flush the training metrics into it. Logging clears
             # `should_log`, which may still be due for this step's training metrics.
-            should_log = self.control.should_log
-            Trainer.log(self, dict(values))
-            self.control.should_log = should_log
+            should_log = trainer.control.should_log
+            Trainer.log(trainer, dict(values))
+            trainer.control.should_log = should_log
         return values
 
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """`Trainer.evaluate`, with the held-out metrics among the returned (and logged) metrics."""
-        if not self._heldout_metrics or self._heldout_in_evaluate:
-            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
-        step_values = self._heldout_step_values
-        if step_values is not None and step_values[0] == self.state.global_step:
-            values = step_values[1]  # the scheduled pass of this very step
+    def evaluate(self, stock: Callable, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """`Trainer.evaluate` (`stock`), with the held-out metrics among the returned (and logged) metrics."""
+        if not self.metrics or self._in_evaluate:
+            return stock(eval_dataset, ignore_keys, metric_key_prefix)
+        trainer = self.trainer
+        if self.step_values is not None and self.step_values[0] == trainer.state.global_step:
+            values = self.step_values[1]  # the scheduled pass of this very step
         else:
-            values = self.evaluate_heldout()
-        if self._heldout_only and eval_dataset is None:
+            values = self.run()
+        if self.stands_in_for_eval_dataset and eval_dataset is None:
             metrics = {f"{metric_key_prefix}_{name}": value for name, value in values.items()}
-            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+            trainer.control = trainer.callback_handler.on_evaluate(
+                trainer.args, trainer.state, trainer.control, metrics
+            )
             return metrics
         for name, value in values.items():  # TRL's log adds them, with its `eval_` prefix, to the evaluation's
-            self._metrics["eval"][name].append(value)
-        self._heldout_in_evaluate = True  # a dict of evaluation datasets comes back here once per dataset
+            trainer._metrics["eval"][name].append(value)
+        self._in_evaluate = True  # a dict of evaluation datasets comes back here once per dataset
         try:
-            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+            return stock(eval_dataset, ignore_keys, metric_key_prefix)
         finally:
-            self._heldout_in_evaluate = False
+            self._in_evaluate = False
 
 
 def _reshard(model) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from ._compat import FORWARD_KEYS
+from .._compat import FORWARD_KEYS
 
 __all__ = ["RowSelection", "ZeroAdvantageRowSkipping", "skipping_problems"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .guardrails.alarms import HELDOUT_KEY
-from .guardrails.anomaly import AnomalyMonitor, Episode
+from ..guardrails.alarms import HELDOUT_KEY
+from ..guardrails.anomaly import AnomalyMonitor, Episode
 
 __all__ = ["SIGNALS", "RunHealth", "Signal", "SignalHealth", "assess"]
 

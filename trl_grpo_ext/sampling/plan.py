@@ -1,4 +1,4 @@
-"""The decisions of dynamic sampling (`dynamic_sampling.py`), as functions of gathered tensors: alike everywhere.
+"""The decisions of dynamic sampling (`dynamic.py`), as functions of gathered tensors: alike everywhere.
 
 - `trl_advantages`, `trl_reward_metrics`: TRL's advantages and reward metrics of a generation batch, from its gathered
   rewards (a copy of the inline block of TRL 1.16's `GRPOTrainer._generate_and_score_completions`, recorded in
@@ -145,7 +145,7 @@ def fill_slots(informative: list[torch.Tensor], placements: list[tuple]) -> tupl
 
     Returns:
         `(assignment, short)`: per place `j` of round 0, the `(round, group)` that trains there, and how many places
-        no informative group of the same placement could fill: they keep round 0's group (see `dynamic_sampling.py`).
+        no informative group of the same placement could fill: they keep round 0's group (see `dynamic.py`).
         Round 0's informative groups keep their places; the others are filled in order of round, then group.
     """
     assignment = [(0, group) for group in range(len(placements))]

@@ -1,11 +1,11 @@
 """Dynamic sampling (DAPO's, `GRPOConfigExt.dynamic_sampling`): train on groups whose rewards differ.
 
 A group whose completions all get the same reward has advantage 0: it gives no policy gradient (only the KL term).
-`DynamicSamplingMixin._generate_and_score_completions` lets TRL generate and score its generation batch as usual,
-drops the groups without reward spread (`sampling_plan.informative_groups`), and generates and scores, with TRL's
-own code path, a whole generation batch of fresh training prompts (`sampling_plan.PromptStream`) per extra round, at
-most `dynamic_sampling_max_rounds` rounds, until every dropped group has been replaced by an informative one. The
-advantages are then computed on the assembled batch as TRL computes them on a batch (`sampling_plan.trl_advantages`:
+`DynamicSampler.generate` (called by `GRPOTrainerExt._generate_and_score_completions`) lets TRL generate and score
+its generation batch as usual, drops the groups without reward spread (`plan.informative_groups`), and generates and
+scores, with TRL's own code path, a whole generation batch of fresh training prompts (`plan.PromptStream`) per extra
+round, at most `dynamic_sampling_max_rounds` rounds, until every dropped group has been replaced by an informative
+one. The advantages are then computed on the assembled batch as TRL computes them on a batch (`plan.trl_advantages`:
 group, batch or no scaling, either multi-objective aggregation), and `num_items_in_batch` is recounted.
 
 A batch that stays short after the last round keeps, in the places not filled, the zero-spread groups TRL sampled
@@ -16,7 +16,7 @@ forward), where shrinking the batch would make micro-batches uneven across proce
 
 Several processes. TRL's sampler lays a generation batch out group by group over the processes, and a group can span
 two; every extra round has the same layout. A group only takes the place of one with the same placement (the same
-processes, as many rows on each: `sampling_plan.fill_slots`), so no row moves between processes and each keeps its
+processes, as many rows on each: `plan.fill_slots`), so no row moves between processes and each keeps its
 number of rows. The keep/drop decisions are taken on the rewards gathered from every process, identically
 everywhere, and then checked: one small gather per round compares them, and rows per process, across processes, and
 a difference raises an error naming it rather than leaving the processes waiting for each other.
@@ -33,21 +33,22 @@ reward metrics (`reward`, `reward_std`, `frac_reward_zero_std`, `rewards/<name>/
 `reward_std/group_*` and the completions table describe the batch that trains; `completions/*` and `num_tokens`
 count everything generated.
 
-Resume: the prompt stream's state is saved with every checkpoint (`CheckpointingMixin._resume_extras`), and rewound to
-the start of the step for the checkpoint a non-finite stop writes, so that a resumed run draws the same prompts.
+Resume: the prompt stream is registered with the checkpoints (`Checkpoints.register(..., rewind=True)`): saved with
+every checkpoint, and rewound to the start of the step for the checkpoint a non-finite stop writes, so that a resumed
+run draws the same prompts.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
 from trl.trainer.utils import pad
 
-from .sampling_plan import (
+from .plan import (
     PromptStream,
     fill_slots,
     group_placement,
@@ -56,7 +57,7 @@ from .sampling_plan import (
     trl_reward_metrics,
 )
 
-__all__ = ["DynamicSamplingMixin"]
+__all__ = ["DynamicSampler", "ScoredBatch"]
 
 # Per-row tensors of TRL's generation batch: the side they are padded on and the padding value ("pad": the token).
 _ROW_TENSORS = {
@@ -74,37 +75,46 @@ _RECOMPUTED = ("advantages", "num_items_in_batch")
 
 
 @dataclass
+class ScoredBatch:
+    """The rewards of one generation batch, as the trainer's `_calculate_rewards` saw them.
+
+    Attributes:
+        rewards_per_func (`torch.Tensor` of shape `(N, F)`): every process's rows, NaN where a function did not score.
+        lengths (`torch.Tensor` of shape `(n,)`): this process's completion lengths, rows `first_row ..` of them.
+        first_row (`int`): the global row of this process's first completion.
+    """
+
+    rewards_per_func: torch.Tensor
+    lengths: torch.Tensor
+    first_row: int
+
+
+@dataclass
 class _Round:
-    """One generation batch TRL generated and scored: its local output, the gathered rewards, its table rows."""
+    """One generation batch TRL generated and scored: its local output, its rewards, its table rows."""
 
     output: dict[str, Any]
-    rewards_per_func: torch.Tensor  # (N, F), every process's rows
+    scored: ScoredBatch
     informative: torch.Tensor  # (K,) bool
     frac_reward_zero_std: float
     logs: dict[str, Any]
 
 
-class _StreamAtStepStart(TrainerCallback):
-    """Remembers the prompt stream's state at the start of every optimizer step (for a non-finite stop)."""
+class DynamicSampler:
+    """Dynamic sampling for a `GRPOTrainer` (see the module docstring).
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    Args:
+        trainer (`GRPOTrainer`): its data, options, accelerator and TRL's logs are read; `_metrics` and `_logs` are
+            rewritten for the assembled batch.
+        max_rounds (`int`): the most extra rounds per generation batch.
+        last_scored (`Callable[[], ScoredBatch]`): the rewards of the generation batch TRL scored last.
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.trainer._prompt_stream_at_step_start = self.trainer._prompt_stream.state_dict()
+    Raises:
+        ValueError: for an `IterableDataset` (fresh prompts are drawn by index) or `max_rounds < 1`.
+    """
 
-
-class DynamicSamplingMixin:
-    """Dynamic sampling for a `GRPOTrainer` subclass (see the module docstring); placed before `NonFiniteGuardMixin`
-    and `CheckpointingMixin` in its bases. Call `_init_dynamic_sampling` at the end of `__init__`."""
-
-    _dynamic_sampling = False
-    _defer_reward_spread = False  # while the rounds of one batch are scored (the trainer's reward diagnostics wait)
-
-    def _init_dynamic_sampling(self, enabled: bool, max_rounds: int) -> None:
-        if not enabled:
-            return
-        dataset = self.train_dataset
+    def __init__(self, trainer, max_rounds: int, last_scored: Callable[[], ScoredBatch]):
+        dataset = trainer.train_dataset
         if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
             raise ValueError(
                 "dynamic_sampling draws fresh prompts by index: it needs a map-style `train_dataset` (a "
@@ -113,78 +123,62 @@ class DynamicSamplingMixin:
             )
         if max_rounds < 1:
             raise ValueError(f"`dynamic_sampling_max_rounds` must be >= 1, got {max_rounds}.")
-        self._dynamic_sampling = True
-        self._dynamic_sampling_max_rounds = max_rounds
-        self._prompt_stream = PromptStream(len(dataset), self.args.seed, shuffle=self.shuffle_dataset)
-        self._prompt_stream_at_step_start = self._prompt_stream.state_dict()
+        self.trainer, self.max_rounds, self.last_scored = trainer, max_rounds, last_scored
+        #: The fresh prompts of the extra rounds (resumable: `Checkpoints.register`).
+        self.stream = PromptStream(len(dataset), trainer.args.seed, shuffle=trainer.shuffle_dataset)
         self._sampling_dataset = None
-        self.add_callback(_StreamAtStepStart(self))
 
-    def _resume_extras(self) -> dict:
-        extras = super()._resume_extras()
-        if self._dynamic_sampling:
-            extras["prompt_stream"] = self._prompt_stream.state_dict()
-        return extras
+    def generate(self, inputs: list[dict], stock: Callable[[list[dict]], dict]) -> tuple[dict[str, Any], ScoredBatch]:
+        """The batch that trains and its rewards.
 
-    def _restore_resume_extras(self, extras: dict) -> None:
-        super()._restore_resume_extras(extras)
-        if self._dynamic_sampling and "prompt_stream" in extras:
-            self._prompt_stream.load_state_dict(extras["prompt_stream"])
+        Args:
+            inputs: this process's rows of the generation batch (TRL's sampler's).
+            stock: TRL's own `_generate_and_score_completions`, which generates and scores one generation batch.
 
-    def _stop_on_nonfinite_step(self, step: int, grad_norm: float, applied: bool) -> None:
-        if self._dynamic_sampling:  # the checkpoint of the state before the step draws this step's prompts again
-            self._prompt_stream.load_state_dict(self._prompt_stream_at_step_start)
-        super()._stop_on_nonfinite_step(step, grad_norm, applied)
-
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        self._last_rewards_per_func = rewards_per_func  # gathered from every process
-        return rewards_per_func
-
-    def _generate_and_score_completions(self, inputs):
-        if not self._dynamic_sampling or not self.model.training:
-            return super()._generate_and_score_completions(inputs)
-        metrics = self._metrics["train"]
+        Returns:
+            `(output, scored)`: TRL's batch dict for this process, each dropped group replaced where an informative
+            one was found, with the advantages of the assembled batch; and that batch's rewards and lengths.
+        """
+        trainer = self.trainer
+        num_generations = trainer.num_generations
+        metrics = trainer._metrics["train"]
         lengths_before = {name: len(values) for name, values in metrics.items()}
-        self._defer_reward_spread = True
-        try:
-            rounds = [self._scored_round(inputs)]
-            local_rows = len(inputs)
-            total_rows = rounds[0].rewards_per_func.size(0)
-            num_groups = total_rows // self.num_generations
-            placements = group_placement(num_groups, self.num_generations, local_rows)
+        rounds = [self._scored_round(inputs, stock)]
+        local_rows = len(inputs)
+        total_rows = rounds[0].scored.rewards_per_func.size(0)
+        num_groups = total_rows // num_generations
+        placements = group_placement(num_groups, num_generations, local_rows)
+        assignment, short = fill_slots([r.informative for r in rounds], placements)
+        self._check_processes_agree(local_rows, total_rows, rounds[-1].informative, short)
+        while short and len(rounds) <= self.max_rounds:
+            rounds.append(self._scored_round(self._fresh_inputs(num_groups, local_rows), stock))
             assignment, short = fill_slots([r.informative for r in rounds], placements)
             self._check_processes_agree(local_rows, total_rows, rounds[-1].informative, short)
-            while short and len(rounds) <= self._dynamic_sampling_max_rounds:
-                rounds.append(self._scored_round(self._fresh_inputs(num_groups, local_rows)))
-                assignment, short = fill_slots([r.informative for r in rounds], placements)
-                self._check_processes_agree(local_rows, total_rows, rounds[-1].informative, short)
-        finally:
-            self._defer_reward_spread = False
 
         sources = [
-            (round_index, group * self.num_generations + offset)
+            (round_index, group * num_generations + offset)
             for round_index, group in assignment
-            for offset in range(self.num_generations)
+            for offset in range(num_generations)
         ]  # per global row of the batch that trains: (round, global row in that round)
-        rewards_per_func = torch.stack([rounds[r].rewards_per_func[row] for r, row in sources])
+        rewards_per_func = torch.stack([rounds[r].scored.rewards_per_func[row] for r, row in sources])
         advantages, is_std_zero, _ = trl_advantages(
             rewards_per_func,
-            self.reward_weights,
-            self.num_generations,
-            self.scale_rewards,
-            self.multi_objective_aggregation,
+            trainer.reward_weights,
+            num_generations,
+            trainer.scale_rewards,
+            trainer.multi_objective_aggregation,
         )
-        start = self.accelerator.process_index * local_rows
+        start = trainer.accelerator.process_index * local_rows
         local_sources = [(r, row - start) for r, row in sources[start : start + local_rows]]
         if len(rounds) == 1:
             output = rounds[0].output  # nothing replaced: TRL's batch as it is
         else:
             output = self._assemble(rounds, local_sources)
         output["advantages"] = advantages[start : start + local_rows]
+        lengths = torch.stack([rounds[r].scored.lengths[row] for r, row in local_sources])
 
         # TRL's reward metrics of the batch that trains, in place of those of each round
-        trained = trl_reward_metrics(rewards_per_func, self.reward_weights, self.reward_func_names, is_std_zero)
+        trained = trl_reward_metrics(rewards_per_func, trainer.reward_weights, trainer.reward_func_names, is_std_zero)
         for name, value in trained.items():
             del metrics[name][lengths_before.get(name, 0) :]
             metrics[name].append(value)
@@ -195,37 +189,37 @@ class DynamicSamplingMixin:
         generated = sum(r.frac_reward_zero_std for r in rounds) / len(rounds)
         metrics["dynamic_sampling/frac_reward_zero_std_generated"].append(generated)
         self._rewrite_completions_table(rounds, sources, advantages)
-        self._add_reward_spread(rewards_per_func, "train")
-        return output
+        return output, ScoredBatch(rewards_per_func, lengths, start)
 
-    def _scored_round(self, inputs: list[dict]) -> _Round:
+    def _scored_round(self, inputs: list[dict], stock) -> _Round:
         """TRL's `_generate_and_score_completions` on `inputs`, with what the plan needs of it."""
-        self._logs["extra"].clear()  # so that the columns left after the call are this round's (N values each)
-        output = super()._generate_and_score_completions(inputs)
+        trainer = self.trainer
+        trainer._logs["extra"].clear()  # so that the columns left after the call are this round's (N values each)
+        output = stock(inputs)
         unknown = sorted(set(output) - set(_ROW_TENSORS) - set(_RECOMPUTED))
         if unknown:  # the same keys on every process: all of them raise
             raise ValueError(
                 f"dynamic_sampling cannot assemble a batch that holds {unknown} (multimodal inputs): their tensors "
                 "are not one row per completion. Set dynamic_sampling=False for this model."
             )
-        rewards_per_func = self._last_rewards_per_func
+        scored = self.last_scored()
         _, is_std_zero, rewards = trl_advantages(
-            rewards_per_func,
-            self.reward_weights,
-            self.num_generations,
-            self.scale_rewards,
-            self.multi_objective_aggregation,
+            scored.rewards_per_func,
+            trainer.reward_weights,
+            trainer.num_generations,
+            trainer.scale_rewards,
+            trainer.multi_objective_aggregation,
         )
         logs = {
-            "prompt": list(self._logs["prompt"]),
-            "completion": list(self._logs["completion"]),
-            "rewards": {name: list(values) for name, values in self._logs["rewards"].items()},
-            "extra": {name: list(values) for name, values in self._logs["extra"].items()},
+            "prompt": list(trainer._logs["prompt"]),
+            "completion": list(trainer._logs["completion"]),
+            "rewards": {name: list(values) for name, values in trainer._logs["rewards"].items()},
+            "extra": {name: list(values) for name, values in trainer._logs["extra"].items()},
         }
         return _Round(
             output=output,
-            rewards_per_func=rewards_per_func,
-            informative=informative_groups(rewards, self.num_generations),
+            scored=scored,
+            informative=informative_groups(rewards, trainer.num_generations),
             frac_reward_zero_std=is_std_zero.float().mean().item(),
             logs=logs,
         )
@@ -234,10 +228,12 @@ class DynamicSamplingMixin:
         """This process's rows of a generation batch of fresh prompts, laid out as TRL's sampler lays them out (each
         prompt `num_generations` times in a row, the global batch split over the processes in order)."""
         if self._sampling_dataset is None:  # the columns the data loader hands out
-            self._sampling_dataset = self._remove_unused_columns(self.train_dataset, description="training")
-        prompts = self._prompt_stream.draw(num_groups)  # the same on every process
-        indices = [index for index in prompts for _ in range(self.num_generations)]
-        start = self.accelerator.process_index * local_rows
+            self._sampling_dataset = self.trainer._remove_unused_columns(
+                self.trainer.train_dataset, description="training"
+            )
+        prompts = self.stream.draw(num_groups)  # the same on every process
+        indices = [index for index in prompts for _ in range(self.trainer.num_generations)]
+        start = self.trainer.accelerator.process_index * local_rows
         return [self._sampling_dataset[index] for index in indices[start : start + local_rows]]
 
     def _check_processes_agree(self, local_rows: int, total_rows: int, informative: torch.Tensor, short: int) -> None:
@@ -247,16 +243,16 @@ class DynamicSamplingMixin:
         checksum = (flags * torch.arange(1, flags.numel() + 1, dtype=torch.float64, device=flags.device)).sum()
         mine = torch.stack([torch.tensor(float(local_rows), dtype=torch.float64, device=flags.device), checksum])
         mine = torch.cat([mine, torch.tensor([float(short)], dtype=torch.float64, device=flags.device)])
-        table = self.accelerator.gather(mine[None].to(self.accelerator.device)).view(-1, 3).cpu()
+        table = self.trainer.accelerator.gather(mine[None].to(self.trainer.accelerator.device)).view(-1, 3).cpu()
         if not torch.equal(table[:, 0], torch.full_like(table[:, 0], table[0, 0].item())):
             raise RuntimeError(
                 f"dynamic_sampling: the processes hold different numbers of rows ({table[:, 0].long().tolist()}) in "
                 "a generation batch; it needs the same number on every process (TRL's sampler with a map-style "
                 "dataset gives that)."
             )
-        if total_rows != local_rows * self.accelerator.num_processes:
+        if total_rows != local_rows * self.trainer.accelerator.num_processes:
             raise RuntimeError(
-                f"dynamic_sampling: {total_rows} rewards were gathered for {self.accelerator.num_processes} "
+                f"dynamic_sampling: {total_rows} rewards were gathered for {self.trainer.accelerator.num_processes} "
                 f"processes of {local_rows} rows each."
             )
         if not torch.equal(table, table[:1].expand_as(table)):
@@ -269,7 +265,9 @@ class DynamicSamplingMixin:
     def _assemble(self, rounds: list[_Round], local_sources: list[tuple[int, int]]) -> dict[str, Any]:
         """This process's batch: row `i` is row `local_sources[i][1]` of round `local_sources[i][0]`, padded again."""
         output = {}
-        pad_id = getattr(self.processing_class, "tokenizer", self.processing_class).pad_token_id  # TRL's pad token
+        pad_id = getattr(
+            self.trainer.processing_class, "tokenizer", self.trainer.processing_class
+        ).pad_token_id  # TRL's pad token
         for key, value in rounds[0].output.items():
             if key in _RECOMPUTED or value is None:
                 continue
@@ -279,28 +277,30 @@ class DynamicSamplingMixin:
                 rows,
                 padding_value=pad_id if padding == "pad" else padding,
                 padding_side=side,
-                pad_to_multiple_of=self.pad_to_multiple_of,
+                pad_to_multiple_of=self.trainer.pad_to_multiple_of,
             )
         loss_mask = output["completion_mask"]
         if "tool_mask" in output:
             loss_mask = loss_mask * output["tool_mask"]
-        output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()  # as TRL counts it
+        output["num_items_in_batch"] = self.trainer.accelerator.gather(loss_mask.sum()).sum()  # as TRL counts it
         return output
 
     def _rewrite_completions_table(self, rounds: list[_Round], sources, advantages: torch.Tensor) -> None:
         """TRL's completions table (`_logs`, one generation batch) holds the rows that train."""
         size = len(sources)
-        self._logs["prompt"] = deque((rounds[r].logs["prompt"][row] for r, row in sources), maxlen=size)
-        self._logs["completion"] = deque((rounds[r].logs["completion"][row] for r, row in sources), maxlen=size)
-        for name in self._logs["rewards"]:
-            column = self._logs["rewards"][name]
+        self.trainer._logs["prompt"] = deque((rounds[r].logs["prompt"][row] for r, row in sources), maxlen=size)
+        self.trainer._logs["completion"] = deque(
+            (rounds[r].logs["completion"][row] for r, row in sources), maxlen=size
+        )
+        for name in self.trainer._logs["rewards"]:
+            column = self.trainer._logs["rewards"][name]
             column.clear()
             column.extend(rounds[r].logs["rewards"][name][row] for r, row in sources)
-        self._logs["advantages"] = deque(advantages.tolist(), maxlen=size)
-        self._logs["extra"].clear()
+        self.trainer._logs["advantages"] = deque(advantages.tolist(), maxlen=size)
+        self.trainer._logs["extra"].clear()
         columns = sorted({name for r in rounds for name in r.logs["extra"]})
         for name in columns:
             values = [rounds[r].logs["extra"].get(name) for r, _ in sources]
-            self._logs["extra"][name].extend(
+            self.trainer._logs["extra"][name].extend(
                 None if column is None else column[row] for column, (_, row) in zip(values, sources, strict=True)
             )

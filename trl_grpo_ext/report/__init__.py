@@ -1,0 +1,11 @@
+"""What a person reads of a run, one module each:
+
+- `figure`: `report.png`, the training curves with the alarm episodes shaded;
+- `health`: one verdict per signal of a run's log history, from the alarm rules;
+- `command`: `trl-grpo-ext report RUN_DIR`;
+- `console`: the progress bar and one compact line per log step.
+"""
+
+from .figure import PANELS, build_report_figure, missing_panels, plot_training_report
+
+__all__ = ["PANELS", "build_report_figure", "missing_panels", "plot_training_report"]

@@ -1,0 +1,28 @@
+"""What is generated and trained, one module each:
+
+- `generation`: sampling exactly as GRPO training samples (prompts, settings, stops, decoding);
+- `heldout`: held-out evaluation during training (mean@n, pass@k), independent of the reward;
+- `dynamic`: dynamic sampling (DAPO's), replacing the groups without reward spread;
+- `plan`: dynamic sampling's decisions, as functions of gathered tensors (alike on every process);
+- `skipping`: exact skipping of the rows that cannot move the loss.
+"""
+
+from .generation import (
+    SamplingSettings,
+    eos_token_ids,
+    generate_completions,
+    preserved_rng,
+    sample_batch,
+    sampling_model,
+    tokenize_prompts,
+)
+
+__all__ = [
+    "SamplingSettings",
+    "eos_token_ids",
+    "generate_completions",
+    "preserved_rng",
+    "sample_batch",
+    "sampling_model",
+    "tokenize_prompts",
+]
