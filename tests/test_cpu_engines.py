@@ -11,7 +11,7 @@ from helpers import REPO, free_port
 
 from trl_grpo_ext.testing import enable_sharded_engines_on_cpu, requested_engine
 
-MODULE = os.path.join(REPO, "trl_grpo_ext", "recipes", "cpu_engines.py")
+MODULE = os.path.join(REPO, "trl_grpo_ext", "testing.py")
 LAUNCHER_ENV = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "LOCAL_RANK", "ACCELERATE_TORCH_DEVICE")
 needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the function does nothing")
 
@@ -50,7 +50,7 @@ def test_it_refuses_to_run_after_accelerate_state_exists(launcher_env):
     assert "ACCELERATE_TORCH_DEVICE" not in os.environ
 
 
-# One process of a launch (world size 1): the module loaded alone, so that only torch and accelerate are imported.
+# One process of a launch (world size 1): the module loaded alone (not the package), before accelerate is imported.
 PROBE = f"""
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("cpu_engines", {MODULE!r})
