@@ -9,8 +9,9 @@ expected to fail at the first weight sync.
 `spawned`: a plain `vllm.LLM`, whose engine vLLM spawns in processes of its own, with `enable_vllm_on_cpu()` called
 only here, under the `__main__` guard (the spawned processes never run it themselves: only the package's vLLM plugin
 can carry the shim there). Writes to `<output_json>` what the engine's worker holds (the element count of each
-weight), then loads perturbed weights into the engine and writes the log-probs that the engine and transformers (the
-same perturbed weights, float32) give the same greedy completion, and those of the original weights.
+weight); then loads perturbed weights (Gaussian noise of each tensor's spread added) into the engine, and writes the
+log-probs of its greedy completion as the engine gives them and as transformers (float32) gives them with the
+perturbed and with the original weights.
 """
 
 import json
@@ -30,9 +31,11 @@ def weight_sizes(worker) -> dict[str, int]:
     return {name: param.numel() for name, param in worker.model_runner.model.named_parameters()}
 
 
-def load_weights(worker, weights) -> None:
-    """Run in the engine's worker process: what TRL's weight sync does, with (name, tensor) pairs."""
-    worker.model_runner.model.load_weights(weights=weights)
+def load_weights(worker, path: str) -> None:
+    """Run in the engine's worker process: what TRL's weight sync does, with the tensors of a safetensors file."""
+    from safetensors.torch import load_file
+
+    worker.model_runner.model.load_weights(weights=list(load_file(path).items()))
 
 
 def completion_logps(model, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
@@ -63,6 +66,7 @@ def trl_without_shim(output_dir: str) -> None:
 
 def spawned(output_json: str) -> None:
     import torch
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trl_grpo_ext.testing import enable_vllm_on_cpu
@@ -77,12 +81,15 @@ def spawned(output_json: str) -> None:
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in perturbed.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.1 * param.std().clamp(min=1e-3))
+            param.add_(torch.randn(param.shape, generator=generator) * param.std().clamp(min=1e-3))
+
+    # What TRL streams: the named parameters (the tied LM head is the embedding).
+    weights = os.path.join(os.path.dirname(os.path.abspath(output_json)), "perturbed.safetensors")
+    save_file({name: param.detach().contiguous() for name, param in perturbed.named_parameters()}, weights)
 
     llm = LLM(model=DEMO_MODEL, max_model_len=32, seed=0, enforce_eager=True)
     result = {"weight_sizes": llm.collective_rpc(weight_sizes)[0], "env": os.environ.get("TRL_GRPO_EXT_VLLM_ON_CPU")}
-    # Every tensor of the state dict, tied LM head included, as TRL streams them.
-    llm.collective_rpc(load_weights, args=(list(perturbed.state_dict().items()),))
+    llm.collective_rpc(load_weights, args=(weights,))
     prompt_ids = tokenizer(PROMPT)["input_ids"]
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
     output = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0].outputs[0]

@@ -101,5 +101,5 @@ def test_an_engine_that_vllm_spawns_gets_the_shim_through_the_plugin(tmp_path):
         torch.tensor(found[key]) for key in ("engine_logps", "perturbed_logps", "original_logps")
     )
     # The engine (bfloat16) scores its greedy completion as the perturbed weights do, not as the ones it loaded first.
-    assert (engine - perturbed).abs().max() < 0.05
-    assert (perturbed - original).abs().max() > 4 * (engine - perturbed).abs().max()
+    assert (engine - perturbed).abs().max() < 0.1
+    assert (engine - original).abs().sum() > 10 * (engine - perturbed).abs().sum()
