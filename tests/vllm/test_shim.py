@@ -80,7 +80,8 @@ def test_sharing_refuses_other_engine_settings_by_name(shared_engine, monkeypatc
 
 @pytest.mark.slow
 def test_stock_trl_colocate_fails_at_the_first_weight_sync_without_the_shim(tmp_path):
-    result = run_script("engine_run.py", "trl-without-shim", tmp_path)
+    # This process enabled the shim (the session's engine): its variable would carry it into the child too.
+    result = run_script("engine_run.py", "trl-without-shim", tmp_path, unset=[VLLM_ON_CPU_ENV])
     assert result.returncode != 0
     assert "AttributeError: 'Parameter' object has no attribute 'weight_loader'" in result.stderr
     assert "sync_weights" in result.stderr  # at TRL's sync, not anywhere else
@@ -91,7 +92,7 @@ def test_an_engine_that_vllm_spawns_gets_the_shim_through_the_plugin(tmp_path):
     """`enable_vllm_on_cpu()` runs only in the parent; the engine's worker, two spawns away, keeps its weights too
     and samples with the weights loaded into it afterwards."""
     output = tmp_path / "spawned.json"
-    result = run_script("engine_run.py", "spawned", output)
+    result = run_script("engine_run.py", "spawned", output, unset=[VLLM_ON_CPU_ENV])  # set by the script's call only
     assert result.returncode == 0, result.stderr[-4000:]
     found = json.loads(output.read_text())
     assert found["env"] == "1", VLLM_ON_CPU_ENV

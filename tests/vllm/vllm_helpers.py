@@ -9,6 +9,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 DEMO_MODEL = os.path.join(REPO, "trl_grpo_ext", "recipes", "tiny", "base_model")
 DEMO_TRAIN = os.path.join(REPO, "trl_grpo_ext", "recipes", "tiny", "data", "train.jsonl")
+DISTRIBUTED_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def reversal_reward(completions, solution, **kwargs) -> list[float]:
@@ -47,9 +48,15 @@ def training_logs(log_history) -> list[dict]:
     return [entry for entry in log_history if "loss" in entry]
 
 
-def run_script(script: str, *args, timeout: int = 900) -> subprocess.CompletedProcess:
-    """A script of this folder in its own process (its own engine), with the test environment."""
+def run_script(script: str, *args, unset=(), timeout: int = 900) -> subprocess.CompletedProcess:
+    """A script of this folder in its own process (its own engine), with the test environment less `unset`."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    for name in unset:
+        env.pop(name, None)
+    # TRL's colocate mode sets these in this process for the shared engine's process group: a child that inherited
+    # them would take itself for a rank of that group and wait on its port.
+    for name in DISTRIBUTED_VARIABLES:
+        env.pop(name, None)
     command = [sys.executable, os.path.join(HERE, script), *map(str, args)]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
