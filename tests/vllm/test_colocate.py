@@ -1,6 +1,7 @@
 """TRL's colocate mode on vLLM's real CPU engine: stock TRL trains with the shim, `GRPOTrainerExt` trains step for
 step like it (every importance-sampling mode, LoRA), its sampler-mismatch metrics are those of vLLM's own log-probs,
-and the non-finite guard keeps a NaN step out of the engine's weights too.
+the non-finite guard keeps a NaN step out of the engine's weights too, dynamic sampling's extra rounds sample through
+the engine with one sync per step, and skipping zero-advantage rows changes nothing.
 
 All trainers of this module share the session's engine (`shared_engine`); each pushes its weights at its first
 generation. The engine runs in bfloat16 (vLLM's choice for a float32 checkpoint; TRL passes no dtype), the trainer
@@ -97,11 +98,11 @@ def restore_engine_generate():
         engine.__dict__.pop("generate", None)
 
 
-def train(trainer_class, args, dataset, tokenizer, **kwargs):
+def train(trainer_class, args, dataset, tokenizer, reward=reversal_reward, **kwargs):
     gradient = FirstGradient()
     trainer = recording(trainer_class)(
         model=DEMO_MODEL,
-        reward_funcs=reversal_reward,
+        reward_funcs=reward,
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
@@ -281,7 +282,8 @@ def test_the_mismatch_metrics_are_those_of_vllm_s_own_log_probs(
         # A bfloat16 engine against a float32 trainer: a small mismatch, not none (the metric sees it) and not a
         # large one (the engine samples with the trainer's current weights).
         assert 1e-6 < entry["sampling/sampler_k3_kl"] < 0.01
-        assert "sampling/importance_sampling_ratio/ess" in entry if correction else True
+        if correction:
+            assert "sampling/importance_sampling_ratio/ess" in entry
 
 
 def test_lora_trains_like_stock_trl_and_the_engine_holds_the_merged_weights(
@@ -377,3 +379,62 @@ def test_sleep_mode_is_refused_by_the_cpu_engine():
 
     with pytest.raises(ValueError, match="Sleep mode is not supported"):
         LLM(model=DEMO_MODEL, enable_sleep_mode=True, max_model_len=32)
+
+
+def half_constant_reward(prompts, completions, solution, **kwargs) -> list[float]:
+    """Constant for the prompts of at most 4 letters (their groups have no spread), the reversal reward otherwise."""
+    rewards = reversal_reward(completions, solution)
+    return [1.0 if len(prompt) <= 5 else value for prompt, value in zip(prompts, rewards, strict=True)]
+
+
+def counting_syncs(trainer) -> list[int]:
+    """The optimizer step (`global_step`) at each of the trainer's weight syncs into the engine."""
+    steps, sync = [], trainer.vllm_generation.sync_weights
+
+    def counted():
+        steps.append(trainer.state.global_step)
+        return sync()
+
+    trainer.vllm_generation.sync_weights = counted
+    return steps
+
+
+def test_dynamic_sampling_generates_its_extra_rounds_with_one_sync_per_step(
+    reversal_dataset, demo_tokenizer, tmp_path
+):
+    trainer = recording(GRPOTrainerExt)(
+        model=DEMO_MODEL,
+        reward_funcs=half_constant_reward,
+        args=GRPOConfigExt(**vllm_args(tmp_path, dynamic_sampling=True)),
+        train_dataset=reversal_dataset,
+        processing_class=demo_tokenizer,
+    )
+    syncs = counting_syncs(trainer)
+    trainer.train()
+    logs = training_logs(trainer.state.log_history)
+    assert syncs == [0, 1, 2]  # once per optimizer step, before its first round
+    rounds = [entry["dynamic_sampling/rounds"] for entry in logs]
+    assert sum(rounds) > 0 and len(trainer.outputs) == len(logs) + sum(rounds)  # extra rounds, each through vLLM
+    # Every round sampled with the step's weights, as the trainer scores them.
+    for batch in trainer.batches:
+        mask = batch["completion_mask"].bool()
+        assert (batch["old_per_token_logps"] - batch["sampling_per_token_logps"])[mask].abs().mean() < 0.05
+
+
+def test_skipping_zero_advantage_rows_changes_nothing_under_vllm(reversal_dataset, demo_tokenizer, tmp_path):
+    config = vllm_args(tmp_path, beta=0.0, loss_type="grpo")
+    skipping = train(
+        GRPOTrainerExt,
+        GRPOConfigExt(**config, skip_zero_advantage_rows=True),
+        reversal_dataset,
+        demo_tokenizer,
+        reward=half_constant_reward,
+    )
+    plain = train(
+        GRPOTrainerExt, GRPOConfigExt(**config), reversal_dataset, demo_tokenizer, reward=half_constant_reward
+    )
+    assert_same_batches(skipping, plain)
+    # `entropy` and `ratio/*` cover the rows that trained only (docs/sampling.md); the loss and gradient are exact.
+    exact = tuple(key for key in COMPARED if key != "entropy")
+    assert_same_logs(skipping, plain, exact + TRL_SAMPLING + ("loss/policy",))
+    assert all(entry["skipped_rows/fraction"] > 0 for entry in training_logs(skipping.state.log_history))
