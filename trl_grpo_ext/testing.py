@@ -246,11 +246,12 @@ def reuse_vllm_engine(max_num_seqs: int = 256) -> Iterator[None]:
     """Inside the block, TRL trainers in colocate mode (`use_vllm=True, vllm_mode="colocate"`) share one vLLM engine.
 
     TRL builds a `vllm.LLM` in each trainer's constructor, and a colocated engine can be built only once per process
-    (a second one fails: vLLM tears down the process group of the first). For tests and CPU trials that train several
-    runs in one process: the first trainer builds the engine, later ones get the same engine, and each pushes its own
-    weights into it at its first generation (TRL syncs before a trainer's first generation), so a run sees the weights
-    of its own policy only. Generation settings (temperature, `top_p`, ...) travel with each request and may differ
-    between trainers; engine settings may not, except the number of sequences per batch, up to `max_num_seqs`.
+    (a second one fails with `Default process group has not been initialized`). For tests and CPU trials that train
+    several runs in one process: the first trainer builds the engine, later ones get the same engine, and each pushes
+    its own weights into it at its first generation (TRL syncs before a trainer's first generation), so a run sees
+    the weights of its own policy only. Generation settings (temperature, `top_p`, ...) travel with each request and
+    may differ between trainers; engine settings may not, except the number of sequences per batch, up to
+    `max_num_seqs`. The engine outlives the block: a later block in the process shares it too.
 
     Args:
         max_num_seqs (`int`): the batch capacity the shared engine is built with (TRL asks for the trainer's batch
