@@ -22,6 +22,7 @@ The state that a resumed run needs is registered by name with `Checkpoints.regis
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
 from typing import Any
 
@@ -43,6 +44,8 @@ from .guardrails.launch import check_launch
 from .guardrails.reward_errors import guard_reward_funcs
 from .objective_inputs import entropy_bonus, gather_objective_inputs
 from .ops import LOSS_TYPES, policy_objective
+from .report.alerts import TrackerAlerts
+from .report.console import ConsoleCallback
 from .sampling.dynamic import DynamicSampler, ScoredBatch
 from .sampling.heldout import HeldoutEvaluator
 from .sampling.skipping import ZeroAdvantageRowSkipping, skipping_problems
@@ -50,6 +53,10 @@ from .sampling.skipping import ZeroAdvantageRowSkipping, skipping_problems
 logger = logging.get_logger(__name__)
 
 __all__ = ["GRPOTrainerExt"]
+
+# TRL's generation and PEFT read transformers' deprecated `is_gradient_checkpointing` (transformers >= 5.23) on their
+# own, in every run: a warning about nothing that a user of this trainer wrote or can change.
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 _TRL_PARAMETERS = list(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # without `self`
 
@@ -109,6 +116,9 @@ class GRPOTrainerExt(GRPOTrainer):
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = GRPOConfigExt(f"{model_name.split('/')[-1]}-GRPO")
+        if isinstance(model, str) and os.path.isdir(model):
+            # What the saved config and a LoRA adapter name as their base model: loadable from any folder.
+            model = os.path.abspath(model)
         # Before any model is loaded; GRPOConfigExt checked itself too, this covers a plain trl.GRPOConfig and a
         # configuration changed after construction.
         problems = config_problems(args) + config_problems(args, only_after_trl=True) + options_missing_from_trl(args)
@@ -146,6 +156,9 @@ class GRPOTrainerExt(GRPOTrainer):
         if option(args, "warn_on_anomalies"):
             # First in line, so that the loggers and the console after it see the `alarms/<name>` counts it adds.
             self.callback_handler.callbacks.insert(0, AnomalyMonitor.from_config(args))
+            TrackerAlerts.install(self)  # each alarm as a trackio / W&B alert, where report_to names them
+        if option(args, "console") == "compact":
+            ConsoleCallback.install(self)
 
     def _build_row_skipping(self, enabled: bool) -> ZeroAdvantageRowSkipping | None:
         if not enabled:
