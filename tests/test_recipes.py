@@ -189,7 +189,7 @@ def test_demo_run_leaves_a_hub_ready_output_folder(tmp_path):
     assert all(0.0 <= value <= 1.0 for value in result["after"].values())
     with open(output_dir / "checkpoint-4" / "trainer_state.json") as handle:
         logged = [entry for entry in json.load(handle)["log_history"] if names <= set(entry)]
-    assert [entry["step"] for entry in logged] == [2, 4]  # heldout_every_steps, during training
+    assert [entry["step"] for entry in logged] == [0, 2, 4]  # before training, then every heldout_every_steps
     files = set(os.listdir(output_dir))
     assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json"} <= files
     assert {"README.md", "report.png", "runs", "checkpoint-2", "checkpoint-4"} <= files
@@ -312,6 +312,12 @@ def test_demo_recipe_under_accelerate_launch_with_two_cpu_processes(tmp_path):
     assert (tmp_path / "ddp" / "README.md").is_file()
 
 
-def test_held_out_settings_without_held_out_prompts_are_refused_before_anything_loads():
-    with pytest.raises(ValueError, match="heldout_every_steps=5 needs eval_samples > 0"):
-        recipe.main(*recipe.parse_args(["--config", DEMO_CONFIG, "--eval_samples", "0", "--heldout_every_steps", "5"]))
+def test_eval_samples_0_switches_the_held_out_schedule_off_saying_so(monkeypatch, capsys):
+    import trl_grpo_ext.recipes.data
+
+    monkeypatch.setattr(trl_grpo_ext.recipes.data, "load_recipe_dataset", lambda *args, **kwargs: 1 / 0)
+    args = recipe.parse_args(["--config", DEMO_CONFIG, "--eval_samples", "0", "--heldout_every_steps", "5"])
+    with pytest.raises(ZeroDivisionError):  # stopped where the data would load
+        recipe.main(*args)
+    assert args[1].heldout_every_steps == 0
+    assert "eval_samples is 0: no held-out evaluation (heldout_every_steps=5 is left unused" in capsys.readouterr().out
