@@ -54,9 +54,15 @@ logger = logging.get_logger(__name__)
 
 __all__ = ["GRPOTrainerExt"]
 
-# TRL's generation and PEFT read transformers' deprecated `is_gradient_checkpointing` (transformers >= 5.23) on their
-# own, in every run: a warning about nothing that a user of this trainer wrote or can change.
-warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+# transformers 5.23 renamed the model's gradient-checkpointing methods; TRL and PEFT call the old names themselves
+# (`is_gradient_checkpointing` at every generation, `gradient_checkpointing_enable` / `_disable` around it): warnings
+# about nothing that a user of this trainer wrote or can change. (The config field's rename still warns: that name is
+# the user's.)
+warnings.filterwarnings(
+    "ignore",
+    message="`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)` is deprecated",
+    category=FutureWarning,
+)
 
 _TRL_PARAMETERS = list(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # without `self`
 
