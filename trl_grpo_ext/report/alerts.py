@@ -1,8 +1,9 @@
 """Alarms sent where people watch a run: a trackio alert (its dashboard, and the webhooks it posts to) and a W&B
 alert (e-mail, Slack), one per alarm episode, for the trackers that `report_to` names.
 
-`TrackerAlerts` runs after the `AnomalyMonitor` that gives the alarms (`guardrails.anomaly`): at each log step it
-sends the episodes the monitor opened since the step before, with their message (what happened and what to change).
+`TrackerAlerts` runs after the `AnomalyMonitor` that gives the alarms (`guardrails.anomaly`) and after the loggers:
+at each log step it sends the episodes the monitor opened since the step before, with their message (what happened
+and what to change).
 A tracker without a run in progress (TRL's logger callbacks start it at the beginning of training) is skipped, and a
 tracker that fails to take an alert is named once in a warning; training goes on.
 """
@@ -61,15 +62,15 @@ class TrackerAlerts(TrainerCallback):
 
     @classmethod
     def install(cls, trainer) -> TrackerAlerts | None:
-        """Put a `TrackerAlerts` right after `trainer`'s `AnomalyMonitor` (none without one: alarms are off)."""
+        """Add a `TrackerAlerts` for `trainer`'s `AnomalyMonitor` (none without one: alarms are off), last: after the
+        monitor and after the loggers, so that a trackio alert is filed at the step of the metrics just logged."""
         from ..guardrails.anomaly import AnomalyMonitor
 
-        callbacks = trainer.callback_handler.callbacks
-        index = next((i for i, callback in enumerate(callbacks) if isinstance(callback, AnomalyMonitor)), None)
-        if index is None:
+        monitor = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, AnomalyMonitor)), None)
+        if monitor is None:
             return None
-        alerts = cls(callbacks[index])
-        callbacks.insert(index + 1, alerts)
+        alerts = cls(monitor)
+        trainer.add_callback(alerts)
         return alerts
 
     def on_train_begin(self, args, state, control, **kwargs):
