@@ -343,7 +343,7 @@ def write_model_card(
             episodes=health.episodes,
         )
     except ImportError:  # the card is written at every checkpoint: said once
-        logger.warning_once("matplotlib is not installed: no report.png (pip install 'trl-grpo-ext[recipes]').")
+        logger.warning_once("matplotlib is not installed: no report.png (pip install matplotlib).")
     lora = lora_settings
     if lora is None and is_adapter:  # a model that came wrapped: its own config
         lora = user_lora_settings(unwrapped.peft_config["default"])

@@ -28,7 +28,6 @@ __all__ = [
 
 #: The loggers of `report_to` that transformers refuses only once the model is loaded when they are missing.
 CHECKED_LOGGERS = ("tensorboard", "trackio", "wandb")
-RECIPES_EXTRA = 'pip install "trl-grpo-ext[recipes]"'
 
 
 class ConfigError(ValueError):
@@ -258,9 +257,8 @@ def check_loggers_installed(report_to: list[str] | str | None) -> None:
     names = [report_to] if isinstance(report_to, str) else list(report_to or [])
     for name in names:
         if name in CHECKED_LOGGERS and not _logger_installed(name):
-            install = RECIPES_EXTRA if name == "tensorboard" else f"pip install {name}"
             raise ConfigError(
-                f"report_to names {name}, which is not installed: {install}, or leave it out of report_to."
+                f"report_to names {name}, which is not installed: pip install {name}, or leave it out of report_to."
             )
 
 
@@ -271,5 +269,5 @@ def drop_tensorboard_if_missing(training_args) -> bool:
         return False
     # After `TrainingArguments.__post_init__`, `report_to` is a list and "none" is `[]`.
     training_args.report_to = [name for name in training_args.report_to if name != "tensorboard"]
-    print(f"TensorBoard is not installed: this run writes no TensorBoard logs ({RECIPES_EXTRA} for them).")
+    print("TensorBoard is not installed: this run writes no TensorBoard logs (pip install tensorboard for them).")
     return True

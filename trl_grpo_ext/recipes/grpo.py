@@ -230,7 +230,7 @@ def output_summary(output_dir: str, since: float, logged: bool, logging_steps: f
         if not logged:
             reason = f"no training step was logged (the run was shorter than logging_steps={logging_steps:g})"
         elif importlib.util.find_spec("matplotlib") is None:
-            reason = "matplotlib is not installed (pip install 'trl-grpo-ext[recipes]')"
+            reason = "matplotlib is not installed (pip install matplotlib)"
         else:
             reason = "see the warnings above"
         line += f"; no report.png: {reason}"
