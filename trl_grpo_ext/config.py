@@ -263,8 +263,10 @@ class GRPOConfigExt(GRPOConfig):
     def __post_init__(self):
         if self.gradient_checkpointing is None and self.activation_checkpointing is None:
             self.activation_checkpointing = True  # TRL's default
-        if not _HAS_ACTIVATION_CHECKPOINTING and self.gradient_checkpointing is None:
-            self.gradient_checkpointing = self.activation_checkpointing
+        if not _HAS_ACTIVATION_CHECKPOINTING:  # the names mirror each other, as transformers >= 5.23 makes them
+            if self.gradient_checkpointing is None:
+                self.gradient_checkpointing = self.activation_checkpointing
+            self.activation_checkpointing = self.gradient_checkpointing
         if self.bf16 is None:
             self.bf16 = not self.fp16 and not self.use_cpu and is_torch_bf16_gpu_available()
         self.ratio_quantiles = [float(q) for q in self.ratio_quantiles]
