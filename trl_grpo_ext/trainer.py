@@ -82,11 +82,11 @@ class GRPOTrainerExt(GRPOTrainer):
     sampler/trainer mismatch with vLLM), keeps non-finite updates off the weights, warns about anomalies, names
     failing reward functions, writes crash-safe checkpoints that resume exactly, and writes a model card with a
     training report. The console shows a progress bar and one line of key signals per log step (`console`), and each
-    alarm also reaches trackio and W&B as an alert where `report_to` names them. With `heldout_metrics=[...]` (and `heldout_dataset`, or `eval_dataset`) it evaluates held-out
-    prompts with k sampled completions each, independently of the reward (`sampling.heldout`). Opt-in
-    (`GRPOConfigExt`): `dynamic_sampling` replaces the groups without reward spread by informative ones generated for
-    fresh prompts, and `skip_zero_advantage_rows` leaves the rows that cannot move the loss out of the training
-    forward, exactly.
+    alarm also reaches trackio and W&B as an alert where `report_to` names them. With `heldout_metrics=[...]` (and
+    `heldout_dataset`, or `eval_dataset`) it evaluates held-out prompts with k sampled completions each,
+    independently of the reward (`sampling.heldout`). Opt-in (`GRPOConfigExt`): `dynamic_sampling` replaces the
+    groups without reward spread by informative ones generated for fresh prompts, and `skip_zero_advantage_rows`
+    leaves the rows that cannot move the loss out of the training forward, exactly.
 
     Args:
         heldout_metrics (callable or list of callables, *optional*): metric functions with the reward-function
