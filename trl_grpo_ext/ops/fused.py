@@ -3,15 +3,16 @@
 Autograd through `objective.py`'s reference path keeps every `(N, T)` intermediate alive for the backward pass.
 Here `fused_terms` reduces the objective's terms to per-row sums and computes, in the same pass, the derivative of the
 loss with respect to `logp`, which is all the backward pass needs. With `x = logp - old_logp`, `r = exp(x)`,
-`D = ref_logp - logp` and `c_i` the aggregation's row weight:
+`D = ref_logp - logp`, the per-token objective `S - beta K` (the loss is `-J`, `S = -P`) and `c_i` the
+aggregation's row weight:
 
-    d(P_it + beta K_it) / dlogp_it = -A_i * r'(x_it) * [unclipped]  -  beta * (exp'(D_it) - 1)
-    d loss / dlogp_it              = c_i * d(P_it + beta K_it) / dlogp_it
+    d(S_it - beta K_it) / dlogp_it = A_i * r'(x_it) * [unclipped]  +  beta * (exp'(D_it) - 1)
+    d loss / dlogp_it              = -c_i * d(S_it - beta K_it) / dlogp_it
 
 `r'` and `exp'` are the derivatives of the exponential continued linearly above `EXP_LINEAR_ABOVE`, i.e.
 `exp(min(x, 20))`. The values `P`, `K` and the clip indicators come from the catalogue (`terms.clipped_term`,
-`numerics.kl_estimator`): the surrogate is written once, there. The pass keeps `d(P + beta K) / dlogp` in the
-computation dtype; the backward pass multiplies it in place by `c_i` and the incoming gradient and rounds it to the
+`numerics.kl_estimator`): the surrogate is written once, there. The pass keeps `d(S - beta K) / dlogp` in the
+computation dtype; the backward pass multiplies it in place by `-c_i` and the incoming gradient and rounds it to the
 dtype of `logp` once, as autograd through the reference does.
 
 `implementation="compiled"` runs `fused_terms` through `torch.compile` (one graph, `fullgraph=True`), which turns it
@@ -78,7 +79,7 @@ def domain_problems(
 
 
 def fused_terms(logp, old_logp, ref_logp, advantages, mask, epsilon_low, epsilon_high, beta, use_ref, dtype, keep):
-    """Per-row sums of the objective's terms and `d(P + beta K) / dlogp`, for `n` rows (a block of them, or all).
+    """Per-row sums of the objective's terms and `d(S - beta K) / dlogp`, for `n` rows (a block of them, or all).
 
     Args:
         logp, old_logp, ref_logp (`torch.Tensor` of shape `(n, T)`): detached; any values where `mask` is False.
@@ -93,7 +94,7 @@ def fused_terms(logp, old_logp, ref_logp, advantages, mask, epsilon_low, epsilon
     Returns:
         `(tokens, policy_rows, kl_rows, low_rows, high_rows, grad, per_token)`: `(n,)` sums over each row's
         completion tokens of 1, `P`, `K` and the low- and high-clipped indicators; `grad`, `(n, T)`,
-        `d(P + beta K) / dlogp` (0 at masked positions); `per_token`, with `keep`, the `(n, T)` values `(log_ratio,
+        `d(S - beta K) / dlogp` (0 at masked positions); `per_token`, with `keep`, the `(n, T)` values `(log_ratio,
         ratio, per_token_kl, is_low_clipped, is_high_clipped, advantages)` (0 or False at masked positions), else
         `None`.
     """
@@ -101,8 +102,8 @@ def fused_terms(logp, old_logp, ref_logp, advantages, mask, epsilon_low, epsilon
         logp, old_logp, advantages, mask, epsilon_low, epsilon_high, dtype, keep
     )
     if use_ref:
-        kl_rows, kl_grad, per_token_kl = _kl_part(logp, ref_logp, mask, dtype, keep)
-        grad = grad + beta * kl_grad
+        kl_rows, kl_minus_grad, per_token_kl = _kl_part(logp, ref_logp, mask, dtype, keep)
+        grad = grad + beta * kl_minus_grad  # d(S - beta K)/dlogp = dS/dlogp - beta dK/dlogp
     else:
         kl_rows = torch.zeros_like(policy_rows)
         per_token_kl = torch.zeros_like(grad) if keep else None
@@ -118,26 +119,26 @@ def fused_terms(logp, old_logp, ref_logp, advantages, mask, epsilon_low, epsilon
 
 
 def _policy_part(logp, old_logp, advantages, mask, epsilon_low, epsilon_high, dtype, keep):
-    """`sum_t P_it`, the clip indicators, `dP/dlogp` and, with `keep`, `(log_ratio, ratio, advantages)`."""
+    """`sum_t P_it`, the clip indicators, `dS/dlogp` and, with `keep`, `(log_ratio, ratio, advantages)`."""
     # Selected, not multiplied by the mask: masked positions may hold NaN or inf. With A = 0 and r = 0 there, P and
     # its derivative are 0 and no token is clipped; the per-token values are 0 there too, as `keep` returns them.
     log_ratio = torch.where(mask, logp.to(dtype) - old_logp.to(dtype), 0.0)
     ratio = torch.where(mask, exp_linear_above(log_ratio), 0.0)
     advantages = torch.where(mask, advantages.to(dtype), 0.0)
     policy, low, high = clipped_term(ratio, advantages, logp, epsilon_low=epsilon_low, epsilon_high=epsilon_high)
-    # dP/dlogp = -A r'(x) where the surrogate is unclipped, 0 on its flat parts
-    grad = torch.where(low | high, 0.0, -advantages * torch.exp(log_ratio.clamp(max=EXP_LINEAR_ABOVE)))
+    # dS/dlogp = A r'(x) where the surrogate is unclipped, 0 on its flat parts
+    grad = torch.where(low | high, 0.0, advantages * torch.exp(log_ratio.clamp(max=EXP_LINEAR_ABOVE)))
     values = (log_ratio, ratio, advantages) if keep else None
     return policy.sum(dim=-1), low, high, grad, values
 
 
 def _kl_part(logp, ref_logp, mask, dtype, keep):
-    """`sum_t K_it`, `dK/dlogp` and, with `keep`, `K`."""
+    """`sum_t K_it`, `-dK/dlogp` and, with `keep`, `K`."""
     d = torch.where(mask, ref_logp.to(dtype) - logp.to(dtype), 0.0)
     per_token_kl = kl_estimator(d)
-    # dK/dlogp = -(exp'(D) - 1); 0 where masked (D = 0 there)
-    grad = -torch.expm1(d.clamp(max=EXP_LINEAR_ABOVE))
-    return per_token_kl.sum(dim=-1), grad, per_token_kl if keep else None
+    # -dK/dlogp = exp'(D) - 1; 0 where masked (D = 0 there)
+    minus_grad = torch.expm1(d.clamp(max=EXP_LINEAR_ABOVE))
+    return per_token_kl.sum(dim=-1), minus_grad, per_token_kl if keep else None
 
 
 def _blocks_of_rows(logp, old_logp, ref_logp, advantages, mask, *hyperparameters, use_ref, dtype, keep):
@@ -213,7 +214,7 @@ def _run_terms(compiled: bool, *arguments, use_ref: bool, dtype: torch.dtype, ke
 
 
 class _FusedLoss(torch.autograd.Function):
-    """The loss value, computed from the row sums, with the precomputed `d(P + beta K) / dlogp` and row weights."""
+    """The loss value, computed from the row sums, with the precomputed `d(S - beta K) / dlogp` and row weights."""
 
     @staticmethod
     def forward(ctx, logp, value, grad, row_weights):
@@ -236,10 +237,10 @@ class _FusedLoss(torch.autograd.Function):
             )
         ctx.used = True
         grad, row_weights = ctx.saved_tensors
-        # d loss / dlogp_it = c_i * d(P_it + beta K_it) / dlogp_it, times the incoming gradient. In place: the saved
+        # d loss / dlogp_it = -c_i * d(S_it - beta K_it) / dlogp_it, times the incoming gradient. In place: the saved
         # gradient is this call's own buffer, so no second (N, T) buffer is needed (nor a copy for `logp.grad` in
         # float32); it is rounded to the dtype of `logp` once, at the end, as autograd through the reference does.
-        return grad.mul_((row_weights * grad_output).unsqueeze(-1)).to(ctx.logp_dtype), None, None, None
+        return grad.mul_((-row_weights * grad_output).unsqueeze(-1)).to(ctx.logp_dtype), None, None, None
 
 
 def fused_loss(inputs, row_weights_of, *, epsilon_low, epsilon_high, beta, compiled, keep):
