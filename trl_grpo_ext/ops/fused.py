@@ -98,6 +98,7 @@ def fused_terms(logp, old_logp, ref_logp, advantages, mask, epsilon_low, epsilon
         ratio, per_token_kl, is_low_clipped, is_high_clipped, advantages)` (0 or False at masked positions), else
         `None`.
     """
+    logp = logp.to(dtype)  # once, for both halves (a no-op when it is already in the computation dtype)
     policy_rows, low, high, grad, policy_values = _policy_part(
         logp, old_logp, advantages, mask, epsilon_low, epsilon_high, dtype, keep
     )
@@ -120,21 +121,24 @@ def fused_terms(logp, old_logp, ref_logp, advantages, mask, epsilon_low, epsilon
 
 def _policy_part(logp, old_logp, advantages, mask, epsilon_low, epsilon_high, dtype, keep):
     """`sum_t P_it`, the clip indicators, `dS/dlogp` and, with `keep`, `(log_ratio, ratio, advantages)`."""
-    # Selected, not multiplied by the mask: masked positions may hold NaN or inf. With A = 0 and r = 0 there, P and
-    # its derivative are 0 and no token is clipped; the per-token values are 0 there too, as `keep` returns them.
-    log_ratio = torch.where(mask, logp.to(dtype) - old_logp.to(dtype), 0.0)
-    ratio = torch.where(mask, exp_linear_above(log_ratio), 0.0)
+    # The inputs are selected, not multiplied by the mask: masked positions may hold NaN or inf. There x = 0 (r = 1)
+    # and A = 0, so P and its derivative are 0 and no token is clipped; all that follows is finite.
+    log_ratio = torch.where(mask, logp - old_logp.to(dtype), 0.0)
+    ratio = exp_linear_above(log_ratio)
+    if keep:  # as returned, the ratio is 0 where masked; with A = 0 there, the term is the same with r = 0 or 1
+        ratio = torch.where(mask, ratio, 0.0)
     advantages = torch.where(mask, advantages.to(dtype), 0.0)
     policy, low, high = clipped_term(ratio, advantages, logp, epsilon_low=epsilon_low, epsilon_high=epsilon_high)
-    # dS/dlogp = A r'(x) where the surrogate is unclipped, 0 on its flat parts
-    grad = torch.where(low | high, 0.0, advantages * torch.exp(log_ratio.clamp(max=EXP_LINEAR_ABOVE)))
+    # dS/dlogp = A r'(x) where the surrogate is unclipped, 0 on its flat parts. A product with the indicator, not a
+    # select: the factors are finite, and on a CPU an eager select costs several times a product.
+    grad = advantages * torch.exp(log_ratio.clamp(max=EXP_LINEAR_ABOVE)) * ~(low | high)
     values = (log_ratio, ratio, advantages) if keep else None
     return policy.sum(dim=-1), low, high, grad, values
 
 
 def _kl_part(logp, ref_logp, mask, dtype, keep):
     """`sum_t K_it`, `-dK/dlogp` and, with `keep`, `K`."""
-    d = torch.where(mask, ref_logp.to(dtype) - logp.to(dtype), 0.0)
+    d = torch.where(mask, ref_logp.to(dtype) - logp, 0.0)
     per_token_kl = kl_estimator(d)
     # -dK/dlogp = exp'(D) - 1; 0 where masked (D = 0 there)
     minus_grad = torch.expm1(d.clamp(max=EXP_LINEAR_ABOVE))
