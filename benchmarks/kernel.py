@@ -5,7 +5,7 @@ Sides, all on the same inputs (log-probs `(N, T)` near policy, a right-padded in
 - `seed000`: the source lesson's `compute_grpo_loss` (token-level mean over the batch), eager;
 - `trl_inline`: the same objective written the way TRL 1.16's `_compute_loss` writes it inline for
   `loss_type="grpo"` (multiply by the mask, per-sequence mean), eager;
-- `reference`, `fused`, `compiled`: the documents' objective (`grpo_loss`'s row of `policy_objective`) with
+- `reference`, `fused`, `compiled`: DeepSeekMath's objective (`grpo_loss`'s row of `policy_objective`) with
   `implementation=...` and `per_token=False`: the loss and its gradient, what the two baselines compute;
 - `fused+per_token`, `compiled+per_token`: `grpo_loss(..., implementation=...)`, which also returns the per-token
   ratios, KL terms and clip masks (`per_token=True`, what the trainer asks for while it logs its diagnostics).
