@@ -177,7 +177,7 @@ def assert_one_gather_per_log_step(ranks: list[dict]) -> None:
         assert calls["total"] > calls["ours"]  # the engine's own collectives were counted by the same hooks
 
 
-# Held-out evaluation shared by tests/test_heldout.py and tests/distributed_run.py's `heldout` phase: 11 prompts in
+# Held-out evaluation shared by tests/test_sampling_heldout.py and tests/distributed_run.py's `heldout` phase: 11 prompts in
 # chunks of 2 (6 chunks, 4 completions each): two processes get unequal shares.
 HELDOUT_PROMPTS = [
     f"{letters}=" for letters in ("abc", "hello", "xyz", "qq", "aaa", "bcd", "zz", "kite", "ab", "q", "a")

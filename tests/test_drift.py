@@ -108,7 +108,7 @@ def test_the_forwarded_model_inputs_are_trl_s():
 @pytest.mark.slow
 def test_the_entropy_bonus_is_trl_s(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
     """The copied controller moves the coefficient as TRL's does, step for step (GA 2, entropy below target)."""
-    from test_variants import train_logs
+    from test_trainer_loss_types import train_logs
 
     options = {"loss_type": "grpo", "beta": 0.04, "use_adaptive_entropy": True, "entropy_coef": 0.01}
     options["entropy_target"] = 5.0
@@ -123,7 +123,7 @@ def test_the_entropy_bonus_is_trl_s(tiny_model_path, tiny_tokenizer, prompt_data
 def test_the_sampler_mismatch_bounds_are_trl_s(mode, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
     """The entries `sampler_mismatch` calls outside the bounds are exactly those TRL's correction changed."""
     import trl.trainer.grpo_trainer
-    from test_variants import SamplerStandIn
+    from test_trainer_loss_types import SamplerStandIn
 
     from trl_grpo_ext.diagnostics.mismatch import sampler_mismatch
 

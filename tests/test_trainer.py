@@ -1,5 +1,5 @@
 """`GRPOTrainerExt` against stock TRL with DeepSeekMath's GRPO objective, and its LoRA behaviour (other TRL options:
-`test_variants.py`)."""
+`test_trainer_loss_types.py`)."""
 
 import gc
 

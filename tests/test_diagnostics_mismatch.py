@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from helpers import count_a_reward, tiny_grpo_args
-from test_variants import SamplerStandIn, assert_same_logs, train_logs
+from test_trainer_loss_types import SamplerStandIn, assert_same_logs, train_logs
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
