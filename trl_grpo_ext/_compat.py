@@ -182,13 +182,13 @@ TRL_COPIES = (
         "trl_grpo_ext.sampling.plan.trl_advantages",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (advantages from the gathered "
         "rewards: group, batch or no scaling, sum_then_normalize or normalize_then_sum)",
-        "tests/test_sampling_dynamic.py::test_advantages_and_reward_metrics_of_a_batch_are_trl_s",
+        "tests/test_sampling_plan.py::test_advantages_and_reward_metrics_of_a_batch_are_trl_s",
     ),
     (
         "trl_grpo_ext.sampling.plan.trl_reward_metrics",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (reward, reward_std, "
         "frac_reward_zero_std, rewards/<name>/mean and std)",
-        "tests/test_sampling_dynamic.py::test_advantages_and_reward_metrics_of_a_batch_are_trl_s",
+        "tests/test_sampling_plan.py::test_advantages_and_reward_metrics_of_a_batch_are_trl_s",
     ),
     (
         "trl_grpo_ext.sampling.generation.sample_batch",
