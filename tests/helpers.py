@@ -18,8 +18,8 @@ from trl_grpo_ext.diagnostics import CORE_BIN_WIDTH
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = os.path.join(REPO, "recipes")
 ACCELERATE_CONFIGS = os.path.join(RECIPES, "accelerate_configs")
-DISTRIBUTED_RUN = os.path.join(REPO, "tests", "distributed_run.py")
-# tests/distributed_run.py: gradient_accumulation_steps=2, logging_steps=1
+LAUNCHED = os.path.join(REPO, "tests", "launched.py")
+# tests/launched.py's two-process runs: gradient_accumulation_steps=2, logging_steps=1
 MICRO_BATCHES_PER_LOG = 2
 
 
@@ -224,8 +224,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(config: str, script_args, *, check: bool = True) -> subprocess.CompletedProcess:
-    """`accelerate launch` with `recipes/accelerate_configs/<config>` (two processes), on the CPU."""
+def launched_env(**variables) -> dict:
+    """This process's environment for the processes of tests/launched.py: no GPU, one thread each, the Hub offline."""
+    return dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **variables)
+
+
+def harness_command(output_dir, model_path, phases, *options) -> list[str]:
+    """The arguments of tests/launched.py: its `phases` (names, in order) with `options`, e.g. `--save_steps 3`."""
+    return [LAUNCHED, str(output_dir), str(model_path), "--phases", ",".join(phases), *map(str, options)]
+
+
+def launch(config: str, output_dir, model_path, phases, *options, check: bool = True) -> subprocess.CompletedProcess:
+    """tests/launched.py's `phases` under `accelerate launch` with `recipes/accelerate_configs/<config>` (two
+    processes), on the CPU."""
     command = [
         sys.executable,
         "-m",
@@ -234,17 +245,22 @@ def launch(config: str, script_args, *, check: bool = True) -> subprocess.Comple
         os.path.join(ACCELERATE_CONFIGS, config),
         "--main_process_port",
         str(free_port()),
-        *map(str, script_args),
+        *harness_command(output_dir, model_path, phases, *options),
     ]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=launched_env(), cwd=REPO)
     if check:
         assert result.returncode == 0, result.stderr[-4000:]
     return result
 
 
+def run_alone(output_dir, model_path, phases, *options, env: dict | None = None) -> subprocess.CompletedProcess:
+    """tests/launched.py's `phases` in one process of this Python, without a launcher; `env`: more variables."""
+    command = [sys.executable, *harness_command(output_dir, model_path, phases, *options)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=launched_env(**(env or {})))
+
+
 def phase_results(output_dir, phase: str, num_processes: int = 2) -> list[dict]:
-    """What each process of a tests/distributed_run.py phase saved."""
+    """What each process of a tests/launched.py phase saved."""
     return [
         torch.load(os.path.join(output_dir, phase, f"rank{rank}.pt"), weights_only=False)
         for rank in range(num_processes)
@@ -252,7 +268,7 @@ def phase_results(output_dir, phase: str, num_processes: int = 2) -> list[dict]:
 
 
 def assert_logged_statistics_are_those_of_both_processes_pooled(ranks: list[dict]) -> None:
-    """Every logged diagnostic of a tests/distributed_run.py `reference` run equals that of the pooled records."""
+    """Every logged diagnostic of a tests/launched.py `reference` run equals that of the pooled records."""
     logs = [entry for entry in ranks[0]["log_history"] if "loss" in entry]
     steps = [rank["records"]["steps"] for rank in ranks]
     assert len(logs) * MICRO_BATCHES_PER_LOG == len(steps[0]) == len(steps[1])
@@ -325,7 +341,7 @@ def assert_logged_statistics_are_those_of_both_processes_pooled(ranks: list[dict
 
 
 def assert_one_gather_per_log_step(ranks: list[dict]) -> None:
-    """The diagnostics of a tests/distributed_run.py `reference` run made one collective per log step, no more."""
+    """The diagnostics of a tests/launched.py `reference` run made one collective per log step, no more."""
     for rank in ranks:
         calls = rank["collectives"]
         assert rank["records"]["log_calls"] == len([entry for entry in rank["log_history"] if "loss" in entry]) > 0
@@ -334,7 +350,7 @@ def assert_one_gather_per_log_step(ranks: list[dict]) -> None:
         assert calls["total"] > calls["ours"]  # the engine's own collectives were counted by the same hooks
 
 
-# Held-out evaluation shared by tests/test_sampling_heldout.py and tests/distributed_run.py's `heldout` phase: 11
+# Held-out evaluation shared by tests/test_sampling_heldout.py and tests/launched.py's `heldout` phase: 11
 # prompts in chunks of 2 (6 chunks, 4 completions each): two processes get unequal shares.
 HELDOUT_PROMPTS = [
     f"{letters}=" for letters in ("abc", "hello", "xyz", "qq", "aaa", "bcd", "zz", "kite", "ab", "q", "a")
@@ -360,7 +376,7 @@ def heldout_arguments(*metrics) -> dict:
 
 
 def heldout_in_one_process(model_path, output_dir) -> dict:
-    """What tests/distributed_run.py's `heldout` phase evaluates, computed by one process (its sampling settings)."""
+    """What tests/launched.py's `heldout` phase evaluates, computed by one process (its sampling settings)."""
     from datasets import Dataset
     from transformers import AutoTokenizer
 

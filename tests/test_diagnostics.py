@@ -1,13 +1,10 @@
 """Diagnostics: each statistic against an independent recomputation, and what a training run logs."""
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import train_logs
+from helpers import run_alone, train_logs
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt, grpo_loss
 from trl_grpo_ext.diagnostics import (
@@ -384,11 +381,9 @@ def trackio_rows(trackio_dir, project: str) -> list[tuple[int, dict]]:
 
 
 def run_with_logger(tmp_path, tiny_model_path, report_to: str, **env) -> None:
-    """tests/logger_run.py: two steps (the second off-policy) reporting to `report_to`, with `env` set."""
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "logger_run.py")
-    environment = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **env)
-    command = [sys.executable, script, str(tmp_path / "run"), tiny_model_path, report_to]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
+    """tests/launched.py's `logger` phase: two steps (the second off-policy) reporting to `report_to`, with `env`
+    set."""
+    result = run_alone(tmp_path / "run", tiny_model_path, ["logger"], "--report_to", report_to, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
 
 

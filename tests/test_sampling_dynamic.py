@@ -2,10 +2,7 @@
 rounds are bounded, nothing changes where nothing is dropped, and a killed run resumes exactly."""
 
 import math
-import os
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +12,8 @@ from helpers import (
     count_a_reward,
     half_constant_reward,
     make_trainer,
+    phase_results,
+    run_alone,
     tiny_grpo_args,
     tiny_lora,
 )
@@ -251,7 +250,6 @@ def test_an_iterable_dataset_or_no_extra_round_is_refused(tiny_model_path, tiny_
         )
 
 
-CRASH_RUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_run.py")
 COMPARED = (
     "loss",
     "grad_norm",
@@ -265,11 +263,8 @@ COMPARED = (
 
 @pytest.mark.slow
 def test_a_killed_run_with_dynamic_sampling_resumes_to_the_logs_of_the_uninterrupted_run(tiny_model_path, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
-
-    def run(output_dir, *extra):
-        command = [sys.executable, CRASH_RUN, str(output_dir), tiny_model_path, "--dynamic_sampling", *extra]
-        return subprocess.run(command, capture_output=True, text=True, env=env)
+    def run(output_dir, *extra):  # tests/launched.py's crash and resume run, in <output_dir>/checkpointed
+        return run_alone(output_dir, tiny_model_path, ["checkpointed"], "--dynamic_sampling", *extra)
 
     reference = run(tmp_path / "reference", "--save_steps", "100")
     assert reference.returncode == 0, reference.stderr[-3000:]
@@ -279,11 +274,9 @@ def test_a_killed_run_with_dynamic_sampling_resumes_to_the_logs_of_the_uninterru
     resumed = run(tmp_path / "run", "--save_steps", "3", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
-    import json
-
     def logs(output_dir):
-        with open(output_dir / "log_history.json") as handle:
-            return {entry["step"]: entry for entry in json.load(handle) if "loss" in entry}
+        (saved,) = phase_results(output_dir, "checkpointed", num_processes=1)
+        return {entry["step"]: entry for entry in saved["log_history"] if "loss" in entry}
 
     expected, got = logs(tmp_path / "reference"), logs(tmp_path / "run")
     assert any(entry.get("dynamic_sampling/rounds", 0) > 0 for step, entry in expected.items() if step > 3)
