@@ -327,8 +327,8 @@ def test_the_card_keeps_every_tag_and_heading_of_stock_trl_s_card(
     tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, monkeypatch
 ):
     """Stock TRL 1.16's card for the same run (on Hugging Face Jobs, with W&B, trackio and Comet runs): each of its
-    front-matter fields (but `licence: license`, TRL's placeholder), each tag, each heading (same level, same order),
-    its tracked-run badges and paper line, framework versions and citations are in this package's card."""
+    front-matter fields (`licence: license`, TRL's placeholder, included), each tag, each heading (same level, same
+    order), its tracked-run badges and paper line, framework versions and citations are in this package's card."""
     monkeypatch.setenv("JOB_ID", "0123abcd")
     fake_active_runs_for_stock_trl(monkeypatch)
     stock, ours = stock_and_ext_cards(
@@ -337,7 +337,7 @@ def test_the_card_keeps_every_tag_and_heading_of_stock_trl_s_card(
     stock_front, our_front = front_matter(stock), front_matter(ours)
     assert {"generated_from_trainer", "trl", "grpo", "hf_jobs", f"trackio:{TRACKIO_URL}"} <= set(stock_front["tags"])
     assert set(stock_front["tags"]) <= set(our_front["tags"])
-    assert stock_front.pop("licence") == "license" and "licence" not in our_front
+    assert stock_front["licence"] == our_front["licence"] == "license"
     assert {key: our_front.get(key) for key in stock_front if key != "tags"} == {
         key: value for key, value in stock_front.items() if key != "tags"
     }

@@ -41,6 +41,16 @@ STREAMS = {
         [2, 7],
     ),
     "truncation": ([{"completions/clipped_ratio": v} for v in (0.6, 0.9, 0.1, 0.7)], [0, 3]),
+    "unscored": (
+        [
+            {"rewards/parse/mean": float("nan"), "frac_reward_unscored": 1.0},  # the function scored nothing
+            {"rewards/parse/mean": float("nan"), "frac_reward_unscored": 1.0},
+            {"rewards/parse/mean": 0.4, "frac_reward_unscored": 0.1},
+            {"rewards/parse/mean": 0.4, "frac_reward_unscored": 0.7},  # most completions scored by no function
+        ],
+        [0, 3],
+    ),
+    "no_gradient": ([{"grad_norm": v} for v in (0.0, 0.0, 0.0, 0.0, 0.3, 0.0, 0.0, 0.0)], [2, 7]),
     "clip_fraction": ([{"clip_ratio/region_mean": v} for v in (0.3, 0.3, 0.3, 0.3, 0.1, 0.3, 0.3, 0.3)], [2, 7]),
     "ratio_p95": ([{"ratio/p95": v} for v in (2.0, 2.0, 1.1, float("inf"))], [0, 3]),
     "ratio_max": ([{"ratio/max": v} for v in (500.0, 500.0, 2.0, float("nan"))], [0, 3]),
@@ -288,3 +298,29 @@ class TestOnRealRuns:
             max_completion_length=16,
         )
         assert "length_in_group" not in monitor_of(trainer).counts
+
+
+def test_under_dynamic_sampling_the_length_alarms_read_the_batch_that_trains():
+    """`completions/*` count every generated round, `reward` is the trained batch's: the rules pair the reward with
+    the trained batch's length and truncation."""
+    drifting = [
+        {"reward": 0.1 * i, "completions/mean_length": 10.0, "dynamic_sampling/trained_mean_length": 10.0 + 3 * i}
+        for i in range(8)
+    ]
+    assert fired_at(drifting, "length_drift")[0] == [5]
+    steady = [
+        {**entry, "completions/mean_length": entry["dynamic_sampling/trained_mean_length"]} for entry in drifting
+    ]
+    steady = [{**entry, "dynamic_sampling/trained_mean_length": 10.0} for entry in steady]
+    assert fired_at(steady, "length_drift")[0] == []
+    flat = {"reward_std/frac_zero_groups": 1.0, "completions/clipped_ratio": 0.1}
+    _, messages, _ = fired_at([{**flat, "dynamic_sampling/trained_clipped_ratio": 1.0}] * 3, "no_spread")
+    assert "Truncation is the likely cause: 100%" in messages[0]
+
+
+def test_the_spread_alarms_judge_the_groups_when_the_package_logs_them():
+    """Under scale_rewards="batch" TRL's frac_reward_zero_std tests the batch's std: 0 for flat groups."""
+    entry = {"frac_reward_zero_std": 0.0, "reward_std/frac_zero_groups": 1.0}
+    assert fired_at([entry], "zero_std")[0] == [0]
+    assert fired_at([entry] * 3, "no_spread")[0] == [2]
+    assert fired_at([{"frac_reward_zero_std": 1.0}] * 3, "no_spread")[0] == [2]  # a stock TRL history

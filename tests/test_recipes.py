@@ -178,7 +178,16 @@ def test_demo_run_leaves_a_hub_ready_output_folder(tmp_path):
     assert all(0.0 <= value <= 1.0 for value in result["after"].values())
     with open(output_dir / "checkpoint-4" / "trainer_state.json") as handle:
         logged = [entry for entry in json.load(handle)["log_history"] if names <= set(entry)]
-    assert [entry["step"] for entry in logged] == [2, 4]  # heldout_every_steps, during training
+    assert [entry["step"] for entry in logged] == [0, 2, 4]  # before training, then every heldout_every_steps
+    assert logged[0] == {**result["before"], "step": 0}
+    # The output folder's state has the evaluation after training too: `report` reads the held-out curve.
+    with open(output_dir / "trainer_state.json") as handle:
+        logged = [entry for entry in json.load(handle)["log_history"] if names <= set(entry)]
+    assert [entry["step"] for entry in logged] == [0, 2, 4, 4] and logged[-1] == {**result["after"], "step": 4}
+    from trl_grpo_ext.report.health import assess
+
+    (held_out,) = [signal for signal in assess(logged).signals if signal.signal.name == "held-out metric"]
+    assert held_out.verdict != "missing" and "heldout/exact_match/mean@2" in held_out.detail
     files = set(os.listdir(output_dir))
     assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json"} <= files
     assert {"README.md", "report.png", "runs", "checkpoint-2", "checkpoint-4"} <= files

@@ -84,3 +84,22 @@ def test_the_recipe_console_is_compact_by_default_and_raw_one_flag_away():
     assert script_args.console == "compact"
     script_args, _, _ = recipe.parse_args(["--model_name_or_path", "m", "--output_dir", "o", "--console", "raw"])
     assert script_args.console == "raw"
+
+
+def test_a_resumed_run_does_not_repeat_the_alarms_given_before_it(tmp_path, capsys):
+    """The last entry of a checkpoint's history may be a held-out evaluation, without alarm counts: the counts given
+    before come from the whole history."""
+    console = ConsoleCallback()
+    args = GRPOConfigExt(**tiny_grpo_args(tmp_path))  # disable_tqdm: no bar, the lines are printed
+    state = TrainerState(max_steps=4, global_step=2)
+    state.log_history = [
+        {"loss": 0.1, "step": 1, "alarms/zero_std": 1},
+        {"loss": 0.1, "step": 2, "alarms/zero_std": 1, "alarms/truncation": 1},
+        {"heldout/exact_match/mean@1": 0.5, "step": 2},  # the held-out pass at the save step: no counts
+    ]
+    console.on_train_begin(args, state, TrainerControl())
+    state.global_step = 3
+    console.on_log(args, state, TrainerControl(), logs={**TRAIN, "alarms/zero_std": 1, "alarms/truncation": 1})
+    assert "ALARM" not in capsys.readouterr().out
+    console.on_log(args, state, TrainerControl(), logs={**TRAIN, "alarms/zero_std": 2, "alarms/truncation": 1})
+    assert capsys.readouterr().out.rstrip().endswith("| ALARM zero_std")

@@ -325,3 +325,30 @@ def test_the_checkpoint_of_a_non_finite_stop_holds_the_prompt_stream_of_the_step
     assert drawn["during"] != drawn["start"]  # step 3 generated with extra rounds
     state = load_grpo_state(str(tmp_path / "checkpoint-2"), 0, "cpu")
     assert state["extras"]["prompt_stream"] == drawn["start"]
+
+
+def completion_length_reward(completions, **kwargs) -> list[float]:
+    return [float(len(completion)) for completion in completions]
+
+
+def test_dynamic_sampling_logs_the_length_reward_correlation_of_the_batch_that_trains(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    """The alarm `length_in_group` reads it: the assembled batch's spread comes with its completion lengths."""
+    trainer = make_trainer(
+        tmp_path,
+        tiny_model_path,
+        tiny_tokenizer,
+        prompt_dataset,
+        reward_funcs=[completion_length_reward],
+        dynamic_sampling=True,
+        max_completion_length=12,
+        temperature=1.5,
+        **REUSED,
+    )
+    trainer.train()
+    logs = generation_logs(trainer)
+    assert logs and all(entry["reward_length_corr/within_group"] > 0.9 for entry in logs)  # tokens: chars + EOS
+    for entry in logs:  # the batch that trains, beside TRL's counts over every generated round
+        assert 0.0 <= entry["dynamic_sampling/trained_clipped_ratio"] <= 1.0
+        assert 1.0 <= entry["dynamic_sampling/trained_mean_length"] <= 12.0

@@ -3,6 +3,7 @@ processes, best-checkpoint selection by a held-out metric, and training left unc
 
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.sampling import heldout as heldout_module
-from trl_grpo_ext.sampling.generation import SamplingSettings, generate_completions
+from trl_grpo_ext.sampling.generation import SamplingSettings, generate_completions, tokenize_prompts
 from trl_grpo_ext.sampling.heldout import heldout_records, pass_at_k, pool_heldout_records
 
 SETTINGS = SamplingSettings(max_completion_length=6)
@@ -281,3 +282,90 @@ def test_held_out_settings_that_cannot_run_are_refused(tiny_model_path, tiny_tok
             },
             eval_dataset=train,
         )
+
+
+def checkpointing_options(model) -> list[dict]:
+    """The keyword arguments transformers checkpoints every layer with (`gradient_checkpointing_enable`)."""
+    return [
+        dict(module._gradient_checkpointing_func.keywords)
+        for module in model.modules()
+        if getattr(module, "_gradient_checkpointing_func", None) is not None
+    ]
+
+
+def test_a_held_out_pass_leaves_the_run_s_gradient_checkpointing_as_configured(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    """Generation switches checkpointing off and on again: on again with the run's `use_reentrant=True` (TRL forces
+    it for PEFT with ZeRO-3), not transformers' default, for the training forwards after every held-out pass."""
+    trainer = make_trainer(
+        tmp_path,
+        tiny_model_path,
+        tiny_tokenizer,
+        prompt_dataset,
+        trainer_kwargs=heldout_arguments(letter_a_metric),
+        max_steps=2,
+        heldout_every_steps=1,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": True},
+        **HELDOUT_OPTIONS,
+    )
+    seen = []
+
+    class AtEveryStep(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            seen.append(checkpointing_options(trainer.model))
+
+    trainer.add_callback(AtEveryStep())
+    trainer.train()
+    assert len(seen) == 2 and all(seen)
+    assert all(options.get("use_reentrant") is True for step in seen for options in step)  # step 2: after a pass
+
+
+def test_held_out_prompts_are_rendered_with_the_trainer_s_tools_and_chat_template(tiny_model_path, tmp_path):
+    from transformers import AutoTokenizer
+
+    from trl_grpo_ext.sampling.heldout import prompt_options
+
+    def weather(city: str) -> str:
+        """The weather in a city.
+
+        Args:
+            city: the city.
+        """
+        return "sunny"
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    tokenizer.chat_template = (
+        "{% if tools %}tools:{% for tool in tools %}{{ tool.function.name }},{% endfor %}{% endif %}"
+        "{% for message in messages %}{{ message.content }}{% endfor %}"
+    )
+    trainer = SimpleNamespace(tools=[weather], chat_template="t{{ messages[0].content }}=")
+    options = prompt_options(trainer)
+    assert options == {"tools": [weather], "chat_template": "t{{ messages[0].content }}="}
+    prompt = [{"role": "user", "content": "abc"}]
+    (ids,) = tokenize_prompts(tokenizer, [prompt], tools=options["tools"])
+    assert tokenizer.decode(ids) == "tools:weather,abc"
+    (ids,) = tokenize_prompts(tokenizer, [prompt], **options)
+    assert tokenizer.decode(ids) == "tabc="
+
+
+def test_a_best_model_metric_that_the_held_out_evaluation_does_not_log_is_refused_at_construction(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    tiny_run = (tiny_model_path, tiny_tokenizer, prompt_dataset)
+    with pytest.raises(ValueError, match=r"'heldout/letter_a_metric/mean@4' is not among .* mean@2"):
+        make_trainer(
+            tmp_path,
+            *tiny_run,
+            trainer_kwargs=heldout_arguments(letter_a_metric),
+            **{**HELDOUT_OPTIONS, "heldout_num_generations": 2, "heldout_pass_at": [1, 2]},
+            metric_for_best_model="heldout/letter_a_metric/mean@4",
+        )
+    make_trainer(
+        tmp_path,
+        *tiny_run,
+        trainer_kwargs=heldout_arguments(letter_a_metric),
+        metric_for_best_model="heldout/letter_a_metric/pass@2",
+        **HELDOUT_OPTIONS,
+    )

@@ -260,3 +260,39 @@ def test_batch_rows_below_the_rows_passed_is_refused():
     logps = torch.zeros(4, 3)
     with pytest.raises(ValueError, match="batch_rows"):
         policy_objective(logps, None, None, torch.ones(4), torch.ones(4, 3), beta=0.0, batch_rows=3)
+
+
+def test_a_log_step_whose_rows_all_skip_logs_no_entropy_rather_than_0(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    """TRL's `entropy` is a mean over micro-batches: one that only carried the graph must not add a 0 to it (which
+    halved the logged entropy with gradient accumulation 2, and raised a false entropy collapse)."""
+    logs, _ = train_logs(
+        tmp_path,
+        tiny_model_path,
+        tiny_tokenizer,
+        prompt_dataset,
+        trainer_cls=RowCounting,
+        config_cls=GRPOConfigExt,
+        skip_zero_advantage_rows=True,
+        **{**REUSED, "reward_funcs": constant_reward},
+    )
+    assert all(entry["skipped_rows/fraction"] == 1.0 for entry in logs)
+    assert not any("entropy" in entry or "alarms/entropy_collapse" in entry for entry in logs)
+
+
+def test_a_carrier_micro_batch_adds_neither_entropy_nor_phi_to_the_logged_means():
+    from trl_grpo_ext.diagnostics import DiagnosticsAccumulator
+
+    accumulator = DiagnosticsAccumulator(ratio_stats=False, extra_metrics=("vespo/phi_seq_mean",))
+    logps = torch.full((2, 3), -1.0, requires_grad=True)
+    advantages = torch.tensor([1.0, -1.0])
+    for carrier in (False, True):
+        mask = torch.zeros(2, 3) if carrier else torch.ones(2, 3)
+        out = policy_objective(logps, None, None, advantages, mask, beta=0.0, per_token=False)
+        entropies = torch.full((2, 3), 4.0)
+        phi = (torch.zeros(()), 0) if carrier else (torch.tensor(3.0), 2)
+        accumulator.add_loss_step(out, entropies, extras={"vespo/phi_seq_mean": phi}, carrier=carrier)
+    summary = accumulator.summarize(accumulator.pack()[None])  # one process
+    assert summary.per_step["entropy"] == [4.0]  # not [4.0, 0.0]
+    assert summary.per_step["vespo/phi_seq_mean"] == [1.5]

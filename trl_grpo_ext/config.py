@@ -217,6 +217,8 @@ class GRPOConfigExt(GRPOConfig):
     # One field per alarm: default, range and help are its record's (`guardrails.alarms.ALARMS`).
     warn_zero_std_fraction: float | None = ALARMS["zero_std"].config_field()
     warn_no_spread_steps: int | None = ALARMS["no_spread"].config_field()
+    warn_unscored_fraction: float | None = ALARMS["unscored"].config_field()
+    warn_zero_grad_steps: int | None = ALARMS["no_gradient"].config_field()
     warn_truncated_fraction: float | None = ALARMS["truncation"].config_field()
     warn_clip_fraction: float | None = ALARMS["clip_fraction"].config_field()
     warn_ratio_p95: float | None = ALARMS["ratio_p95"].config_field()

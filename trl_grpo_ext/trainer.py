@@ -44,6 +44,7 @@ from .guardrails.reward_errors import guard_reward_funcs
 from .objective_inputs import entropy_bonus, gather_objective_inputs
 from .ops import LOSS_TYPES, policy_objective
 from .sampling.dynamic import DynamicSampler, ScoredBatch
+from .sampling.generation import eos_token_ids
 from .sampling.heldout import HeldoutEvaluator
 from .sampling.skipping import ZeroAdvantageRowSkipping, skipping_problems
 
@@ -131,6 +132,9 @@ class GRPOTrainerExt(GRPOTrainer):
         if truncation_warning(args):
             warnings.warn(truncation_warning(args), UserWarning, stacklevel=2)
         self._scored: ScoredBatch | None = None  # the rewards of the generation batch scored last
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        # What ends a completion that was not cut at max_completion_length (TRL's `completions/clipped_ratio`).
+        self._completion_ends = {*eos_token_ids(self.model, tokenizer), tokenizer.pad_token_id}
 
         self._checkpoints = Checkpoints(self)
         self._nonfinite_guard = NonFiniteGuard(option(args, "nonfinite_policy"), option(args, "max_nonfinite_skips"))
@@ -215,8 +219,10 @@ class GRPOTrainerExt(GRPOTrainer):
         # Each term in the units of the backward loss: summed over a step's micro-batches they give its loss.
         terms = {"policy": out.policy_loss, "kl_penalty": out.kl_penalty}
         extras = {}
+        carrier = selection is not None and selection.carrier
         if objective.sequence_weights is not None:
-            extras["vespo/phi_seq_mean"] = (objective.sequence_weights.sum(), objective.sequence_weights.numel())
+            weights = objective.sequence_weights
+            extras["vespo/phi_seq_mean"] = (weights.sum() * (not carrier), weights.numel() * (not carrier))
         scale = objective.accumulation_scale
         if self._entropy_bonus_enabled:
             # As TRL logs it: the policy loss before the bonus and before any division by the accumulation steps.
@@ -234,7 +240,7 @@ class GRPOTrainerExt(GRPOTrainer):
             extras["skipped_rows/fraction"] = selection.skipped_fraction()
             out = selection.with_whole_batch_clip_counts(out)
         optimizer_step = mode == "eval" or self.accelerator.sync_gradients
-        self._diagnostics[mode].add_loss_step(out, entropies, terms, extras, optimizer_step=optimizer_step)
+        self._diagnostics[mode].add_loss_step(out, entropies, terms, extras, optimizer_step, carrier=carrier)
         return loss
 
     def _policy_logps_and_entropies(self, model, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -279,8 +285,12 @@ class GRPOTrainerExt(GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         # This process's completion lengths are the rows of its slice (TRL's `process_slice`) of the rewards.
-        lengths = torch.tensor([len(ids) for ids in completion_ids_list], device=rewards_per_func.device)
-        self._scored = ScoredBatch(rewards_per_func, lengths, self.accelerator.process_index * len(prompts))
+        device = rewards_per_func.device
+        lengths = torch.tensor([len(ids) for ids in completion_ids_list], device=device)
+        ends = self._completion_ends
+        truncated = torch.tensor([not ids or ids[-1] not in ends for ids in completion_ids_list], device=device)
+        first_row = self.accelerator.process_index * len(prompts)
+        self._scored = ScoredBatch(rewards_per_func, lengths, first_row, truncated)
         return rewards_per_func
 
     def _add_reward_spread(self, scored: ScoredBatch, mode: str) -> None:
@@ -306,7 +316,8 @@ class GRPOTrainerExt(GRPOTrainer):
         if self.beta == 0.0:
             summary.per_step.pop("kl", None)
         for name, values in summary.per_step.items():
-            self._metrics[mode][name].extend(values)
+            if values:  # TRL's log divides by the number of values: a name without any is not created
+                self._metrics[mode][name].extend(values)
         for name, value in summary.scalars.items():
             self._metrics[mode][name].append(value)
         if mode == "train" and self._nonfinite_guard.policy != "off" and "loss" in logs:

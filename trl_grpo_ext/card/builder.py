@@ -191,8 +191,9 @@ def build_model_card(
             default the `OBJECTIVE_FIELDS` among `config`'s keys, and `GRPOConfigExt`'s defaults for the others.
         wandb_url, trackio_url, comet_url: links of the Weights & Biases, Trackio and Comet runs (`run_urls()`),
             shown as TRL shows them, in "Training procedure".
-        alarms: the alarms raised during training, one line each (`health.assess(...).alarm_lines()`), for a
-            "Training health" section; an empty list says that none was raised, `None` leaves the section out.
+        alarms: the alarms raised during training and what else the health verdicts found, one line each
+            (`health.assess(...).problem_lines()`), for a "Training health" section; an empty list says that none
+            was raised, `None` leaves the section out.
     """
     objective = resolve_options(config if objective is None else objective)
     formula = objective_formula(objective)
@@ -207,6 +208,7 @@ def build_model_card(
         base_model=base_model,
         tags=all_tags,
         datasets=dataset_name,
+        licence="license",  # the key (and value) stock TRL's card writes
         model_name=model_name,
         pipeline_tag="text-generation",
     )
@@ -259,12 +261,12 @@ def build_model_card(
     if alarms is not None:
         lines += ["", "## Training health", ""]
         if alarms:
-            lines += ["Alarms raised during training (each with the steps it held and what to change):", ""]
+            lines += ["Problems found in training (each with the steps concerned and what to change):", ""]
             lines += [f"- {alarm}" for alarm in alarms]
         else:
             lines += [
-                "No alarm was raised during training (truncation, reward spread, KL, clipping, ratio, entropy, "
-                "gradient norm, length, held-out metric)."
+                "No alarm was raised during training (unscored rewards, truncation, reward spread, KL, clipping, "
+                "ratio, entropy, gradient norm, length, held-out metric) and the health checks found nothing."
             ]
     if report_image:
         lines += ["", "## Training report"]
@@ -343,7 +345,7 @@ def write_model_card(
         report_image="report.png" if report else None,
         lora=lora if is_adapter else None,
         objective=objective_options(args),
-        alarms=health.alarm_lines(),
+        alarms=health.problem_lines(),
         **urls,
     )
     with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as handle:

@@ -56,9 +56,16 @@ def inactive_fields(args) -> set[str]:
 
 def card_config(args, fields: tuple[str, ...] = CARD_CONFIG_FIELDS) -> dict:
     """The `fields` of `args` that acted in the run (`inactive_fields`), in order; `None` values are left to the
-    card (not set: not shown)."""
+    card (not set: not shown).
+
+    An unset `epsilon_high` is shown as the value TRL trains with (`epsilon`) where the loss type uses
+    `epsilon_high` but not `epsilon` (CISPO's cap), so that the bound that acted is on the card.
+    """
     skipped = inactive_fields(args)
-    return {key: getattr(args, key, None) for key in fields if key not in skipped}
+    config = {key: getattr(args, key, None) for key in fields if key not in skipped}
+    if "epsilon_high" in config and config["epsilon_high"] is None and "epsilon" in skipped:
+        config["epsilon_high"] = getattr(args, "epsilon", None)  # TRL: epsilon_high = epsilon_high or epsilon
+    return config
 
 
 def user_lora_settings(peft_config) -> dict | None:

@@ -43,9 +43,12 @@ STEP_LAYOUT = FieldLayout(
         ("clip_units", "sum"),
         ("low_min", "min"),  # the lowest per-row low-clip fraction
         ("high_max", "max"),  # the highest per-row high-clip fraction
+        ("carriers", "sum"),  # processes whose micro-batch only carried the graph (every row skipped)
     ]
 )
 MISMATCH_PREFIX = "sampling/importance_sampling_ratio_raw"
+#: A group's reward std at or below this counts as no spread (as `torch.isclose(std, 0)` in TRL's advantages).
+ZERO_STD = 1e-8
 # The length/reward correlation inside groups: this process's centred sums since the last log (`_length_moments`).
 LENGTH_LAYOUT = FieldLayout([("length_reward", "sum"), ("length_squares", "sum"), ("reward_squares", "sum")])
 # Beside the raw ratios' histogram: the units outside the bounds; sum of exp(d) - d - 1 over the tokens the sampler
@@ -137,6 +140,7 @@ class DiagnosticsAccumulator:
         loss_terms: dict[str, torch.Tensor] | None = None,
         extras: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
         optimizer_step: bool = True,
+        carrier: bool = False,
     ) -> None:
         """Add one micro-batch. Device ops only: no `.item()`, no boolean indexing.
 
@@ -149,6 +153,9 @@ class DiagnosticsAccumulator:
                 default: `out.policy_loss` and `out.kl_penalty`.
             extras (`dict[str, tuple]`, *optional*): `(sum, count)` of each of `extra_metrics`.
             optimizer_step (`bool`): whether this micro-batch ends an optimizer step (in evaluation: every batch).
+            carrier (`bool`): every row of the micro-batch was skipped (`sampling.skipping`): its one row only carries
+                the graph. Where every process's micro-batch is a carrier, no entropy is logged for it (TRL's mean over
+                micro-batches would take a 0 from it); its clip counts still count (zeros, exactly).
         """
         mask = out.mask
         device = mask.device
@@ -168,6 +175,7 @@ class DiagnosticsAccumulator:
             "clip_units": units.sum(),
             "low_min": torch.where(with_units, low / units.clamp(min=1), math.inf).min(),
             "high_max": torch.where(with_units, high / units.clamp(min=1), -math.inf).max(),
+            "carriers": torch.full((), float(carrier), dtype=dtype, device=device),
         }
         for name in self.extra_metrics:
             total, count = extras[name]
@@ -305,7 +313,8 @@ class DiagnosticsAccumulator:
         tokens = steps["tokens"].clamp(min=1.0)
         units = steps["clip_units"].clamp(min=1.0)
         summary.per_step["kl"] = (steps["kl"] / tokens).tolist()
-        summary.per_step["entropy"] = (steps["entropy"] / tokens).tolist()
+        trained = (steps["tokens"] > 0) | (steps["carriers"] == 0)  # not a micro-batch that only carried the graph
+        summary.per_step["entropy"] = (steps["entropy"] / tokens)[trained].tolist()
         if self.clip_metrics == "clip_ratio":
             for metric, name in (("low_mean", "low"), ("high_mean", "high"), ("region_mean", "region")):
                 summary.per_step[f"clip_ratio/{metric}"] = (steps[name] / units).tolist()
@@ -316,7 +325,8 @@ class DiagnosticsAccumulator:
         elif self.clip_metrics == "cispo":
             summary.per_step["cispo_clip_ratio"] = (steps["high"] / units).tolist()
         for name in self.extra_metrics:
-            summary.per_step[name] = (steps[f"{name}/sum"] / steps[f"{name}/count"]).tolist()
+            counted = steps[f"{name}/count"] > 0  # a carrier micro-batch adds (0, 0)
+            summary.per_step[name] = (steps[f"{name}/sum"] / steps[f"{name}/count"])[counted].tolist()
 
     def _summarize_ratio_and_loss(self, window: dict[str, torch.Tensor], summary: DiagnosticsSummary) -> None:
         # Trainer logs the mean over optimizer steps of each step's summed micro-batch losses: so are the terms.
@@ -370,6 +380,11 @@ class DiagnosticsAccumulator:
             summary.scalars["reward_length_corr/within_group"] = correlation.item()
 
     def _summarize_rewards(self, group_stds: torch.Tensor, summary: DiagnosticsSummary) -> None:
+        # A group teaches nothing when its rewards are all equal (TRL's zero test: within 1e-8) or fewer than two of
+        # them were scored, whatever `scale_rewards` then divides by (TRL's `frac_reward_zero_std` uses the batch's
+        # std under scale_rewards="batch").
+        flat = ~(torch.isfinite(group_stds) & (group_stds > ZERO_STD))
+        summary.scalars["reward_std/frac_zero_groups"] = flat.to(torch.float64).mean().item()
         valid = group_stds[~torch.isnan(group_stds)]
         if valid.numel() == 0:
             return
@@ -410,7 +425,7 @@ def _length_moments(
     reward_mean = zeros.index_add(0, local, torch.where(scored, reward, 0.0)) / rows
     length_mean = zeros.index_add(0, local, torch.where(scored, length, 0.0)) / rows
     length_centred = torch.where(scored, length - length_mean[local], 0.0)
-    varies = group_stds[group] > 1e-8  # NaN (one scored row) is no spread either
+    varies = group_stds[group] > ZERO_STD  # NaN (one scored row) is no spread either
     reward_centred = torch.where(scored & varies, reward - reward_mean[local], 0.0)
     return torch.stack(
         [(length_centred * reward_centred).sum(), length_centred.pow(2).sum(), reward_centred.pow(2).sum()]

@@ -37,6 +37,25 @@ def _number(entry: Mapping, key: str) -> float | None:
     return float(value)
 
 
+#: The share of groups without reward spread: this package's, judged on each group (`reward_std/frac_zero_groups`),
+#: else TRL's (`frac_reward_zero_std`, which under `scale_rewards="batch"` tests the batch's std instead).
+ZERO_SPREAD_KEYS = ("reward_std/frac_zero_groups", "frac_reward_zero_std")
+
+
+def _first_number(entry: Mapping, keys: tuple[str, ...]) -> tuple[str, float] | tuple[None, None]:
+    """The first of `keys` logged as a number in `entry`, and its value."""
+    for key in keys:
+        value = _number(entry, key)
+        if value is not None:
+            return key, value
+    return None, None
+
+
+def _not_a_number(value) -> bool:
+    """A logged value that says "nothing": `None`, or NaN (how TRL logs the mean of a reward that scored nothing)."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 def pearson(xs: list[float], ys: list[float]) -> float | None:
     """Pearson correlation of two equally long series, `None` when either is constant (or shorter than 2).
 
@@ -74,10 +93,10 @@ class Rule:
 
 
 class ZeroStdRule(Rule):
-    keys = ("frac_reward_zero_std",)
+    keys = ZERO_SPREAD_KEYS
 
     def judge(self, entry):
-        value = _number(entry, "frac_reward_zero_std")
+        _, value = _first_number(entry, ZERO_SPREAD_KEYS)
         if value is None:
             return None
         if value < self.threshold:
@@ -86,6 +105,60 @@ class ZeroStdRule(Rule):
             f"{value:.0%} of completions are in groups whose rewards are all equal: those groups give no learning "
             "signal (only the KL term). Make the prompts neither too easy nor too hard for the model, raise "
             "num_generations or temperature, or use a reward with partial credit."
+        )
+
+
+#: The truncated share of the batch that trains (see `LengthDriftRule.LENGTH_KEYS`), else of every completion.
+TRUNCATION_KEYS = ("dynamic_sampling/trained_clipped_ratio", "completions/clipped_ratio")
+
+
+class UnscoredRule(Rule):
+    """A reward function scored no completion of a step (`rewards/<name>/mean` is NaN: every reward `None` or NaN),
+    or at least `threshold` of the completions were scored by no function (`frac_reward_unscored`)."""
+
+    keys = ("frac_reward_unscored", "rewards/<name>/mean")
+
+    def judge(self, entry):
+        means = {key: value for key, value in entry.items() if key.startswith("rewards/") and key.endswith("/mean")}
+        share = _number(entry, "frac_reward_unscored")
+        if not means and share is None:
+            return None  # not a step that scored completions
+        silent = sorted(
+            key.removeprefix("rewards/").removesuffix("/mean") for key, v in means.items() if _not_a_number(v)
+        )
+        if not silent and (share is None or share < self.threshold):
+            return False
+        if silent:
+            named = ", ".join(f"'{name}'" for name in silent)
+            text = f"reward function {named} scored no completion of this step (every reward None or NaN)"
+        else:
+            text = f"{share:.0%} of the completions were scored by no reward function (None or NaN)"
+        return (
+            f"{text}: unscored completions get advantage 0, so they teach nothing. Check the function on a few "
+            "completions: a parser that never matches (answer format, tags) returns None for everything."
+        )
+
+
+class NoGradientRule(Rule):
+    """`grad_norm` is 0 for `threshold` log steps in a row: no update moves the weights."""
+
+    keys = ("grad_norm",)
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.streak = 0
+
+    def judge(self, entry):
+        value = entry.get("grad_norm")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            return None
+        self.streak = self.streak + 1 if value == 0.0 else 0
+        if self.streak < self.threshold:
+            return False
+        return (
+            f"grad_norm has been 0 for {self.streak} log steps: nothing is learned. Every advantage is 0 (no reward "
+            "spread, or no completion scored), every token is clipped, or the trainable parameters get no gradient "
+            "(check requires_grad and the LoRA target modules)."
         )
 
 
@@ -175,8 +248,8 @@ class TruncationRule(Rule):
 class NoSpreadRule(Rule):
     """No reward spread in any group for `threshold` log steps in a row; says whether truncation is the cause."""
 
-    keys = ("frac_reward_zero_std",)
-    ALL = 1 - 1e-6  # `frac_reward_zero_std` at or above this: every group had equal rewards
+    keys = ZERO_SPREAD_KEYS
+    ALL = 1 - 1e-6  # a share of groups without spread at or above this: every group had equal rewards
     CAUSE = 0.9  # truncated share (mean over the streak) from which truncation is named as the cause
 
     def __init__(self, threshold: float):
@@ -185,14 +258,14 @@ class NoSpreadRule(Rule):
         self.truncated: list[float] = []
 
     def judge(self, entry):
-        value = _number(entry, "frac_reward_zero_std")
+        _, value = _first_number(entry, ZERO_SPREAD_KEYS)
         if value is None:
             return None
         if value < self.ALL:
             self.streak, self.truncated = 0, []
             return False
         self.streak += 1
-        truncated = _number(entry, "completions/clipped_ratio")
+        _, truncated = _first_number(entry, TRUNCATION_KEYS)
         if truncated is not None:
             self.truncated.append(truncated)
         if self.streak < self.threshold:
@@ -246,8 +319,12 @@ class EntropyCollapseRule(Rule):
 
 
 class GradNormSpikeRule(Rule):
+    """`grad_norm` far above its running median. Norms at or below `FLOOR` (steps without reward spread have next to
+    no gradient) say nothing about the usual scale: they stay out of the median, so the first real gradient after a
+    stretch of them is no spike."""
+
     keys = ("grad_norm",)
-    FLOOR = 1e-3  # a median below this counts as this: steps without reward spread have next to no gradient
+    FLOOR = 1e-3
     HISTORY = 20
     MIN_HISTORY = 5
 
@@ -265,7 +342,8 @@ class GradNormSpikeRule(Rule):
                 "keeps such updates off the weights; lower the learning_rate if it recurs."
             )
         baseline = statistics.median(self.history) if len(self.history) >= self.MIN_HISTORY else None
-        self.history = (self.history + [value])[-self.HISTORY :]
+        if value > self.FLOOR:
+            self.history = (self.history + [value])[-self.HISTORY :]
         if baseline is None or value <= self.threshold * max(baseline, self.FLOOR):
             return False
         return (
@@ -279,6 +357,9 @@ class LengthDriftRule(Rule):
     """Across log steps: the mean completion length moves in step with the rising reward."""
 
     keys = ("completions/mean_length", "reward")
+    #: The mean completion length of the batch that trains (under dynamic sampling, `completions/*` count every
+    #: generated round while `reward` is the trained batch's).
+    LENGTH_KEYS = ("dynamic_sampling/trained_mean_length", "completions/mean_length")
     WINDOW = 10  # the last log steps carrying both the reward and the length
     MIN_WINDOW = 6
     MIN_CHANGE = 0.2  # relative change of the length (mean of the window's second half over its first half)
@@ -288,7 +369,7 @@ class LengthDriftRule(Rule):
         self.pairs: list[tuple[float, float]] = []
 
     def judge(self, entry):
-        reward, length = _number(entry, "reward"), _number(entry, "completions/mean_length")
+        reward, (_, length) = _number(entry, "reward"), _first_number(entry, self.LENGTH_KEYS)
         if reward is None or length is None:
             return None
         self.pairs = (self.pairs + [(reward, length)])[-self.WINDOW :]
@@ -474,6 +555,31 @@ ALARMS: dict[str, Alarm] = {
             False,
             "Alarm no_spread: every group has equal rewards for this many log steps in a row (nothing is learned); "
             "the warning says whether truncation (completions/clipped_ratio) is the cause.",
+            whole=True,
+        ),
+        Alarm(
+            "unscored",
+            UnscoredRule,
+            "warn_unscored_fraction",
+            0.5,
+            0.0,
+            1.0,
+            False,
+            True,
+            "Alarm unscored: a reward function scored no completion of a log step (all None or NaN), or at least "
+            "this share of completions was scored by no reward function (frac_reward_unscored).",
+        ),
+        Alarm(
+            "no_gradient",
+            NoGradientRule,
+            "warn_zero_grad_steps",
+            3,
+            1,
+            math.inf,
+            True,
+            False,
+            "Alarm no_gradient: grad_norm is exactly 0 for this many log steps in a row (no update moves the "
+            "weights).",
             whole=True,
         ),
         Alarm(

@@ -1,15 +1,60 @@
-"""`GuardedReward`: a reward function whose exceptions name the function and the completion it failed on."""
+"""`GuardedReward`: a reward function whose exceptions and bad values name the function and the completion.
+
+A reward function returns one reward per completion: a finite number, or `None` (or NaN) for a completion it cannot
+score (TRL leaves such completions out of the advantages). Anything else is bad input and raises
+`RewardFunctionError` at once, naming the function, the value and the completion: an infinite reward (which would
+train a step with `reward inf` and advantages of 0 or NaN), a scalar instead of a list, a list of another length.
+"""
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 
-__all__ = ["GuardedAsyncReward", "GuardedReward", "RewardFunctionError", "guard_reward_funcs"]
+__all__ = ["GuardedAsyncReward", "GuardedReward", "RewardFunctionError", "check_rewards", "guard_reward_funcs"]
 
 
 class RewardFunctionError(RuntimeError):
-    """A reward function raised; the message names it and the completion it failed on."""
+    """A reward function raised or returned a bad value; the message names it and the completion concerned."""
+
+
+def check_rewards(name: str, rewards, kwargs: dict, kind: str = "Reward function") -> None:
+    """Raise `RewardFunctionError` unless `rewards` holds one finite number, `None` or NaN per completion.
+
+    Args:
+        name (`str`): the function's name, as TRL logs it.
+        rewards: what it returned.
+        kwargs (`dict`): what it was called with (`prompts`, `completions`, ...).
+        kind (`str`): what the function is, in the message (`"Held-out metric"` for those).
+    """
+    completions = kwargs.get("completions", [])
+    if isinstance(rewards, (str, bytes)) or not hasattr(rewards, "__len__") or not hasattr(rewards, "__iter__"):
+        raise RewardFunctionError(
+            f"{kind} '{name}' returned {type(rewards).__name__} {rewards!r} for {len(completions)} "
+            "completions: it must return a list with one reward (a number, or None or NaN for a completion it "
+            "cannot score) per completion."
+        )
+    if len(rewards) != len(completions):
+        raise RewardFunctionError(
+            f"{kind} '{name}' returned {len(rewards)} rewards for {len(completions)} completions: it must "
+            "return one reward (a number, or None or NaN) per completion."
+        )
+    prompts = kwargs.get("prompts") or [None] * len(completions)
+    for index, reward in enumerate(rewards):
+        if reward is None or (isinstance(reward, float) and math.isnan(reward)):
+            continue
+        try:
+            value = float(reward)
+        except (TypeError, ValueError):
+            value = None
+        if value is None or math.isinf(value):
+            what = "an infinite reward" if value is not None and math.isinf(value) else f"a {type(reward).__name__}"
+            raise RewardFunctionError(
+                f"{kind} '{name}' returned {what}, {reward!r}, for completion {index} of the batch (prompt "
+                f"{prompts[index]!r}, completion {completions[index]!r}): rewards must be finite numbers, or None or "
+                "NaN for a completion it cannot score."
+            )
 
 
 def _is_batch_list(value, size: int) -> bool:
@@ -56,9 +101,11 @@ class GuardedReward:
 
     def __call__(self, **kwargs):
         try:
-            return self.func(**kwargs)
+            rewards = self.func(**kwargs)
         except Exception as error:
             raise self._error(error, kwargs) from error
+        check_rewards(self.__name__, rewards, kwargs)
+        return rewards
 
 
 class GuardedAsyncReward(GuardedReward):
@@ -66,12 +113,14 @@ class GuardedAsyncReward(GuardedReward):
 
     async def __call__(self, **kwargs):
         try:
-            return await self.func(**kwargs)
+            rewards = await self.func(**kwargs)
         except Exception as error:
             raise RewardFunctionError(
                 f"Reward function '{self.__name__}' raised {type(error).__name__}: {error} on a batch of "
                 f"{len(kwargs.get('completions', []))} completions."
             ) from error
+        check_rewards(self.__name__, rewards, kwargs)
+        return rewards
 
 
 def guard_reward_funcs(reward_funcs):

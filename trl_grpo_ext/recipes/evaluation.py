@@ -6,6 +6,7 @@ here); the evaluation during training, with k completions per prompt and pass@k,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -40,7 +41,8 @@ def sampled_reward_means(
         reward_kwargs: more keyword arguments for the reward functions, e.g. `{"trainer_state": trainer.state}`.
 
     Returns:
-        `dict` reward function name -> mean reward (`None` rewards, i.e. unscored completions, are left out).
+        `dict` reward function name -> mean reward (`None` or NaN rewards, i.e. unscored completions, are left
+        out).
     """
     prompts = [row["prompt"] for row in rows]
     completions, completion_ids = generate_completions(
@@ -50,6 +52,6 @@ def sampled_reward_means(
     means = {}
     for func in reward_funcs:
         rewards = call_metric(func, prompts, completions, completion_ids, columns, **(reward_kwargs or {}))
-        scored = [reward for reward in rewards if reward is not None]
+        scored = [reward for reward in rewards if reward is not None and not math.isnan(reward)]
         means[getattr(func, "__name__", type(func).__name__)] = sum(scored) / len(scored) if scored else float("nan")
     return means

@@ -161,9 +161,14 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
         ConsoleCallback.install(trainer)
 
     # Every process samples its share of the held-out prompts (sampled as training samples); all get the result.
+    # Both passes go into the log history (before: as a step-0 entry), so that the report and the card see them.
     before = trainer.evaluate_heldout(log=False) if heldout is not None else {}
+    if before:
+        _log_before_training(trainer, before)
     trainer.train(resume_from_checkpoint=resume)
-    after = trainer.evaluate_heldout(log=False) if heldout is not None else {}
+    after = trainer.evaluate_heldout() if heldout is not None else {}
+    if after:
+        trainer.save_state()  # the output folder's trainer_state.json, with the last evaluation in it
 
     trainer.card_metrics = {f"held-out {name.removeprefix('heldout/')} (before)": v for name, v in before.items()}
     trainer.card_metrics.update({f"held-out {name.removeprefix('heldout/')} (after)": v for name, v in after.items()})
@@ -186,6 +191,20 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
     return {"before": before, "after": after}
+
+
+def _log_before_training(trainer, values: dict[str, float]) -> None:
+    """Write the held-out values measured before training into the log history as its step-0 entry, once (a resumed
+    run's history has it already): `Trainer.train` starts a fresh history, so it is written when training begins."""
+    from transformers import TrainerCallback
+
+    class LogBeforeTraining(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            if not any(entry.get("step") == 0 and values.keys() <= entry.keys() for entry in state.log_history):
+                state.log_history.insert(0, {**values, "step": 0})
+
+    # First in line: the alarms' monitor replays the history when training begins, and must see this entry.
+    trainer.callback_handler.callbacks.insert(0, LogBeforeTraining())
 
 
 def output_summary(output_dir: str, since: float, logged: bool, logging_steps: float) -> str:

@@ -97,12 +97,14 @@ def run(argv: list[str] | None = None, prog: str | None = None) -> int:
     print("\nHealth, one line per signal (what to watch: the metrics of docs/diagnostics.md):")
     for line in health.lines():
         print(f"  {line}")
-    if health.alarms:
-        print(f"\n{len(health.alarms)} alarm(s) raised, with what to change:")
-        for line in health.alarm_lines():
+    problems = health.problem_lines()
+    if problems:
+        alarms = f"{len(health.alarms)} alarm(s) raised" if health.alarms else "no alarm raised"
+        print(f"\nProblems found ({alarms}), with what to change:")
+        for line in problems:
             print(f"  {line}")
     else:
-        print("\nNo alarm was raised.")
+        print("\nNo alarm was raised and no health check failed.")
     return 0
 
 

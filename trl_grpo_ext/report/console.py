@@ -97,7 +97,7 @@ class ConsoleCallback(ProgressCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if not args.disable_tqdm:
             super().on_train_begin(args, state, control, **kwargs)
-        self._counts = _alarm_counts(state.log_history[-1:])  # a resumed run: the alarms given before
+        self._counts = _alarm_counts(state.log_history)  # a resumed run: the alarms given before
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.training_bar is not None:
@@ -125,9 +125,11 @@ class ConsoleCallback(ProgressCallback):
 
 
 def _alarm_counts(entries: list[Mapping]) -> dict[str, float]:
-    return {
-        key: value
-        for entry in entries
-        for key, value in entry.items()
-        if key.startswith("alarms/") and isinstance(value, (int, float))
-    }
+    """The highest `alarms/<name>` count of `entries`, per alarm (entries without counts, such as evaluations, do not
+    lower it)."""
+    counts: dict[str, float] = {}
+    for entry in entries:
+        for key, value in entry.items():
+            if key.startswith("alarms/") and isinstance(value, (int, float)):
+                counts[key] = max(counts.get(key, value), value)
+    return counts

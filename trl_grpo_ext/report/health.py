@@ -9,6 +9,7 @@ history, `GRPOTrainerExt`'s or stock `trl.GRPOTrainer`'s; a signal whose metrics
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 from ..guardrails.alarms import HELDOUT_KEY
@@ -20,6 +21,7 @@ DIAGNOSTICS = "GRPOTrainerExt logs it with log_diagnostics; stock TRL does not"
 #: Why a metric may be missing from a history (shown when a signal was not logged).
 MISSING_REASONS = {
     "reward_std/group_mean": DIAGNOSTICS,
+    "reward_std/frac_zero_groups": DIAGNOSTICS,
     "frac_reward_unscored": DIAGNOSTICS,
     "loss/policy": DIAGNOSTICS,
     "ratio/p95": DIAGNOSTICS,
@@ -40,8 +42,8 @@ class Signal:
         name: the row's name.
         keys: the metrics shown, in order of preference (the first one logged is summarised).
         alarms: the alarms that judge it.
-        kind: `"alarms"` (judged by its alarms), `"count"` (fine while the metric is 0: a count of events, shown
-            with the steps where it was not 0) or `"shown"` (never judged: the loss).
+        kind: `"alarms"` (judged by its alarms), `"count"` (fine while the metric is 0 and no alarm fired: a count
+            of events, shown with the steps where it was not 0) or `"shown"` (never judged: the loss).
     """
 
     name: str
@@ -53,8 +55,8 @@ class Signal:
 SIGNALS = (
     Signal("reward", ("reward",)),
     Signal("reward spread in groups", ("reward_std/group_mean",), ("no_spread",)),
-    Signal("groups without spread", ("frac_reward_zero_std",), ("zero_std",)),
-    Signal("unscored completions", ("frac_reward_unscored",), kind="count"),
+    Signal("groups without spread", ("reward_std/frac_zero_groups", "frac_reward_zero_std"), ("zero_std",)),
+    Signal("unscored completions", ("frac_reward_unscored",), ("unscored",), kind="count"),
     Signal("KL to the reference", ("kl",), ("kl_jump",)),
     Signal("loss split", ("loss/policy", "loss"), kind="shown"),
     Signal("clip fraction", ("clip_ratio/region_mean",), ("clip_fraction",)),
@@ -67,7 +69,7 @@ SIGNALS = (
         ("truncation", "length_drift", "length_in_group"),
     ),
     Signal("skipped non-finite steps", ("nonfinite/skipped_steps",), kind="count"),
-    Signal("gradient norm", ("grad_norm",), ("grad_norm_spike",)),
+    Signal("gradient norm", ("grad_norm",), ("grad_norm_spike", "no_gradient")),
     Signal("held-out metric", ("heldout/<metric>/mean@<k>",), ("reward_vs_heldout",)),
 )
 
@@ -78,8 +80,9 @@ class SignalHealth:
 
     Attributes:
         signal: the row.
-        verdict: `"ALARM"` (an alarm was raised), `"note"` (a count was not 0), `"ok"`, `"shown"` (not judged) or
-            `"missing"` (not logged).
+        verdict: `"ALARM"` (an alarm was raised), `"FAIL"` (the history shows a run that cannot have trained well:
+            a value that is not finite, no gradient at any step), `"note"` (a count was not 0; the last step's
+            gradient norm far above the run's), `"ok"`, `"shown"` (not judged) or `"missing"` (not logged).
         detail: what the values did, which alarms fired at which steps, or why nothing was logged.
         episodes: the alarm episodes concerned.
     """
@@ -109,6 +112,21 @@ class RunHealth:
     def lines(self) -> list[str]:
         """One line per signal."""
         return [signal.line() for signal in self.signals]
+
+    @property
+    def ok(self) -> bool:
+        """No alarm was raised and no signal failed or needs a look."""
+        return not self.episodes and not any(signal.verdict in ("FAIL", "note") for signal in self.signals)
+
+    def problem_lines(self) -> list[str]:
+        """`alarm_lines`, then one line per signal whose verdict is `FAIL` or `note` and that no alarm explains."""
+        lines = self.alarm_lines()
+        lines += [
+            f"{signal.signal.name}: {signal.detail}"
+            for signal in self.signals
+            if signal.verdict in ("FAIL", "note") and not signal.episodes
+        ]
+        return lines
 
     def alarm_lines(self) -> list[str]:
         """One line per alarm raised: its name, the steps of its episodes and the first warning (what to do)."""
@@ -149,13 +167,45 @@ def _summary(key: str, pairs: list[tuple[int | None, float]]) -> str:
     return f"{text}, {_span([step for step, _ in pairs])}"
 
 
+#: The last logged `grad_norm` at or above this many times the run's median is named (`note`): a run that ends
+#: diverging. The live alarm (`grad_norm_spike`) waits for 10x.
+FINAL_GRAD_NORM_FACTOR = 5.0
+
+
+def _failure(signal: Signal, key: str, pairs: list[tuple[int | None, float]]) -> SignalHealth | None:
+    """A verdict that no alarm rule gives but the history shows: a value that is not finite (a stock run with an
+    infinite reward, say), `grad_norm` 0 at every step, or a last `grad_norm` far above the run's median."""
+    infinite = [step for step, value in pairs if math.isinf(value)]
+    if infinite:
+        return SignalHealth(signal, "FAIL", f"{key} is not finite at {_span(infinite)}: {_summary(key, pairs)}")
+    if key != "grad_norm":
+        return None
+    values = [value for _, value in pairs]
+    if all(value == 0.0 for value in values):
+        return SignalHealth(
+            signal, "FAIL", f"grad_norm 0 at every logged step ({_span([s for s, _ in pairs])}): nothing was learned"
+        )
+    median = statistics.median(values[:-1]) if len(values) > 4 else None
+    if median and values[-1] >= FINAL_GRAD_NORM_FACTOR * median:
+        return SignalHealth(
+            signal,
+            "note",
+            f"the last grad_norm ({values[-1]:.3g}, {_span([pairs[-1][0]])}) is {values[-1] / median:.1f}x the "
+            f"run's median ({median:.3g}): the run may have been diverging at its end | {_summary(key, pairs)}",
+        )
+    return None
+
+
 def _judge(signal: Signal, log_history: list[dict], monitor: AnomalyMonitor) -> SignalHealth:
     keys = _heldout_keys(log_history) if signal.keys == ("heldout/<metric>/mean@<k>",) else list(signal.keys)
     logged = [(key, pairs) for key in keys if (pairs := _values(log_history, key))]
     episodes = [episode for episode in monitor.episodes if episode.name in signal.alarms]
     judged = [name for name in signal.alarms if name in monitor.judged]
     shown = _summary(*logged[0]) if logged else ""
-    if signal.kind == "count":
+    failure = _failure(signal, *logged[0]) if logged and signal.kind != "shown" else None
+    if failure is not None and not episodes:
+        return failure
+    if signal.kind == "count" and not episodes:
         if not logged:
             if signal.keys == ("ratio/nan_count",) and _values(log_history, "ratio/p95"):
                 return SignalHealth(signal, "ok", "none (ratio/nan_count is logged only when there are some)")

@@ -27,8 +27,10 @@ round's padding: with rotary position embeddings (Llama, Qwen, Mistral, ...) ext
 only to float rounding; models with absolute position embeddings see their prompts shifted.
 
 Metrics (once per generation batch): `dynamic_sampling/kept_fraction` (informative groups / generated groups),
-`dynamic_sampling/rounds` (extra rounds), `dynamic_sampling/generated_groups`, and
-`dynamic_sampling/frac_reward_zero_std_generated` (TRL's `frac_reward_zero_std` over every generated group). TRL's
+`dynamic_sampling/rounds` (extra rounds), `dynamic_sampling/generated_groups`,
+`dynamic_sampling/frac_reward_zero_std_generated` (TRL's `frac_reward_zero_std` over every generated group), and
+`dynamic_sampling/trained_mean_length` and `trained_clipped_ratio` (TRL's `completions/mean_length` and
+`completions/clipped_ratio` of the batch that trains, which the alarms read beside its reward). TRL's
 reward metrics (`reward`, `reward_std`, `frac_reward_zero_std`, `rewards/<name>/*`), this package's
 `reward_std/group_*` and the completions table describe the batch that trains; `completions/*` and `num_tokens`
 count everything generated.
@@ -82,11 +84,14 @@ class ScoredBatch:
         rewards_per_func (`torch.Tensor` of shape `(N, F)`): every process's rows, NaN where a function did not score.
         lengths (`torch.Tensor` of shape `(n,)`): this process's completion lengths, rows `first_row ..` of them.
         first_row (`int`): the global row of this process's first completion.
+        truncated (`torch.Tensor` of shape `(n,)`, *optional*): this process's completions that end without an EOS
+            (or pad) token, as TRL's `completions/clipped_ratio` counts them.
     """
 
     rewards_per_func: torch.Tensor
     lengths: torch.Tensor
     first_row: int
+    truncated: torch.Tensor | None = None
 
 
 @dataclass
@@ -176,6 +181,9 @@ class DynamicSampler:
             output = self._assemble(rounds, local_sources)
         output["advantages"] = advantages[start : start + local_rows]
         lengths = torch.stack([rounds[r].scored.lengths[row] for r, row in local_sources])
+        truncated = None
+        if all(r.scored.truncated is not None for r in rounds):
+            truncated = torch.stack([rounds[r].scored.truncated[row] for r, row in local_sources])
 
         # TRL's reward metrics of the batch that trains, in place of those of each round
         trained = trl_reward_metrics(rewards_per_func, trainer.reward_weights, trainer.reward_func_names, is_std_zero)
@@ -188,8 +196,13 @@ class DynamicSampler:
         metrics["dynamic_sampling/generated_groups"].append(float(num_groups * len(rounds)))
         generated = sum(r.frac_reward_zero_std for r in rounds) / len(rounds)
         metrics["dynamic_sampling/frac_reward_zero_std_generated"].append(generated)
+        if truncated is not None:  # TRL's `completions/*` count every round: these, the batch that trains
+            local = torch.stack([lengths.to(torch.float64), truncated.to(torch.float64)], dim=1)
+            trained = trainer.accelerator.gather(local.to(trainer.accelerator.device)).cpu()
+            metrics["dynamic_sampling/trained_mean_length"].append(trained[:, 0].mean().item())
+            metrics["dynamic_sampling/trained_clipped_ratio"].append(trained[:, 1].mean().item())
         self._rewrite_completions_table(rounds, sources, advantages)
-        return output, ScoredBatch(rewards_per_func, lengths, start)
+        return output, ScoredBatch(rewards_per_func, lengths, start, truncated)
 
     def _scored_round(self, inputs: list[dict], stock) -> _Round:
         """TRL's `_generate_and_score_completions` on `inputs`, with what the plan needs of it."""

@@ -100,7 +100,12 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
 
 
 def tokenize_prompts(
-    tokenizer: PreTrainedTokenizerBase, prompts: list, chat_template_kwargs: dict | None = None
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list,
+    chat_template_kwargs: dict | None = None,
+    *,
+    tools: list | None = None,
+    chat_template: str | None = None,
 ) -> list[list[int]]:
     """Prompt token ids, unpadded, as `trl.GRPOTrainer` makes them.
 
@@ -108,6 +113,8 @@ def tokenize_prompts(
         tokenizer: the processing class of the run.
         prompts: strings, tokenised with the tokenizer's special tokens; or conversations (lists of messages),
             rendered with the chat template, a generation prompt and `chat_template_kwargs`.
+        tools: the trainer's tools (TRL's `tools` argument), whose schemas the chat template renders.
+        chat_template: the template TRL trains with in place of the tokenizer's own (tool calling), if any.
 
     Returns:
         `list[list[int]]`: one list of ids per prompt.
@@ -115,6 +122,8 @@ def tokenize_prompts(
     if is_conversational({"prompt": prompts[0]}):
         return tokenizer.apply_chat_template(
             conversation=prompts,
+            tools=tools or None,  # as TRL: some templates render tool boilerplate for an empty list
+            chat_template=chat_template,
             add_generation_prompt=True,
             tokenize=True,
             return_dict=True,
@@ -169,6 +178,8 @@ def sample_batch(
     settings: SamplingSettings,
     *,
     synced_gpus: bool | None = None,
+    tools: list | None = None,
+    chat_template: str | None = None,
 ) -> tuple[list, list[list[int]]]:
     """One `generate` call: a completion for each prompt, with the current random state and the model as it is.
 
@@ -177,6 +188,7 @@ def sample_batch(
         prompts: strings, or conversations (lists of messages); a prompt repeated `k` times gets `k` completions.
         synced_gpus: passed to `generate`; `True` keeps every process stepping until all of them are done (needed
             when the weights are sharded and each forward gathers them). `None`: transformers decides.
+        tools, chat_template: see `tokenize_prompts`.
 
     Returns:
         `(completions, completion_ids)`: the decoded completions (strings, or lists holding one assistant message)
@@ -184,7 +196,9 @@ def sample_batch(
     """
     chat = is_conversational({"prompt": prompts[0]})
     pad_id = _pad_token_id(tokenizer)
-    prompt_ids = tokenize_prompts(tokenizer, prompts, settings.chat_template_kwargs)
+    prompt_ids = tokenize_prompts(
+        tokenizer, prompts, settings.chat_template_kwargs, tools=tools, chat_template=chat_template
+    )
     rows = [torch.tensor(ids) for ids in prompt_ids]
     padding = {"padding_side": "left", "pad_to_multiple_of": settings.pad_to_multiple_of}
     input_ids = pad(rows, padding_value=pad_id, **padding)

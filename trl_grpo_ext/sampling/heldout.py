@@ -6,7 +6,7 @@ each held-out prompt, `n` completions are sampled exactly as training samples (`
 and chat template, the config's sampling fields and `generation_kwargs`, the same stops; in eval mode, with the
 random state of training left untouched). Logged, per metric:
 
-    heldout/<metric>/mean@<n>   mean score over all scored completions (None scores are left out)
+    heldout/<metric>/mean@<n>   mean score over all scored completions (None or NaN scores are left out)
     heldout/<metric>/pass@<k>   mean over prompts of the unbiased estimator 1 - C(n - c, k) / C(n, k)
 
 where `c` counts a prompt's completions with score >= `heldout_pass_threshold` (an unscored completion counts as
@@ -30,6 +30,7 @@ from transformers import Trainer, TrainerCallback
 from trl.trainer.utils import get_callable_name
 
 from ..config import option
+from ..guardrails.reward_errors import check_rewards
 from .generation import SamplingSettings, sample_batch, sampling_model
 
 __all__ = ["HeldoutEvaluator", "call_metric", "heldout_records", "pass_at_k", "pool_heldout_records"]
@@ -77,18 +78,22 @@ def call_metric(
         extras: more keyword arguments (`trainer_state` defaults to `None`).
 
     Returns:
-        `list`: one score (or `None`) per completion.
+        `list`: one score (or `None` for an unscored completion: a `None` or NaN score) per completion.
+
+    Raises:
+        RewardFunctionError: for a function that returns no list of one score per completion, or an infinite
+            score (`guardrails.reward_errors.check_rewards`).
     """
     kwargs = {"trainer_state": None, "log_extra": lambda *args: None, "log_metric": lambda *args: None}
     kwargs.update(extras)
     scores = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns, **kwargs)
     scores = asyncio.run(scores) if inspect.isawaitable(scores) else scores
-    if len(scores) != len(completions):
-        raise ValueError(
-            f"held-out metric {get_callable_name(func)!r} returned {len(scores)} scores for {len(completions)} "
-            "completions: it must return one score (or None) per completion."
-        )
-    return list(scores)
+    check_rewards(get_callable_name(func), scores, {"prompts": prompts, "completions": completions}, "Held-out metric")
+    return [None if _unscored(score) else score for score in scores]
+
+
+def _unscored(score) -> bool:
+    return score is None or (isinstance(score, float) and math.isnan(score))
 
 
 def _chunks(num_prompts: int, num_generations: int, batch_size: int) -> list[range]:
@@ -112,6 +117,7 @@ def heldout_records(
     num_processes: int = 1,
     synced_gpus: bool = False,
     metric_kwargs: dict | None = None,
+    prompt_options: dict | None = None,
 ) -> torch.Tensor:
     """This process's per-prompt counts: one row per prompt it sampled, `(prompt index, then per metric: score sum,
     scored completions, passing completions)`, float64, padded with rows of index -1 to the same number of rows on
@@ -133,6 +139,8 @@ def heldout_records(
             one again and drops it), each stepping until all processes are done: needed when the forward gathers
             sharded weights.
         metric_kwargs: more keyword arguments for the metrics (e.g. `trainer_state`).
+        prompt_options: how conversational prompts are rendered, as the trainer renders them (`prompt_options`:
+            its `tools` and `chat_template`).
     """
     chunks = _chunks(len(dataset), num_generations, batch_size)
     mine = list(range(process_index, len(chunks), num_processes))
@@ -145,7 +153,9 @@ def heldout_records(
             batch = dataset[chunks[index].start : chunks[index].stop]
             prompts = [prompt for prompt in batch["prompt"] for _ in range(num_generations)]
             torch.manual_seed(seed + index)
-            completions, completion_ids = sample_batch(model, tokenizer, prompts, settings, synced_gpus=synced_gpus)
+            completions, completion_ids = sample_batch(
+                model, tokenizer, prompts, settings, synced_gpus=synced_gpus, **(prompt_options or {})
+            )
             if call >= len(mine):
                 continue
             columns = {
@@ -286,12 +296,12 @@ class HeldoutEvaluator:
         )
         dist = getattr(trainer, "_dist", None)  # TRL >= 1.16: FSDP1 needs its full parameters summoned
         summon = dist.summon_full_params(trainer.model_wrapped, recurse=False) if dist is not None else nullcontext()
-        with (
-            unwrap_model_for_generation(
-                trainer.model_wrapped, accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation
-            ) as model,
-            summon,
-        ):
+        unwrap_options = {"gather_deepspeed3_params": trainer.args.ds3_gather_for_generation}
+        if "gradient_checkpointing_kwargs" in inspect.signature(unwrap_model_for_generation).parameters:
+            # It switches gradient checkpointing off for generation and on again after: with the run's own settings
+            # (without them transformers re-enables it with use_reentrant=False whatever the run configured).
+            unwrap_options["gradient_checkpointing_kwargs"] = trainer.args.gradient_checkpointing_kwargs
+        with unwrap_model_for_generation(trainer.model_wrapped, accelerator, **unwrap_options) as model, summon:
             records = heldout_records(
                 model,
                 trainer.processing_class,
@@ -306,6 +316,7 @@ class HeldoutEvaluator:
                 num_processes=accelerator.num_processes,
                 synced_gpus=sharded and accelerator.num_processes > 1,
                 metric_kwargs={"trainer_state": trainer.state},
+                prompt_options=prompt_options(trainer),
             )
         if trainer.is_fsdp_enabled:
             _reshard(trainer.model_wrapped)
@@ -343,6 +354,12 @@ class HeldoutEvaluator:
             return stock(eval_dataset, ignore_keys, metric_key_prefix)
         finally:
             self._in_evaluate = False
+
+
+def prompt_options(trainer) -> dict:
+    """The tools and chat template with which `trainer` renders conversational prompts (TRL's `tools` argument; the
+    training chat template TRL picks for tool calling), for `generation.tokenize_prompts`."""
+    return {"tools": getattr(trainer, "tools", None) or None, "chat_template": getattr(trainer, "chat_template", None)}
 
 
 def _reshard(model) -> None:
@@ -402,3 +419,13 @@ def _check_heldout(config, options: dict[str, Any], metrics: dict, dataset) -> N
             f"heldout_pass_at={pass_at} needs heldout_num_generations >= {max(pass_at)} (got {n}): pass@k is "
             "estimated from at least k samples per prompt."
         )
+    best = (getattr(config, "metric_for_best_model", None) or "").removeprefix("eval_")
+    if best.startswith("heldout/"):
+        logged = [f"heldout/{name}/mean@{n}" for name in metrics]
+        logged += [f"heldout/{name}/pass@{k}" for name in metrics for k in (pass_at or [n])]
+        if best not in logged:
+            raise ValueError(
+                f"metric_for_best_model={config.metric_for_best_model!r} is not among the held-out metrics this run "
+                f"logs ({', '.join(logged)}): with heldout_num_generations={n}, the mean is mean@{n} and pass@k takes "
+                f"the k of heldout_pass_at ({pass_at or [n]})."
+            )

@@ -26,7 +26,8 @@ row, its completion mask cleared: an exact 0 loss connected to the graph, whose 
 
 Metrics: `skipped_rows/fraction` is the share of rows left out. `clip_ratio/*` stay exact (a skipped row has no
 clipped token, and its tokens still count in the denominator); `entropy`, the ratio distribution (`ratio/*`) and
-`vespo/phi_seq_mean` describe the rows that trained.
+`vespo/phi_seq_mean` describe the rows that trained: a micro-batch whose rows all skipped (on every process) adds
+no entropy, and its carrier row no `phi`.
 """
 
 from __future__ import annotations
@@ -80,6 +81,11 @@ class RowSelection:
     num_tokens: torch.Tensor
     clip_units: torch.Tensor
     skipped: int
+
+    @property
+    def carrier(self) -> bool:
+        """Every row was skipped: the one row kept only carries the graph (its completion mask cleared)."""
+        return self.rows is not None and self.skipped == self.num_rows
 
     def policy_options(self) -> dict[str, Any]:
         """The whole micro-batch's counts, for `ops.policy_objective`."""

@@ -1,0 +1,163 @@
+"""A run that learns nothing is never called healthy: live alarms, the health verdicts of `report` and the card.
+
+Each test pins one failure mode found in review: batch-scaled rewards hiding flat groups, rewards that score nothing
+or are infinite, a gradient that is 0 throughout, a last step far above the run's gradient norms.
+"""
+
+import math
+
+import pytest
+from helpers import tiny_grpo_args
+from trl import GRPOConfig
+
+from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+from trl_grpo_ext.card.builder import build_model_card
+from trl_grpo_ext.card.fields import card_config
+from trl_grpo_ext.guardrails import AnomalyMonitor, RewardFunctionError
+from trl_grpo_ext.guardrails.alarms import ALARMS
+from trl_grpo_ext.report.health import assess
+
+PROMPT_REWARD = {"abc=": 0.0, "hello=": 1.0, "xyz=": 2.0, "qq=": 3.0}
+
+
+def prompt_only_reward(prompts, completions, **kwargs):
+    """Depends on the prompt only: every group is flat, but the batch is not."""
+    return [PROMPT_REWARD[prompt] for prompt in prompts]
+
+
+def never_parses(completions, **kwargs):
+    """A parser that never matches: it scores nothing."""
+    return [None] * len(completions)
+
+
+def infinite_for_one_in_five(completions, **kwargs):
+    return [math.inf if index % 5 == 2 else 1.0 for index in range(len(completions))]
+
+
+def scalar_reward(completions, **kwargs):
+    return 1.0
+
+
+def train(tmp_path, model_path, tokenizer, dataset, reward, **config):
+    args = GRPOConfigExt(**tiny_grpo_args(tmp_path, **config))
+    trainer = GRPOTrainerExt(model_path, reward, args, dataset, processing_class=tokenizer)
+    trainer.train()
+    return trainer
+
+
+def alarms_raised(trainer) -> set[str]:
+    return {key.removeprefix("alarms/") for entry in trainer.state.log_history for key in entry if "alarms/" in key}
+
+
+@pytest.mark.parametrize(
+    "options", [{"scale_rewards": "batch"}, {"multi_objective_aggregation": "normalize_then_sum"}]
+)
+def test_flat_groups_raise_the_spread_alarms_whatever_the_reward_scaling(
+    options, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    trainer = train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, prompt_only_reward, **options)
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert all(entry["reward_std/group_max"] == 0.0 for entry in logs)  # every group flat
+    assert all(entry["reward_std/frac_zero_groups"] == 1.0 for entry in logs)
+    assert {"zero_std", "no_spread"} <= alarms_raised(trainer)
+    health = assess(trainer.state.log_history, AnomalyMonitor.from_config(trainer.args))
+    assert not health.ok
+    verdicts = {signal.signal.name: signal.verdict for signal in health.signals}
+    assert verdicts["groups without spread"] == verdicts["reward spread in groups"] == "ALARM"
+
+
+def test_a_reward_that_scores_nothing_raises_an_alarm_naming_it_at_the_first_step(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, caplog
+):
+    trainer = train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, never_parses)
+    first = next(entry for entry in trainer.state.log_history if "loss" in entry)
+    assert first["alarms/unscored"] == 1
+    assert "reward function 'never_parses' scored no completion" in caplog.text
+    health = assess(trainer.state.log_history, AnomalyMonitor.from_config(trainer.args))
+    assert not health.ok and {"unscored", "no_gradient"} <= set(health.alarms)
+    card = build_model_card(
+        model_name="dead",
+        base_model=None,
+        is_adapter=False,
+        config=card_config(trainer.args),
+        metrics={},
+        alarms=health.problem_lines(),
+    )
+    assert "No alarm was raised" not in card and "never_parses" in card
+
+
+def test_an_infinite_reward_is_refused_naming_the_function_the_value_and_the_completion(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    with pytest.raises(RewardFunctionError, match=r"'infinite_for_one_in_five' returned an infinite reward, inf, "):
+        train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, infinite_for_one_in_five)
+
+
+def test_a_reward_that_returns_a_scalar_is_refused_naming_the_function(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    with pytest.raises(RewardFunctionError, match=r"'scalar_reward' returned float 1.0 for \d+ completions"):
+        train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, scalar_reward)
+
+
+def test_nan_stays_unscored_and_is_not_an_error(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+    def half_nan(completions, **kwargs):
+        return [math.nan if index % 2 else float(len(completion)) for index, completion in enumerate(completions)]
+
+    trainer = train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, half_nan, max_steps=1)
+    assert trainer.state.log_history[0]["frac_reward_unscored"] == pytest.approx(0.5)
+
+
+def training_entries(values, key="grad_norm", **extra):
+    return [{"loss": 0.0, "step": step, key: value, **extra} for step, value in enumerate(values, start=1)]
+
+
+def test_an_infinite_reward_in_a_history_is_never_ok():
+    """A stock TRL run (or one before rewards were checked) that logged `reward inf`."""
+    history = [{"loss": 0.1, "step": step, "reward": value} for step, value in enumerate((0.5, math.inf, math.inf), 1)]
+    health = assess(history)
+    reward = next(signal for signal in health.signals if signal.signal.name == "reward")
+    assert reward.verdict == "FAIL" and "not finite at steps 2-3" in reward.detail and not health.ok
+    assert any(line.startswith("reward: reward is not finite") for line in health.problem_lines())
+
+
+def test_a_gradient_norm_of_0_throughout_is_never_ok():
+    for steps in (2, 6):  # too short for the live alarm (3 steps), and long enough for it
+        health = assess(training_entries([0.0] * steps))
+        gradient = next(signal for signal in health.signals if signal.signal.name == "gradient norm")
+        assert gradient.verdict in ("FAIL", "ALARM") and not health.ok, steps
+
+
+def test_a_last_gradient_norm_far_above_the_run_s_median_is_never_ok():
+    health = assess(training_entries([1.0, 1.1, 0.9, 1.0, 1.05, 6.0]))  # 6x: below the 10x of grad_norm_spike
+    gradient = next(signal for signal in health.signals if signal.signal.name == "gradient norm")
+    assert not health.episodes and gradient.verdict == "note" and "6.0x the run's median" in gradient.detail
+    assert not health.ok
+    assert assess(training_entries([1.0, 1.1, 0.9, 1.0, 1.05, 1.2])).ok  # the same run ending normally
+
+
+def test_zero_gradient_steps_do_not_make_the_first_real_gradient_a_spike():
+    monitor = AnomalyMonitor()
+    stream = training_entries([0.0] * 8 + [0.4, 0.5, 0.45])  # no reward spread at first, then learning starts
+    started = [message for index, entry in enumerate(stream) for message in monitor.check(entry, index, warn=False)]
+    assert not [message for message in started if "alarms/grad_norm_spike" in message]
+
+
+def test_the_card_shows_cispo_s_cap_as_trl_trains_with_it():
+    def cispo(**options):
+        return GRPOConfig(
+            output_dir="unused", loss_type="cispo", report_to="none", use_cpu=True, bf16=False, **options
+        )
+
+    config = card_config(cispo(epsilon=4.0))
+    assert config["epsilon_high"] == 4.0  # TRL: epsilon_high = epsilon_high or epsilon, CISPO's cap
+    assert "epsilon" not in config
+    assert card_config(cispo(epsilon_high=5.0))["epsilon_high"] == 5.0
+
+
+def test_every_alarm_is_one_record_that_the_config_the_monitor_and_the_report_read():
+    for name, alarm in ALARMS.items():
+        field = GRPOConfigExt.__dataclass_fields__[alarm.field]
+        assert field.default == alarm.default and alarm.help in field.metadata["help"], name
+        assert AnomalyMonitor(**{alarm.keyword: None}).thresholds[name] is None
+        assert alarm.problem(alarm.default) is None and alarm.problem(alarm.low - 1) is not None
