@@ -49,6 +49,9 @@ One process (`python`, no launcher):
 - `logger`: two steps (the second off-policy) reporting to the logger `--report_to` (tests/test_diagnostics.py); a
   process of its own because trackio fixes its local store (`TRACKIO_DIR`) when it is first imported (importing TRL's
   GRPO trainer does), and W&B keeps a run per process. The environment chooses each logger's offline store.
+- `alerts`: two steps that raise alarms, reporting to `--report_to` (tests/test_report_alerts.py), in a process of its
+  own for the same reasons: completions of one token are all truncated (alarm `truncation`) and a constant reward
+  leaves no spread inside any group (alarm `zero_std`). Prints `ALARMS [<the episodes' alarms, sorted>]`.
 """
 
 import argparse
@@ -72,6 +75,7 @@ import torch.distributed as dist  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from helpers import (  # noqa: E402  (this script's folder is on sys.path)
     HELDOUT_OPTIONS,
+    constant_reward,
     count_a_reward,
     heldout_arguments,
     letter_a_metric,
@@ -487,6 +491,26 @@ def run_logger(output_dir, model_path, report_to: str) -> dict:
     return {"log_history": trainer.state.log_history}
 
 
+def run_alerts(output_dir, model_path, report_to: str) -> dict:
+    trainer = make_trainer(
+        output_dir,
+        model_path,
+        AutoTokenizer.from_pretrained(model_path),
+        tiny_dataset(["abc=", "hello=", "xyz=", "qq="] * 4),
+        reward_funcs=constant_reward,
+        max_steps=2,
+        max_completion_length=1,
+        report_to=[report_to],
+        project="grpo-alerts",
+        run_name="run-1",
+        trackio_space_id=None,  # trackio's local store only
+    )
+    trainer.train()
+    alarms = sorted(episode.name for episode in trainer.callback_handler.callbacks[0].episodes)
+    print("ALARMS", alarms)
+    return {"alarms": alarms, "log_history": trainer.state.log_history}
+
+
 def run_phase(phase: str, cli) -> dict:
     output_dir = os.path.join(cli.output_dir, phase)
     dynamic = dict(dynamic_sampling=True, dynamic_sampling_max_rounds=6, per_device_train_batch_size=3, beta=0.0)
@@ -523,6 +547,8 @@ def run_phase(phase: str, cli) -> dict:
         return run_checkpointed(output_dir, cli.model_path, cli)
     if phase == "logger":
         return run_logger(output_dir, cli.model_path, cli.report_to)
+    if phase == "alerts":
+        return run_alerts(output_dir, cli.model_path, cli.report_to)
     raise ValueError(f"unknown phase {phase!r}")
 
 
@@ -539,7 +565,7 @@ def main() -> None:
     parser.add_argument("--save_steps", type=int, default=2)
     parser.add_argument("--kill_during_save_of", type=int, default=None)
     parser.add_argument("--resume", action="store_true")
-    # `logger`
+    # `logger`, `alerts`
     parser.add_argument("--report_to", default=None)
     cli = parser.parse_args()
     phases = cli.phases.split(",")
