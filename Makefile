@@ -51,8 +51,8 @@ COMPAT_PINS_1.16 := trl==1.16.0 accelerate==1.10.1
 # The trainer against that TRL's stock trainer (every option), diagnostics, guardrails, checkpoint and resume.
 # TRL 1.15 computes log-probs on CUDA or XPU only: on a CPU only its version checks and the refusal of a CPU run
 # are tested.
-COMPAT_TESTS ?= tests/test_compat.py tests/test_trainer.py tests/test_variants.py tests/test_diagnostics.py \
-	tests/test_guardrails.py tests/test_checkpointing.py
+COMPAT_TESTS ?= tests/test_compat.py tests/test_trainer.py tests/test_trainer_loss_types.py tests/test_diagnostics.py \
+	tests/test_guardrails_nonfinite.py tests/test_guardrails_reward_errors.py tests/test_checkpointing.py
 COMPAT_TESTS_1.15 ?= tests/test_compat.py
 
 $(COMPAT_DIR)/trl-%/.installed: pyproject.toml Makefile

@@ -11,8 +11,8 @@ import zipfile
 from importlib.metadata import PackageNotFoundError, version
 
 import pytest
+from helpers import RECIPE_CONFIGS, REPO
 from packaging.version import Version
-from test_recipes import RECIPE_CONFIGS, REPO
 
 from trl_grpo_ext import cli
 from trl_grpo_ext.recipes import grpo

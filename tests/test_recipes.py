@@ -9,24 +9,13 @@ import sys
 import matplotlib.image
 import pytest
 import yaml
-from helpers import free_port
+from helpers import RECIPE_CONFIGS, RECIPES, REPO, free_port
 
 from trl_grpo_ext.recipes import grpo as recipe
 from trl_grpo_ext.recipes.arguments import resume_checkpoint
 from trl_grpo_ext.recipes.demo import DEMO_DIR
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPES = os.path.join(REPO, "recipes")
 DEMO_CONFIG = os.path.join(RECIPES, "tiny", "config_demo.yaml")
-# The repository's recipes and the configs shipped in the package, each file once (recipes/tiny links to the package).
-RECIPE_CONFIGS = sorted(
-    {
-        os.path.realpath(path)
-        for path in glob.glob(os.path.join(RECIPES, "**", "*.yaml"), recursive=True)
-        + glob.glob(os.path.join(DEMO_DIR, "*.yaml"))
-        if os.sep + "accelerate_configs" + os.sep not in path
-    }
-)
 ACCELERATE_CONFIGS = sorted(glob.glob(os.path.join(RECIPES, "accelerate_configs", "*.yaml")))
 
 

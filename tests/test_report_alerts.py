@@ -3,23 +3,17 @@ what their offline stores hold after a run."""
 
 import glob
 import json
-import os
 import sqlite3
 import struct
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
-from helpers import count_a_reward, tiny_grpo_args
+from helpers import make_trainer, run_alone
 from transformers import TrainerControl, TrainerState
 
-from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.guardrails.anomaly import AnomalyMonitor, Episode
 from trl_grpo_ext.report import alerts
 from trl_grpo_ext.report.alerts import TrackerAlerts, alert_title
-
-ALERTS_RUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "alerts_run.py")
 
 
 @pytest.fixture
@@ -93,12 +87,8 @@ def test_the_trainer_puts_the_alerts_after_the_monitor_and_the_loggers(
     tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
     def build(**overrides):
-        return GRPOTrainerExt(
-            model=tiny_model_path,
-            reward_funcs=count_a_reward,
-            args=GRPOConfigExt(**tiny_grpo_args(tmp_path, report_to=["tensorboard"], **overrides)),
-            train_dataset=prompt_dataset,
-            processing_class=tiny_tokenizer,
+        return make_trainer(
+            tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, report_to=["tensorboard"], **overrides
         )
 
     kinds = [type(callback).__name__ for callback in build().callback_handler.callbacks]
@@ -108,10 +98,9 @@ def test_the_trainer_puts_the_alerts_after_the_monitor_and_the_loggers(
 
 
 def run_with_alarms(tmp_path, model_path, report_to: str, **env) -> str:
-    """tests/alerts_run.py: two steps that raise `truncation` and `zero_std` at step 1, reporting to `report_to`."""
-    environment = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **env)
-    command = [sys.executable, ALERTS_RUN, str(tmp_path / "run"), model_path, report_to]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
+    """tests/launched.py's `alerts` phase: two steps that raise `truncation` and `zero_std` at step 1, reporting to
+    `report_to`."""
+    result = run_alone(tmp_path / "run", model_path, ["alerts"], "--report_to", report_to, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "ALARMS ['truncation', 'zero_std']" in result.stdout
     return result.stdout

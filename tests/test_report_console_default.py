@@ -7,11 +7,11 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, count_a_reward, tiny_grpo_args
+from helpers import REPO, make_trainer
 from transformers import PrinterCallback, ProgressCallback
 from trl import GRPOConfig
 
-from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+from trl_grpo_ext import GRPOConfigExt
 from trl_grpo_ext.report.console import ConsoleCallback
 
 ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
@@ -25,12 +25,8 @@ def console_kinds(trainer) -> list[type]:
 @pytest.fixture
 def build(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
     def build(config_class=GRPOConfigExt, **overrides):
-        return GRPOTrainerExt(
-            model=tiny_model_path,
-            reward_funcs=count_a_reward,
-            args=config_class(**tiny_grpo_args(tmp_path, **overrides)),
-            train_dataset=prompt_dataset,
-            processing_class=tiny_tokenizer,
+        return make_trainer(
+            tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, config_cls=config_class, **overrides
         )
 
     return build
