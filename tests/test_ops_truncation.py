@@ -63,7 +63,8 @@ def test_truncated_log_probs_are_the_brute_force_ones(name):
     targets = torch.randint(0, 40, (64,), generator=generator)
     out = truncated_log_probs(logits, targets, cuts, chunk_size=5)
     expected = [reference(row, int(target), cuts) for row, target in zip(logits, targets, strict=True)]
-    torch.testing.assert_close(out.truncated.double(), torch.tensor([e[0] for e in expected], dtype=torch.float64), rtol=0, atol=2e-6)
+    want = torch.tensor([e[0] for e in expected], dtype=torch.float64)
+    torch.testing.assert_close(out.truncated.double(), want, rtol=0, atol=2e-6)
     assert out.kept.tolist() == [e[1] for e in expected]
     torch.testing.assert_close(out.logps, logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0])
     if cuts.truncates and name != "top_k=vocab":
