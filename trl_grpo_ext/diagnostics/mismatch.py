@@ -8,7 +8,7 @@ misaligned; from the two it builds the correction `exp(old_logp - sampler_logp)`
 
 `sampler_mismatch` recomputes the raw ratios and which of them the bounds act on, and `correction_ratio` the weights
 TRL's correction applies, as TRL defines them (one recorded copy of TRL's bounds and modes: `_compat.TRL_COPIES`,
-pinned by `tests/test_drift.py` and `tests/test_ops_truncation.py`). With the correction off and no
+pinned by `tests/test_drift.py` and `tests/test_sampling_truncation.py`). With the correction off and no
 `old_per_token_logps`, `trainer_logps` computes the trainer's log-probs of the batch in one extra forward pass without
 gradient, with the random state restored afterwards: the metrics cost that pass, and training is unchanged.
 
