@@ -43,6 +43,8 @@ __all__ = [
     "FORWARD_KEYS",
     "OVERRIDDEN_HOOKS",
     "TRL_ATTRIBUTES",
+    "TRL_VLLM_ATTRIBUTES",
+    "VLLM_GENERATION_METHODS",
     "SUPPORTED_TRL",
     "TRL_COPIES",
     "OPTIONS_ADDED",
@@ -154,6 +156,17 @@ TRL_ATTRIBUTES = (
     "temperature",
 )
 
+#: Attributes a `GRPOTrainer` has only with `use_vllm` (read or, `_last_loaded_step`, written by the held-out
+#: evaluation's weight sync): checked on a stock trainer with vLLM by `tests/test_sampling_heldout_vllm.py`.
+TRL_VLLM_ATTRIBUTES = ("vllm_generation", "_last_loaded_step")
+
+#: Methods of TRL's vLLM backend (`trl.generation.vllm_generation.VLLMGeneration`) the package calls, with the
+#: arguments it passes (by name; pinned like `CALLED_METHODS`).
+VLLM_GENERATION_METHODS = {
+    "generate": ("prompts", "images", "num_generations"),
+    "sync_weights": (),
+}
+
 #: Every piece of TRL code this package reproduces because TRL offers no hook for it: where it lives here, TRL's
 #: file and function, and the test that compares its behaviour with TRL's own (a TRL release that changes the
 #: original fails that test).
@@ -195,6 +208,12 @@ TRL_COPIES = (
         "trl_grpo_ext.sampling.truncation.trl_logit_transform",
         "trl/trainer/utils.py: add_fused_lm_head (the backbone it runs, the logit scale and soft cap it reads)",
         "tests/test_sampling_truncation.py::test_the_trainer_pass_gives_trl_s_log_probs_with_scaled_and_capped_logits",
+    ),
+    (
+        "trl_grpo_ext.sampling.heldout.sync_vllm_weights",
+        "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_single_turn (the weight sync when global_step differs "
+        "from _last_loaded_step)",
+        "tests/test_sampling_heldout_vllm.py::test_the_weight_sync_check_is_trl_s",
     ),
     (
         "trl_grpo_ext.sampling.plan.trl_advantages",
