@@ -22,7 +22,8 @@ max):
 - from each generated batch, the ratio entering the correction per completion token, before truncation or masking:
   `exp(trainer_logp - sampling_per_token_logps)` with the trainer log-probs the correction used (stock TRL:
   `old_per_token_logps`; this package: the truncated ones it computed): its mean and the share of tokens outside
-  [0.9, 1.1], and that share over the same side's share without truncation (the first setting without a cut).
+  [0.9, 1.1] (over all steps' tokens, and per step), and that share over the same side's without truncation (the
+  first setting without a cut).
 
 The CPU engine runs in bfloat16 against a float32 trainer: the untruncated setting's share is that mismatch alone.
 
@@ -96,6 +97,8 @@ def train(side: str, setting: dict, steps: int, mode: str, output_dir: str) -> d
                 {
                     "mean": ratio.mean().item(),
                     "outside": ((ratio < BAND[0]) | (ratio > BAND[1])).double().mean().item(),
+                    "tokens": ratio.numel(),
+                    "outside_tokens": int(((ratio < BAND[0]) | (ratio > BAND[1])).sum()),
                 }
             )
             return output
@@ -153,6 +156,8 @@ def train(side: str, setting: dict, steps: int, mode: str, output_dir: str) -> d
         "logged_mean": logged,
         "token_mean": [step["mean"] for step in trainer.token_ratios],
         "token_outside": [step["outside"] for step in trainer.token_ratios],
+        "tokens": sum(step["tokens"] for step in trainer.token_ratios),
+        "outside_tokens": sum(step["outside_tokens"] for step in trainer.token_ratios),
     }
 
 
@@ -180,12 +185,17 @@ def _untruncated(setting: dict) -> bool:
     return not (setting.get("top_k", 0) > 0 or setting.get("top_p", 1.0) < 1.0 or setting.get("min_p", 0.0) > 0.0)
 
 
+def pooled_outside(run: dict) -> float:
+    """The share of tokens outside the band over all of a run's steps."""
+    return run["outside_tokens"] / run["tokens"] if run["tokens"] else math.nan
+
+
 def outside_over_untruncated(results: dict, run: dict) -> float | None:
-    """The median share of tokens outside the band of `run`, over that of its side's first untruncated setting."""
+    """The pooled share of tokens outside the band of `run`, over that of its side's first untruncated setting."""
     for other in results["runs"]:
         if other["side"] == run["side"] and _untruncated(other["setting"]):
-            baseline = statistics.median(other["token_outside"])
-            return statistics.median(run["token_outside"]) / baseline if baseline else math.inf
+            baseline = pooled_outside(other)
+            return pooled_outside(run) / baseline if baseline else math.inf
     return None
 
 
@@ -196,7 +206,7 @@ def table(results: dict) -> str:
         "sampling",
         f"sampling/importance_sampling_ratio/mean ({results['mode']})",
         "token ratio mean",
-        f"tokens outside [{low}, {high}]",
+        f"tokens outside [{low}, {high}]: all steps (per step)",
         "outside / untruncated",
     ]
     rows = []
@@ -208,7 +218,8 @@ def table(results: dict) -> str:
                 _label(run["setting"]),
                 _spread(run["logged_mean"]),
                 _spread(run["token_mean"]),
-                _spread(run["token_outside"]),
+                f"{pooled_outside(run):.4f} = {run['outside_tokens']}/{run['tokens']} "
+                f"({_spread(run['token_outside'])})",
                 "-" if ratio is None else f"{ratio:.2f}",
             ]
         )
