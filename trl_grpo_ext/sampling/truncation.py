@@ -83,9 +83,9 @@ def trl_logit_transform(model) -> tuple[Any, dict[str, Any]]:
     return model.base_model, {"logit_scale": scale, "softcap": getattr(text_config, "final_logit_softcapping", None)}
 
 
-def _lm_head_weights(model, cast_to_fp32: bool):
-    """The LM head's weight and bias as the fused head reads them: whole (FSDP2's DTensors gathered)."""
-    head = model.get_output_embeddings()
+def _lm_head_weights(head, cast_to_fp32: bool):
+    """The LM head's weight and bias as the fused head reads them: whole (FSDP2's DTensors gathered); under ZeRO-3,
+    read them inside `_gathered_lm_head`."""
     weight, bias = head.weight, head.bias
     try:
         from torch.distributed.tensor import DTensor
@@ -96,7 +96,7 @@ def _lm_head_weights(model, cast_to_fp32: bool):
         bias = bias.full_tensor() if bias is not None else None
     if cast_to_fp32:
         weight, bias = weight.float(), bias.float() if bias is not None else None
-    return head, weight, bias
+    return weight, bias
 
 
 def _gathered_lm_head(head):
@@ -131,9 +131,10 @@ def trainer_truncated_logps(
         input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
         hidden = result.last_hidden_state if hasattr(result, "last_hidden_state") else result[0]
         hidden = hidden[:, -length - 1 : -1]
-        head, weight, bias = _lm_head_weights(model, cast_to_fp32)
+        head = model.get_output_embeddings()
         autocast = torch.autocast(hidden.device.type, enabled=False) if cast_to_fp32 else nullcontext()
         with torch.no_grad(), _gathered_lm_head(head), autocast:
+            weight, bias = _lm_head_weights(head, cast_to_fp32)
             if cast_to_fp32:
                 hidden = hidden.float()
             parts.append(
