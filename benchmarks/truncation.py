@@ -11,14 +11,21 @@ On a machine without GPUs it calls `trl_grpo_ext.testing.enable_vllm_on_cpu()`; 
 (`reuse_vllm_engine`: a colocated engine is built once per process), with the sampling settings per request.
 
 vLLM reports log-probs of the distribution it sampled from, after truncation and renormalisation
-(`logprobs_mode="processed_logprobs"`), while the trainer's cover the whole vocabulary; with `top_p < 1` or
-`top_k > 0` every ratio `exp(trainer_logp - sampler_logp)` then carries the kept probability mass (TRL issue #6789).
-Reported per side and setting, over the steps (median, with min and max):
+(`logprobs_mode="processed_logprobs"`). Stock TRL compares them with the trainer's whole-vocabulary log-probs: with
+`top_p < 1` or `top_k > 0` every ratio `exp(trainer_logp - sampler_logp)` then carries the kept probability mass (TRL
+issue #6789). `GRPOConfigExt`'s `match_sampler_truncation` (on by default) gives the correction the trainer's
+log-probs of the same truncated distribution. Reported per side and setting, over the steps (median, with min and
+max):
 
 - `sampling/importance_sampling_ratio/mean`, as the trainer logs it (after the mode's truncation or masking; per
   sequence in the `sequence_*` modes);
-- from each generated batch, the ratio entering the correction per completion token, before truncation or masking
-  (`exp(old_per_token_logps - sampling_per_token_logps)`): its mean and the share of tokens outside [0.9, 1.1].
+- from each generated batch, the ratio entering the correction per completion token, before truncation or masking:
+  `exp(trainer_logp - sampling_per_token_logps)` with the trainer log-probs the correction used (stock TRL:
+  `old_per_token_logps`; this package: the truncated ones it computed): its mean and the share of tokens outside
+  [0.9, 1.1] (over all steps' tokens, and per step), and that share over the same side's without truncation (the
+  first setting without a cut).
+
+The CPU engine runs in bfloat16 against a float32 trainer: the untruncated setting's share is that mismatch alone.
 
 Sides (`SIDES`): stock `trl.GRPOTrainer` with `trl.GRPOConfig`, and `GRPOTrainerExt` with `GRPOConfigExt`; a side's
 extra options go in `OPTIONS`.
@@ -26,6 +33,7 @@ extra options go in `OPTIONS`.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import tempfile
@@ -79,14 +87,18 @@ def train(side: str, setting: dict, steps: int, mode: str, output_dir: str) -> d
 
     class Measured(trainer_class):
         def _generate_and_score_completions(self, inputs):
+            self.used_logps = None
             output = super()._generate_and_score_completions(inputs)
             mask = output["completion_mask"].bool()
-            log_ratio = output["old_per_token_logps"] - output["sampling_per_token_logps"]
+            trainer_logps = output["old_per_token_logps"] if self.used_logps is None else self.used_logps
+            log_ratio = trainer_logps - output["sampling_per_token_logps"]
             ratio = log_ratio[mask].double().exp()
             self.token_ratios.append(
                 {
                     "mean": ratio.mean().item(),
                     "outside": ((ratio < BAND[0]) | (ratio > BAND[1])).double().mean().item(),
+                    "tokens": ratio.numel(),
+                    "outside_tokens": int(((ratio < BAND[0]) | (ratio > BAND[1])).sum()),
                 }
             )
             return output
@@ -123,6 +135,15 @@ def train(side: str, setting: dict, steps: int, mode: str, output_dir: str) -> d
         processing_class=AutoTokenizer.from_pretrained(DEMO_MODEL),
     )
     trainer.token_ratios = []
+    match = getattr(trainer, "_truncation_match", None)
+    if match is not None:  # keep the truncated log-probs the correction was computed from
+        apply = match.apply
+
+        def kept(*args, **kwargs):
+            trainer.used_logps = apply(*args, **kwargs)
+            return trainer.used_logps
+
+        match.apply = kept
     trainer.train()
     logged = [
         entry["sampling/importance_sampling_ratio/mean"]
@@ -135,6 +156,8 @@ def train(side: str, setting: dict, steps: int, mode: str, output_dir: str) -> d
         "logged_mean": logged,
         "token_mean": [step["mean"] for step in trainer.token_ratios],
         "token_outside": [step["outside"] for step in trainer.token_ratios],
+        "tokens": sum(step["tokens"] for step in trainer.token_ratios),
+        "outside_tokens": sum(step["outside_tokens"] for step in trainer.token_ratios),
     }
 
 
@@ -158,6 +181,24 @@ def _spread(values: list[float], digits: int = 3) -> str:
     return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
+def _untruncated(setting: dict) -> bool:
+    return not (setting.get("top_k", 0) > 0 or setting.get("top_p", 1.0) < 1.0 or setting.get("min_p", 0.0) > 0.0)
+
+
+def pooled_outside(run: dict) -> float:
+    """The share of tokens outside the band over all of a run's steps."""
+    return run["outside_tokens"] / run["tokens"] if run["tokens"] else math.nan
+
+
+def outside_over_untruncated(results: dict, run: dict) -> float | None:
+    """The pooled share of tokens outside the band of `run`, over that of its side's first untruncated setting."""
+    for other in results["runs"]:
+        if other["side"] == run["side"] and _untruncated(other["setting"]):
+            baseline = pooled_outside(other)
+            return pooled_outside(run) / baseline if baseline else math.inf
+    return None
+
+
 def table(results: dict) -> str:
     low, high = results["band"]
     headers = [
@@ -165,16 +206,21 @@ def table(results: dict) -> str:
         "sampling",
         f"sampling/importance_sampling_ratio/mean ({results['mode']})",
         "token ratio mean",
-        f"tokens outside [{low}, {high}]",
+        f"tokens outside [{low}, {high}]: all steps (per step)",
+        "outside / untruncated",
     ]
-    rows = [
-        [
-            run["side"],
-            _label(run["setting"]),
-            _spread(run["logged_mean"]),
-            _spread(run["token_mean"]),
-            _spread(run["token_outside"]),
-        ]
-        for run in results["runs"]
-    ]
+    rows = []
+    for run in results["runs"]:
+        ratio = outside_over_untruncated(results, run)
+        rows.append(
+            [
+                run["side"],
+                _label(run["setting"]),
+                _spread(run["logged_mean"]),
+                _spread(run["token_mean"]),
+                f"{pooled_outside(run):.4f} = {run['outside_tokens']}/{run['tokens']} "
+                f"({_spread(run['token_outside'])})",
+                "-" if ratio is None else f"{ratio:.2f}",
+            ]
+        )
     return format_table(headers, rows)

@@ -104,6 +104,7 @@ def make_trainer(
     eval_dataset=None,
     callbacks=None,
     trainer_kwargs: dict | None = None,
+    args: GRPOConfig | None = None,
     **config,
 ) -> GRPOTrainer:
     """A trainer for a few-step CPU run: `trainer_cls` with `config_cls(**tiny_grpo_args(output_dir, **config))`.
@@ -114,9 +115,13 @@ def make_trainer(
     Args:
         model: a path or a model, as `trl.GRPOTrainer` takes it; `tokenizer` may be `None` (TRL loads it).
         trainer_kwargs: further keyword arguments of `trainer_cls`, e.g. `heldout_metrics`.
+        args: a config built by the caller, instead of `config_cls(...)` (then `config` must be empty).
         **config: fields of the config, over `tiny_grpo_args`'s.
     """
-    args = config_cls(**tiny_grpo_args(output_dir, **config))
+    if args is None:
+        args = config_cls(**tiny_grpo_args(output_dir, **config))
+    elif config:
+        raise TypeError(f"make_trainer got both a config and config fields: {sorted(config)}")
     set_seed(args.seed)
     return trainer_cls(
         model=model,

@@ -166,7 +166,7 @@ def test_a_bias_corrected_kl_is_multiplied_by_the_ratio(tmp_path):
     assert "K_it" not in objective_section(config_card(args))
 
 
-def test_the_documents_card_keeps_the_documents_objective(tmp_path):
+def test_the_default_card_keeps_deepseekmath_s_objective(tmp_path):
     args = GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, bf16=False)
     assert model_card.objective_formula(model_card.objective_options(args)) == DOCUMENTS_OBJECTIVE
     text = config_card(args)

@@ -8,7 +8,7 @@ from trl import GRPOConfig
 from trl_grpo_ext import GRPOConfigExt
 
 
-def test_defaults_are_the_documents_objective(tmp_path):
+def test_defaults_are_deepseekmath_s_objective(tmp_path):
     config = GRPOConfigExt(output_dir=str(tmp_path))
     assert config.beta == 0.04
     assert config.epsilon == 0.2
@@ -18,7 +18,7 @@ def test_defaults_are_the_documents_objective(tmp_path):
     assert config.scale_rewards == "group"
 
 
-def test_defaults_differ_from_trl_where_the_documents_do(tmp_path):
+def test_defaults_differ_from_trl_where_deepseekmath_does(tmp_path):
     stock = GRPOConfig(output_dir=str(tmp_path), bf16=False)
     assert (stock.beta, stock.loss_type, stock.use_bias_correction_kl) == (0.0, "dapo", True)
 

@@ -250,6 +250,12 @@ def test_untruncated_sampling_or_no_correction_is_not_warned_about(overrides):
 def test_the_trainer_warns_about_truncated_sampling_at_construction(
     stand_in, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
-    args = GRPOConfigExt(**tiny_grpo_args(tmp_path), **VLLM, vllm_importance_sampling_correction=True, top_k=5)
+    args = GRPOConfigExt(
+        **tiny_grpo_args(tmp_path),
+        **VLLM,
+        vllm_importance_sampling_correction=True,
+        top_k=5,
+        match_sampler_truncation=False,
+    )
     with pytest.warns(UserWarning, match=r"truncated distribution \(top_k=5\)"):
         GRPOTrainerExt(tiny_model_path, count_a_reward, args, prompt_dataset, processing_class=tiny_tokenizer)

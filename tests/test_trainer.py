@@ -181,7 +181,9 @@ def test_model_card_carries_the_project_tag(tiny_model_path, tiny_tokenizer, pro
         assert f"- {tag}\n" in front_matter
 
 
-def test_default_args_are_the_documents_config(tiny_model_path, tiny_tokenizer, prompt_dataset, monkeypatch, tmp_path):
+def test_default_args_are_deepseekmath_s_config(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, monkeypatch, tmp_path
+):
     monkeypatch.chdir(tmp_path)
     trainer = GRPOTrainerExt(
         model=tiny_model_path,

@@ -43,6 +43,8 @@ __all__ = [
     "FORWARD_KEYS",
     "OVERRIDDEN_HOOKS",
     "TRL_ATTRIBUTES",
+    "TRL_VLLM_ATTRIBUTES",
+    "VLLM_GENERATION_METHODS",
     "SUPPORTED_TRL",
     "TRL_COPIES",
     "OPTIONS_ADDED",
@@ -151,7 +153,19 @@ TRL_ATTRIBUTES = (
     "max_completion_length",
     "shuffle_dataset",
     "pad_to_multiple_of",
+    "temperature",
 )
+
+#: Attributes a `GRPOTrainer` has only with `use_vllm` (read or, `_last_loaded_step`, written by the held-out
+#: evaluation's weight sync): checked on a stock trainer with vLLM by `tests/test_sampling_heldout_vllm.py`.
+TRL_VLLM_ATTRIBUTES = ("vllm_generation", "_last_loaded_step")
+
+#: Methods of TRL's vLLM backend (`trl.generation.vllm_generation.VLLMGeneration`) the package calls, with the
+#: arguments it passes (by name; pinned like `CALLED_METHODS`).
+VLLM_GENERATION_METHODS = {
+    "generate": ("prompts", "images", "num_generations"),
+    "sync_weights": (),
+}
 
 #: Every piece of TRL code this package reproduces because TRL offers no hook for it: where it lives here, TRL's
 #: file and function, and the test that compares its behaviour with TRL's own (a TRL release that changes the
@@ -177,6 +191,29 @@ TRL_COPIES = (
         "trl_grpo_ext.diagnostics.mismatch.sampler_mismatch",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (vLLM importance-sampling bounds)",
         "tests/test_drift.py::test_the_sampler_mismatch_bounds_are_trl_s",
+    ),
+    (
+        "trl_grpo_ext.diagnostics.mismatch.correction_ratio",
+        "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (the importance-sampling weights of "
+        "each vllm_importance_sampling_mode: truncated or masked at the bounds)",
+        "tests/test_sampling_truncation.py::test_the_correction_weights_and_their_metrics_are_trl_s",
+    ),
+    (
+        "trl_grpo_ext.sampling.truncation.correction_metrics",
+        "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (the logged "
+        "sampling/sampling_logp_difference/* and sampling/importance_sampling_ratio/*)",
+        "tests/test_sampling_truncation.py::test_the_correction_weights_and_their_metrics_are_trl_s",
+    ),
+    (
+        "trl_grpo_ext.sampling.truncation.trl_logit_transform",
+        "trl/trainer/utils.py: add_fused_lm_head (the backbone it runs, the logit scale and soft cap it reads)",
+        "tests/test_sampling_truncation.py::test_the_trainer_pass_gives_trl_s_log_probs_with_scaled_and_capped_logits",
+    ),
+    (
+        "trl_grpo_ext.sampling.heldout.sync_vllm_weights",
+        "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_single_turn (the weight sync when global_step differs "
+        "from _last_loaded_step)",
+        "tests/test_sampling_heldout_vllm.py::test_the_weight_sync_check_is_trl_s",
     ),
     (
         "trl_grpo_ext.sampling.plan.trl_advantages",

@@ -25,7 +25,7 @@ check_transformers_version(transformers.__version__)
 #: deprecated alias); older releases know only `gradient_checkpointing`.
 _HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in transformers.TrainingArguments.__dataclass_fields__
 
-__all__ = ["GRPOConfigExt", "config_problems", "option", "validate_config"]
+__all__ = ["TRL_BEHAVIOUR", "GRPOConfigExt", "config_problems", "option", "validate_config"]
 
 
 @dataclass
@@ -48,8 +48,8 @@ class GRPOConfigExt(GRPOConfig):
     beta: float = field(
         default=0.04,
         metadata={
-            "help": "KL coefficient of the penalty `beta * (exp(d) - d - 1)`, d = ref_logp - logp. The documents and "
-            "the DeepSeekMath paper use 0.04. 0.0 switches the penalty off and no reference model is loaded."
+            "help": "KL coefficient of the penalty `beta * (exp(d) - d - 1)`, d = ref_logp - logp. DeepSeekMath's "
+            "GRPO uses 0.04. 0.0 switches the penalty off and no reference model is loaded."
         },
     )
     epsilon: float = field(
@@ -182,6 +182,20 @@ class GRPOConfigExt(GRPOConfig):
         },
     )
 
+    # vLLM's truncated sampling
+    match_sampler_truncation: bool = field(
+        default=True,
+        metadata={
+            "help": "With use_vllm and a sampling cut (top_k, top_p or min_p, also through generation_kwargs): the "
+            "trainer's log-probs that enter vLLM's importance-sampling correction and the sampler-mismatch metrics "
+            "are those of the same truncated distribution as vLLM's (the cuts after temperature, renormalised over "
+            "the kept tokens), so that the ratio measures the engine's mismatch only; stock TRL compares the "
+            "trainer's whole-vocabulary log-probs with vLLM's truncated ones, a ratio scaled by the kept mass. Costs "
+            "one forward pass without gradient per generation batch. The surrogate's ratio (policy against old "
+            "log-probs) is unchanged. A plain trl.GRPOConfig keeps stock TRL's behaviour (False)."
+        },
+    )
+
     # Held-out evaluation (GRPOTrainerExt's `heldout_metrics` and `heldout_dataset` arguments)
     heldout_every_steps: int = field(
         default=0,
@@ -288,14 +302,22 @@ _DEFAULTS = {
 }
 
 
+#: The fields whose value for a configuration without them (a plain `trl.GRPOConfig`) is not `GRPOConfigExt`'s default
+#: but the one that keeps stock TRL's behaviour: a plain config then trains as stock TRL does.
+TRL_BEHAVIOUR = {"match_sampler_truncation": False}
+
+
 def option(args, name: str):
-    """`args.<name>`, or `GRPOConfigExt`'s default for a configuration without that field (a plain `trl.GRPOConfig`).
+    """`args.<name>`; for a configuration without that field (a plain `trl.GRPOConfig`), its `TRL_BEHAVIOUR` value,
+    or else `GRPOConfigExt`'s default.
 
     Raises:
         AttributeError: for a name that is neither a field of `args` nor one of `GRPOConfigExt`.
     """
     if hasattr(args, name):
         return getattr(args, name)
+    if name in TRL_BEHAVIOUR:
+        return TRL_BEHAVIOUR[name]
     if name not in _DEFAULTS:
         raise AttributeError(f"{type(args).__name__} has no field {name!r}, and GRPOConfigExt neither.")
     return _DEFAULTS[name]

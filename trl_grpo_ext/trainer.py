@@ -50,6 +50,7 @@ from .sampling.dynamic import DynamicSampler, ScoredBatch
 from .sampling.generation import eos_token_ids
 from .sampling.heldout import HeldoutEvaluator
 from .sampling.skipping import ZeroAdvantageRowSkipping, skipping_problems
+from .sampling.truncation import TruncationMatch
 
 logger = logging.get_logger(__name__)
 
@@ -148,6 +149,7 @@ class GRPOTrainerExt(GRPOTrainer):
         self._diagnostics = {mode: self._build_diagnostics(mode) for mode in ("train", "eval")}
         if truncation_warning(args):
             warnings.warn(truncation_warning(args), UserWarning, stacklevel=2)
+        self._truncation_match = TruncationMatch.for_trainer(self)  # None unless vLLM truncates and the option is on
         self._scored: ScoredBatch | None = None  # the rewards of the generation batch scored last
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         # What ends a completion that was not cut at max_completion_length (TRL's `completions/clipped_ratio`).
@@ -284,14 +286,20 @@ class GRPOTrainerExt(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         mode = "train" if self.model.training else "eval"
         stock = super()._generate_and_score_completions
+        match = self._truncation_match
+        mark = match.mark(mode) if match is not None else None
         if self._dynamic_sampler is not None and mode == "train":
             output, scored = self._dynamic_sampler.generate(inputs, stock)
         else:
             output, scored = stock(inputs), self._scored
         self._add_reward_spread(scored, mode)
-        if self._diagnostics[mode].sampler_mismatch and output.get("sampling_per_token_logps") is not None:
+        measured = self._diagnostics[mode].sampler_mismatch and output.get("sampling_per_token_logps") is not None
+        # With vLLM's cuts matched: the correction's weights and TRL's metrics of them, from truncated log-probs
+        logps = match.apply(output, mode, mark, for_metrics=measured) if match is not None else None
+        if measured:
             # TRL computes the trainer's log-probs at generation only for the correction (or misaligned steps)
-            logps = trainer_logps(self, output) if "old_per_token_logps" not in output else None
+            if logps is None and "old_per_token_logps" not in output:
+                logps = trainer_logps(self, output)
             mismatch = sampler_mismatch(
                 output,
                 self.vllm_importance_sampling_mode,

@@ -15,7 +15,17 @@ import torch
 from peft import LoraConfig
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
-from vllm_helpers import DEMO_MODEL, reversal_reward, training_logs, vllm_args
+from vllm_helpers import (
+    DEMO_MODEL,
+    TRL_SAMPLING,
+    assert_same_batches,
+    assert_same_logs,
+    recording,
+    reversal_reward,
+    training_logs,
+    vllm_args,
+    vllm_rows,
+)
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 
@@ -25,54 +35,6 @@ MODES = ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 # Tight bounds, so that every mode truncates or masks part of each batch (the raw ratios lie within ~0.9-1.1).
 TIGHT_BOUNDS = dict(vllm_importance_sampling_clip_min=0.995, vllm_importance_sampling_clip_max=1.005)
 COMPARED = ("loss", "grad_norm", "reward", "reward_std", "entropy", "clip_ratio/region_mean")
-TRL_SAMPLING = (
-    "sampling/sampling_logp_difference/mean",
-    "sampling/sampling_logp_difference/max",
-    "sampling/importance_sampling_ratio/min",
-    "sampling/importance_sampling_ratio/mean",
-    "sampling/importance_sampling_ratio/max",
-)
-BATCH_KEYS = ("prompt_ids", "completion_ids", "completion_mask", "sampling_per_token_logps", "advantages")
-
-
-def recording(trainer_class):
-    """`trainer_class` keeping each generated batch (`batches`) and each generation's vLLM outputs (`outputs`)."""
-
-    class Recording(trainer_class):
-        def _generate_and_score_completions(self, inputs):
-            if not hasattr(self, "batches"):
-                self.batches, self.outputs = [], []
-                llm = self.vllm_generation.llm  # the shared engine: record this trainer's calls only
-                generate = llm.generate
-
-                def recorded_generate(*args, **kwargs):
-                    outputs = generate(*args, **kwargs)
-                    if getattr(self, "_recording", False):
-                        self.outputs.append(outputs)
-                    return outputs
-
-                llm.generate = recorded_generate
-            self._recording = True
-            try:
-                output = super()._generate_and_score_completions(inputs)
-            finally:
-                self._recording = False
-            batch = {k: v.detach().clone() for k, v in output.items() if torch.is_tensor(v)}
-            batch["own_logps"] = own_logps(self.model, batch, self.temperature)
-            self.batches.append(batch)
-            return output
-
-    return Recording
-
-
-def own_logps(model, batch, temperature) -> torch.Tensor:
-    """The trainer's log-probs `(N, T)` of the sampled tokens, from a plain transformers forward at generation."""
-    prompt_length = batch["prompt_ids"].shape[1]
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, prompt_length - 1 : -1].float() / temperature
-    return logits.log_softmax(-1).gather(-1, batch["completion_ids"][..., None])[..., 0]
 
 
 class FirstGradient(TrainerCallback):
@@ -138,22 +100,6 @@ def assert_engine_holds(trainer, weights: dict[str, torch.Tensor]):
         assert torch.equal(held, expected.to(held.dtype)), name
 
 
-def assert_same_batches(first, second):
-    assert len(first.batches) == len(second.batches)
-    for step, (a, b) in enumerate(zip(first.batches, second.batches, strict=True)):
-        for key in BATCH_KEYS:
-            assert torch.equal(a[key], b[key]), (step, key)
-
-
-def assert_same_logs(first, second, keys, rel=1e-5, abs=1e-7):
-    ours, theirs = training_logs(first.state.log_history), training_logs(second.state.log_history)
-    assert len(ours) == len(theirs) > 0
-    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        for key in keys:
-            if key in b:
-                assert a[key] == pytest.approx(b[key], rel=rel, abs=abs), (step, key)
-
-
 def test_stock_trl_trains_with_the_shim_and_the_engine_follows_the_trainer(reversal_dataset, demo_tokenizer, tmp_path):
     args = GRPOConfig(**vllm_args(tmp_path, learning_rate=3e-2))
     trainer = train(GRPOTrainer, args, reversal_dataset, demo_tokenizer)
@@ -190,7 +136,7 @@ def test_every_importance_sampling_mode_trains_like_stock_trl(mode, reversal_dat
         assert math.isfinite(entry["sampling/sampler_k3_kl"])
 
 
-def test_the_documents_objective_trains_like_stock_trl_under_vllm(reversal_dataset, demo_tokenizer, tmp_path):
+def test_deepseekmath_s_objective_trains_like_stock_trl_under_vllm(reversal_dataset, demo_tokenizer, tmp_path):
     """GRPOConfigExt's defaults (loss_type="grpo", beta=0.04, no KL bias correction) written as a TRL config: the
     reference model, the KL term and the correction together."""
     config = vllm_args(
@@ -207,17 +153,6 @@ def test_the_documents_objective_trains_like_stock_trl_under_vllm(reversal_datas
     torch.testing.assert_close(
         ours.first_gradient, stock.first_gradient, rtol=1e-4, atol=1e-6 * stock.first_gradient.abs().max().item()
     )
-
-
-def vllm_rows(outputs) -> list[list[float]]:
-    """Each completion's sampled-token log-probs as vLLM reported them (colocate: one completion per request, in the
-    batch's row order)."""
-    rows = []
-    for request in outputs:
-        for completion in request.outputs:
-            steps = zip(completion.logprobs, completion.token_ids, strict=True)
-            rows.append([step[token].logprob for step, token in steps])
-    return rows
 
 
 def expected_mismatch(batch, rows, trainer_logps, sequence_level, clip_min, clip_max) -> dict[str, float]:

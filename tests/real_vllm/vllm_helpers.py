@@ -5,6 +5,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 DEMO_MODEL = os.path.join(REPO, "trl_grpo_ext", "recipes", "tiny", "base_model")
@@ -64,3 +67,80 @@ def run_script(script: str, *args, unset=(), timeout: int = 900) -> subprocess.C
 def read_jsonl(path) -> list[dict]:
     with open(path) as handle:
         return [json.loads(line) for line in handle if line.strip()]
+
+
+TRL_SAMPLING = (
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max",
+)
+BATCH_KEYS = ("prompt_ids", "completion_ids", "completion_mask", "sampling_per_token_logps", "advantages")
+
+
+def recording(trainer_class):
+    """`trainer_class` keeping each generated batch (`batches`) and each generation's vLLM outputs (`outputs`)."""
+
+    class Recording(trainer_class):
+        def _generate_and_score_completions(self, inputs):
+            if not hasattr(self, "batches"):
+                self.batches, self.outputs = [], []
+                llm = self.vllm_generation.llm  # the shared engine: record this trainer's calls only
+                generate = llm.generate
+
+                def recorded_generate(*args, **kwargs):
+                    outputs = generate(*args, **kwargs)
+                    if getattr(self, "_recording", False):
+                        self.outputs.append(outputs)
+                    return outputs
+
+                llm.generate = recorded_generate
+            self._recording = True
+            try:
+                output = super()._generate_and_score_completions(inputs)
+            finally:
+                self._recording = False
+            batch = {k: v.detach().clone() for k, v in output.items() if torch.is_tensor(v)}
+            batch["own_logps"] = own_logps(self.model, batch, self.temperature)
+            self.batches.append(batch)
+            return output
+
+    return Recording
+
+
+def own_logps(model, batch, temperature) -> torch.Tensor:
+    """The trainer's log-probs `(N, T)` of the sampled tokens, from a plain transformers forward at generation."""
+    prompt_length = batch["prompt_ids"].shape[1]
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, prompt_length - 1 : -1].float() / temperature
+    return logits.log_softmax(-1).gather(-1, batch["completion_ids"][..., None])[..., 0]
+
+
+def assert_same_batches(first, second):
+    assert len(first.batches) == len(second.batches)
+    for step, (a, b) in enumerate(zip(first.batches, second.batches, strict=True)):
+        for key in BATCH_KEYS:
+            assert torch.equal(a[key], b[key]), (step, key)
+
+
+def assert_same_logs(first, second, keys, rel=1e-5, abs=1e-7):
+    ours, theirs = training_logs(first.state.log_history), training_logs(second.state.log_history)
+    assert len(ours) == len(theirs) > 0
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        for key in keys:
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=rel, abs=abs), (step, key)
+
+
+def vllm_rows(outputs) -> list[list[float]]:
+    """Each completion's sampled-token log-probs as vLLM reported them (colocate: one completion per request, in the
+    batch's row order)."""
+    rows = []
+    for request in outputs:
+        for completion in request.outputs:
+            steps = zip(completion.logprobs, completion.token_ids, strict=True)
+            rows.append([step[token].logprob for step, token in steps])
+    return rows

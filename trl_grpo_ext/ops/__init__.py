@@ -5,6 +5,7 @@
 - `loss_types`: one record per loss type, with its formula text; `register_loss_type` adds one's own;
 - `fused`: the fused (and compiled) kernel of the clipped-surrogate rows;
 - `numerics`: the exponential continued linearly above a threshold, the `exp(d) - d - 1` estimator;
+- `truncation`: the trainer's log-probs under a sampler's top_k/top_p/min_p cuts, renormalised over the kept tokens;
 - `validation`: the checks on inputs and hyper-parameters;
 - `advantages`: group-relative advantages.
 """
@@ -13,6 +14,7 @@ from .advantages import group_relative_advantages
 from .loss_types import LOSS_TYPES, LossType, register_loss_type, register_policy_term
 from .numerics import EXP_LINEAR_ABOVE
 from .objective import IMPLEMENTATIONS, GRPOLossOutput, grpo_loss, policy_objective
+from .truncation import SamplerCuts, TruncatedLogProbs, truncated_log_probs, truncated_log_probs_from_hidden
 from .validation import hyperparameter_problems
 
 __all__ = [
@@ -21,10 +23,14 @@ __all__ = [
     "LOSS_TYPES",
     "GRPOLossOutput",
     "LossType",
+    "SamplerCuts",
+    "TruncatedLogProbs",
     "group_relative_advantages",
     "grpo_loss",
     "hyperparameter_problems",
     "policy_objective",
     "register_loss_type",
     "register_policy_term",
+    "truncated_log_probs",
+    "truncated_log_probs_from_hidden",
 ]

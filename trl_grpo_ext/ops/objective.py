@@ -1,4 +1,4 @@
-"""The GRPO objective of the source documents, and every GRPO-family objective of TRL, as pure tensor code.
+"""DeepSeekMath's GRPO objective, and every GRPO-family objective of TRL, as pure tensor code.
 
 For one prompt with G sampled completions o_1..o_G (token t of completion i):
 

@@ -29,6 +29,7 @@ __all__ = [
     "sample_batch",
     "sampling_model",
     "tokenize_prompts",
+    "vllm_sample_batch",
 ]
 
 
@@ -210,6 +211,45 @@ def sample_batch(
         synced_gpus=synced_gpus,
     )
     completion_ids = _through_first_eos(output[:, input_ids.shape[1] :], eos_token_ids(model, tokenizer))
+    return _decode(tokenizer, completion_ids, prompt_ids, chat), completion_ids
+
+
+def vllm_sample_batch(
+    vllm_generation,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list,
+    settings: SamplingSettings,
+    num_generations: int,
+    *,
+    tools: list | None = None,
+    chat_template: str | None = None,
+) -> tuple[list, list[list[int]]]:
+    """One call of a trainer's vLLM engine: a completion for each prompt, sampled as TRL's training samples with vLLM.
+
+    The prompts are tokenised as `sample_batch` (and TRL) tokenises them and handed to TRL's
+    `vllm_generation.generate(prompt_ids, images=None, num_generations=...)`, which samples with the training sampling
+    parameters (`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `max_completion_length`,
+    `generation_kwargs`) in the run's colocate or server mode. The engine must hold the current weights (TRL syncs
+    them before it generates; `heldout.sync_vllm_weights`).
+
+    Args:
+        vllm_generation: the trainer's `vllm_generation` (TRL's `VLLMGeneration`).
+        tokenizer, settings, tools, chat_template: see `sample_batch` (`settings.chat_template_kwargs` is read).
+        prompts: strings or conversations, each prompt repeated `num_generations` times in a row (TRL's layout).
+        num_generations: how many times each prompt is repeated: in server mode TRL sends each prompt once and asks
+            for that many completions.
+
+    Returns:
+        `(completions, completion_ids)`, as `sample_batch`.
+    """
+    chat = is_conversational({"prompt": prompts[0]})
+    prompt_ids = tokenize_prompts(
+        tokenizer, prompts, settings.chat_template_kwargs, tools=tools, chat_template=chat_template
+    )
+    _, completion_ids, _, _ = vllm_generation.generate(
+        prompts=prompt_ids, images=None, num_generations=num_generations
+    )
+    completion_ids = [list(ids) for ids in completion_ids]
     return _decode(tokenizer, completion_ids, prompt_ids, chat), completion_ids
 
 

@@ -14,6 +14,14 @@ not passing). Under DDP, FSDP2 and ZeRO the prompts are split over the processes
 own seed (`seed + chunk index`), so that a completion does not depend on how many processes share the work; the
 per-prompt counts are pooled with one gather and summed in prompt order, so one process and several give the same
 numbers.
+
+With `use_vllm`, the completions come from the trainer's vLLM engine, through TRL's own
+`vllm_generation.generate` with the training sampling parameters, after the weights of the current step are synced
+as TRL syncs them before it generates (`sync_vllm_weights`). The chunk seeds then reach only an engine that draws
+from this process's torch generator (colocate mode); a server samples with its own (see docs/vllm.md). In server
+mode (and with `vllm_tensor_parallel_size > 1`) TRL gathers the prompts of every process into one request and slices
+the completions back assuming as many rows on each: every process then samples equal-sized chunks, as many times
+(a short chunk is padded with its first prompt, and the padding dropped).
 """
 
 from __future__ import annotations
@@ -31,9 +39,16 @@ from trl.trainer.utils import get_callable_name
 
 from ..config import option
 from ..guardrails.reward_errors import check_rewards
-from .generation import SamplingSettings, sample_batch, sampling_model
+from .generation import SamplingSettings, preserved_rng, sample_batch, sampling_model, vllm_sample_batch
 
-__all__ = ["HeldoutEvaluator", "call_metric", "heldout_records", "pass_at_k", "pool_heldout_records"]
+__all__ = [
+    "HeldoutEvaluator",
+    "call_metric",
+    "heldout_records",
+    "pass_at_k",
+    "pool_heldout_records",
+    "sync_vllm_weights",
+]
 
 #: The `GRPOConfigExt` fields of the held-out evaluation (a plain `trl.GRPOConfig` gets their defaults).
 HELDOUT_FIELDS = (
@@ -118,13 +133,16 @@ def heldout_records(
     synced_gpus: bool = False,
     metric_kwargs: dict | None = None,
     prompt_options: dict | None = None,
+    vllm_generation=None,
+    equal_chunks: bool = False,
 ) -> torch.Tensor:
     """This process's per-prompt counts: one row per prompt it sampled, `(prompt index, then per metric: score sum,
     scored completions, passing completions)`, float64, padded with rows of index -1 to the same number of rows on
     every process.
 
     Args:
-        model: the policy, whole or gathering its shards in the forward (then `synced_gpus=True`).
+        model: the policy, whole or gathering its shards in the forward (then `synced_gpus=True`); put in eval mode
+            while sampling. May be `None` with `vllm_generation`.
         tokenizer: the processing class of the run.
         dataset (`datasets.Dataset`): held-out rows with a `prompt` and the columns the metrics read.
         metrics: name -> metric function.
@@ -141,23 +159,37 @@ def heldout_records(
         metric_kwargs: more keyword arguments for the metrics (e.g. `trainer_state`).
         prompt_options: how conversational prompts are rendered, as the trainer renders them (`prompt_options`:
             its `tools` and `chat_template`).
+        vllm_generation: the trainer's `vllm_generation` (TRL's vLLM backend), to sample with instead of `model`'s
+            `generate` (`generation.vllm_sample_batch`); its engine must hold the current weights.
+        equal_chunks: every process samples chunks of the same number of prompts (a short one padded with its first
+            prompt, the padding dropped), the same number of times: TRL's server mode needs it.
     """
     chunks = _chunks(len(dataset), num_generations, batch_size)
     mine = list(range(process_index, len(chunks), num_processes))
-    calls = math.ceil(len(chunks) / num_processes) if synced_gpus else len(mine)
+    calls = math.ceil(len(chunks) / num_processes) if synced_gpus or equal_chunks else len(mine)
     max_rows = max(sum(len(chunks[i]) for i in range(p, len(chunks), num_processes)) for p in range(num_processes))
     rows = []
-    with sampling_model(model):
+    with sampling_model(model) if model is not None else preserved_rng():
         for call in range(calls):
             index = mine[call] if call < len(mine) else 0  # a repeat that keeps the processes in step
-            batch = dataset[chunks[index].start : chunks[index].stop]
+            chunk = list(chunks[index])
+            padding = len(chunks[0]) - len(chunk) if equal_chunks else 0
+            batch = dataset[chunk + [chunk[0]] * padding]
             prompts = [prompt for prompt in batch["prompt"] for _ in range(num_generations)]
             torch.manual_seed(seed + index)
-            completions, completion_ids = sample_batch(
-                model, tokenizer, prompts, settings, synced_gpus=synced_gpus, **(prompt_options or {})
-            )
+            if vllm_generation is not None:
+                completions, completion_ids = vllm_sample_batch(
+                    vllm_generation, tokenizer, prompts, settings, num_generations, **(prompt_options or {})
+                )
+            else:
+                completions, completion_ids = sample_batch(
+                    model, tokenizer, prompts, settings, synced_gpus=synced_gpus, **(prompt_options or {})
+                )
             if call >= len(mine):
                 continue
+            kept = len(chunk) * num_generations  # without the padding
+            batch = {key: values[: len(chunk)] for key, values in batch.items()}
+            prompts, completions, completion_ids = prompts[:kept], completions[:kept], completion_ids[:kept]
             columns = {
                 key: [value for value in values for _ in range(num_generations)]
                 for key, values in batch.items()
@@ -167,7 +199,7 @@ def heldout_records(
                 name: call_metric(func, prompts, completions, completion_ids, columns, **(metric_kwargs or {}))
                 for name, func in metrics.items()
             }
-            for offset, prompt_index in enumerate(chunks[index]):
+            for offset, prompt_index in enumerate(chunk):
                 row = [float(prompt_index)]
                 for name in metrics:
                     group = scores[name][offset * num_generations : (offset + 1) * num_generations]
@@ -294,32 +326,54 @@ class HeldoutEvaluator:
         sharded = trainer.is_fsdp_enabled or (
             trainer.is_deepspeed_enabled and accelerator.state.deepspeed_plugin.zero_stage == 3
         )
-        dist = getattr(trainer, "_dist", None)  # TRL >= 1.16: FSDP1 needs its full parameters summoned
-        summon = dist.summon_full_params(trainer.model_wrapped, recurse=False) if dist is not None else nullcontext()
-        unwrap_options = {"gather_deepspeed3_params": trainer.args.ds3_gather_for_generation}
-        if "gradient_checkpointing_kwargs" in inspect.signature(unwrap_model_for_generation).parameters:
-            # It switches gradient checkpointing off for generation and on again after: with the run's own settings
-            # (without them transformers re-enables it with use_reentrant=False whatever the run configured).
-            unwrap_options["gradient_checkpointing_kwargs"] = trainer.args.gradient_checkpointing_kwargs
-        with unwrap_model_for_generation(trainer.model_wrapped, accelerator, **unwrap_options) as model, summon:
+        arguments = dict(
+            num_generations=n,
+            threshold=options["heldout_pass_threshold"],
+            batch_size=options["heldout_batch_size"],
+            seed=trainer.args.seed,
+            process_index=accelerator.process_index,
+            num_processes=accelerator.num_processes,
+            metric_kwargs={"trainer_state": trainer.state},
+            prompt_options=prompt_options(trainer),
+        )
+        settings = SamplingSettings.from_config(trainer.args)
+        if trainer.use_vllm:
+            sync_vllm_weights(trainer)
+            # TRL's server mode (and a tensor-parallel group) pools the prompts of several processes in one request
+            pooled = trainer.args.vllm_mode == "server" or trainer.args.vllm_tensor_parallel_size > 1
             records = heldout_records(
-                model,
+                trainer.model,
                 trainer.processing_class,
                 self.dataset,
                 self.metrics,
-                SamplingSettings.from_config(trainer.args),
-                num_generations=n,
-                threshold=options["heldout_pass_threshold"],
-                batch_size=options["heldout_batch_size"],
-                seed=trainer.args.seed,
-                process_index=accelerator.process_index,
-                num_processes=accelerator.num_processes,
-                synced_gpus=sharded and accelerator.num_processes > 1,
-                metric_kwargs={"trainer_state": trainer.state},
-                prompt_options=prompt_options(trainer),
+                settings,
+                vllm_generation=trainer.vllm_generation,
+                equal_chunks=pooled and accelerator.num_processes > 1,
+                **arguments,
             )
-        if trainer.is_fsdp_enabled:
-            _reshard(trainer.model_wrapped)
+        else:
+            dist = getattr(trainer, "_dist", None)  # TRL >= 1.16: FSDP1 needs its full parameters summoned
+            summon = (
+                dist.summon_full_params(trainer.model_wrapped, recurse=False) if dist is not None else nullcontext()
+            )
+            unwrap_options = {"gather_deepspeed3_params": trainer.args.ds3_gather_for_generation}
+            if "gradient_checkpointing_kwargs" in inspect.signature(unwrap_model_for_generation).parameters:
+                # It switches gradient checkpointing off for generation and on again after: with the run's own
+                # settings (without them transformers re-enables it with use_reentrant=False whatever the run
+                # configured).
+                unwrap_options["gradient_checkpointing_kwargs"] = trainer.args.gradient_checkpointing_kwargs
+            with unwrap_model_for_generation(trainer.model_wrapped, accelerator, **unwrap_options) as model, summon:
+                records = heldout_records(
+                    model,
+                    trainer.processing_class,
+                    self.dataset,
+                    self.metrics,
+                    settings,
+                    synced_gpus=sharded and accelerator.num_processes > 1,
+                    **arguments,
+                )
+            if trainer.is_fsdp_enabled:
+                _reshard(trainer.model_wrapped)
         dtype = torch.float32 if accelerator.device.type == "mps" else torch.float64
         if accelerator.num_processes > 1:  # the evaluation's only collective
             records = accelerator.gather(records.to(accelerator.device, dtype))
@@ -354,6 +408,19 @@ class HeldoutEvaluator:
             return stock(eval_dataset, ignore_keys, metric_key_prefix)
         finally:
             self._in_evaluate = False
+
+
+def sync_vllm_weights(trainer) -> None:
+    """Push the trainer's weights into its vLLM engine unless they were pushed at this optimizer step already.
+
+    Copy of TRL 1.16's check before it generates (`GRPOTrainer._generate_single_turn`, `trl/trainer/grpo_trainer.py`;
+    recorded in `_compat.TRL_COPIES`): `vllm_generation.sync_weights()` when `state.global_step` differs from
+    `_last_loaded_step`, which is then set to it. The training generation of the same step then finds the engine
+    synced and does not sync again. Call it on every process (the sync is collective).
+    """
+    if trainer.state.global_step != trainer._last_loaded_step:
+        trainer.vllm_generation.sync_weights()
+        trainer._last_loaded_step = trainer.state.global_step
 
 
 def prompt_options(trainer) -> dict:

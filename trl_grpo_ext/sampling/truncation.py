@@ -1,0 +1,255 @@
+"""`match_sampler_truncation`: the importance-sampling correction under vLLM's truncated sampling, unbiased.
+
+With `top_k`, `top_p` or `min_p`, vLLM samples from the distribution its cuts leave, renormalised over the kept
+tokens, and reports log-probs of that distribution (`logprobs_mode="processed_logprobs"`). TRL 1.16 compares them
+with the trainer's whole-vocabulary log-probs: every ratio `exp(old_logp - sampler_logp)` is `p / (p / S_engine)`,
+the kept mass `S <= 1` times the engine mismatch (TRL issue #6789). `TruncationMatch` gives the correction the
+trainer's log-probs of the same truncated distribution,
+
+    log p_trunc(t) = log p(t) - log S,    S = the trainer's mass of the tokens vLLM's cuts keep
+
+(`ops.truncation`: the cuts, their order and the boundary cases), computed from the trainer's full-vocabulary logits
+at every completion position, in chunks, in one forward pass without gradient per generation batch (TRL's own
+`_get_per_token_logps_and_entropies`, with a hook on the backbone that projects its hidden states through the LM head
+chunk by chunk). Then, for the batch that trains:
+
+- `importance_sampling_ratio` (the correction's weights) is recomputed from `log p_trunc - sampler_logp` in the run's
+  `vllm_importance_sampling_mode` and bounds (`diagnostics.mismatch.correction_ratio`);
+- TRL's logged `sampling/sampling_logp_difference/{mean,max}` and `sampling/importance_sampling_ratio/{min,mean,max}`
+  are replaced by the same statistics of the recomputed values (`correction_metrics`, TRL's definitions);
+- the sampler-mismatch metrics (`sampling/importance_sampling_ratio_raw/*`, `sampling/sampler_k3_kl`) use
+  `log p_trunc`;
+- `sampling/truncation/kept_mass` (the trainer's mean `S` over completion tokens: the factor stock TRL's ratio carries)
+  and `sampling/truncation/outside_cut_fraction` (the share of sampled tokens that the trainer's own cut would have
+  dropped: the engine and the trainer disagree about a boundary token; those count as kept) are logged.
+
+`old_per_token_logps` (the PPO surrogate's denominator) stays the whole-vocabulary log-prob: the surrogate's ratio is
+the policy's whole-vocabulary probability over the old one, as in TRL.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from accelerate.utils import is_peft_model
+from trl.trainer.utils import nanmax, nanmin
+
+from ..config import option
+from ..diagnostics.mismatch import correction_ratio, sampler_cuts, sampler_mismatch, trainer_logps
+from ..ops.truncation import SamplerCuts, TruncatedLogProbs, truncated_log_probs_from_hidden
+
+__all__ = [
+    "TRL_CORRECTION_METRICS",
+    "TruncationMatch",
+    "correction_metrics",
+    "trainer_truncated_logps",
+    "trl_logit_transform",
+]
+
+#: What TRL logs of its correction in `_generate_and_score_completions` (replaced for the batch that trains).
+TRL_CORRECTION_METRICS = (
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max",
+)
+
+
+def trl_logit_transform(model) -> tuple[Any, dict[str, Any]]:
+    """The backbone TRL's fused LM head runs, and the transform of its logits (`logit_scale`, `softcap`).
+
+    Copy of the configuration reading of TRL 1.16's `add_fused_lm_head` (`trl/trainer/utils.py`), recorded in
+    `_compat.TRL_COPIES`: the multiplier is `logit_scale`, else `output_multiplier`, else `lm_head_multiplier`, else
+    `logits_scaling` (multiplied for HyperCLOVA X, divided elsewhere), else 1; the soft cap is
+    `final_logit_softcapping`.
+
+    Args:
+        model: the causal language model TRL patched (a PEFT model's base model).
+    """
+    text_config = model.config.get_text_config()
+    scale = getattr(text_config, "logit_scale", None)
+    if scale is None:
+        scale = getattr(text_config, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(text_config, "lm_head_multiplier", None)
+    if scale is None and getattr(text_config, "logits_scaling", None) is not None:
+        scaling = text_config.logits_scaling
+        scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
+    scale = 1.0 if scale is None else scale
+    return model.base_model, {"logit_scale": scale, "softcap": getattr(text_config, "final_logit_softcapping", None)}
+
+
+def _lm_head_weights(head, cast_to_fp32: bool):
+    """The LM head's weight and bias as the fused head reads them: whole (FSDP2's DTensors gathered); under ZeRO-3,
+    read them inside `_gathered_lm_head`."""
+    weight, bias = head.weight, head.bias
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor: nothing is sharded that way
+        DTensor = ()  # noqa: N806
+    if isinstance(weight, DTensor):
+        weight = weight.full_tensor()
+        bias = bias.full_tensor() if bias is not None else None
+    if cast_to_fp32:
+        weight, bias = weight.float(), bias.float() if bias is not None else None
+    return weight, bias
+
+
+def _gathered_lm_head(head):
+    """ZeRO-3 gathers the head's parameters only inside its own forward; the projection reads them directly."""
+    try:
+        from trl.trainer.utils import maybe_gather_lm_head_ctx
+    except ImportError:  # TRL releases without it gather nothing for a fused head either
+        return nullcontext()
+    return maybe_gather_lm_head_ctx(head.weight, head.bias)
+
+
+def trainer_truncated_logps(
+    trainer, output: dict[str, Any], cuts: SamplerCuts
+) -> tuple[torch.Tensor, TruncatedLogProbs]:
+    """The trainer's log-probs `(N, T)` of a generated batch, and their log kept mass under `cuts`.
+
+    One pass of `diagnostics.mismatch.trainer_logps` (TRL's `_get_per_token_logps_and_entropies` without gradient,
+    random state restored), during which a forward hook on the backbone projects each micro-batch's final hidden
+    states at the completion positions through the LM head, `ops.truncation.CHUNK_ELEMENTS` logits at a time.
+
+    Returns:
+        `(logps, truncated)`: TRL's log-probs of the sampled tokens, as it computes `old_per_token_logps`; and, from
+        the hook's own projection, [`TruncatedLogProbs`] (`truncated.logps` agrees with `logps` to float rounding).
+    """
+    model = trainer.model.get_base_model() if is_peft_model(trainer.model) else trainer.model
+    backbone, transform = trl_logit_transform(model)
+    length = output["completion_ids"].size(1)
+    cast_to_fp32 = bool(getattr(trainer.args, "cast_lm_head_to_fp32", False))
+    parts: list[TruncatedLogProbs] = []
+
+    def project(module, args, kwargs, result):
+        input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        hidden = result.last_hidden_state if hasattr(result, "last_hidden_state") else result[0]
+        hidden = hidden[:, -length - 1 : -1]
+        head = model.get_output_embeddings()
+        autocast = torch.autocast(hidden.device.type, enabled=False) if cast_to_fp32 else nullcontext()
+        with torch.no_grad(), _gathered_lm_head(head), autocast:
+            weight, bias = _lm_head_weights(head, cast_to_fp32)
+            if cast_to_fp32:
+                hidden = hidden.float()
+            parts.append(
+                truncated_log_probs_from_hidden(
+                    hidden, weight, bias, input_ids[:, -length:], cuts, temperature=trainer.temperature, **transform
+                )
+            )
+
+    handle = backbone.register_forward_hook(project, with_kwargs=True)
+    try:
+        logps = trainer_logps(trainer, output)
+    finally:
+        handle.remove()
+    return logps, TruncatedLogProbs(*(torch.cat(field) for field in zip(*parts, strict=True)))
+
+
+def correction_metrics(
+    accelerator, trainer_logps: torch.Tensor, output: dict[str, Any], ratio: torch.Tensor, sequence_level: bool
+) -> dict[str, float]:
+    """TRL's logged statistics of its correction, for given trainer log-probs and weights.
+
+    Copy of the logging block of TRL 1.16's `GRPOTrainer._generate_and_score_completions`
+    (`trl/trainer/grpo_trainer.py`), recorded in `_compat.TRL_COPIES`: per process, over the completion tokens
+    outside tool output, the mean and max of `|trainer_logp - sampler_logp|` (NaN ones left out) and the min, mean
+    and max of the weights (per token, or over every sequence in the `sequence_*` modes; 0 for a process without
+    any); then the mean of the processes' means, the max of their maxima, the min of their minima (NaN left out).
+
+    Args:
+        accelerator: the trainer's `Accelerator` (one gather per statistic, on every process).
+        trainer_logps (`torch.Tensor` of shape `(N, T)`): the trainer's log-probs the weights were built from.
+        output (`dict`): the generated batch (`completion_mask`, `tool_mask`, `sampling_per_token_logps`).
+        ratio (`torch.Tensor`): the weights, `(N, T)` or `(N, 1)`.
+        sequence_level (`bool`): a `sequence_*` mode.
+
+    Returns:
+        `dict`: the values of `TRL_CORRECTION_METRICS`.
+    """
+    mask = output["completion_mask"].bool()
+    if output.get("tool_mask") is not None:
+        mask = mask & output["tool_mask"].bool()
+    zero = torch.tensor(0.0, device=ratio.device)
+    delta = torch.abs(trainer_logps - output["sampling_per_token_logps"])
+    delta = delta[mask & ~torch.isnan(delta)]
+    weights = ratio.flatten() if sequence_level else ratio[mask]
+
+    def gathered(values: torch.Tensor, reduce) -> torch.Tensor:
+        return accelerator.gather(reduce(values) if values.numel() else zero)
+
+    return {
+        TRL_CORRECTION_METRICS[0]: gathered(delta, torch.mean).mean().item(),
+        TRL_CORRECTION_METRICS[1]: gathered(delta, torch.max).max().item(),
+        TRL_CORRECTION_METRICS[2]: nanmin(gathered(weights, torch.min)).item(),
+        TRL_CORRECTION_METRICS[3]: gathered(weights, torch.mean).nanmean().item(),
+        TRL_CORRECTION_METRICS[4]: nanmax(gathered(weights, torch.max)).item(),
+    }
+
+
+class TruncationMatch:
+    """`match_sampler_truncation` for one trainer (see the module docstring).
+
+    `for_trainer` builds it where it acts: vLLM generation, the option on, and a cut. `mark` is taken before a
+    generation batch is generated, `apply` after (on every process: it gathers).
+    """
+
+    def __init__(self, trainer, cuts: SamplerCuts):
+        self.trainer, self.cuts = trainer, cuts
+
+    @classmethod
+    def for_trainer(cls, trainer) -> TruncationMatch | None:
+        if not trainer.use_vllm or not option(trainer.args, "match_sampler_truncation"):
+            return None
+        cuts = sampler_cuts(trainer.args)
+        return cls(trainer, cuts) if cuts.truncates else None
+
+    def mark(self, mode: str) -> dict[str, int]:
+        """How many values TRL's correction metrics hold now (the batch's come after)."""
+        return {name: len(self.trainer._metrics[mode].get(name, [])) for name in TRL_CORRECTION_METRICS}
+
+    def apply(self, output: dict[str, Any], mode: str, mark: dict[str, int], for_metrics: bool) -> torch.Tensor | None:
+        """Replace the batch's correction weights and their logged statistics; return the trainer's truncated
+        log-probs `(N, T)`, or `None` when neither the correction nor the mismatch metrics (`for_metrics`) use them
+        (then nothing is computed)."""
+        trainer = self.trainer
+        correcting = trainer.vllm_importance_sampling_correction
+        if output.get("sampling_per_token_logps") is None or not (correcting or for_metrics):
+            return None
+        logps, computed = trainer_truncated_logps(trainer, output, self.cuts)
+        old = output.get("old_per_token_logps")
+        truncated = (logps if old is None else old) - computed.log_kept_mass
+        if correcting:
+            level = trainer.vllm_importance_sampling_mode
+            low, high = trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max
+            ratio = correction_ratio(sampler_mismatch(output, level, low, high, truncated).log_ratio, level, low, high)
+            output["importance_sampling_ratio"] = ratio
+            sequence_level = level.startswith("sequence")
+            values = correction_metrics(trainer.accelerator, truncated, output, ratio, sequence_level)
+            for name, value in values.items():
+                logged = trainer._metrics[mode][name]
+                del logged[mark[name] :]  # TRL's values of this batch (of every round, with dynamic sampling)
+                logged.append(value)
+        self._log_kept_mass(computed, output, mode)
+        return truncated
+
+    def _log_kept_mass(self, computed: TruncatedLogProbs, output: dict[str, Any], mode: str) -> None:
+        mask = output["completion_mask"].bool()
+        if output.get("tool_mask") is not None:
+            mask = mask & output["tool_mask"].bool()
+        sums = torch.stack(
+            [
+                computed.log_kept_mass[mask].exp().sum(),
+                (~computed.kept[mask]).sum().to(computed.log_kept_mass.dtype),
+                mask.sum().to(computed.log_kept_mass.dtype),
+            ]
+        )
+        kept_mass, outside, tokens = self.trainer.accelerator.gather(sums[None]).sum(dim=0).tolist()
+        metrics = self.trainer._metrics[mode]
+        metrics["sampling/truncation/kept_mass"].append(kept_mass / tokens if tokens else math.nan)
+        metrics["sampling/truncation/outside_cut_fraction"].append(outside / tokens if tokens else math.nan)
