@@ -35,7 +35,7 @@ quickstart: $(RECIPES_STAMP)
 	$(BIN)/python recipes/quickstart.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=25
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow"
