@@ -118,6 +118,16 @@ def test_a_config_value_the_recipe_cannot_use_is_one_line_before_anything_loads(
     assert err.count("\n") == 1
 
 
+def test_the_demo_config_run_from_another_folder_names_the_missing_dataset_in_one_line(tmp_path, capsys, monkeypatch):
+    """The demo config's paths are relative to the repository root: from another folder the dataset is not found,
+    which is said in one line naming the path and where it was looked for (before: datasets' traceback)."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["grpo", "--config", DEMO_CONFIG, "--output_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("trl-grpo-ext grpo: error: Cannot load dataset 'trl_grpo_ext/recipes/tiny/data': No dataset")
+    assert str(tmp_path / "trl_grpo_ext" / "recipes" / "tiny" / "data") in err and err.count("\n") == 1
+
+
 def test_a_yaml_that_is_not_a_mapping_or_not_yaml_is_one_line(tmp_path, capsys):
     for text, message in (("- a\n- b\n", "must hold a mapping of field: value, not a list"), ("a: [1\n", "YAML")):
         config = tmp_path / "config.yaml"

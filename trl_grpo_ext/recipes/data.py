@@ -25,6 +25,11 @@ DATASET_FORMATS: dict[str, tuple[tuple[str, ...], Callable[[dict], dict] | None]
 }
 
 
+def _looks_like_a_path(name: str) -> bool:
+    """Whether `name` can only be a local path: a Hub id is `name` or `owner/name`."""
+    return os.path.isabs(name) or name.startswith(".") or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
 def _load(name: str, config: str | None) -> DatasetDict:
     if os.path.isdir(name):
         loaded = load_dataset(name, name=config)
@@ -33,8 +38,16 @@ def _load(name: str, config: str | None) -> DatasetDict:
         if extension not in _FILE_BUILDERS:
             raise ValueError(f"Cannot read dataset file {name!r}: expected one of {sorted(_FILE_BUILDERS)}.")
         loaded = load_dataset(_FILE_BUILDERS[extension], data_files={"train": name})
+    elif _looks_like_a_path(name):  # not a Hub id ("name" or "owner/name"): a local path that does not exist
+        raise ValueError(
+            f"No dataset folder or file at {name!r} (resolved from the current folder: {os.path.abspath(name)}). "
+            "Relative paths in a config are resolved from the folder the command runs in."
+        )
     else:
-        loaded = load_dataset(name, name=config)
+        try:
+            loaded = load_dataset(name, name=config)
+        except FileNotFoundError as error:  # a Hub id that is neither local nor reachable
+            raise ValueError(f"No local dataset and no Hub dataset {name!r}: {error}") from error
     return loaded if isinstance(loaded, DatasetDict) else DatasetDict({"train": loaded})
 
 
