@@ -7,8 +7,8 @@ their signatures against the installed TRL), and hands its concern to the helper
 - `_compute_loss`: the objective (`objective_inputs.gather_objective_inputs`, `ops.policy_objective`), row skipping
   (`sampling.skipping`) and the per-micro-batch diagnostics sums (`diagnostics`);
 - `_generate_and_score_completions`: selective rollouts (`sampling.selective.SelectiveRollouts`), dynamic sampling
-  (`sampling.dynamic.DynamicSampler`), the per-group reward
-  spread of the batch that trains, the sampler/trainer mismatch with vLLM (`diagnostics.mismatch`);
+  (`sampling.dynamic.DynamicSampler`), the per-group reward spread of the batch that trains, the sampler/trainer
+  mismatch with vLLM (`diagnostics.mismatch`);
 - `_calculate_rewards`: the rewards and completion lengths of the batch just scored;
 - `log`: the one gather of the diagnostics per log step;
 - `training_step`, `_get_grad_norm`: the non-finite guard (`guardrails.nonfinite.NonFiniteStepGuard`);
