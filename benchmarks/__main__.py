@@ -1,8 +1,11 @@
-"""`python -m benchmarks {e2e,kernel,comm,learning,all} [--json PATH]`: benchmarks that print tables and write JSON.
+"""`python -m benchmarks {e2e,kernel,comm,learning,truncation,all} [--json PATH]`: benchmarks that print tables and
+write JSON.
 
 Every comparison runs its sides alternately in one invocation, with pinned CPU threads, and reports medians with
 min/max. See each module's docstring for what it measures. `learning` (held-out exact match against training time
-on the demo task, several seeds per side; tens of minutes on one thread) is not part of `all`.
+on the demo task, several seeds per side; tens of minutes on one thread) is not part of `all`, nor is `truncation`
+(vLLM's importance-sampling ratio under truncated sampling, on a real engine: run it from the vLLM environment,
+`.venv-vllm/bin/python -m benchmarks truncation`; a few minutes).
 
 `python -m benchmarks gpu [--out DIR] ...`: the prepared check on a GPU (see `gpu.py`; its own options).
 """
@@ -13,6 +16,7 @@ import argparse
 import sys
 
 from .common import environment, pin_threads, write_json
+from .truncation import DEFAULT_SETTINGS as DEFAULT_TRUNCATION_SETTINGS
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -22,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(gpu_main(argv[1:]))
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument("suite", choices=["e2e", "kernel", "comm", "learning", "all", "gpu"])
+    parser.add_argument("suite", choices=["e2e", "kernel", "comm", "learning", "truncation", "all", "gpu"])
     parser.add_argument("--json", default=None, help="where to write the results (default: bench-<suite>.json)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 was fastest for small models)")
     parser.add_argument("--repeats", type=int, default=5, help="repeats of each end-to-end comparison")
@@ -48,6 +52,16 @@ def main(argv: list[str] | None = None) -> None:
         "--epoch-prompts", type=int, default=1000, help="training prompts of the multi-epoch learning runs"
     )
     parser.add_argument("--skip-steps", type=int, default=100, help="steps of each skipping step-time run (0: none)")
+    parser.add_argument(
+        "--truncation-settings",
+        default=DEFAULT_TRUNCATION_SETTINGS,
+        help="sampling settings of the truncation benchmark, ';' between them, ',' inside one (top_p, top_k, min_p)",
+    )
+    parser.add_argument("--truncation-sides", default="trl,ext", help="comma-separated: trl, ext (truncation)")
+    parser.add_argument("--truncation-steps", type=int, default=8, help="training steps per setting (truncation)")
+    parser.add_argument(
+        "--truncation-mode", default="sequence_mask", help="vllm_importance_sampling_mode (truncation; TRL's default)"
+    )
     args = parser.parse_args(argv)
     pin_threads(args.threads)
     results = {"environment": environment(), "command": " ".join(["python -m benchmarks", *argv])}
@@ -120,6 +134,21 @@ def main(argv: list[str] | None = None) -> None:
         if len(results["learning"]["skip_step_times"]) == 2:
             title = "Step time with skip_zero_advantage_rows against without (beta=0, the demo; CPU seconds, mean)"
             tables.append(title + "\n" + learning.skip_table(results["learning"]["skip_step_times"]))
+
+    if args.suite == "truncation":
+        from . import truncation
+
+        results["truncation"] = truncation.run(
+            settings=truncation.parse_settings(args.truncation_settings),
+            sides=tuple(side for side in args.truncation_sides.split(",") if side),
+            steps=2 if args.quick else args.truncation_steps,
+            mode=args.truncation_mode,
+        )
+        title = (
+            "vLLM's importance-sampling ratio with the correction on, per sampling setting (demo model, real engine; "
+            "median over the steps, min-max)"
+        )
+        tables.append(title + "\n" + truncation.table(results["truncation"]))
 
     for table in tables:
         print(table, end="\n\n")

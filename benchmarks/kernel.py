@@ -5,7 +5,10 @@ Sides, all on the same inputs (log-probs `(N, T)` near policy, a right-padded in
 - `seed000`: the source lesson's `compute_grpo_loss` (token-level mean over the batch), eager;
 - `trl_inline`: the same objective written the way TRL 1.16's `_compute_loss` writes it inline for
   `loss_type="grpo"` (multiply by the mask, per-sequence mean), eager;
-- `reference`, `fused`, `compiled`: `grpo_loss(..., implementation=...)`.
+- `reference`, `fused`, `compiled`: DeepSeekMath's objective (`grpo_loss`'s row of `policy_objective`) with
+  `implementation=...` and `per_token=False`: the loss and its gradient, what the two baselines compute;
+- `fused+per_token`, `compiled+per_token`: `grpo_loss(..., implementation=...)`, which also returns the per-token
+  ratios, KL terms and clip masks (`per_token=True`, what the trainer asks for while it logs its diagnostics).
 
 Each repeat times every side once, in an order that alternates between repeats. On a CPU the timer is
 `time.perf_counter`; on a GPU, CUDA events. Extra peak memory is what the call allocates beyond its inputs, at its
@@ -20,11 +23,11 @@ import time
 
 import torch
 
-from trl_grpo_ext.ops import grpo_loss
+from trl_grpo_ext.ops import grpo_loss, policy_objective
 
 from .common import child_env, format_table, summarize
 
-SIDES = ("seed000", "trl_inline", "reference", "fused", "compiled")
+SIDES = ("seed000", "trl_inline", "reference", "fused", "compiled", "fused+per_token", "compiled+per_token")
 
 
 def seed000_loss(log_probs, old_log_probs, ref_log_probs, advantages, completion_mask, epsilon=0.2, beta=0.04):
@@ -81,8 +84,10 @@ def side_function(side: str, inputs: dict):
             loss = seed000_loss(logps, old, ref, advantages, float_mask)
         elif side == "trl_inline":
             loss = trl_inline_loss(logps, old, ref, advantages, float_mask)
+        elif side.endswith("+per_token"):
+            loss = grpo_loss(logps, old, ref, advantages, mask, implementation=side.removesuffix("+per_token")).loss
         else:
-            loss = grpo_loss(logps, old, ref, advantages, mask, implementation=side).loss
+            loss = policy_objective(logps, old, ref, advantages, mask, implementation=side, per_token=False).loss
         loss.backward()
 
     return run

@@ -4,6 +4,9 @@
 #     "trl-grpo-ext[recipes,math]",
 #     "trackio",
 # ]
+#
+# [tool.uv.sources]
+# trl-grpo-ext = { path = "..", editable = true }
 # ///
 """The GRPO recipe script (open-r1 style): `python recipes/grpo.py --config <config.yaml> [--field value ...]`.
 
@@ -11,10 +14,10 @@
     accelerate launch --config_file recipes/accelerate_configs/ddp.yaml recipes/grpo.py --config <config.yaml>
 
 The recipe itself ships in the package, as `trl_grpo_ext.recipes.grpo`, behind `trl-grpo-ext grpo`; this file is its
-entry point in a clone of the repository. The inline metadata above (PEP 723) names what it needs, so `uv run` and
-Hugging Face Jobs (`hf jobs uv run ... recipes/grpo.py --config ...`, see docs/recipes.md) install it on their own:
-this package with the `recipes` extra (TensorBoard, matplotlib) and the `math` extra (TRL's math-verify rewards), and
-trackio for `report_to: trackio`.
+entry point in a clone of the repository. The inline metadata above (PEP 723) names what it needs, so that
+`uv run recipes/grpo.py --config ...` installs it on its own: this package with the `recipes` extra (TensorBoard,
+matplotlib) and the `math` extra (TRL's math-verify rewards), and trackio for `report_to: trackio`. `[tool.uv.sources]`
+takes this package from the clone the script is in (the folder above it), since it is not on PyPI yet.
 """
 
 import sys

@@ -6,6 +6,9 @@
 #     "datasets",
 #     "transformers",
 # ]
+#
+# [tool.uv.sources]
+# trl-grpo-ext = { path = "..", editable = true }
 # ///
 """The smallest complete GRPO run with trl_grpo_ext: a tiny local model learns to write more letters 'a'.
 
@@ -13,7 +16,8 @@
 
 Runs on a laptop CPU in well under a minute, with no network: the model and tokenizer are built locally.
 Copy it as a starting point; `recipes/grpo.py` is the full recipe script. The inline metadata above (PEP 723) lists
-what it imports, for `uv run recipes/quickstart.py`.
+what it imports, for `uv run recipes/quickstart.py`; `[tool.uv.sources]` takes this package from the clone the
+script is in.
 """
 
 import argparse
@@ -56,7 +60,7 @@ def main() -> None:
         save_strategy="no",
         report_to="none",
         use_cpu=True,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         seed=0,
     )
     trainer = GRPOTrainerExt(

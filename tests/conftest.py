@@ -57,11 +57,11 @@ def prompt_dataset() -> Dataset:
 
 @pytest.fixture(scope="session")
 def ddp_run(tiny_model_path, tmp_path_factory):
-    """tests/distributed_run.py's `reference` and `heldout` phases under DDP (two CPU processes): their folder."""
-    from helpers import DISTRIBUTED_RUN, launch
+    """tests/launched.py's `reference` and `heldout` phases under DDP (two CPU processes): their folder."""
+    from helpers import launch
 
     output_dir = tmp_path_factory.mktemp("ddp")
-    launch("cpu_ddp.yaml", [DISTRIBUTED_RUN, output_dir, tiny_model_path, "--phases", "reference,heldout"])
+    launch("cpu_ddp.yaml", output_dir, tiny_model_path, ["reference", "heldout"])
     return output_dir
 
 

@@ -1,5 +1,6 @@
 """Helpers shared by the test modules (importable as `helpers`: pytest puts tests/ on sys.path)."""
 
+import glob
 import math
 import os
 import socket
@@ -8,14 +9,36 @@ import sys
 
 import pytest
 import torch
+from transformers import TrainerCallback, set_seed
+from trl import GRPOConfig, GRPOTrainer
 
+from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.diagnostics import CORE_BIN_WIDTH
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ACCELERATE_CONFIGS = os.path.join(REPO, "recipes", "accelerate_configs")
-DISTRIBUTED_RUN = os.path.join(REPO, "tests", "distributed_run.py")
-# tests/distributed_run.py: gradient_accumulation_steps=2, logging_steps=1
+RECIPES = os.path.join(REPO, "recipes")
+ACCELERATE_CONFIGS = os.path.join(RECIPES, "accelerate_configs")
+LAUNCHED = os.path.join(REPO, "tests", "launched.py")
+# tests/launched.py's two-process runs: gradient_accumulation_steps=2, logging_steps=1
 MICRO_BATCHES_PER_LOG = 2
+
+
+def recipe_configs() -> list[str]:
+    """The repository's recipe configs and those shipped in the package, each file once (recipes/tiny links to the
+    package)."""
+    from trl_grpo_ext.recipes.demo import DEMO_DIR
+
+    return sorted(
+        {
+            os.path.realpath(path)
+            for path in glob.glob(os.path.join(RECIPES, "**", "*.yaml"), recursive=True)
+            + glob.glob(os.path.join(DEMO_DIR, "*.yaml"))
+            if os.sep + "accelerate_configs" + os.sep not in path
+        }
+    )
+
+
+RECIPE_CONFIGS = recipe_configs()
 
 
 def count_a_reward(completions, **kwargs) -> list[float]:
@@ -61,14 +84,159 @@ def tiny_grpo_args(output_dir, **overrides) -> dict:
     return args
 
 
+def tiny_lora():
+    """The LoRA adapter of the tests: rank 4 on every linear layer."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+
+
+def make_trainer(
+    output_dir,
+    model,
+    tokenizer,
+    dataset,
+    *,
+    trainer_cls: type[GRPOTrainer] = GRPOTrainerExt,
+    config_cls: type[GRPOConfig] = GRPOConfigExt,
+    reward_funcs=count_a_reward,
+    peft_config=None,
+    eval_dataset=None,
+    callbacks=None,
+    trainer_kwargs: dict | None = None,
+    **config,
+) -> GRPOTrainer:
+    """A trainer for a few-step CPU run: `trainer_cls` with `config_cls(**tiny_grpo_args(output_dir, **config))`.
+
+    The RNGs are seeded with the config's seed first: stock TRL 1.14 draws LoRA adapters from the unseeded generator
+    (`GRPOTrainerExt` and TRL >= 1.15 seed before they build the model, so for them this changes nothing).
+
+    Args:
+        model: a path or a model, as `trl.GRPOTrainer` takes it; `tokenizer` may be `None` (TRL loads it).
+        trainer_kwargs: further keyword arguments of `trainer_cls`, e.g. `heldout_metrics`.
+        **config: fields of the config, over `tiny_grpo_args`'s.
+    """
+    args = config_cls(**tiny_grpo_args(output_dir, **config))
+    set_seed(args.seed)
+    return trainer_cls(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+        peft_config=peft_config,
+        **(trainer_kwargs or {}),
+    )
+
+
+def training_entries(trainer) -> list[dict]:
+    """The entries of the trainer's log history that training logged (those with a loss)."""
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+def train_logs(output_dir, model, tokenizer, dataset, **kwargs) -> tuple[list[dict], GRPOTrainer]:
+    """Trains `make_trainer(output_dir, model, tokenizer, dataset, **kwargs)`: its training entries and the trainer."""
+    trainer = make_trainer(output_dir, model, tokenizer, dataset, **kwargs)
+    trainer.train()
+    return training_entries(trainer), trainer
+
+
+# Two runs that should log the same: the same formulas evaluated in another order agree to ~1e-7 relative per step; a
+# different sampled completion, the only way the runs could drift further, would move `reward` by >= 0.1.
+RTOL, ATOL = 1e-5, 1e-6
+UNCOMPARED = {"step_time"}  # wall-clock
+
+
+def assert_same_logs(stock: list[dict], ours: list[dict]) -> int:
+    """Every float metric of the 4 training entries of `stock` is in `ours`, equal within RTOL/ATOL; how many."""
+    assert len(stock) == len(ours) == 4
+    compared = 0
+    for step, (expected, got) in enumerate(zip(stock, ours, strict=True), start=1):
+        for key, value in expected.items():
+            if key in UNCOMPARED:
+                continue
+            assert key in got, (step, key)
+            if isinstance(value, float) and not math.isnan(value):
+                assert got[key] == pytest.approx(value, rel=RTOL, abs=ATOL), (step, key)
+                compared += 1
+    return compared
+
+
+class SamplerStandIn:
+    """Stands in for TRL's vLLM backend: samples with the trainer's own model and reports each sampled token's
+    log-probability a little off the trainer's (a deterministic offset), as an inference engine's differ."""
+
+    def __init__(self, *, model, processing_class, max_completion_length, **kwargs):
+        self.model, self.tokenizer, self.max_new_tokens = model, processing_class, max_completion_length
+
+    def sync_weights(self):
+        pass  # it samples with the trainer's weights themselves
+
+    @torch.no_grad()
+    def generate(self, prompts, images, num_generations, profiler=None):
+        model = self.model
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        completions, logprobs = [], []
+        for prompt in prompts:
+            prompt_tensor = torch.tensor([prompt])
+            generated = model.generate(
+                prompt_tensor, do_sample=True, max_new_tokens=self.max_new_tokens, pad_token_id=pad
+            )[0, len(prompt) :].tolist()
+            if eos in generated:
+                generated = generated[: generated.index(eos) + 1]
+            sequence = torch.tensor([prompt + generated])
+            scores = model(sequence).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+            exact = scores.gather(-1, torch.tensor(generated)[:, None]).squeeze(-1)
+            offsets = 0.05 * torch.sin(torch.arange(len(generated), dtype=torch.float32) + len(prompt))
+            completions.append(generated)
+            logprobs.append([[value] for value in (exact + offsets).tolist()])
+        return prompts, completions, logprobs, None
+
+
+def use_sampler_stand_in(monkeypatch) -> None:
+    """TRL builds a `SamplerStandIn` where `use_vllm=True` would start vLLM."""
+    import trl.trainer.grpo_trainer
+
+    monkeypatch.setattr(trl.trainer.grpo_trainer, "VLLMGeneration", SamplerStandIn)
+
+
+class WeightRecorder(TrainerCallback):
+    """Keeps a copy of the trainable weights after every optimizer step (index 0: before training)."""
+
+    def __init__(self):
+        self.snapshots = []
+
+    def snapshot(self, model):
+        self.snapshots.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.snapshot(model)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.snapshot(model)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def launch(config: str, script_args, *, check: bool = True) -> subprocess.CompletedProcess:
-    """`accelerate launch` with `recipes/accelerate_configs/<config>` (two processes), on the CPU."""
+def launched_env(**variables) -> dict:
+    """This process's environment for the processes of tests/launched.py: no GPU, one thread each, the Hub offline."""
+    return dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **variables)
+
+
+def harness_command(output_dir, model_path, phases, *options) -> list[str]:
+    """The arguments of tests/launched.py: its `phases` (names, in order) with `options`, e.g. `--save_steps 3`."""
+    return [LAUNCHED, str(output_dir), str(model_path), "--phases", ",".join(phases), *map(str, options)]
+
+
+def launch(config: str, output_dir, model_path, phases, *options, check: bool = True) -> subprocess.CompletedProcess:
+    """tests/launched.py's `phases` under `accelerate launch` with `recipes/accelerate_configs/<config>` (two
+    processes), on the CPU."""
     command = [
         sys.executable,
         "-m",
@@ -77,17 +245,22 @@ def launch(config: str, script_args, *, check: bool = True) -> subprocess.Comple
         os.path.join(ACCELERATE_CONFIGS, config),
         "--main_process_port",
         str(free_port()),
-        *map(str, script_args),
+        *harness_command(output_dir, model_path, phases, *options),
     ]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=launched_env(), cwd=REPO)
     if check:
         assert result.returncode == 0, result.stderr[-4000:]
     return result
 
 
+def run_alone(output_dir, model_path, phases, *options, env: dict | None = None) -> subprocess.CompletedProcess:
+    """tests/launched.py's `phases` in one process of this Python, without a launcher; `env`: more variables."""
+    command = [sys.executable, *harness_command(output_dir, model_path, phases, *options)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=launched_env(**(env or {})))
+
+
 def phase_results(output_dir, phase: str, num_processes: int = 2) -> list[dict]:
-    """What each process of a tests/distributed_run.py phase saved."""
+    """What each process of a tests/launched.py phase saved."""
     return [
         torch.load(os.path.join(output_dir, phase, f"rank{rank}.pt"), weights_only=False)
         for rank in range(num_processes)
@@ -95,7 +268,7 @@ def phase_results(output_dir, phase: str, num_processes: int = 2) -> list[dict]:
 
 
 def assert_logged_statistics_are_those_of_both_processes_pooled(ranks: list[dict]) -> None:
-    """Every logged diagnostic of a tests/distributed_run.py `reference` run equals that of the pooled records."""
+    """Every logged diagnostic of a tests/launched.py `reference` run equals that of the pooled records."""
     logs = [entry for entry in ranks[0]["log_history"] if "loss" in entry]
     steps = [rank["records"]["steps"] for rank in ranks]
     assert len(logs) * MICRO_BATCHES_PER_LOG == len(steps[0]) == len(steps[1])
@@ -168,7 +341,7 @@ def assert_logged_statistics_are_those_of_both_processes_pooled(ranks: list[dict
 
 
 def assert_one_gather_per_log_step(ranks: list[dict]) -> None:
-    """The diagnostics of a tests/distributed_run.py `reference` run made one collective per log step, no more."""
+    """The diagnostics of a tests/launched.py `reference` run made one collective per log step, no more."""
     for rank in ranks:
         calls = rank["collectives"]
         assert rank["records"]["log_calls"] == len([entry for entry in rank["log_history"] if "loss" in entry]) > 0
@@ -177,8 +350,8 @@ def assert_one_gather_per_log_step(ranks: list[dict]) -> None:
         assert calls["total"] > calls["ours"]  # the engine's own collectives were counted by the same hooks
 
 
-# Held-out evaluation shared by tests/test_heldout.py and tests/distributed_run.py's `heldout` phase: 11 prompts in
-# chunks of 2 (6 chunks, 4 completions each): two processes get unequal shares.
+# Held-out evaluation shared by tests/test_sampling_heldout.py and tests/launched.py's `heldout` phase: 11
+# prompts in chunks of 2 (6 chunks, 4 completions each): two processes get unequal shares.
 HELDOUT_PROMPTS = [
     f"{letters}=" for letters in ("abc", "hello", "xyz", "qq", "aaa", "bcd", "zz", "kite", "ab", "q", "a")
 ]
@@ -197,22 +370,24 @@ def heldout_dataset():
     return Dataset.from_dict({"prompt": HELDOUT_PROMPTS, "target": ["a"] * len(HELDOUT_PROMPTS)})
 
 
+def heldout_arguments(*metrics) -> dict:
+    """The trainer's held-out arguments: `metrics` on the prompts of `heldout_dataset()`."""
+    return {"heldout_metrics": list(metrics), "heldout_dataset": heldout_dataset()}
+
+
 def heldout_in_one_process(model_path, output_dir) -> dict:
-    """What tests/distributed_run.py's `heldout` phase evaluates, computed by one process (its sampling settings)."""
+    """What tests/launched.py's `heldout` phase evaluates, computed by one process (its sampling settings)."""
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-
-    args = GRPOConfigExt(**tiny_grpo_args(output_dir, max_completion_length=6, **HELDOUT_OPTIONS))
-    trainer = GRPOTrainerExt(
-        model=model_path,
-        reward_funcs=count_a_reward,
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": HELDOUT_PROMPTS}),
-        processing_class=AutoTokenizer.from_pretrained(model_path),
-        heldout_metrics=[letter_a_metric],
-        heldout_dataset=heldout_dataset(),
+    trainer = make_trainer(
+        output_dir,
+        model_path,
+        AutoTokenizer.from_pretrained(model_path),
+        Dataset.from_dict({"prompt": HELDOUT_PROMPTS}),
+        trainer_kwargs=heldout_arguments(letter_a_metric),
+        max_completion_length=6,
+        **HELDOUT_OPTIONS,
     )
     return trainer.evaluate_heldout(log=False)
 

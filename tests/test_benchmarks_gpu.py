@@ -116,7 +116,8 @@ def _fake_sections(calls):
 def test_a_failing_or_overrunning_section_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(gpu, "_sections", lambda: _fake_sections(calls))
-    results = gpu.run(str(tmp_path), budget_s=6.0, started=time.time(), grace_s=0.5)
+    budget_s = 15.0  # room for the start-up (imports, the environment section) on a loaded machine
+    results = gpu.run(str(tmp_path), budget_s=budget_s, started=time.time(), grace_s=0.5)
     sections = json.loads((tmp_path / "gpu.json").read_text())["sections"]
     assert [name for name, _ in calls] == ["passes", "raises", "fails_a_check", "overruns"]
     assert sections["environment"]["status"] == "passed"
@@ -124,7 +125,7 @@ def test_a_failing_or_overrunning_section_is_recorded_and_the_run_goes_on(tmp_pa
     assert "RuntimeError: only on a GPU" in sections["equivalence"]["traceback"]
     assert sections["syncs"]["status"] == "checks_failed" and sections["syncs"]["failed_checks"] == ["wrong"]
     assert sections["kernels"]["status"] == "error" and "SectionTimeout" in sections["kernels"]["error"]
-    assert sections["kernels"]["seconds"] < 7  # interrupted at the end of the budget, not after its 60 s
+    assert sections["kernels"]["seconds"] < budget_s + 1  # interrupted at the end of the budget, not after its 60 s
     assert sections["kernels"]["result"] == {"first_part": 1.5}  # what it finished is kept
     for name in ("nonfinite", "e2e"):
         assert sections[name]["status"] == "skipped" and "time budget" in sections[name]["reason"]

@@ -12,29 +12,27 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import count_a_reward, tiny_grpo_args
+from helpers import count_a_reward, harness_command, launched_env, phase_results, run_alone, tiny_grpo_args
 
 from trl_grpo_ext.checkpointing import STAGING_DIR, load_grpo_state, publish_checkpoint, save_grpo_state
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_run.py")
 COMPARED = ("loss", "grad_norm", "reward", "kl", "clip_ratio/region_mean", "ratio/mean", "entropy")
-ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
 # Random kill moments per mode; raise it to run more trials: KILL_TRIALS=20 pytest tests/test_checkpointing.py
 KILL_TRIALS = int(os.environ.get("KILL_TRIALS", "3"))
+PHASE = "checkpointed"  # tests/launched.py's run, in <output_dir>/checkpointed
 
 
-def command(output_dir, model_path, lora, *extra):
-    return [sys.executable, SCRIPT, str(output_dir), model_path, *(["--lora"] if lora else []), *extra]
+def options(lora, *extra):
+    return [*(["--lora"] if lora else []), *extra]
 
 
 def run(output_dir, model_path, lora, *extra):
-    result = subprocess.run(command(output_dir, model_path, lora, *extra), capture_output=True, text=True, env=ENV)
-    return result
+    return run_alone(output_dir, model_path, [PHASE], *options(lora, *extra))
 
 
 def training_logs(output_dir):
-    with open(os.path.join(output_dir, "log_history.json")) as handle:
-        return {entry["step"]: entry for entry in json.load(handle) if "loss" in entry}
+    (saved,) = phase_results(output_dir, PHASE, num_processes=1)
+    return {entry["step"]: entry for entry in saved["log_history"] if "loss" in entry}
 
 
 def complete_checkpoints(output_dir):
@@ -74,20 +72,20 @@ def test_kill_at_a_random_moment_then_resume_reproduces_the_uninterrupted_run(
 ):
     output_dir = tmp_path / "run"
     process = subprocess.Popen(
-        command(output_dir, tiny_model_path, lora, "--save_steps", "2"),
+        [sys.executable, *harness_command(output_dir, tiny_model_path, [PHASE], *options(lora, "--save_steps", "2"))],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env=ENV,
+        env=launched_env(),
     )
     deadline = time.time() + 120
-    while not (output_dir / "checkpoint-2").is_dir():
+    while not (output_dir / PHASE / "checkpoint-2").is_dir():
         assert process.poll() is None and time.time() < deadline, "no first checkpoint"
         time.sleep(0.01)
     time.sleep(random.Random(seed).uniform(0.0, 1.0))  # anywhere in the remaining steps, saves included
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
-    resumed_from = complete_checkpoints(output_dir)[-1]
+    resumed_from = complete_checkpoints(output_dir / PHASE)[-1]
 
     result = run(output_dir, tiny_model_path, lora, "--save_steps", "2", "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -100,14 +98,14 @@ def test_a_kill_during_a_checkpoint_write_leaves_no_checkpoint_to_trip_on(refere
     # Save every 3 steps (checkpoint 3 falls between a generation and its reuse); die while writing checkpoint 6.
     killed = run(output_dir, tiny_model_path, False, "--save_steps", "3", "--kill_during_save_of", "6")
     assert killed.returncode == -signal.SIGKILL
-    assert complete_checkpoints(output_dir) == [3]
-    assert (output_dir / STAGING_DIR / "checkpoint-6").is_dir()  # the half-written one, out of resume's way
+    assert complete_checkpoints(output_dir / PHASE) == [3]
+    assert (output_dir / PHASE / STAGING_DIR / "checkpoint-6").is_dir()  # the half-written one, out of resume's way
 
     result = run(output_dir, tiny_model_path, False, "--save_steps", "3", "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_from(training_logs(output_dir), references[False], 3)
-    assert complete_checkpoints(output_dir) == [3, 6, 8]  # 8: Trainer's save at the end of training
-    assert not (output_dir / STAGING_DIR).exists()
+    assert complete_checkpoints(output_dir / PHASE) == [3, 6, 8]  # 8: Trainer's save at the end of training
+    assert not (output_dir / PHASE / STAGING_DIR).exists()
 
 
 def test_publish_replaces_an_older_checkpoint_of_the_same_name(tmp_path):

@@ -1,13 +1,10 @@
 """Diagnostics: each statistic against an independent recomputation, and what a training run logs."""
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import count_a_reward, tiny_grpo_args
+from helpers import run_alone, train_logs
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt, grpo_loss
 from trl_grpo_ext.diagnostics import (
@@ -260,20 +257,6 @@ class TestHistogram:
         assert len(counts) <= 70
 
 
-def train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, trainer_class=GRPOTrainerExt, **config):
-    args = GRPOConfigExt(**tiny_grpo_args(tmp_path, **config))
-    trainer = trainer_class(
-        model=tiny_model_path,
-        reward_funcs=count_a_reward,
-        args=args,
-        train_dataset=prompt_dataset,
-        eval_dataset=prompt_dataset.select(range(8)) if config.get("eval_strategy") else None,
-        processing_class=tiny_tokenizer,
-    )
-    trainer.train()
-    return trainer, [entry for entry in trainer.state.log_history if "loss" in entry]
-
-
 DIAGNOSTIC_NAMES = [
     "clip_ratio/low_mean",
     "clip_ratio/high_mean",
@@ -307,7 +290,7 @@ GENERATION_NAMES = [
 def test_every_log_step_has_every_metric_with_consistent_values(
     tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
-    _, logs = train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, num_iterations=2, max_steps=6)
+    logs, _ = train_logs(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, num_iterations=2, max_steps=6)
     assert len(logs) == 6
     for step, entry in enumerate(logs, start=1):
         assert set(DIAGNOSTIC_NAMES) <= set(entry), step
@@ -320,14 +303,14 @@ def test_every_log_step_has_every_metric_with_consistent_values(
 
 
 def test_reused_generations_move_the_ratios_and_clip(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
-    _, logs = train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, num_iterations=2)
+    logs, _ = train_logs(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, num_iterations=2)
     reused = logs[1::2]
     assert all(entry["ratio/std"] > 0 and entry["ratio/max"] > entry["ratio/min"] for entry in reused)
     assert any(entry["clip_ratio/region_mean"] > 0 for entry in reused)
 
 
 def test_on_policy_ratios_are_exactly_one(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
-    _, logs = train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, num_iterations=1)
+    logs, _ = train_logs(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, num_iterations=1)
     for entry in logs:
         for name in ("ratio/mean", "ratio/min", "ratio/max", "ratio/p05", "ratio/p50", "ratio/p95"):
             assert entry[name] == 1.0, name
@@ -336,11 +319,12 @@ def test_on_policy_ratios_are_exactly_one(tiny_model_path, tiny_tokenizer, promp
 
 
 def test_eval_logs_the_diagnostics_with_the_eval_prefix(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
-    trainer, _ = train(
+    _, trainer = train_logs(
         tmp_path,
         tiny_model_path,
         tiny_tokenizer,
         prompt_dataset,
+        eval_dataset=prompt_dataset.select(range(8)),
         max_steps=2,
         eval_strategy="steps",
         eval_steps=2,
@@ -356,7 +340,7 @@ def test_eval_logs_the_diagnostics_with_the_eval_prefix(tiny_model_path, tiny_to
 
 
 def test_switching_diagnostics_off_keeps_trl_metrics(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
-    _, logs = train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, max_steps=2, log_diagnostics=False)
+    logs, _ = train_logs(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, max_steps=2, log_diagnostics=False)
     assert not any(key.startswith(("ratio/", "loss/", "reward_std/group")) for key in logs[0])
     assert {"kl", "entropy", "clip_ratio/region_mean", "reward"} <= set(logs[0])
 
@@ -366,7 +350,7 @@ def test_tensorboard_receives_the_ratio_and_reward_spread_histograms(
 ):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    train(
+    train_logs(
         tmp_path,
         tiny_model_path,
         tiny_tokenizer,
@@ -397,11 +381,9 @@ def trackio_rows(trackio_dir, project: str) -> list[tuple[int, dict]]:
 
 
 def run_with_logger(tmp_path, tiny_model_path, report_to: str, **env) -> None:
-    """tests/logger_run.py: two steps (the second off-policy) reporting to `report_to`, with `env` set."""
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "logger_run.py")
-    environment = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **env)
-    command = [sys.executable, script, str(tmp_path / "run"), tiny_model_path, report_to]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
+    """tests/launched.py's `logger` phase: two steps (the second off-policy) reporting to `report_to`, with `env`
+    set."""
+    result = run_alone(tmp_path / "run", tiny_model_path, ["logger"], "--report_to", report_to, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
 
 
@@ -490,12 +472,12 @@ def test_histogram_edges_start_at_the_minimum():
 
 
 def test_loggers_without_histograms_are_not_broken(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
-    _, logs = train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, max_steps=2, report_to="none")
+    logs, _ = train_logs(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, max_steps=2, report_to="none")
     assert "ratio/p50" in logs[0]
 
 
 def test_quantiles_are_configurable(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
-    _, logs = train(
+    logs, _ = train_logs(
         tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, max_steps=2, ratio_quantiles=[0.01, 0.999]
     )
     assert {"ratio/p01", "ratio/p99.9"} <= set(logs[0]) and "ratio/p50" not in logs[0]
@@ -529,5 +511,5 @@ def test_no_host_sync_per_micro_batch(tiny_model_path, tiny_tokenizer, prompt_da
 
     monkeypatch.setattr(torch.Tensor, "item", counting(original_item))
     monkeypatch.setattr(torch.Tensor, "tolist", counting(original_tolist))
-    train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, trainer_class=Watched, max_steps=2)
+    train_logs(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, trainer_cls=Watched, max_steps=2)
     assert calls["loss_path"] == 0

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 import trl
-from helpers import count_a_reward, tiny_grpo_args
+from helpers import count_a_reward, tiny_grpo_args, train_logs, use_sampler_stand_in
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
@@ -108,12 +108,12 @@ def test_the_forwarded_model_inputs_are_trl_s():
 @pytest.mark.slow
 def test_the_entropy_bonus_is_trl_s(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
     """The copied controller moves the coefficient as TRL's does, step for step (GA 2, entropy below target)."""
-    from test_variants import train_logs
-
     options = {"loss_type": "grpo", "beta": 0.04, "use_adaptive_entropy": True, "entropy_coef": 0.01}
     options["entropy_target"] = 5.0
-    stock, _ = train_logs(GRPOTrainer, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "s", **options)
-    ours, _ = train_logs(GRPOTrainerExt, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "o", **options)
+    options |= {"config_cls": GRPOConfig, "num_iterations": 2, "gradient_accumulation_steps": 2}  # TRL's config
+    tiny_run = (tiny_model_path, tiny_tokenizer, prompt_dataset)
+    stock, _ = train_logs(tmp_path / "s", *tiny_run, trainer_cls=GRPOTrainer, **options)
+    ours, _ = train_logs(tmp_path / "o", *tiny_run, trainer_cls=GRPOTrainerExt, **options)
     coefficients = [entry["entropy_coef"] for entry in stock if "entropy_coef" in entry]
     assert len(set(coefficients)) > 1  # the controller did move it
     assert coefficients == pytest.approx([entry["entropy_coef"] for entry in ours if "entropy_coef" in entry])
@@ -122,9 +122,6 @@ def test_the_entropy_bonus_is_trl_s(tiny_model_path, tiny_tokenizer, prompt_data
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
 def test_the_sampler_mismatch_bounds_are_trl_s(mode, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
     """The entries `sampler_mismatch` calls outside the bounds are exactly those TRL's correction changed."""
-    import trl.trainer.grpo_trainer
-    from test_variants import SamplerStandIn
-
     from trl_grpo_ext.diagnostics.mismatch import sampler_mismatch
 
     captured = []
@@ -136,7 +133,7 @@ def test_the_sampler_mismatch_bounds_are_trl_s(mode, tiny_model_path, tiny_token
             return output
 
     monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(trl.trainer.grpo_trainer, "VLLMGeneration", SamplerStandIn)
+    use_sampler_stand_in(monkeypatch)
     try:
         low, high = (0.97, 1.03) if mode.startswith("token") else (1.0, 1.07)
         args = GRPOConfigExt(

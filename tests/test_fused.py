@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trl_grpo_ext import grpo_loss
-from trl_grpo_ext.ops import fused
+from trl_grpo_ext.ops import fused, policy_objective
 
 
 def batch(num_rows, num_tokens, *, seed, per_token_advantages=False, dtype=torch.float32, spread=0.3):
@@ -34,6 +34,13 @@ def batch(num_rows, num_tokens, *, seed, per_token_advantages=False, dtype=torch
 def run(implementation, logps, old, ref, advantages, mask, **kwargs):
     leaf = logps.clone().requires_grad_(True)
     out = grpo_loss(leaf, old, ref, advantages, mask, implementation=implementation, **kwargs)
+    out.loss.backward()
+    return out, leaf.grad
+
+
+def run_objective(implementation, logps, *args, **kwargs):
+    leaf = logps.clone().requires_grad_(True)
+    out = policy_objective(leaf, *args, implementation=implementation, **kwargs)
     out.loss.backward()
     return out, leaf.grad
 
@@ -182,3 +189,108 @@ def test_the_fused_loss_refuses_a_second_derivative_and_the_reference_gives_it()
         else:
             with pytest.raises(RuntimeError, match="first-order gradient only.*implementation='reference'"):
                 torch.autograd.grad(loss, leaf, create_graph=True)
+
+
+# What the kernel holds in memory, counted in `(N, T)` float32 buffers as `python -m benchmarks kernel` reports it
+# (docs/performance.md), at the benchmark's shape. The gradient itself, one buffer, is part of every count.
+
+
+def nt_buffers_at_peak(call, num_elements):
+    """The most bytes `call()` holds at once beyond what was allocated before it, in `(N, T)` float32 buffers.
+
+    From the profiler's allocation events, which see every CPU allocation: eager ops' and torch.compile's kernels'.
+    """
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as profiler:
+        call()
+    events = [event for event in profiler.profiler.kineto_results.events() if event.name() == "[memory]"]
+    assert events, "the profiler recorded no allocation"
+    live = peak = 0
+    for event in sorted(events, key=lambda event: event.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak / (num_elements * 4)
+
+
+@pytest.mark.parametrize(
+    "implementation, per_token, most",
+    [
+        # the loss and its gradient: the gradient, the boolean mask and the eager kernel's blocks of rows
+        ("fused", False, 2.5),
+        ("compiled", False, 1.5),
+        # with the per-token values (4 float32 and 2 boolean (N, T) tensors: 4.5 buffers) on top
+        ("fused", True, 7.5),
+        ("compiled", True, 6.0),
+    ],
+)
+def test_forward_and_backward_hold_few_nt_buffers_at_their_peak(implementation, per_token, most, monkeypatch):
+    monkeypatch.setattr(fused, "_compile_failed", False)
+    logps, old, ref, advantages, mask = batch(64, 4096, seed=12)
+
+    def forward_and_backward(leaf):
+        out = policy_objective(leaf, old, ref, advantages, mask, implementation=implementation, per_token=per_token)
+        out.loss.backward()
+
+    forward_and_backward(logps.clone().requires_grad_(True))  # compilation, lazy initialisations
+    leaf = logps.clone().requires_grad_(True)
+    peak = nt_buffers_at_peak(lambda: forward_and_backward(leaf), logps.numel())
+    assert peak <= most, f"{implementation} (per_token={per_token}) held {peak:.2f} (N, T) buffers at its peak"
+
+
+@pytest.mark.parametrize("implementation", ["fused", "compiled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_keeps_one_nt_buffer_the_float32_gradient(implementation, dtype, monkeypatch):
+    """The gradient is kept in the computation dtype and rounded to that of `logps` once, in backward, as autograd
+    through the reference rounds it."""
+    monkeypatch.setattr(fused, "_compile_failed", False)
+    logps, old, ref, advantages, mask = batch(16, 64, seed=13, dtype=dtype)
+    leaf = logps.clone().requires_grad_(True)
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = grpo_loss(leaf, old, ref, advantages, mask, implementation=implementation)
+    per_token = [tensor for tensor in saved if tensor.numel() == logps.numel()]
+    assert [(tuple(t.shape), t.dtype) for t in per_token] == [(tuple(logps.shape), torch.float32)]
+    assert all(tensor.numel() <= logps.shape[0] for tensor in saved if tensor.numel() != logps.numel())
+    out.loss.backward()
+    expected, expected_grad = run("reference", logps, old, ref, advantages, mask)
+    assert leaf.grad.dtype == dtype
+    torch.testing.assert_close(leaf.grad, expected_grad, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-6)
+
+
+def test_the_compiled_kernel_compiles_one_graph_for_every_hyperparameter_value(monkeypatch):
+    """Hyper-parameters are inputs of the compiled graph, not constants in it: new values of epsilon, epsilon_high,
+    beta, the loss scale or the aggregation's denominator compile nothing new, and the kernel is one graph (no graph
+    breaks). A counting backend instead of inductor: it sees every graph dynamo makes, in a fraction of the time."""
+    from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.utils import counters
+
+    counter = CompileCounter()
+    compile_with_inductor = torch.compile
+    monkeypatch.setattr(
+        torch, "compile", lambda function, **kwargs: compile_with_inductor(function, **{**kwargs, "backend": counter})
+    )
+    monkeypatch.setattr(fused, "_compiled_terms", None)
+    monkeypatch.setattr(fused, "_compile_failed", False)
+    graph_breaks = sum(counters["graph_break"].values())
+    inputs = batch(12, 20, seed=11, spread=0.5)
+    cases = [
+        dict(epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, loss_type=loss_type, loss_scale=scale)
+        for (epsilon, epsilon_high, beta), (loss_type, scale) in zip(
+            HYPERPARAMETERS * 2, [("grpo", 1.0), ("bnpo", 0.5), ("dr_grpo", 0.25), ("luspo", 1.0)] * 2, strict=True
+        )
+    ]
+    for kwargs in cases:
+        kwargs["denominator"] = 7.0 * (1 + kwargs["beta"])
+        leaf = inputs[0].clone().requires_grad_(True)
+        out = policy_objective(leaf, *inputs[1:], implementation="compiled", **kwargs)
+        out.loss.backward()
+        expected, expected_grad = run_objective("reference", *inputs, **kwargs)
+        torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(leaf.grad, expected_grad, rtol=1e-4, atol=1e-6)
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs compiled for {len(cases)} sets of values"
+    assert sum(counters["graph_break"].values()) == graph_breaks

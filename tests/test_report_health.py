@@ -7,10 +7,10 @@ or are infinite, a gradient that is 0 throughout, a last step far above the run'
 import math
 
 import pytest
-from helpers import tiny_grpo_args
+from helpers import train_logs
 from trl import GRPOConfig
 
-from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+from trl_grpo_ext import GRPOConfigExt
 from trl_grpo_ext.card.builder import build_model_card
 from trl_grpo_ext.card.fields import card_config
 from trl_grpo_ext.guardrails import AnomalyMonitor, RewardFunctionError
@@ -38,13 +38,6 @@ def scalar_reward(completions, **kwargs):
     return 1.0
 
 
-def train(tmp_path, model_path, tokenizer, dataset, reward, **config):
-    args = GRPOConfigExt(**tiny_grpo_args(tmp_path, **config))
-    trainer = GRPOTrainerExt(model_path, reward, args, dataset, processing_class=tokenizer)
-    trainer.train()
-    return trainer
-
-
 def alarms_raised(trainer) -> set[str]:
     return {key.removeprefix("alarms/") for entry in trainer.state.log_history for key in entry if "alarms/" in key}
 
@@ -55,7 +48,9 @@ def alarms_raised(trainer) -> set[str]:
 def test_flat_groups_raise_the_spread_alarms_whatever_the_reward_scaling(
     options, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
-    trainer = train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, prompt_only_reward, **options)
+    _, trainer = train_logs(
+        tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, reward_funcs=prompt_only_reward, **options
+    )
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert all(entry["reward_std/group_max"] == 0.0 for entry in logs)  # every group flat
     assert all(entry["reward_std/frac_zero_groups"] == 1.0 for entry in logs)
@@ -69,7 +64,7 @@ def test_flat_groups_raise_the_spread_alarms_whatever_the_reward_scaling(
 def test_a_reward_that_scores_nothing_raises_an_alarm_naming_it_at_the_first_step(
     tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, caplog
 ):
-    trainer = train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, never_parses)
+    _, trainer = train_logs(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, reward_funcs=never_parses)
     first = next(entry for entry in trainer.state.log_history if "loss" in entry)
     assert first["alarms/unscored"] == 1
     assert "reward function 'never_parses' scored no completion" in caplog.text
@@ -90,21 +85,23 @@ def test_an_infinite_reward_is_refused_naming_the_function_the_value_and_the_com
     tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
     with pytest.raises(RewardFunctionError, match=r"'infinite_for_one_in_five' returned an infinite reward, inf, "):
-        train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, infinite_for_one_in_five)
+        train_logs(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, reward_funcs=infinite_for_one_in_five)
 
 
 def test_a_reward_that_returns_a_scalar_is_refused_naming_the_function(
     tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
     with pytest.raises(RewardFunctionError, match=r"'scalar_reward' returned float 1.0 for \d+ completions"):
-        train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, scalar_reward)
+        train_logs(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, reward_funcs=scalar_reward)
 
 
 def test_nan_stays_unscored_and_is_not_an_error(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
     def half_nan(completions, **kwargs):
         return [math.nan if index % 2 else float(len(completion)) for index, completion in enumerate(completions)]
 
-    trainer = train(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, half_nan, max_steps=1)
+    _, trainer = train_logs(
+        tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, reward_funcs=half_nan, max_steps=1
+    )
     assert trainer.state.log_history[0]["frac_reward_unscored"] == pytest.approx(0.5)
 
 

@@ -1,11 +1,10 @@
 """Dynamic sampling and row skipping in two CPU processes (gloo), under DDP, FSDP2 and DeepSpeed ZeRO-3: one launch
-of tests/sampling_run.py per engine."""
+of tests/launched.py's sampling phases per engine."""
 
 import pytest
 import torch
-from helpers import REPO, launch, phase_results
+from helpers import launch, phase_results
 
-SAMPLING_RUN = f"{REPO}/tests/sampling_run.py"
 ENGINES = {"ddp": "cpu_ddp.yaml", "fsdp2": "cpu_fsdp2.yaml", "zero3": "cpu_zero3.yaml"}
 G = 4
 
@@ -15,8 +14,8 @@ def engine_run(request, tiny_model_path, tmp_path_factory) -> str:
     if request.param.startswith("zero"):
         pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[dev]' installs it)")
     output_dir = str(tmp_path_factory.mktemp(request.param))
-    phases = "dynamic,skip-whole,skip,disagree"  # "disagree" ends training with an error: last
-    launch(ENGINES[request.param], [SAMPLING_RUN, output_dir, tiny_model_path, "--phases", phases])
+    phases = ["dynamic", "skip-whole", "skip", "disagree"]  # "disagree" ends training with an error: last
+    launch(ENGINES[request.param], output_dir, tiny_model_path, phases)
     return output_dir, request.param
 
 
@@ -28,7 +27,7 @@ def training_logs(rank: dict) -> list[dict]:
     return [{k: v for k, v in entry.items() if k != "step_time"} for entry in rank["log_history"] if "loss" in entry]
 
 
-def reward_constant_on_some_prompts(prompt: str, completion: str) -> float:  # tests/sampling_run.py's
+def reward_constant_on_some_prompts(prompt: str, completion: str) -> float:  # tests/launched.py's
     return 1.0 if prompt in ("xyz=", "qq=") else completion.count("a") + 0.1 * len(completion)
 
 

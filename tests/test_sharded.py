@@ -1,6 +1,6 @@
 """FSDP2 and DeepSpeed ZeRO-2/3 with two CPU processes (gloo), launched with recipes/accelerate_configs/cpu_*.yaml.
 
-Each engine costs two launches of tests/distributed_run.py: the first runs the NaN, LoRA and crash phases and dies
+Each engine costs two launches of tests/launched.py: the first runs the NaN, LoRA and crash phases and dies
 (SIGKILL) while writing a checkpoint; the second resumes that run, then trains the uninterrupted reference and runs
 the recipe. Every phase records the engine accelerate ran and the size of a local shard against the full size.
 """
@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import pytest
 import torch
 from helpers import (
-    DISTRIBUTED_RUN,
     assert_heldout_is_that_of_one_process,
     assert_logged_statistics_are_those_of_both_processes_pooled,
     assert_one_gather_per_log_step,
@@ -30,7 +29,7 @@ ENGINES = {
 }
 FIRST_LAUNCH = ("nan-skip", "nan-stop", "lora", "crash")  # "crash" kills the processes: last
 SECOND_LAUNCH = ("resume", "reference", "heldout", "recipe")  # "recipe" ends the process group: last
-# tests/distributed_run.py's constants
+# tests/launched.py's constants
 SAVE_STEPS, KILL_STEP, MAX_STEPS, NAN_STEP = 3, 6, 8, 2
 COMPARED = ("loss", "grad_norm", "reward", "kl", "clip_ratio/region_mean", "ratio/mean", "entropy")
 
@@ -52,9 +51,8 @@ def engine_run(request, tiny_model_path, tmp_path_factory) -> EngineRun:
         pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[dev]' installs it)")
     output_dir = str(tmp_path_factory.mktemp(engine))
     config = ENGINES[engine][0]
-    common = [DISTRIBUTED_RUN, output_dir, tiny_model_path, "--phases"]
-    crashed = launch(config, [*common, ",".join(FIRST_LAUNCH)], check=False)
-    launch(config, [*common, ",".join(SECOND_LAUNCH)])
+    crashed = launch(config, output_dir, tiny_model_path, FIRST_LAUNCH, check=False)
+    launch(config, output_dir, tiny_model_path, SECOND_LAUNCH)
     return EngineRun(engine, output_dir, crashed)
 
 

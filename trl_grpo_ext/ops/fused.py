@@ -2,20 +2,31 @@
 
 Autograd through `objective.py`'s reference path keeps every `(N, T)` intermediate alive for the backward pass.
 Here `fused_terms` reduces the objective's terms to per-row sums and computes, in the same pass, the derivative of the
-per-token loss `P + beta * K` with respect to `logp`, which is all the backward pass needs. With `x = logp - old_logp`,
-`r = exp(x)` and `D = ref_logp - logp`:
+loss with respect to `logp`, which is all the backward pass needs. With `x = logp - old_logp`, `r = exp(x)`,
+`D = ref_logp - logp`, the per-token objective `S - beta K` (the loss is `-J`, `S = -P`) and `c_i` the
+aggregation's row weight:
 
-    d(P_it + beta K_it) / dlogp_it = -A_i * r'(x_it) * [unclipped]  -  beta * (exp'(D_it) - 1)
-    d loss / dlogp_it              = c_i * d(P_it + beta K_it) / dlogp_it        (c_i: the aggregation's row weight)
+    d(S_it - beta K_it) / dlogp_it = A_i * r'(x_it) * [unclipped]  +  beta * (exp'(D_it) - 1)
+    d loss / dlogp_it              = -c_i * d(S_it - beta K_it) / dlogp_it
 
 `r'` and `exp'` are the derivatives of the exponential continued linearly above `EXP_LINEAR_ABOVE`, i.e.
 `exp(min(x, 20))`. The values `P`, `K` and the clip indicators come from the catalogue (`terms.clipped_term`,
-`numerics.kl_estimator`): the surrogate is written once, there.
+`numerics.kl_estimator`): the surrogate is written once, there. The pass keeps `d(S - beta K) / dlogp` in the
+computation dtype; the backward pass multiplies it in place by `-c_i` and the incoming gradient and rounds it to the
+dtype of `logp` once, as autograd through the reference does.
 
-`implementation="fused"` runs `fused_terms` eagerly; `"compiled"` runs it through `torch.compile`, which turns it into
-one loop over memory. The compiled kernel takes `epsilon_low`, `epsilon_high` and `beta` as 0-dim tensors, not
-Python floats: `torch.compile` bakes float arguments into the generated code as constants, and a kernel compiled (or
-loaded from the on-disk inductor cache) for one set of values would silently compute the loss of another.
+`implementation="compiled"` runs `fused_terms` through `torch.compile` (one graph, `fullgraph=True`), which turns it
+into one loop over memory with no intermediate buffer. The compiled kernel takes `epsilon_low`, `epsilon_high` and
+`beta` as 0-dim tensors, not Python floats: depending on the torch version and `torch._dynamo.config.specialize_float`,
+`torch.compile` bakes float arguments into the generated code as constants, so that every new value would compile
+the kernel again, and a kernel loaded from the on-disk inductor cache for one set of values would silently compute
+the loss of another. The row weights stay outside the kernel, so the aggregation, its denominator and the loss scale
+compile nothing either.
+
+`implementation="fused"` runs the same function eagerly, one block of rows at a time (`BLOCK_ELEMENTS`): without a
+compiler every operation writes a fresh buffer, so over the whole `(N, T)` batch its temporaries would cost a dozen
+buffers and a trip to main memory each. Block by block they cost a fraction of one buffer, and on a CPU they stay in
+the cache.
 
 The kernel's domain is the clipped surrogate with token-level ratios, no two-sided clipping, no per-token weights and
 a plain (not ratio-weighted) KL term, under any aggregation: `domain_problems` says what lies outside it. The backward
@@ -33,7 +44,14 @@ import torch
 from .numerics import EXP_LINEAR_ABOVE, exp_linear_above, kl_estimator
 from .terms import clipped_term
 
-__all__ = ["domain_problems", "fused_loss", "fused_terms"]
+__all__ = ["BLOCK_ELEMENTS", "domain_problems", "fused_loss", "fused_terms"]
+
+#: Elements `(rows x T)` of the blocks the eager kernel works on, per device type (others: `BLOCK_ELEMENTS[None]`).
+#: On a CPU, ~20 float32 temporaries of 2**15 elements (128 KiB each) fit in a core's L2 cache, and 8 blocks of a
+#: 64 x 4096 batch keep the per-operation overhead (~45 operations per block) well below the arithmetic. On a GPU
+#: every operation is a kernel launch: blocks of 2**20 elements leave the common batch sizes in one block, and bound
+#: the temporaries of very long batches.
+BLOCK_ELEMENTS = {"cpu": 2**15, None: 2**20}
 
 
 def domain_problems(
@@ -61,42 +79,114 @@ def domain_problems(
 
 
 def fused_terms(logp, old_logp, ref_logp, advantages, mask, epsilon_low, epsilon_high, beta, use_ref, dtype, keep):
-    """Per-row sums of the objective's terms and the per-token derivative of `P + beta * K`.
+    """Per-row sums of the objective's terms and `d(S - beta K) / dlogp`, for `n` rows (a block of them, or all).
 
     Args:
-        logp, old_logp, ref_logp (`torch.Tensor` of shape `(N, T)`): detached; any values where `mask` is False.
-        advantages (`torch.Tensor` of shape `(N, 1)` or `(N, T)`).
-        mask (`torch.Tensor` of shape `(N, T)`, bool): the tokens that count.
-        epsilon_low, epsilon_high, beta (`torch.Tensor` of shape `()` or `float`): tensors when compiled (see the
-            module docstring).
+        logp, old_logp, ref_logp (`torch.Tensor` of shape `(n, T)`): detached; any values where `mask` is False.
+        advantages (`torch.Tensor` of shape `(n, 1)` or `(n, T)`).
+        mask (`torch.Tensor` of shape `(n, T)`, bool): the tokens that count.
+        epsilon_low, epsilon_high, beta (`float` or `torch.Tensor` of shape `()`): 0-dim tensors when compiled (see
+            the module docstring).
         use_ref (`bool`): whether `ref_logp` holds reference log-probs (else the KL terms are 0).
-        dtype: the computation dtype.
-        keep (`bool`): also return the per-token values (else `None` in their places).
+        dtype (`torch.dtype`): the computation dtype.
+        keep (`bool`): also return the per-token values.
 
     Returns:
-        `(tokens, policy_rows, kl_rows, low_rows, high_rows, grad, log_ratio, ratio, per_token_kl, low, high,
-        advantages)`: `(N,)` sums over each row's completion tokens of 1, `P`, `K` and the low- and high-clipped
-        indicators; `grad`, `(N, T)`, `d(P + beta K) / dlogp` (0 at masked positions); then the per-token values.
+        `(tokens, policy_rows, kl_rows, low_rows, high_rows, grad, per_token)`: `(n,)` sums over each row's
+        completion tokens of 1, `P`, `K` and the low- and high-clipped indicators; `grad`, `(n, T)`,
+        `d(S - beta K) / dlogp` (0 at masked positions); `per_token`, with `keep`, the `(n, T)` values `(log_ratio,
+        ratio, per_token_kl, is_low_clipped, is_high_clipped, advantages)` (0 or False at masked positions), else
+        `None`.
     """
-    tokens = mask.sum(dim=-1).to(dtype)
-    logp = torch.where(mask, logp.to(dtype), 0.0)
-    log_ratio = logp - torch.where(mask, old_logp.to(dtype), 0.0)
+    logp = logp.to(dtype)  # once, for both halves (a no-op when it is already in the computation dtype)
+    policy_rows, low, high, grad, policy_values = _policy_part(
+        logp, old_logp, advantages, mask, epsilon_low, epsilon_high, dtype, keep
+    )
+    if use_ref:
+        kl_rows, kl_minus_grad, per_token_kl = _kl_part(logp, ref_logp, mask, dtype, keep)
+        grad = grad + beta * kl_minus_grad  # d(S - beta K)/dlogp = dS/dlogp - beta dK/dlogp
+    else:
+        kl_rows = torch.zeros_like(policy_rows)
+        per_token_kl = torch.zeros_like(grad) if keep else None
+    per_token = None
+    if keep:
+        log_ratio, ratio, advantages = policy_values
+        per_token = (log_ratio, ratio, per_token_kl, low, high, advantages)
+    return mask.sum(dim=-1), policy_rows, kl_rows, low.sum(dim=-1), high.sum(dim=-1), grad, per_token
+
+
+# The two halves of `fused_terms`, each a function so that its `(n, T)` temporaries are freed when it returns (the
+# eager kernel's peak memory); torch.compile inlines them.
+
+
+def _policy_part(logp, old_logp, advantages, mask, epsilon_low, epsilon_high, dtype, keep):
+    """`sum_t P_it`, the clip indicators, `dS/dlogp` and, with `keep`, `(log_ratio, ratio, advantages)`."""
+    # The inputs are selected, not multiplied by the mask: masked positions may hold NaN or inf. There x = 0 (r = 1)
+    # and A = 0, so P and its derivative are 0 and no token is clipped; all that follows is finite.
+    log_ratio = torch.where(mask, logp - old_logp.to(dtype), 0.0)
     ratio = exp_linear_above(log_ratio)
+    if keep:  # as returned, the ratio is 0 where masked; with A = 0 there, the term is the same with r = 0 or 1
+        ratio = torch.where(mask, ratio, 0.0)
     advantages = torch.where(mask, advantages.to(dtype), 0.0)
     policy, low, high = clipped_term(ratio, advantages, logp, epsilon_low=epsilon_low, epsilon_high=epsilon_high)
-    # dP/dlogp = -A r'(x) where the surrogate is unclipped, 0 on its flat parts
-    grad = torch.where(low | high, 0.0, -advantages * torch.exp(log_ratio.clamp(max=EXP_LINEAR_ABOVE)))
-    if use_ref:
-        d = torch.where(mask, ref_logp.to(dtype), 0.0) - logp
-        per_token_kl = kl_estimator(d)
-        # dK/dlogp = -(exp'(D) - 1); 0 where masked (D = 0 there)
-        grad = grad - beta * torch.expm1(d.clamp(max=EXP_LINEAR_ABOVE))
-    else:
-        per_token_kl = torch.zeros_like(logp)
-    rows = (tokens, policy.sum(dim=-1), per_token_kl.sum(dim=-1), low.sum(dim=-1), high.sum(dim=-1), grad)
-    if not keep:
-        return (*rows, None, None, None, None, None, None)
-    return (*rows, log_ratio, torch.where(mask, ratio, 0.0), per_token_kl, low, high, advantages)
+    # dS/dlogp = A r'(x) where the surrogate is unclipped, 0 on its flat parts. A product with the indicator, not a
+    # select: the factors are finite, and on a CPU an eager select costs several times a product.
+    grad = advantages * torch.exp(log_ratio.clamp(max=EXP_LINEAR_ABOVE)) * ~(low | high)
+    values = (log_ratio, ratio, advantages) if keep else None
+    return policy.sum(dim=-1), low, high, grad, values
+
+
+def _kl_part(logp, ref_logp, mask, dtype, keep):
+    """`sum_t K_it`, `-dK/dlogp` and, with `keep`, `K`."""
+    d = torch.where(mask, ref_logp.to(dtype) - logp, 0.0)
+    per_token_kl = kl_estimator(d)
+    # -dK/dlogp = exp'(D) - 1; 0 where masked (D = 0 there)
+    minus_grad = torch.expm1(d.clamp(max=EXP_LINEAR_ABOVE))
+    return per_token_kl.sum(dim=-1), minus_grad, per_token_kl if keep else None
+
+
+def _blocks_of_rows(logp, old_logp, ref_logp, advantages, mask, *hyperparameters, use_ref, dtype, keep):
+    """`fused_terms`, eagerly, one block of rows at a time (`BLOCK_ELEMENTS`), written into whole-batch tensors."""
+    num_rows, num_tokens = mask.shape
+    rows = max(1, BLOCK_ELEMENTS.get(mask.device.type, BLOCK_ELEMENTS[None]) // num_tokens)
+    if rows >= num_rows:
+        return fused_terms(logp, old_logp, ref_logp, advantages, mask, *hyperparameters, use_ref, dtype, keep)
+    grad = torch.empty(mask.shape, dtype=dtype, device=mask.device)
+    sums = ([], [], [], [], [])
+    per_token = None
+    if keep:
+        dtypes = (dtype, dtype, dtype, torch.bool, torch.bool, dtype)
+        per_token = tuple(torch.empty(mask.shape, dtype=value_dtype, device=mask.device) for value_dtype in dtypes)
+    for start in range(0, num_rows, rows):
+        block = slice(start, start + rows)
+        inputs = (logp[block], old_logp[block], ref_logp[block], advantages[block], mask[block])
+        _write_block(block, fused_terms(*inputs, *hyperparameters, use_ref, dtype, keep), sums, grad, per_token)
+    return (*(torch.cat(row_sums) for row_sums in sums), grad, per_token)
+
+
+def _write_block(block, terms, sums, grad, per_token):
+    """Store one block's results, so that its temporaries are freed before the next block is computed."""
+    *block_sums, block_grad, block_values = terms
+    for row_sums, block_row_sums in zip(sums, block_sums, strict=True):
+        row_sums.append(block_row_sums)
+    grad[block] = block_grad
+    if per_token is not None:
+        for values, block_value in zip(per_token, block_values, strict=True):
+            values[block] = block_value
+
+
+def _fused_terms_of_mask_bytes(
+    logp, old_logp, ref_logp, advantages, mask_bytes, epsilon_low, epsilon_high, beta, use_ref, dtype, keep
+):
+    """`fused_terms` for `torch.compile`, the mask given as the bytes of the bool tensor (`mask.view(torch.uint8)`).
+
+    Compiled for a CPU, a bool tensor read from memory is slow to turn into a vector mask (about a quarter of the
+    kernel's time at 64 x 4096); a byte converted to a float and compared is not. The values are the same.
+    """
+    mask = mask_bytes.to(dtype) > 0
+    return fused_terms(
+        logp, old_logp, ref_logp, advantages, mask, epsilon_low, epsilon_high, beta, use_ref, dtype, keep
+    )
 
 
 _compiled_terms = None
@@ -109,29 +199,30 @@ def _hyperparameter_tensors(epsilon_low: float, epsilon_high: float, beta: float
     return tuple(torch.tensor(value, dtype=dtype, device=device) for value in (epsilon_low, epsilon_high, beta))
 
 
-def _run_terms(compiled: bool, *arguments):
-    """`fused_terms`, through `torch.compile` when asked; if compiling fails, warn once and run it eagerly."""
+def _run_terms(compiled: bool, *arguments, use_ref: bool, dtype: torch.dtype, keep: bool):
+    """`fused_terms` through `torch.compile` when asked, else block by block; if compiling fails, warn once and run
+    it eagerly."""
     global _compiled_terms, _compile_failed
     if not compiled or _compile_failed:
-        return fused_terms(*arguments)
+        return _blocks_of_rows(*arguments, use_ref=use_ref, dtype=dtype, keep=keep)
     if _compiled_terms is None:
-        _compiled_terms = torch.compile(fused_terms, dynamic=True)
-    logp, old, ref, advantages, mask, epsilon_low, epsilon_high, beta, use_ref, dtype, keep = arguments
-    hyperparameters = _hyperparameter_tensors(epsilon_low, epsilon_high, beta, logp.device, dtype)
+        _compiled_terms = torch.compile(_fused_terms_of_mask_bytes, dynamic=True, fullgraph=True)
+    *tensors, mask, epsilon_low, epsilon_high, beta = arguments
+    hyperparameters = _hyperparameter_tensors(epsilon_low, epsilon_high, beta, mask.device, dtype)
     try:
-        return _compiled_terms(logp, old, ref, advantages, mask, *hyperparameters, use_ref, dtype, keep)
+        return _compiled_terms(*tensors, mask.view(torch.uint8), *hyperparameters, use_ref, dtype, keep)
     except Exception as error:  # noqa: BLE001 - a compiler failure of any kind: fall back to the same code
         _compile_failed = True
         warnings.warn(f"torch.compile of the GRPO loss failed ({error}); using the eager kernel.", stacklevel=4)
-        return fused_terms(*arguments)
+        return _blocks_of_rows(*arguments, use_ref=use_ref, dtype=dtype, keep=keep)
 
 
 class _FusedLoss(torch.autograd.Function):
-    """The loss value, computed from the row sums, with the precomputed `d loss / d logp`."""
+    """The loss value, computed from the row sums, with the precomputed `d(S - beta K) / dlogp` and row weights."""
 
     @staticmethod
-    def forward(ctx, logp, value, grad):
-        ctx.save_for_backward(grad)
+    def forward(ctx, logp, value, grad, row_weights):
+        ctx.save_for_backward(grad, row_weights)
         ctx.logp_dtype = logp.dtype
         ctx.used = False
         return value
@@ -149,9 +240,11 @@ class _FusedLoss(torch.autograd.Function):
                 "(retain_graph=True); use implementation='reference' for that."
             )
         ctx.used = True
-        (grad,) = ctx.saved_tensors
-        # In place: the saved gradient is this call's own buffer, so no second (N, T) buffer is needed.
-        return grad.mul_(grad_output).to(ctx.logp_dtype), None, None
+        grad, row_weights = ctx.saved_tensors
+        # d loss / dlogp_it = -c_i * d(S_it - beta K_it) / dlogp_it, times the incoming gradient. In place: the saved
+        # gradient is this call's own buffer, so no second (N, T) buffer is needed (nor a copy for `logp.grad` in
+        # float32); it is rounded to the dtype of `logp` once, at the end, as autograd through the reference does.
+        return grad.mul_((-row_weights * grad_output).unsqueeze(-1)).to(ctx.logp_dtype), None, None, None
 
 
 def fused_loss(inputs, row_weights_of, *, epsilon_low, epsilon_high, beta, compiled, keep):
@@ -167,7 +260,8 @@ def fused_loss(inputs, row_weights_of, *, epsilon_low, epsilon_high, beta, compi
 
     Returns:
         `(loss, policy_loss, kl, terms)`: `loss` differentiable w.r.t. `inputs.logps`, the detached aggregated `P`
-        and `K`, and the kernel's outputs.
+        and `K`, and `terms`, `(tokens, policy_rows, kl_rows, low_rows, high_rows, grad, log_ratio, ratio,
+        per_token_kl, is_low_clipped, is_high_clipped, advantages)` (the last six `None` without `keep`).
     """
     detached = inputs.logps.detach()
     old = detached if inputs.old_logps is None else inputs.old_logps
@@ -175,12 +269,11 @@ def fused_loss(inputs, row_weights_of, *, epsilon_low, epsilon_high, beta, compi
     ref = inputs.ref_logps if use_ref else detached
     terms = _run_terms(
         compiled, detached, old, ref, inputs.advantages, inputs.mask, float(epsilon_low), float(epsilon_high),
-        float(beta), use_ref, inputs.dtype, keep,
+        float(beta), use_ref=use_ref, dtype=inputs.dtype, keep=keep,
     )  # fmt: skip
-    tokens, policy_rows, kl_rows, grad = terms[0], terms[1], terms[2], terms[5]
-    row_weights = row_weights_of(tokens)
-    grad.mul_(row_weights.unsqueeze(-1))  # d loss / d logp_it = c_i * d(P_it + beta K_it) / d logp_it
+    tokens, policy_rows, kl_rows, low_rows, high_rows, grad, per_token = terms
+    row_weights = row_weights_of(tokens.to(inputs.dtype))
     policy_loss = (policy_rows * row_weights).sum()
     kl = (kl_rows * row_weights).sum()
-    loss = _FusedLoss.apply(inputs.logps, policy_loss + beta * kl, grad)
-    return loss, policy_loss, kl, terms
+    loss = _FusedLoss.apply(inputs.logps, policy_loss + beta * kl, grad, row_weights)
+    return loss, policy_loss, kl, (*terms[:-1], *(per_token or (None,) * 6))

@@ -1,36 +1,192 @@
 """The recipe's command line: the parser over (script arguments, `GRPOConfigExt`, `trl.ModelConfig`) and the checks
-that must run before anything loads (the checkpoint to resume from, the loggers of `report_to`)."""
+that must run before anything loads (the checkpoint to resume from, the loggers of `report_to`).
+
+A mistake in the command line or the config file is a `ConfigError`: one line that names the key or flag (and the
+nearest valid one, for a misspelling), which the command prints without a traceback, exiting with status 2.
+"""
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import os
+import sys
+
+from trl import TrlParser
 
 __all__ = [
     "CHECKED_LOGGERS",
+    "ConfigError",
+    "RecipeParser",
     "check_loggers_installed",
     "drop_tensorboard_if_missing",
     "make_parser",
+    "nearest",
     "parse_args",
     "resume_checkpoint",
 ]
 
 #: The loggers of `report_to` that transformers refuses only once the model is loaded when they are missing.
 CHECKED_LOGGERS = ("tensorboard", "trackio", "wandb")
-RECIPES_EXTRA = 'pip install "trl-grpo-ext[recipes]"'
+
+
+class ConfigError(ValueError):
+    """A mistake in the recipe's command line or config file, or a setting that cannot run; its message is one line."""
+
+
+def nearest(name: str, known, flag: bool = False) -> str:
+    """`" (did you mean 'x'?)"` (`" (did you mean --x?)"` for a `flag`) for the name of `known` closest to `name`
+    (difflib's ratio), or `""` if none is close."""
+    matches = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    if not matches:
+        return ""
+    return f" (did you mean --{matches[0]}?)" if flag else f" (did you mean {matches[0]!r}?)"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each field under its name only (`--learning_rate`, not also `--learning-rate`, which parses all the same)."""
+
+    def _format_action_invocation(self, action) -> str:
+        if not action.option_strings or action.dest == "help":
+            return super()._format_action_invocation(action)
+        if action.nargs == 0:
+            return action.option_strings[0]
+        metavar = self._format_args(action, self._get_default_metavar_for_optional(action))
+        return f"{action.option_strings[0]} {metavar}"
+
+
+class RecipeParser(TrlParser):
+    """`trl.TrlParser` (every dataclass field a flag, `--config <yaml>` for their values) for a person at a terminal:
+
+    - no abbreviations: `--learning_rat` is not taken for `--learning_rate` (argparse's prefix matching);
+    - every mistake is a `ConfigError` of one line: an unknown config key or flag names the nearest valid one, a
+      value of the wrong type names its field, a dataclass that refuses its values says why (the recipe's command
+      prints it and exits with status 2);
+    - `--help` lists the fields in `help_groups`, in that order: this package's before TRL's.
+
+    Args:
+        dataclass_types: as `TrlParser` takes them.
+        help_groups: `(title, field names)` per `--help` section; fields in none stay in the first, untitled one.
+        kwargs: `prog`, `description`, `usage` (argparse's).
+    """
+
+    def __init__(self, dataclass_types, help_groups: list[tuple[str, set[str]]] = (), **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(dataclass_types, allow_abbrev=False, **kwargs)
+        for title, names in help_groups:
+            group = self.add_argument_group(title)
+            for action in [action for action in self._optionals._group_actions if action.dest in names]:
+                self._optionals._group_actions.remove(action)
+                group._group_actions.append(action)
+
+    def error(self, message: str):
+        raise ConfigError(_one_line(message))
+
+    def known_keys(self) -> set[str]:
+        """The field names: each a config key and a `--flag`."""
+        return {action.dest for action in self._actions if action.dest != argparse.SUPPRESS and action.dest != "help"}
+
+    def parse_args_and_config(self, args=None, **_) -> tuple:
+        """(one instance per dataclass) from `args` (default: the command line): `--config <yaml>` (or
+        `--config=<yaml>`) sets defaults, its `env:` mapping environment variables (as `TrlParser` does), and flags
+        override it.
+
+        Raises:
+            ConfigError: an unreadable or unknown config file, a key or flag that no dataclass has, a value that
+                does not parse, or values that a dataclass refuses (its `ValueError`, on one line).
+        """
+        args = list(sys.argv[1:] if args is None else args)
+        for index, arg in enumerate(args):
+            if arg == "--config" or arg.startswith("--config="):
+                if arg == "--config" and index + 1 == len(args):
+                    raise ConfigError("--config needs the path of a YAML file.")
+                path = arg.split("=", 1)[1] if "=" in arg else args[index + 1]
+                del args[index : index + (1 if "=" in arg else 2)]
+                self._apply_config(path)
+                break
+        try:
+            *outputs, remaining = self.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
+        except ConfigError:
+            raise
+        except ValueError as error:  # a dataclass's own check of its values (GRPOConfigExt, TrainingArguments)
+            raise ConfigError(_one_line(error)) from error
+        if remaining:
+            flag = next((arg for arg in remaining if arg.startswith("-")), None)
+            if flag is None:
+                raise ConfigError(f"unrecognized argument {remaining[0]!r} (the form is --field value)")
+            name = flag.lstrip("-").split("=", 1)[0].replace("-", "_")
+            raise ConfigError(f"unrecognized argument {flag}{nearest(name, self.known_keys(), flag=True)}")
+        return tuple(outputs)
+
+    def _apply_config(self, path: str) -> None:
+        import yaml
+
+        try:
+            with open(path) as handle:
+                config = yaml.safe_load(handle)
+        except OSError as error:
+            raise ConfigError(f"--config {path}: {error.strerror or error}") from error
+        except yaml.YAMLError as error:
+            raise ConfigError(f"--config {path} is not valid YAML: {_one_line(error)}") from error
+        if config is None:
+            return
+        if not isinstance(config, dict):
+            raise ConfigError(f"--config {path} must hold a mapping of field: value, not a {type(config).__name__}.")
+        env = config.pop("env", None) or {}
+        if not isinstance(env, dict):
+            raise ConfigError(f"--config {path}: `env` must be a mapping of variable: value.")
+        known = self.known_keys()
+        unknown = [key for key in config if key not in known]
+        if unknown:
+            keys = ", ".join(f"{key!r}{nearest(str(key), known)}" for key in unknown)
+            raise ConfigError(f"unknown key{'s' if len(unknown) > 1 else ''} in {path}: {keys}")
+        for key, value in env.items():
+            os.environ[key] = str(value)
+        self.set_defaults_with_config(**config)
+
+
+def help_groups(script_arguments) -> list[tuple[str, set[str]]]:
+    """The `--help` sections of the recipe: its own arguments, `GRPOConfigExt`'s own fields (and the TRL fields whose
+    default it changes), TRL's and transformers' fields, `trl.ModelConfig`'s."""
+    from dataclasses import fields
+
+    from trl import GRPOConfig, ModelConfig
+
+    from trl_grpo_ext import GRPOConfigExt
+
+    own = set(vars(GRPOConfigExt).get("__annotations__", {}))
+    trl_fields = {field.name for field in fields(GRPOConfig)} - own
+    return [
+        (f"recipe ({script_arguments.__name__})", {field.name for field in fields(script_arguments)}),
+        ("trl_grpo_ext (GRPOConfigExt's fields, and TRL's whose default it changes)", own),
+        ("TRL (GRPOConfig) and transformers (TrainingArguments)", trl_fields),
+        ("model (trl.ModelConfig)", {field.name for field in fields(ModelConfig)}),
+    ]
 
 
 def make_parser(script_arguments, prog: str | None = None, description: str | None = None, usage: str | None = None):
-    """`TrlParser` over (`script_arguments`, `GRPOConfigExt`, `trl.ModelConfig`): every field is a YAML key and a flag.
+    """`RecipeParser` over (`script_arguments`, `GRPOConfigExt`, `trl.ModelConfig`): every field is a YAML key and a
+    flag; `--help` lists the recipe's and this package's fields first.
 
     Args:
         script_arguments (`type`): the recipe's own dataclass.
         prog, description, usage: what `--help` shows (argparse's own usage line would list every field).
     """
-    from trl import ModelConfig, TrlParser
+    from trl import ModelConfig
 
     from trl_grpo_ext import GRPOConfigExt
 
-    return TrlParser((script_arguments, GRPOConfigExt, ModelConfig), prog=prog, description=description, usage=usage)
+    return RecipeParser(
+        (script_arguments, GRPOConfigExt, ModelConfig),
+        help_groups=help_groups(script_arguments),
+        prog=prog,
+        description=description,
+        usage=usage,
+    )
 
 
 def parse_args(script_arguments, argv=None, *, defaults: dict | None = None, **parser_kwargs) -> tuple:
@@ -42,6 +198,7 @@ def parse_args(script_arguments, argv=None, *, defaults: dict | None = None, **p
         parser_kwargs: `prog`, `description`, `usage` (see `make_parser`).
 
     Raises:
+        ConfigError: for a mistake in `argv` or its config file (see `RecipeParser.parse_args_and_config`).
         ValueError: for a field of `defaults` that no dataclass has.
     """
     parser = make_parser(script_arguments, **parser_kwargs)
@@ -60,7 +217,7 @@ def resume_checkpoint(value: str | bool | None, output_dir: str) -> str | None:
     arrives as a string, a YAML key's as a bool.
 
     Raises:
-        ValueError: `true` with no checkpoint in `output_dir`, or a path that is not a checkpoint folder.
+        ConfigError: `true` with no checkpoint in `output_dir`, or a path that is not a checkpoint folder.
     """
     from transformers.trainer import TRAINER_STATE_NAME
     from transformers.trainer_utils import get_last_checkpoint
@@ -71,13 +228,13 @@ def resume_checkpoint(value: str | bool | None, output_dir: str) -> str | None:
     if word in (True, "true", "yes", "1", "t", "y", "last"):
         last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
         if last is None:
-            raise ValueError(
+            raise ConfigError(
                 f"resume_from_checkpoint=true: no checkpoint-<step> folder in output_dir {output_dir!r} to resume "
                 "from. Pass a checkpoint folder's path, or `--resume_from_checkpoint false` to start fresh."
             )
         return last
     if not os.path.isfile(os.path.join(value, TRAINER_STATE_NAME)):
-        raise ValueError(
+        raise ConfigError(
             f"resume_from_checkpoint: {value!r} is not a checkpoint folder (it has no {TRAINER_STATE_NAME}). Pass a "
             "checkpoint-<step> folder, or `--resume_from_checkpoint true` for the last one in output_dir."
         )
@@ -95,14 +252,13 @@ def check_loggers_installed(report_to: list[str] | str | None) -> None:
     (transformers would fail only once the model is loaded, with a traceback).
 
     Raises:
-        ValueError: one line naming the logger and the command that installs it.
+        ConfigError: one line naming the logger and the command that installs it.
     """
     names = [report_to] if isinstance(report_to, str) else list(report_to or [])
     for name in names:
         if name in CHECKED_LOGGERS and not _logger_installed(name):
-            install = RECIPES_EXTRA if name == "tensorboard" else f"pip install {name}"
-            raise ValueError(
-                f"report_to names {name}, which is not installed: {install}, or leave it out of report_to."
+            raise ConfigError(
+                f"report_to names {name}, which is not installed: pip install {name}, or leave it out of report_to."
             )
 
 
@@ -113,5 +269,5 @@ def drop_tensorboard_if_missing(training_args) -> bool:
         return False
     # After `TrainingArguments.__post_init__`, `report_to` is a list and "none" is `[]`.
     training_args.report_to = [name for name in training_args.report_to if name != "tensorboard"]
-    print(f"TensorBoard is not installed: this run writes no TensorBoard logs ({RECIPES_EXTRA} for them).")
+    print("TensorBoard is not installed: this run writes no TensorBoard logs (pip install tensorboard for them).")
     return True

@@ -15,9 +15,11 @@ import sys
 
 from . import grpo
 
-__all__ = ["DEMO_DIR", "DESCRIPTION", "demo_defaults", "run"]
+__all__ = ["DEMO_DIR", "DEMO_MODEL", "DESCRIPTION", "demo_defaults", "run"]
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
+#: The demo's base model (and tokenizer): a 0.5M-parameter Qwen2 that reverses strings of letters a-j in part.
+DEMO_MODEL = os.path.join(DEMO_DIR, "base_model")
 DESCRIPTION = "The offline demo: GRPO on a tiny shipped model (CPU, no network, ~2 min) into ./runs/tiny-demo."
 
 
@@ -28,7 +30,7 @@ def demo_defaults() -> dict:
 
     with open(os.path.join(DEMO_DIR, "config_demo.yaml")) as handle:
         config = yaml.safe_load(handle)
-    config["model_name_or_path"] = os.path.join(DEMO_DIR, "base_model")
+    config["model_name_or_path"] = DEMO_MODEL
     config["dataset_name"] = os.path.join(DEMO_DIR, "data")
     return config
 

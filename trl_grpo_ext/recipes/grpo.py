@@ -22,7 +22,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .arguments import check_loggers_installed, drop_tensorboard_if_missing, resume_checkpoint
+from transformers import TrainerCallback
+
+from .arguments import ConfigError, check_loggers_installed, drop_tensorboard_if_missing, resume_checkpoint
 from .arguments import parse_args as _parse_args
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -74,15 +76,6 @@ class GRPOScriptArguments:
         default=None,
         metadata={"help": "torch CPU threads per process (1 was fastest for tiny models on 2 cores)."},
     )
-    console: str = field(
-        default="compact",
-        metadata={
-            "help": "What the console shows per log step: 'compact' (a progress bar, unless disable_tqdm, and one "
-            "line of the key signals with the alarms that start) or 'raw' (transformers' dict of every logged "
-            "value).",
-            "choices": ["compact", "raw"],
-        },
-    )
 
 
 def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
@@ -99,38 +92,40 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
     from trl_grpo_ext import GRPOTrainerExt
     from trl_grpo_ext.recipes.data import load_recipe_dataset
     from trl_grpo_ext.recipes.rewards import resolve_reward_funcs
-    from trl_grpo_ext.report.console import ConsoleCallback
 
     started = time.time()
-    if script_args.console not in ("compact", "raw"):  # a YAML value does not go through argparse's choices
-        raise ValueError(f"`console` must be 'compact' or 'raw', got {script_args.console!r}.")
     if script_args.num_threads:
         torch.set_num_threads(script_args.num_threads)
     if model_args.model_name_or_path is None:
-        raise ValueError("Set `model_name_or_path` (a local folder or a Hub model id).")
+        raise ConfigError("Set `model_name_or_path` (a local folder or a Hub model id).")
     # Before anything loads, so that a wrong value fails at once.
     resume = resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     check_loggers_installed(training_args.report_to)
+    if not script_args.eval_samples and training_args.heldout_every_steps:
+        # eval_samples 0 switches the held-out evaluation off (`trl-grpo-ext demo --eval_samples 0`), its schedule too.
+        print(
+            f"eval_samples is 0: no held-out evaluation (heldout_every_steps={training_args.heldout_every_steps} is "
+            "left unused; set eval_samples to the number of held-out test prompts for one)."
+        )
+        training_args.heldout_every_steps = 0
 
-    dataset = load_recipe_dataset(
-        script_args.dataset_name,
-        script_args.dataset_config,
-        dataset_format=script_args.dataset_format,
-        system_prompt=script_args.system_prompt,
-        required_splits=[script_args.dataset_train_split],
-    )
+    try:  # a dataset or reward that the config names wrongly: said in one line
+        dataset = load_recipe_dataset(
+            script_args.dataset_name,
+            script_args.dataset_config,
+            dataset_format=script_args.dataset_format,
+            system_prompt=script_args.system_prompt,
+            required_splits=[script_args.dataset_train_split],
+        )
+        reward_funcs = resolve_reward_funcs(script_args.reward_funcs, training_args.max_completion_length)
+    except ValueError as error:
+        raise ConfigError(" ".join(str(error).split())) from error
     train_dataset = dataset[script_args.dataset_train_split]
     test_dataset = dataset.get(script_args.dataset_test_split)
-    reward_funcs = resolve_reward_funcs(script_args.reward_funcs, training_args.max_completion_length)
-    if not script_args.eval_samples and training_args.heldout_every_steps:
-        raise ValueError(
-            f"heldout_every_steps={training_args.heldout_every_steps} needs eval_samples > 0 (the number of held-out "
-            "test prompts)."
-        )
     heldout = None
     if script_args.eval_samples:
         if test_dataset is None:
-            raise ValueError(
+            raise ConfigError(
                 f"eval_samples={script_args.eval_samples} needs a '{script_args.dataset_test_split}' split."
             )
         heldout = test_dataset.select(range(min(script_args.eval_samples, len(test_dataset))))
@@ -157,18 +152,16 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
         heldout_metrics=reward_funcs if heldout is not None else None,
         heldout_dataset=heldout,
     )
-    if script_args.console == "compact":
-        ConsoleCallback.install(trainer)
 
-    # Every process samples its share of the held-out prompts (sampled as training samples); all get the result.
-    # Both passes go into the log history (before: as a step-0 entry), so that the report and the card see them.
-    before = trainer.evaluate_heldout(log=False) if heldout is not None else {}
-    if before:
-        _log_before_training(trainer, before)
+    # Every process samples its share of the held-out prompts (sampled as training samples); all get the result. The
+    # evaluation before training is logged at its step (0), so the held-out curve of report.png starts there.
+    before = {}
+    if heldout is not None:
+        trainer.add_callback(_EvaluateWhenTrainingBegins(trainer, before))
     trainer.train(resume_from_checkpoint=resume)
-    after = trainer.evaluate_heldout() if heldout is not None else {}
+    after = _heldout_at_last_step(trainer) if heldout is not None else {}
     if after:
-        trainer.save_state()  # the output folder's trainer_state.json, with the last evaluation in it
+        trainer.save_state()  # the output folder's trainer_state.json holds the held-out curve for `report`
 
     trainer.card_metrics = {f"held-out {name.removeprefix('heldout/')} (before)": v for name, v in before.items()}
     trainer.card_metrics.update({f"held-out {name.removeprefix('heldout/')} (after)": v for name, v in after.items()})
@@ -193,18 +186,27 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
     return {"before": before, "after": after}
 
 
-def _log_before_training(trainer, values: dict[str, float]) -> None:
-    """Write the held-out values measured before training into the log history as its step-0 entry, once (a resumed
-    run's history has it already): `Trainer.train` starts a fresh history, so it is written when training begins."""
-    from transformers import TrainerCallback
+class _EvaluateWhenTrainingBegins(TrainerCallback):
+    """The held-out evaluation, logged, when training begins (its step: 0, or that of the checkpoint resumed): inside
+    `train()`, whose fresh `TrainerState` would drop an entry logged before. Its values go into `values`."""
 
-    class LogBeforeTraining(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            if not any(entry.get("step") == 0 and values.keys() <= entry.keys() for entry in state.log_history):
-                state.log_history.insert(0, {**values, "step": 0})
+    def __init__(self, trainer, values: dict):
+        self.trainer, self.values = trainer, values
 
-    # First in line: the alarms' monitor replays the history when training begins, and must see this entry.
-    trainer.callback_handler.callbacks.insert(0, LogBeforeTraining())
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.values.update(self.trainer.evaluate_heldout(log=True))
+
+
+def _heldout_at_last_step(trainer) -> dict[str, float]:
+    """The held-out values after training: those logged at the last step (`heldout_every_steps`; the evaluation is
+    seeded, so a second one would repeat them), else a new evaluation, logged."""
+    for entry in reversed(trainer.state.log_history):
+        if entry.get("step") != trainer.state.global_step:
+            break
+        values = {key: value for key, value in entry.items() if key.startswith("heldout/")}
+        if values:
+            return values
+    return trainer.evaluate_heldout(log=True)
 
 
 def output_summary(output_dir: str, since: float, logged: bool, logging_steps: float) -> str:
@@ -230,7 +232,7 @@ def output_summary(output_dir: str, since: float, logged: bool, logging_steps: f
         if not logged:
             reason = f"no training step was logged (the run was shorter than logging_steps={logging_steps:g})"
         elif importlib.util.find_spec("matplotlib") is None:
-            reason = "matplotlib is not installed (pip install 'trl-grpo-ext[recipes]')"
+            reason = "matplotlib is not installed (pip install matplotlib)"
         else:
             reason = "see the warnings above"
         line += f"; no report.png: {reason}"
@@ -262,10 +264,14 @@ def run(
         from trl_grpo_ext.testing import enable_sharded_engines_on_cpu
 
         enable_sharded_engines_on_cpu()  # before the training arguments create accelerate's state
-    script_args, training_args, model_args = parse_args(argv, prog, **parse_kwargs)
-    if optional_tensorboard:
-        drop_tensorboard_if_missing(training_args)
-    main(script_args, training_args, model_args)
+    try:
+        script_args, training_args, model_args = parse_args(argv, prog, **parse_kwargs)
+        if optional_tensorboard:
+            drop_tensorboard_if_missing(training_args)
+        main(script_args, training_args, model_args)
+    except ConfigError as error:  # a mistake in the command line or config: one line, no traceback
+        print(f"{prog or os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

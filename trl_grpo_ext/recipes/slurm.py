@@ -6,10 +6,16 @@
 
 Run once per job (the batch script does), it reads the allocation from SLURM's variables (`SLURM_JOB_NODELIST`,
 `SLURM_JOB_NUM_NODES`, `SLURM_GPUS_ON_NODE`, `SLURM_CPUS_PER_TASK` or `SLURM_CPUS_ON_NODE`), then starts one `srun`
-step per node, with the node's CPUs: `trl vllm-serve` on the last
-node, and on each other node `accelerate launch` with the machine count, that node's rank and the first node's
-address, running this package's recipe (`python -m trl_grpo_ext grpo`) with `use_vllm: true`,
-`vllm_mode: server` and the server node as `vllm_server_host`. TRL's trainer waits for the server to answer
+step per node, with the node's CPUs: the vLLM server on the last node, and on each other node `accelerate launch`
+with the machine count, that node's rank and the first node's address, running this package's recipe (`python -m
+trl_grpo_ext grpo`) with `use_vllm: true`, `vllm_mode: server` and the server node as `vllm_server_host`.
+
+The server is vLLM's own (`VLLM_SERVER_DEV_MODE=1 vllm serve MODEL ...`) where the installed TRL has deprecated
+`trl vllm-serve` (TRL 1.12 and later, which only run that server): the command line is TRL's own (`build_command` of
+`trl/scripts/vllm_serve.py`, with the weight-transfer, logprobs and scale-out flags its trainers rely on). Elsewhere
+it is `trl vllm-serve`. Either way the server loads the model as the recipe does: `model_revision`,
+`trust_remote_code`, `dtype`, `vllm_model_impl` and `vllm_max_model_length` are passed on when the config or a flag
+sets them. TRL's trainer waits for the server to answer
 (`vllm_server_timeout`, 240 s by default: raise it for a model that loads slowly). When every training step has
 ended, the server step is stopped; the exit status is the first failing step's. `--dry-run` prints each command
 (with fake `SLURM_*` variables it runs anywhere).
@@ -27,7 +33,15 @@ import sys
 import time
 from dataclasses import dataclass
 
-__all__ = ["SlurmPlan", "expand_hostlist", "plan_from_environment", "run"]
+__all__ = [
+    "MODEL_LOADING_FIELDS",
+    "SlurmPlan",
+    "expand_hostlist",
+    "plan_from_environment",
+    "run",
+    "trl_vllm_serve_is_deprecated",
+    "vllm_server_command",
+]
 
 #: The recipe's vLLM fields that this launcher sets itself (server mode, on the last node).
 _LAUNCHER_FIELDS = ("use_vllm", "vllm_mode", "vllm_server_host", "vllm_server_base_url")
@@ -118,8 +132,10 @@ def _explicit_value(name: str, config: dict, flags: list[str]):
     """The value of recipe field `name` that the config file or a flag sets (flags win), or `None`."""
     value = config.get(name)
     for index, flag in enumerate(flags):
-        if flag == f"--{name}" and index + 1 < len(flags):
-            value = flags[index + 1]
+        if flag == f"--{name}":
+            # A boolean field's flag may stand alone (`--trust_remote_code`), as the recipe's parser takes it.
+            following = flags[index + 1] if index + 1 < len(flags) else "--"
+            value = True if following.startswith("--") else following
         elif flag.startswith(f"--{name}="):
             value = flag.split("=", 1)[1]
     return value
@@ -149,6 +165,7 @@ def _check_recipe_flags(flags: list[str]) -> None:
     from trl import ModelConfig
 
     from ..config import GRPOConfigExt
+    from .arguments import nearest
     from .grpo import GRPOScriptArguments
 
     known = {field.name for cls in (GRPOScriptArguments, GRPOConfigExt, ModelConfig) for field in fields(cls)}
@@ -157,7 +174,68 @@ def _check_recipe_flags(flags: list[str]) -> None:
             continue
         name = flag[2:].split("=", 1)[0]
         if name not in known and not (name.startswith("no_") and name[3:] in known):
-            raise ValueError(f"Unknown flag {flag}: neither the launcher's (see --help) nor a field of the recipe.")
+            raise ValueError(
+                f"Unknown flag {flag}{nearest(name.replace('-', '_'), known, flag=True)}: neither the launcher's "
+                "(see --help) nor a field of the recipe."
+            )
+
+
+#: Recipe field -> the vLLM server's argument (`trl vllm-serve`'s name) that loads the model as the recipe does.
+MODEL_LOADING_FIELDS = {
+    "model_revision": "revision",
+    "trust_remote_code": "trust_remote_code",
+    "dtype": "dtype",
+    "vllm_model_impl": "vllm_model_impl",
+    "vllm_max_model_length": "max_model_len",
+}
+
+
+def _model_loading(config: dict, flags: list[str]) -> dict:
+    """The server's model-loading arguments that the recipe's config or flags set (`MODEL_LOADING_FIELDS`)."""
+    from transformers.hf_argparser import string_to_bool
+
+    arguments = {}
+    for field_name, argument in MODEL_LOADING_FIELDS.items():
+        value = _explicit_value(field_name, config, flags)
+        if value is None:
+            continue
+        if argument == "trust_remote_code":
+            value = value if isinstance(value, bool) else string_to_bool(str(value))
+        elif argument == "max_model_len":
+            value = int(value)
+        arguments[argument] = value if isinstance(value, (bool, int)) else str(value)
+    return arguments
+
+
+def trl_vllm_serve_is_deprecated() -> bool:
+    """Whether the installed TRL's `trl vllm-serve` only runs vLLM's own server (TRL >= 1.12: it has
+    `build_command`, which composes that server's command line, and warns that it is deprecated)."""
+    from trl.scripts import vllm_serve
+
+    return hasattr(vllm_serve, "build_command")
+
+
+def vllm_server_command(arguments: dict) -> list[str]:
+    """The command that serves the model for the training nodes.
+
+    Args:
+        arguments: `trl vllm-serve`'s arguments (`model`, `tensor_parallel_size`, `data_parallel_size`, `port`,
+            and model-loading ones such as `revision`, `trust_remote_code`, `dtype`, `max_model_len`).
+
+    Returns:
+        Where `trl vllm-serve` is deprecated: `env VLLM_SERVER_DEV_MODE=1 vllm serve MODEL ...`, TRL's own command
+        line for vLLM's server (the dev mode serves the weight-transfer endpoints TRL's trainer calls). Elsewhere:
+        `trl vllm-serve --model MODEL ...`.
+    """
+    if trl_vllm_serve_is_deprecated():
+        from trl.scripts.vllm_serve import ScriptArguments, build_command
+
+        command = build_command(ScriptArguments(**arguments))  # [python, -m, vllm.entrypoints.cli.main, serve, ...]
+        return ["env", "VLLM_SERVER_DEV_MODE=1", "vllm", *command[command.index("serve") :]]
+    command = ["trl", "vllm-serve"]
+    for name, value in arguments.items():
+        command += [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return command
 
 
 def _gpus_per_node(given: int | None, environ: dict) -> int:
@@ -205,7 +283,6 @@ def plan_from_environment(cli: argparse.Namespace, recipe_flags: list[str], envi
     model = _explicit_value("model_name_or_path", config, recipe_flags)
     if model is None:
         raise ValueError(f"{cli.config} sets no model_name_or_path: the vLLM server needs the model.")
-    revision = _explicit_value("model_revision", config, recipe_flags)
     port = cli.vllm_port or int(_explicit_value("vllm_server_port", config, recipe_flags) or 8000)
     train_nodes, server_node = nodes[:-1], nodes[-1]
 
@@ -218,16 +295,14 @@ def plan_from_environment(cli: argparse.Namespace, recipe_flags: list[str], envi
             [f"--cpus-per-task={cpus}"] if cpus else []
         )
 
-    server_command = [*srun(server_node), "trl", "vllm-serve", "--model", str(model)]
-    server_command += ["--revision", str(revision)] if revision else []
-    server_command += [
-        "--tensor_parallel_size",
-        str(cli.vllm_tensor_parallel_size),
-        "--data_parallel_size",
-        str(cli.vllm_data_parallel_size),
-        "--port",
-        str(port),
-    ]
+    server = {
+        "model": str(model),
+        "tensor_parallel_size": cli.vllm_tensor_parallel_size,
+        "data_parallel_size": cli.vllm_data_parallel_size,
+        "port": port,
+        **_model_loading(config, recipe_flags),
+    }
+    server_command = [*srun(server_node), *vllm_server_command(server)]
     recipe = ["-m", "trl_grpo_ext", "grpo", "--config", cli.config, *recipe_flags]
     recipe += ["--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_host", server_node]
     recipe += ["--vllm_server_port", str(port)]
@@ -294,7 +369,7 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         allow_abbrev=False,  # a recipe flag must never be taken for an abbreviation of the launcher's
-        description="GRPO on N + 1 SLURM nodes: N train (accelerate launch), the last one runs `trl vllm-serve`. "
+        description="GRPO on N + 1 SLURM nodes: N train (accelerate launch), the last one serves vLLM. "
         "Flags this launcher does not know go to the recipe (e.g. --max_steps 100).",
     )
     parser.add_argument("--config", required=True, help="the recipe's YAML config (trl-grpo-ext grpo --config)")

@@ -117,7 +117,7 @@ def _draw(history: list[dict], output: str, run_dir: str, episodes) -> str:
             history, output, title=os.path.basename(os.path.normpath(run_dir)), episodes=episodes
         )
     except ImportError:
-        return "report.png: not written, matplotlib is not installed (pip install 'trl-grpo-ext[recipes]')"
+        return "report.png: not written, matplotlib is not installed (pip install matplotlib)"
     if written is None:
         return "report.png: not written, no training step was logged"
     missing = missing_panels(history)

@@ -3,9 +3,10 @@
     step 20/400 | reward 0.412 | spread 0.231 | kl 0.00312 | clip 0.0125 | ratio p95 1.08 | entropy 1.93 | len 7.4
 
 with the alarms that start at that step at the end of the line (`| ALARM truncation, no_spread`; the full warning,
-with what to change, comes from the trainer's logger). `ConsoleCallback.install(trainer)` puts it in place of
-transformers' `ProgressCallback` / `PrinterCallback`, whose raw dict lines it replaces; the recipe's `--console raw`
-keeps those.
+with what to change, comes from the trainer's logger). `GRPOTrainerExt` installs it with `console="compact"` (the
+default of `GRPOConfigExt`), in the recipe, the quickstart and any script alike: `ConsoleCallback.install(trainer)`
+puts it in place of transformers' `ProgressCallback` / `PrinterCallback`, whose raw dict lines it replaces;
+`console="raw"` keeps those. The loggers of `report_to` get every logged value either way.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ shaded on the panel they concern."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -15,32 +16,53 @@ if TYPE_CHECKING:
 
 from ..guardrails.alarms import HELDOUT_KEY
 
-__all__ = ["PANELS", "build_report_figure", "missing_panels", "plot_training_report"]
+__all__ = ["PANELS", "Panel", "build_report_figure", "missing_panels", "plot_training_report"]
 
-#: The panels, row by row: title, the metrics it draws (`*` for any name part), the alarms shaded on it.
+
+class Panel(NamedTuple):
+    """One panel of the report: its title, the metrics it draws (`*` for any name part), the alarms shaded on it and
+    the label of its y axis."""
+
+    title: str
+    metrics: tuple[str, ...]
+    alarms: tuple[str, ...]
+    ylabel: str
+
+
+#: The panels, row by row.
 PANELS = (
-    ("reward", ("reward", "rewards/*/mean", "heldout/*/mean@*"), ("reward_vs_heldout",)),
-    (
+    Panel("reward", ("reward", "rewards/*/mean", "heldout/*/mean@*"), ("reward_vs_heldout",), "reward"),
+    Panel(
         "reward spread: std inside each group",
         ("reward_std/group_mean", "frac_reward_zero_std"),
         ("zero_std", "no_spread"),
+        "std of the rewards of a group",
     ),
-    ("KL to the reference", ("kl", "loss/kl_penalty"), ("kl_jump",)),
-    (
+    Panel("KL to the reference", ("kl", "loss/kl_penalty"), ("kl_jump",), "KL (mean per token)"),
+    Panel(
         "clip fraction (tokens in the flat region)",
         ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"),
         ("clip_fraction",),
+        "share of tokens",
     ),
-    ("importance ratio r = pi / pi_old", ("ratio/p50", "ratio/p05", "ratio/p95"), ("ratio_p95", "ratio_max")),
-    ("loss = policy + kl_penalty", ("loss", "loss/policy", "loss/kl_penalty"), ()),
-    ("entropy", ("entropy",), ("entropy_collapse",)),
-    (
+    Panel(
+        "importance ratio r = pi / pi_old",
+        ("ratio/p50", "ratio/p05", "ratio/p95"),
+        ("ratio_p95", "ratio_max"),
+        "ratio (completion tokens)",
+    ),
+    Panel("loss = policy + kl_penalty", ("loss", "loss/policy", "loss/kl_penalty"), (), "loss"),
+    Panel("entropy", ("entropy",), ("entropy_collapse",), "entropy (nats per token)"),
+    Panel(
         "completion length (tokens)",
         ("completions/mean_length", "completions/clipped_ratio"),
         ("truncation", "length_drift", "length_in_group"),
+        "tokens",
     ),
-    ("gradient norm", ("grad_norm",), ("grad_norm_spike",)),
+    Panel("gradient norm", ("grad_norm",), ("grad_norm_spike",), "gradient norm (before clipping)"),
 )
+#: The label of the right axis of a panel that draws a share there.
+RIGHT_LABELS = {"frac_reward_zero_std": "share of completions", "completions/clipped_ratio": "share truncated"}
 
 
 def _logged(log_history: list[dict], pattern: str) -> bool:
@@ -50,7 +72,9 @@ def _logged(log_history: list[dict], pattern: str) -> bool:
 
 def missing_panels(log_history: list[dict]) -> list[tuple[str, tuple[str, ...]]]:
     """The `(title, metrics)` of the panels of `PANELS` for which none of the metrics was logged."""
-    return [(title, keys) for title, keys, _ in PANELS if not any(_logged(log_history, key) for key in keys)]
+    return [
+        (panel.title, panel.metrics) for panel in PANELS if not any(_logged(log_history, key) for key in panel.metrics)
+    ]
 
 
 def _series(log_history: list[dict], key: str) -> tuple[list[float], list[float]]:
@@ -81,13 +105,15 @@ def build_report_figure(
     """The report as a matplotlib `Figure` of the nine `PANELS` over training steps: reward (total, per function,
     held-out metrics); reward spread inside groups (`reward_std/group_mean`, its `group_min`-`group_max` band, and
     `frac_reward_zero_std`, the share of completions whose group had no spread, on its own axis); KL; clip fraction;
-    ratio p05/p50/p95 band with min and max; the loss and its split (`loss/policy`, `loss/kl_penalty`); entropy;
-    completion length (mean, min-max band, and the truncated share on its own axis); gradient norm. A panel whose
-    metrics were not logged (a stock TRL run has no `ratio/*`) says so.
+    ratio p05/p50/p95 band with min and max (or a note of their extremes when they leave the frame); the loss and its
+    split (`loss/policy`, `loss/kl_penalty`); entropy; completion length (mean, min-max band, and the truncated share
+    on its own axis); gradient norm. Each panel labels its y axis; a series equal to one already drawn on the reward
+    panel (`rewards/<f>/mean` of a single reward function is `reward`) is named in that line's label, not drawn
+    again. A panel whose metrics were not logged (a stock TRL run has no `ratio/*`) says so.
 
     Args:
         log_history: `trainer.state.log_history`.
-        title: figure title.
+        title: the run's name, in the figure's title ("<title>: GRPO training report").
         clip_range: `(epsilon_low, epsilon_high)`, drawn as dashed lines at `1 - epsilon_low` and `1 + epsilon_high`.
         episodes: alarm episodes (`AnomalyMonitor.episodes`, `health.assess(...).episodes`), shaded over their steps
             on the panel of `PANELS` that names the alarm.
@@ -106,14 +132,19 @@ def build_report_figure(
     reward_keys = ["reward"] + sorted(
         {key for entry in log_history for key in entry if key.startswith("rewards/") and key.endswith("/mean")}
     )
-    for key in reward_keys:
+    heldout_keys = sorted({key for entry in log_history for key in entry if HELDOUT_KEY.match(key)})
+    drawn: list[tuple[list, list, object]] = []  # (steps, values, line): a series equal to one drawn joins its label
+    for key in reward_keys + heldout_keys:
         steps, values = _series(log_history, key)
-        if steps:
-            reward_ax.plot(steps, values, label=key, linewidth=2 if key == "reward" else 1)
-    for key in sorted({key for entry in log_history for key in entry if HELDOUT_KEY.match(key)}):
-        steps, values = _series(log_history, key)
-        if steps:
-            reward_ax.plot(steps, values, "o--", label=key, markersize=3)
+        if not steps:
+            continue
+        same = next((line for s, v, line in drawn if s == steps and _close(v, values)), None)
+        if same is not None:
+            same.set_label(f"{same.get_label()} = {key}")
+            continue
+        style = {"linewidth": 2 if key == "reward" else 1} if key in reward_keys else {"marker": "o", "markersize": 3}
+        (line,) = reward_ax.plot(steps, values, "--" if key in heldout_keys else "-", label=key, **style)
+        drawn.append((steps, values, line))
     reward_ax.set_title("reward")
 
     # No spread inside a group means zero advantage: that group teaches nothing but the KL term.
@@ -161,19 +192,25 @@ def build_report_figure(
         grad_ax.plot(steps, values, label="grad_norm")
     grad_ax.set_title("gradient norm")
 
-    for ax, (_, keys, alarms) in zip(axes.flat, PANELS, strict=True):
+    for ax, panel in zip(axes.flat, PANELS, strict=True):
         if ax.has_data():
             ax.legend(fontsize=8, loc="upper left")
-        if not any(_logged(log_history, key) for key in keys):
-            ax.text(0.5, 0.5, f"not logged: {', '.join(keys)}", ha="center", va="center", transform=ax.transAxes)
+        if not any(_logged(log_history, key) for key in panel.metrics):
+            ax.text(
+                0.5, 0.5, f"not logged: {', '.join(panel.metrics)}", ha="center", va="center", transform=ax.transAxes
+            )
+        ax.set_ylabel(panel.ylabel)
         ax.grid(alpha=0.3)
-        _shade_alarms(ax, [episode for episode in episodes or [] if episode.name in alarms])
+        _shade_alarms(ax, [episode for episode in episodes or [] if episode.name in panel.alarms])
     for ax in axes[-1]:
         ax.set_xlabel("step")
-    if title:
-        figure.suptitle(title)
+    figure.suptitle(f"{title}: GRPO training report" if title else "GRPO training report")
     figure.tight_layout()
     return figure
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12) for x, y in zip(a, b, strict=True))
 
 
 def _right_axis(ax, log_history: list[dict], key: str) -> None:
@@ -183,29 +220,47 @@ def _right_axis(ax, log_history: list[dict], key: str) -> None:
         right = ax.twinx()
         right.plot(steps, values, ":", color="tab:red", label=f"{key} (right)")
         right.set_ylim(-0.05, 1.05)
+        right.set_ylabel(RIGHT_LABELS.get(key, key))
         right.legend(fontsize=8, loc="lower right")
 
 
 def _ratio_panel(ax, log_history: list[dict], clip_range: tuple[float, float]) -> None:
+    """The p05-p95 band and the median, framed with the clip range 1 +- epsilon. The min and max of single tokens are
+    drawn when every value of theirs falls inside that frame; otherwise a note names their extreme values (a line that
+    leaves the frame says nothing that can be read)."""
     low, high = _band(ax, log_history, "ratio/p05", "ratio/p95", "p05-p95")
-    for key, style in (("ratio/p50", "-"), ("ratio/min", ":"), ("ratio/max", ":")):
-        steps, values = _series(log_history, key)
-        if steps:
-            label = key.split("/")[1]
-            if key == "ratio/min":
-                label += f" (lowest {min(values):.3g})"
-            elif key == "ratio/max":
-                label += f" (highest {max(values):.3g})"
-            ax.plot(steps, values, style, label=label)
+    steps, values = _series(log_history, "ratio/p50")
+    if steps:
+        ax.plot(steps, values, "-", label="p50")
+    bottom = top = None
     if low and high:
-        # Frame the p05-p95 band and the clip range 1 +- epsilon; single extreme tokens (min, max) may leave it.
         epsilon_low, epsilon_high = clip_range
         for bound in (1 - epsilon_low, 1 + epsilon_high):
             ax.axhline(bound, color="grey", linestyle="--", linewidth=0.8)
         spread = max(high) - min(low)
-        ax.set_ylim(
-            min(min(low), 1 - epsilon_low) - 0.25 * spread - 0.05,
-            max(max(high), 1 + epsilon_high) + 0.25 * spread + 0.05,
+        bottom = min(min(low), 1 - epsilon_low) - 0.25 * spread - 0.05
+        top = max(max(high), 1 + epsilon_high) + 0.25 * spread + 0.05
+        ax.set_ylim(bottom, top)
+    off_scale = []
+    for key, extreme in (("ratio/min", min), ("ratio/max", max)):
+        steps, values = _series(log_history, key)
+        if not steps:
+            continue
+        name = key.split("/")[1]
+        label = f"{name} ({'lowest' if extreme is min else 'highest'} {extreme(values):.3g})"
+        if bottom is None or all(bottom <= value <= top for value in values):
+            ax.plot(steps, values, ":", label=label)
+        else:
+            off_scale.append(label)
+    if off_scale:
+        ax.text(
+            0.99,
+            0.02,
+            "off scale: " + ", ".join(off_scale),
+            ha="right",
+            va="bottom",
+            fontsize=8,
+            transform=ax.transAxes,
         )
     ax.set_title("importance ratio r = pi / pi_old")
 

@@ -8,7 +8,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 from datasets import Dataset
-from helpers import HELDOUT_OPTIONS, count_a_reward, heldout_dataset, letter_a_metric, tiny_grpo_args
+from helpers import (
+    HELDOUT_OPTIONS,
+    count_a_reward,
+    heldout_arguments,
+    heldout_dataset,
+    letter_a_metric,
+    make_trainer,
+    tiny_grpo_args,
+    train_logs,
+    training_entries,
+)
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
@@ -152,29 +162,23 @@ def test_with_sharded_weights_every_process_makes_the_same_number_of_generate_ca
     assert torch.equal(torch.cat(parts), unsynced)
 
 
-def make_trainer(tmp_path, model_path, tokenizer, metrics=(letter_a_metric,), **config):
-    args = GRPOConfigExt(**tiny_grpo_args(tmp_path, **{**HELDOUT_OPTIONS, **config}))
-    return GRPOTrainerExt(
-        model=model_path,
-        reward_funcs=count_a_reward,
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": ["abc=", "hello=", "xyz=", "qq="] * 4}),
-        processing_class=tokenizer,
-        heldout_metrics=list(metrics),
-        heldout_dataset=heldout_dataset(),
+def test_held_out_evaluation_every_n_steps_leaves_training_unchanged(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    tiny_run = (tiny_model_path, tiny_tokenizer, prompt_dataset)
+    _, plain = train_logs(tmp_path / "plain", *tiny_run, trainer_kwargs=heldout_arguments(), **HELDOUT_OPTIONS)
+    _, evaluated = train_logs(
+        tmp_path / "heldout",
+        *tiny_run,
+        trainer_kwargs=heldout_arguments(letter_a_metric),
+        heldout_every_steps=2,
+        **HELDOUT_OPTIONS,
     )
-
-
-def test_held_out_evaluation_every_n_steps_leaves_training_unchanged(tiny_model_path, tiny_tokenizer, tmp_path):
-    plain = make_trainer(tmp_path / "plain", tiny_model_path, tiny_tokenizer, metrics=())
-    plain.train()
-    evaluated = make_trainer(tmp_path / "heldout", tiny_model_path, tiny_tokenizer, heldout_every_steps=2)
-    evaluated.train()
     heldout = [entry for entry in evaluated.state.log_history if "heldout/letter_a_metric/mean@4" in entry]
     assert [entry["step"] for entry in heldout] == [2, 4]
     assert all(set(entry) >= {"heldout/letter_a_metric/pass@1", "heldout/letter_a_metric/pass@4"} for entry in heldout)
     assert all("loss" not in entry for entry in heldout)  # an entry of its own: training's metrics are not flushed
-    trained = [[entry for entry in trainer.state.log_history if "loss" in entry] for trainer in (plain, evaluated)]
+    trained = [training_entries(trainer) for trainer in (plain, evaluated)]
     for first, second in zip(*trained, strict=True):
         assert {key: value for key, value in first.items() if key != "step_time"} == {
             key: value for key, value in second.items() if key != "step_time"
@@ -190,7 +194,7 @@ def peak_at_step_4(completions, trainer_state, **kwargs):
 @pytest.mark.slow
 @pytest.mark.parametrize("with_eval_dataset", [False, True], ids=["heldout-only", "with-trl-eval"])
 def test_the_best_checkpoint_is_the_one_with_the_best_held_out_metric(
-    with_eval_dataset, tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch
+    with_eval_dataset, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, monkeypatch
 ):
     from safetensors.torch import load_file
 
@@ -200,29 +204,22 @@ def test_the_best_checkpoint_is_the_one_with_the_best_held_out_metric(
         heldout_module, "heldout_records", lambda *a, **k: passes.append(1) or original_records(*a, **k)
     )
 
-    args = GRPOConfigExt(
-        **tiny_grpo_args(
-            tmp_path,
-            max_steps=6,
-            eval_strategy="steps",
-            eval_steps=2,
-            save_strategy="steps",
-            save_steps=2,
-            load_best_model_at_end=True,
-            metric_for_best_model="heldout/peak_at_step_4/mean@2",
-            heldout_num_generations=2,
-            heldout_every_steps=0 if with_eval_dataset else 2,  # an evaluation at a scheduled step reuses its pass
-        )
-    )
-    trainer = GRPOTrainerExt(
-        model=tiny_model_path,
-        reward_funcs=count_a_reward,
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": ["abc=", "hello=", "xyz=", "qq="] * 4}),
+    trainer = make_trainer(
+        tmp_path,
+        tiny_model_path,
+        tiny_tokenizer,
+        prompt_dataset,
         eval_dataset=Dataset.from_dict({"prompt": ["abc=", "qq="] * 2}) if with_eval_dataset else None,
-        processing_class=tiny_tokenizer,
-        heldout_metrics=[peak_at_step_4],
-        heldout_dataset=heldout_dataset(),
+        trainer_kwargs=heldout_arguments(peak_at_step_4),
+        max_steps=6,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="heldout/peak_at_step_4/mean@2",
+        heldout_num_generations=2,
+        heldout_every_steps=0 if with_eval_dataset else 2,  # an evaluation at a scheduled step reuses its pass
     )
     seen_by_callbacks = []
 
@@ -297,7 +294,7 @@ def checkpointing_options(model) -> list[dict]:
 
 
 def test_a_held_out_pass_leaves_the_run_s_gradient_checkpointing_as_configured(
-    tiny_model_path, tiny_tokenizer, tmp_path
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
     """Generation switches checkpointing off and on again: on again with the run's `use_reentrant=True` (TRL forces
     it for PEFT with ZeRO-3), not transformers' default, for the training forwards after every held-out pass."""
@@ -305,10 +302,13 @@ def test_a_held_out_pass_leaves_the_run_s_gradient_checkpointing_as_configured(
         tmp_path,
         tiny_model_path,
         tiny_tokenizer,
+        prompt_dataset,
+        trainer_kwargs=heldout_arguments(letter_a_metric),
         max_steps=2,
         heldout_every_steps=1,
         gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": True},
+        **HELDOUT_OPTIONS,
     )
     seen = []
 
@@ -351,15 +351,21 @@ def test_held_out_prompts_are_rendered_with_the_trainer_s_tools_and_chat_templat
 
 
 def test_a_best_model_metric_that_the_held_out_evaluation_does_not_log_is_refused_at_construction(
-    tiny_model_path, tiny_tokenizer, tmp_path
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
+    tiny_run = (tiny_model_path, tiny_tokenizer, prompt_dataset)
     with pytest.raises(ValueError, match=r"'heldout/letter_a_metric/mean@4' is not among .* mean@2"):
         make_trainer(
             tmp_path,
-            tiny_model_path,
-            tiny_tokenizer,
-            heldout_num_generations=2,
-            heldout_pass_at=[1, 2],
+            *tiny_run,
+            trainer_kwargs=heldout_arguments(letter_a_metric),
+            **{**HELDOUT_OPTIONS, "heldout_num_generations": 2, "heldout_pass_at": [1, 2]},
             metric_for_best_model="heldout/letter_a_metric/mean@4",
         )
-    make_trainer(tmp_path, tiny_model_path, tiny_tokenizer, metric_for_best_model="heldout/letter_a_metric/pass@2")
+    make_trainer(
+        tmp_path,
+        *tiny_run,
+        trainer_kwargs=heldout_arguments(letter_a_metric),
+        metric_for_best_model="heldout/letter_a_metric/pass@2",
+        **HELDOUT_OPTIONS,
+    )

@@ -1,4 +1,4 @@
-"""The model card and the training report image."""
+"""The model card (the training report image: `test_report_figure.py`)."""
 
 import re
 import sys
@@ -7,8 +7,7 @@ from types import SimpleNamespace
 import pytest
 import trl.trainer.utils as trl_utils
 import yaml
-from helpers import count_a_reward, tiny_grpo_args
-from matplotlib.collections import PolyCollection
+from helpers import count_a_reward, make_trainer, tiny_grpo_args
 from transformers.trainer_utils import SchedulerType
 from transformers.training_args import OptimizerNames
 from trl import GRPOConfig
@@ -17,8 +16,6 @@ from trl.trainer.utils import generate_model_card
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.card import builder as model_card
 from trl_grpo_ext.card.builder import CARD_CONFIG_FIELDS, build_model_card, final_metrics
-from trl_grpo_ext.report import build_report_figure, missing_panels, plot_training_report
-from trl_grpo_ext.report.health import assess
 
 HISTORY = [
     {"loss": 0.1, "reward": 0.2, "kl": 0.01, "ratio/p05": 0.9, "ratio/p50": 1.0, "ratio/p95": 1.1, "step": 1},
@@ -78,13 +75,6 @@ def test_full_model_card_without_hub_base_model(tmp_path):
     assert "base_model" not in front and "lora" not in front["tags"]
 
 
-def test_report_needs_training_entries_and_writes_a_png(tmp_path):
-    assert plot_training_report([{"train_runtime": 1.0, "step": 1}], tmp_path / "none.png") is None
-    assert not (tmp_path / "none.png").exists()
-    path = plot_training_report(HISTORY, tmp_path / "report.png", title="t")
-    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.endswith("report.png")
-
-
 def test_the_configuration_table_shows_values_as_a_user_writes_them(tmp_path):
     args = GRPOConfigExt(output_dir=str(tmp_path), lr_scheduler_type="constant", use_cpu=True, bf16=False)
     config = {key: getattr(args, key) for key in CARD_CONFIG_FIELDS}
@@ -95,65 +85,6 @@ def test_the_configuration_table_shows_values_as_a_user_writes_them(tmp_path):
     assert "| `learning_rate` | 1e-06 |" in text and "| `loss_type` | grpo |" in text
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     assert not [row for row in rows if re.search(r"[A-Z][A-Za-z]+\.[A-Z_]+", row)]  # no `EnumClass.MEMBER`
-
-
-SPREAD_HISTORY = [
-    {
-        "loss": 0.1 * step,
-        "reward": 0.2 * step,
-        "reward_std/group_mean": 0.3 + 0.1 * step,
-        "reward_std/group_min": 0.1 * step,
-        "reward_std/group_max": 0.6 + 0.1 * step,
-        "frac_reward_zero_std": 0.5 / step,
-        "step": step,
-    }
-    for step in (1, 2, 3)
-]
-
-
-def test_the_report_draws_the_reward_spread_beside_the_reward():
-    figure = build_report_figure(SPREAD_HISTORY)
-    by_title = {ax.get_title(): ax for ax in figure.axes if ax.get_title()}
-    reward, spread = by_title["reward"], by_title["reward spread: std inside each group"]
-    # Beside the reward: same row, the next column.
-    reward_box, spread_box = reward.get_position(), spread.get_position()
-    assert abs(reward_box.y0 - spread_box.y0) < 1e-6 and spread_box.x0 > reward_box.x1
-    (mean_line,) = [line for line in spread.get_lines() if line.get_label() == "group mean"]
-    assert list(mean_line.get_ydata()) == [entry["reward_std/group_mean"] for entry in SPREAD_HISTORY]
-    (band,) = [item for item in spread.collections if isinstance(item, PolyCollection)]
-    band_y = band.get_paths()[0].vertices[:, 1]
-    assert band_y.min() == min(entry["reward_std/group_min"] for entry in SPREAD_HISTORY)
-    assert band_y.max() == max(entry["reward_std/group_max"] for entry in SPREAD_HISTORY)
-    zero_lines = [line for ax in figure.axes for line in ax.get_lines() if "frac_reward_zero_std" in line.get_label()]
-    assert list(zero_lines[0].get_ydata()) == [entry["frac_reward_zero_std"] for entry in SPREAD_HISTORY]
-
-
-def test_the_report_says_which_panels_were_not_logged():
-    figure = build_report_figure([{"loss": 0.5, "reward": 1.0, "frac_reward_zero_std": 0.5, "step": 1}])
-    by_title = {ax.get_title(): ax for ax in figure.axes if ax.get_title()}
-    assert [text.get_text() for text in by_title["importance ratio r = pi / pi_old"].texts] == [
-        "not logged: ratio/p50, ratio/p05, ratio/p95"
-    ]
-    assert by_title["reward"].has_data() and not by_title["reward"].texts
-    # TRL's frac_reward_zero_std alone (a stock TRL run) is enough for the spread panel, drawn on its right axis.
-    assert not by_title["reward spread: std inside each group"].texts
-    assert [title for title, _ in missing_panels([{"loss": 0.5, "reward": 1.0, "step": 1}])][:2] == [
-        "reward spread: std inside each group",
-        "KL to the reference",
-    ]
-
-
-def test_the_report_shades_the_alarm_episodes_on_their_panel():
-    history = [
-        {"loss": 0.0, "completions/mean_length": 8.0, "completions/clipped_ratio": 1.0, "step": s} for s in (1, 2)
-    ]
-    figure = build_report_figure(history, episodes=assess(history).episodes)
-    by_title = {ax.get_title(): ax for ax in figure.axes if ax.get_title()}
-    (span,) = [
-        patch for patch in by_title["completion length (tokens)"].patches if patch.get_label() == "alarm truncation"
-    ]
-    assert span.get_x() == 0.5 and span.get_width() == 2.0  # steps 1-2, half a step wider on each side
-    assert not [patch for patch in by_title["entropy"].patches if "alarm" in patch.get_label()]
 
 
 def test_the_card_lists_the_alarms_raised_or_says_there_were_none():
@@ -379,12 +310,13 @@ def stock_and_ext_cards(tmp_path, tiny_model_path, tiny_tokenizer, prompt_datase
 
     texts = []
     for name, trainer_class in (("stock", GRPOTrainer), ("ext", GRPOTrainerExt)):
-        trainer = trainer_class(
-            model=tiny_model_path,
-            reward_funcs=count_a_reward,
-            args=GRPOConfig(**tiny_grpo_args(tmp_path / name)),
-            train_dataset=prompt_dataset,
-            processing_class=tiny_tokenizer,
+        trainer = make_trainer(
+            tmp_path / name,
+            tiny_model_path,
+            tiny_tokenizer,
+            prompt_dataset,
+            trainer_cls=trainer_class,
+            config_cls=GRPOConfig,
         )
         trainer.create_model_card(**card_kwargs)
         texts.append((tmp_path / name / "README.md").read_text())

@@ -2,29 +2,28 @@
 rounds are bounded, nothing changes where nothing is dropped, and a killed run resumes exactly."""
 
 import math
-import os
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import CONSTANT_PROMPTS, constant_reward, count_a_reward, half_constant_reward, tiny_grpo_args
-from peft import LoraConfig
-from transformers import TrainerCallback, set_seed
+from helpers import (
+    CONSTANT_PROMPTS,
+    constant_reward,
+    count_a_reward,
+    half_constant_reward,
+    make_trainer,
+    phase_results,
+    run_alone,
+    tiny_grpo_args,
+    tiny_lora,
+)
+from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-from trl_grpo_ext.sampling.plan import (
-    PromptStream,
-    fill_slots,
-    group_placement,
-    informative_groups,
-    trl_advantages,
-    trl_reward_metrics,
-)
 
 G = 4
+REUSED = {"num_iterations": 2, "gradient_accumulation_steps": 2, "beta": 0.0}  # generations reused, no KL term
 
 
 def length_reward(prompts, completions, **kwargs) -> list[float]:
@@ -49,20 +48,6 @@ class BatchRecorder:
             return output
 
         trainer._generate_and_score_completions = recorded
-
-
-def make_trainer(model_path, tokenizer, dataset, output_dir, *, rewards=None, lora=False, **options):
-    options = {"num_iterations": 2, "gradient_accumulation_steps": 2, "beta": 0.0, **options}
-    set_seed(0)
-    trainer = GRPOTrainerExt(
-        model=model_path,
-        reward_funcs=rewards or [half_constant_reward],
-        args=GRPOConfigExt(**tiny_grpo_args(output_dir, **options)),
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if lora else None,
-    )
-    return trainer, BatchRecorder(trainer)
 
 
 def generation_logs(trainer) -> list[dict]:
@@ -123,17 +108,18 @@ def test_every_group_that_trains_has_a_reward_spread_and_trl_s_advantages_for_th
     options = dict(options)
     lora = options.pop("lora", False)
     rewards = rewards or [half_constant_reward]
-    trainer, recorder = make_trainer(
+    trainer = make_trainer(
+        tmp_path,
         tiny_model_path,
         tiny_tokenizer,
         prompt_dataset,
-        tmp_path,
-        rewards=rewards,
-        lora=lora,
+        reward_funcs=rewards,
+        peft_config=tiny_lora() if lora else None,
         dynamic_sampling=True,
         dynamic_sampling_max_rounds=8,
-        **options,
+        **{**REUSED, **options},
     )
+    recorder = BatchRecorder(trainer)
     trainer.train()
     rows = trainer.args.generation_batch_size
     assert recorder.batches and all(batch["prompt_ids"].size(0) == rows for batch in recorder.batches)
@@ -161,15 +147,17 @@ def test_every_group_that_trains_has_a_reward_spread_and_trl_s_advantages_for_th
 def test_rounds_stop_at_the_limit_and_a_short_batch_keeps_its_zero_spread_groups(
     tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
-    trainer, recorder = make_trainer(
+    trainer = make_trainer(
+        tmp_path,
         tiny_model_path,
         tiny_tokenizer,
         prompt_dataset,
-        tmp_path,
-        rewards=[constant_reward],
+        reward_funcs=[constant_reward],
         dynamic_sampling=True,
         dynamic_sampling_max_rounds=2,
+        **REUSED,
     )
+    recorder = BatchRecorder(trainer)
     trainer.train()
     logs = generation_logs(trainer)
     assert len(logs) == 2  # 4 steps, num_iterations=2
@@ -185,25 +173,27 @@ def test_rounds_stop_at_the_limit_and_a_short_batch_keeps_its_zero_spread_groups
 
 
 def test_where_no_group_is_dropped_the_run_is_stock_trl_s(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
-    options = tiny_grpo_args(tmp_path / "s", num_iterations=2, gradient_accumulation_steps=2, beta=0.0)
-    set_seed(0)
-    stock = GRPOTrainer(
-        model=tiny_model_path,
-        reward_funcs=count_a_reward,
-        args=GRPOConfig(**options),
-        train_dataset=prompt_dataset,
-        processing_class=tiny_tokenizer,
-    )
-    stock.train()
-    trainer, _ = make_trainer(
+    stock = make_trainer(
+        tmp_path / "s",
         tiny_model_path,
         tiny_tokenizer,
         prompt_dataset,
+        trainer_cls=GRPOTrainer,
+        config_cls=GRPOConfig,
+        reward_funcs=count_a_reward,
+        **REUSED,
+    )
+    stock.train()
+    trainer = make_trainer(
         tmp_path / "o",
-        rewards=[count_a_reward],
+        tiny_model_path,
+        tiny_tokenizer,
+        prompt_dataset,
+        reward_funcs=[count_a_reward],
         loss_type="dapo",  # TRL's defaults where GRPOConfigExt's differ
         use_bias_correction_kl=True,
         dynamic_sampling=True,
+        **REUSED,
     )
     trainer.train()
     expected = [entry for entry in stock.state.log_history if "loss" in entry]
@@ -217,9 +207,17 @@ def test_where_no_group_is_dropped_the_run_is_stock_trl_s(tiny_model_path, tiny_
 
 
 def test_the_completions_table_holds_the_rows_that_train(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
-    trainer, recorder = make_trainer(
-        tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, dynamic_sampling=True, max_steps=1
+    trainer = make_trainer(
+        tmp_path,
+        tiny_model_path,
+        tiny_tokenizer,
+        prompt_dataset,
+        reward_funcs=[half_constant_reward],
+        dynamic_sampling=True,
+        max_steps=1,
+        **REUSED,
     )
+    recorder = BatchRecorder(trainer)
     trainer.train()
     batch = recorder.batches[-1]
     assert list(trainer._logs["prompt"]) == tiny_tokenizer.batch_decode(batch["prompt_ids"], skip_special_tokens=True)
@@ -254,107 +252,6 @@ def test_an_iterable_dataset_or_no_extra_round_is_refused(tiny_model_path, tiny_
         )
 
 
-def unscored_on_odd_lengths(completions, **kwargs):
-    return [
-        None if len(completion) % 2 else completion.count("b") + 0.2 * len(completion) for completion in completions
-    ]
-
-
-@pytest.mark.parametrize(
-    ("scale_rewards", "aggregation"),
-    [
-        ("group", "sum_then_normalize"),
-        ("batch", "sum_then_normalize"),
-        ("none", "sum_then_normalize"),
-        ("group", "normalize_then_sum"),
-    ],
-)
-def test_advantages_and_reward_metrics_of_a_batch_are_trl_s(
-    scale_rewards, aggregation, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
-):
-    """The copy of TRL's inline advantage block gives TRL's own advantages and reward metrics, bit for bit, also with
-    rows that a reward function did not score and groups without spread."""
-    set_seed(0)
-    trainer = GRPOTrainer(
-        model=tiny_model_path,
-        reward_funcs=[half_constant_reward, unscored_on_odd_lengths],
-        args=GRPOConfig(
-            **tiny_grpo_args(tmp_path, scale_rewards=scale_rewards, multi_objective_aggregation=aggregation)
-        ),
-        train_dataset=prompt_dataset,
-        processing_class=tiny_tokenizer,
-    )
-    captured = []
-    original = trainer._calculate_rewards
-
-    def capture(*args, **kwargs):
-        captured.append(original(*args, **kwargs))
-        return captured[-1]
-
-    trainer._calculate_rewards = capture
-    trainer.model.train()
-    batch = next(iter(trainer.get_train_dataloader()))
-    output = trainer._generate_and_score_completions(batch)
-    rewards_per_func = captured[0]
-    assert torch.isnan(rewards_per_func[:, 1]).any() and not torch.isnan(rewards_per_func[:, 1]).all()
-    advantages, is_std_zero, _ = trl_advantages(
-        rewards_per_func, trainer.reward_weights, trainer.num_generations, scale_rewards, aggregation
-    )
-    assert torch.equal(advantages, output["advantages"])
-    metrics = trl_reward_metrics(rewards_per_func, trainer.reward_weights, trainer.reward_func_names, is_std_zero)
-    assert set(metrics) <= set(trainer._metrics["train"])
-    for name, value in metrics.items():
-        logged = trainer._metrics["train"][name][-1]
-        assert value == logged or (math.isnan(value) and math.isnan(logged)), name
-
-
-def test_informative_groups_are_those_with_a_defined_nonzero_spread():
-    nan = math.nan
-    rewards = torch.tensor(
-        [1.0, 1.0, 1.0, 1.0]  # no spread
-        + [0.0, 1.0, 0.0, 0.0]  # spread
-        + [nan, nan, nan, nan]  # nothing scored
-        + [nan, 2.0, nan, nan]  # one scored: no spread defined
-        + [nan, 2.0, 3.0, nan]  # two scored, different
-    )
-    assert informative_groups(rewards, 4).tolist() == [False, True, False, False, True]
-
-
-def test_groups_take_only_places_with_the_same_placement():
-    # 2 processes of 6 rows, groups of 4: group 1 spans both processes.
-    placements = group_placement(3, 4, 6)
-    assert placements == [((0, 4),), ((0, 2), (1, 2)), ((1, 4),)]
-    informative = [
-        torch.tensor([False, False, True]),
-        torch.tensor([True, False, True]),
-        torch.tensor([False, True, True]),
-    ]
-    assignment, short = fill_slots(informative, placements)
-    assert assignment == [(1, 0), (2, 1), (0, 2)]
-    assert short == 0
-    assignment, short = fill_slots(informative[:2], placements)
-    assert assignment == [(1, 0), (0, 1), (0, 2)] and short == 1  # group 1 kept: nothing else fits its place
-    # One process, groups of 4 over 8 rows: any informative group fills any place, in order.
-    placements = group_placement(2, 4, 8)
-    assignment, short = fill_slots([torch.tensor([False, False]), torch.tensor([False, True])], placements)
-    assert assignment == [(1, 1), (0, 1)] and short == 1
-
-
-def test_the_prompt_stream_is_seeded_resumable_and_continues_over_epochs():
-    stream = PromptStream(5, seed=3)
-    first = stream.draw(3)
-    state = stream.state_dict()
-    rest = stream.draw(7)
-    assert sorted(first + rest[:2]) == list(range(5))  # one permutation, then the next
-    assert sorted(rest[2:]) == list(range(5))
-    again = PromptStream(5, seed=3)
-    again.load_state_dict(state)
-    assert again.draw(7) == rest
-    assert PromptStream(5, seed=4).draw(5) != PromptStream(5, seed=3).draw(5)
-    assert PromptStream(4, seed=0, shuffle=False).draw(6) == [0, 1, 2, 3, 0, 1]
-
-
-CRASH_RUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_run.py")
 COMPARED = (
     "loss",
     "grad_norm",
@@ -368,11 +265,8 @@ COMPARED = (
 
 @pytest.mark.slow
 def test_a_killed_run_with_dynamic_sampling_resumes_to_the_logs_of_the_uninterrupted_run(tiny_model_path, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
-
-    def run(output_dir, *extra):
-        command = [sys.executable, CRASH_RUN, str(output_dir), tiny_model_path, "--dynamic_sampling", *extra]
-        return subprocess.run(command, capture_output=True, text=True, env=env)
+    def run(output_dir, *extra):  # tests/launched.py's crash and resume run, in <output_dir>/checkpointed
+        return run_alone(output_dir, tiny_model_path, ["checkpointed"], "--dynamic_sampling", *extra)
 
     reference = run(tmp_path / "reference", "--save_steps", "100")
     assert reference.returncode == 0, reference.stderr[-3000:]
@@ -382,11 +276,9 @@ def test_a_killed_run_with_dynamic_sampling_resumes_to_the_logs_of_the_uninterru
     resumed = run(tmp_path / "run", "--save_steps", "3", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
-    import json
-
     def logs(output_dir):
-        with open(output_dir / "log_history.json") as handle:
-            return {entry["step"]: entry for entry in json.load(handle) if "loss" in entry}
+        (saved,) = phase_results(output_dir, "checkpointed", num_processes=1)
+        return {entry["step"]: entry for entry in saved["log_history"] if "loss" in entry}
 
     expected, got = logs(tmp_path / "reference"), logs(tmp_path / "run")
     assert any(entry.get("dynamic_sampling/rounds", 0) > 0 for step, entry in expected.items() if step > 3)
@@ -417,16 +309,18 @@ def test_the_checkpoint_of_a_non_finite_stop_holds_the_prompt_stream_of_the_step
             if state.global_step == 2:
                 drawn["start"] = trainer._dynamic_sampler.stream.state_dict()
 
-    set_seed(0)
-    trainer = NanAtStep3(
-        model=tiny_model_path,
+    trainer = make_trainer(
+        tmp_path,
+        tiny_model_path,
+        tiny_tokenizer,
+        prompt_dataset,
+        trainer_cls=NanAtStep3,
         reward_funcs=half_constant_reward,
-        args=GRPOConfigExt(
-            **tiny_grpo_args(tmp_path, num_iterations=2, beta=0.0, dynamic_sampling=True, nonfinite_policy="stop")
-        ),
-        train_dataset=prompt_dataset,
-        processing_class=tiny_tokenizer,
         callbacks=[AtStepStart()],
+        num_iterations=2,
+        beta=0.0,
+        dynamic_sampling=True,
+        nonfinite_policy="stop",
     )
     with pytest.raises(NonFiniteTrainingError, match="checkpoint-2"):
         trainer.train()
@@ -443,15 +337,16 @@ def test_dynamic_sampling_logs_the_length_reward_correlation_of_the_batch_that_t
     tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
     """The alarm `length_in_group` reads it: the assembled batch's spread comes with its completion lengths."""
-    trainer, _ = make_trainer(
+    trainer = make_trainer(
+        tmp_path,
         tiny_model_path,
         tiny_tokenizer,
         prompt_dataset,
-        tmp_path,
-        rewards=[completion_length_reward],
+        reward_funcs=[completion_length_reward],
         dynamic_sampling=True,
         max_completion_length=12,
         temperature=1.5,
+        **REUSED,
     )
     trainer.train()
     logs = generation_logs(trainer)

@@ -1,4 +1,5 @@
-"""Guardrails: non-finite updates never reach the weights, anomaly warnings, failing reward functions, bad input."""
+"""Guardrails: non-finite updates never reach the weights, anomaly warnings, bad input (failing reward functions:
+`test_guardrails_reward_errors.py`)."""
 
 import copy
 import math
@@ -7,7 +8,7 @@ import os
 import pytest
 import torch
 from datasets import Dataset
-from helpers import count_a_reward, tiny_grpo_args
+from helpers import WeightRecorder, count_a_reward, make_trainer, tiny_grpo_args
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 from trl import GRPOConfig
@@ -17,25 +18,8 @@ from trl_grpo_ext.guardrails import (
     AnomalyMonitor,
     NonFiniteGuard,
     NonFiniteTrainingError,
-    RewardFunctionError,
     StepVerdict,
 )
-
-
-class WeightRecorder(TrainerCallback):
-    """Keeps a copy of the trainable weights after every optimizer step (index 0: before training)."""
-
-    def __init__(self):
-        self.snapshots = []
-
-    def snapshot(self, model):
-        self.snapshots.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.snapshot(model)
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        self.snapshot(model)
 
 
 def nan_loss_trainer(nan_steps):
@@ -49,26 +33,21 @@ def nan_loss_trainer(nan_steps):
     return NanLossTrainer
 
 
-def build(trainer_class, tmp_path, tiny_model_path, tiny_tokenizer, dataset, reward=count_a_reward, **config):
-    recorder = WeightRecorder()
-    trainer = trainer_class(
-        model=tiny_model_path,
-        reward_funcs=reward,
-        args=GRPOConfigExt(**tiny_grpo_args(tmp_path, **config)),
-        train_dataset=dataset,
-        processing_class=tiny_tokenizer,
-        callbacks=[recorder],
-    )
-    return trainer, recorder
-
-
 def same(a, b):
     return all(torch.equal(a[name], b[name]) for name in a)
 
 
 class TestNonFiniteUpdates:
     def test_a_nan_loss_step_is_skipped_and_counted(self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
-        trainer, recorder = build(nan_loss_trainer({2}), tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset)
+        recorder = WeightRecorder()
+        trainer = make_trainer(
+            tmp_path,
+            tiny_model_path,
+            tiny_tokenizer,
+            prompt_dataset,
+            trainer_cls=nan_loss_trainer({2}),
+            callbacks=[recorder],
+        )
         trainer.train()
         before, step1, step2, step3 = recorder.snapshots[:4]
         assert not same(before, step1)
@@ -82,8 +61,15 @@ class TestNonFiniteUpdates:
     def test_stop_policy_checkpoints_the_last_good_state(
         self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
     ):
-        trainer, recorder = build(
-            nan_loss_trainer({3}), tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, nonfinite_policy="stop"
+        recorder = WeightRecorder()
+        trainer = make_trainer(
+            tmp_path,
+            tiny_model_path,
+            tiny_tokenizer,
+            prompt_dataset,
+            trainer_cls=nan_loss_trainer({3}),
+            callbacks=[recorder],
+            nonfinite_policy="stop",
         )
         with pytest.raises(NonFiniteTrainingError, match="Step 3: the gradient norm is nan.*checkpoint-2"):
             trainer.train()
@@ -95,12 +81,14 @@ class TestNonFiniteUpdates:
         assert os.path.isfile(os.path.join(tmp_path, "checkpoint-2", "optimizer.pt"))
 
     def test_too_many_skips_in_a_row_stop_training(self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
-        trainer, recorder = build(
-            nan_loss_trainer({2, 3, 4}),
+        recorder = WeightRecorder()
+        trainer = make_trainer(
             tmp_path,
             tiny_model_path,
             tiny_tokenizer,
             prompt_dataset,
+            trainer_cls=nan_loss_trainer({2, 3, 4}),
+            callbacks=[recorder],
             max_nonfinite_skips=2,
         )
         with pytest.raises(NonFiniteTrainingError, match="3 steps in a row"):
@@ -108,8 +96,15 @@ class TestNonFiniteUpdates:
         assert same(recorder.snapshots[1], recorder.snapshots[-1])
 
     def test_off_lets_nan_reach_the_weights(self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
-        trainer, recorder = build(
-            nan_loss_trainer({2}), tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, nonfinite_policy="off"
+        recorder = WeightRecorder()
+        trainer = make_trainer(
+            tmp_path,
+            tiny_model_path,
+            tiny_tokenizer,
+            prompt_dataset,
+            trainer_cls=nan_loss_trainer({2}),
+            callbacks=[recorder],
+            nonfinite_policy="off",
         )
         with pytest.raises(RuntimeError, match="probability tensor contains"):
             trainer.train()  # the NaN weights then break sampling: what the guard prevents
@@ -192,12 +187,12 @@ class TestNonFiniteStepsAndTrainingState:
     def test_a_skipped_step_does_not_advance_the_scheduler(
         self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
     ):
-        trainer, _ = build(
-            nan_loss_trainer({2}),
+        trainer = make_trainer(
             tmp_path,
             tiny_model_path,
             tiny_tokenizer,
             prompt_dataset,
+            trainer_cls=nan_loss_trainer({2}),
             lr_scheduler_type="linear",
         )
         recorder = SchedulerRecorder()
@@ -210,12 +205,12 @@ class TestNonFiniteStepsAndTrainingState:
     def test_stop_never_rewrites_an_existing_checkpoint(
         self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
     ):
-        trainer, _ = build(
-            nan_loss_trainer({3}),
+        trainer = make_trainer(
             tmp_path,
             tiny_model_path,
             tiny_tokenizer,
             prompt_dataset,
+            trainer_cls=nan_loss_trainer({3}),
             nonfinite_policy="stop",
             save_strategy="steps",
             save_steps=1,
@@ -235,22 +230,20 @@ class TestNonFiniteStepsAndTrainingState:
         self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
     ):
         config = dict(num_iterations=2, max_steps=4)  # step 2 reuses the completions generated at step 1
-        reference, _ = build(
-            GRPOTrainerExt, tmp_path / "ref", tiny_model_path, tiny_tokenizer, prompt_dataset, **config
-        )
+        reference = make_trainer(tmp_path / "ref", tiny_model_path, tiny_tokenizer, prompt_dataset, **config)
         reference.train()
-        stopped, _ = build(
-            nan_loss_trainer({2}),
+        stopped = make_trainer(
             tmp_path / "run",
             tiny_model_path,
             tiny_tokenizer,
             prompt_dataset,
+            trainer_cls=nan_loss_trainer({2}),
             nonfinite_policy="stop",
             **config,
         )
         with pytest.raises(NonFiniteTrainingError, match="Step 2: .*last good state is in .*checkpoint-1"):
             stopped.train()
-        resumed, _ = build(GRPOTrainerExt, tmp_path / "run", tiny_model_path, tiny_tokenizer, prompt_dataset, **config)
+        resumed = make_trainer(tmp_path / "run", tiny_model_path, tiny_tokenizer, prompt_dataset, **config)
         resumed.train(resume_from_checkpoint=os.path.join(tmp_path, "run", "checkpoint-1"))
 
         def logs(trainer):
@@ -268,22 +261,20 @@ class TestNonFiniteStepsAndTrainingState:
         # The epoch's data-loader iterator draws from the generators before the step begins; a run resumed at the
         # start of an epoch restores them before creating it, so the checkpoint must hold the epoch-begin state.
         config = dict(num_iterations=2, max_steps=3)
-        reference, _ = build(
-            GRPOTrainerExt, tmp_path / "ref", tiny_model_path, tiny_tokenizer, prompt_dataset, **config
-        )
+        reference = make_trainer(tmp_path / "ref", tiny_model_path, tiny_tokenizer, prompt_dataset, **config)
         reference.train()
-        stopped, _ = build(
-            nan_loss_trainer({1}),
+        stopped = make_trainer(
             tmp_path / "run",
             tiny_model_path,
             tiny_tokenizer,
             prompt_dataset,
+            trainer_cls=nan_loss_trainer({1}),
             nonfinite_policy="stop",
             **config,
         )
         with pytest.raises(NonFiniteTrainingError, match="Step 1: .*last good state is in .*checkpoint-0"):
             stopped.train()
-        resumed, _ = build(GRPOTrainerExt, tmp_path / "run", tiny_model_path, tiny_tokenizer, prompt_dataset, **config)
+        resumed = make_trainer(tmp_path / "run", tiny_model_path, tiny_tokenizer, prompt_dataset, **config)
         resumed.train(resume_from_checkpoint=os.path.join(tmp_path, "run", "checkpoint-0"))
         expected = [entry for entry in reference.state.log_history if "loss" in entry]
         got = [entry for entry in resumed.state.log_history if "loss" in entry]
@@ -295,15 +286,25 @@ class TestNonFiniteStepsAndTrainingState:
 
     def test_the_guard_s_counters_survive_a_resume(self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
         config = dict(max_steps=4, save_strategy="steps", save_steps=3)
-        uninterrupted, _ = build(
-            nan_loss_trainer({2}), tmp_path / "ref", tiny_model_path, tiny_tokenizer, prompt_dataset, **config
+        uninterrupted = make_trainer(
+            tmp_path / "ref",
+            tiny_model_path,
+            tiny_tokenizer,
+            prompt_dataset,
+            trainer_cls=nan_loss_trainer({2}),
+            **config,
         )
         uninterrupted.train()
-        first, _ = build(
-            nan_loss_trainer({2}), tmp_path / "run", tiny_model_path, tiny_tokenizer, prompt_dataset, **config
+        first = make_trainer(
+            tmp_path / "run",
+            tiny_model_path,
+            tiny_tokenizer,
+            prompt_dataset,
+            trainer_cls=nan_loss_trainer({2}),
+            **config,
         )
         first.train()
-        resumed, _ = build(GRPOTrainerExt, tmp_path / "run", tiny_model_path, tiny_tokenizer, prompt_dataset, **config)
+        resumed = make_trainer(tmp_path / "run", tiny_model_path, tiny_tokenizer, prompt_dataset, **config)
         resumed.train(resume_from_checkpoint=os.path.join(tmp_path, "run", "checkpoint-3"))
         skipped = [entry["nonfinite/skipped_steps"] for entry in uninterrupted.state.log_history if "loss" in entry]
         assert skipped == [0, 1, 1, 1]
@@ -312,12 +313,12 @@ class TestNonFiniteStepsAndTrainingState:
         assert resumed._nonfinite_guard.state_dict() == uninterrupted._nonfinite_guard.state_dict()
 
 
-def scaled_trainer(trainer_class, *args, **kwargs):
-    """A trainer whose accelerator has a gradient scaler, as fp16 on a GPU has (here on the CPU)."""
-    trainer, recorder = build(trainer_class, *args, fp16=True, **kwargs)
+def with_a_loss_scaler(trainer):
+    """The trainer (built with fp16=True), its accelerator given a gradient scaler, as fp16 on a GPU has (here on the
+    CPU)."""
     trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     trainer.accelerator.native_amp = True  # so that gradients are unscaled before their norm is taken, as on a GPU
-    return trainer, recorder
+    return trainer
 
 
 def overflowing_trainer(steps):
@@ -336,13 +337,18 @@ class TestNonFiniteStepsWithALossScaler:
     def test_a_loss_scale_overflow_is_left_to_the_scaler(
         self, policy, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
     ):
-        trainer, recorder = scaled_trainer(
-            overflowing_trainer({2}),
-            tmp_path,
-            tiny_model_path,
-            tiny_tokenizer,
-            prompt_dataset,
-            nonfinite_policy=policy,
+        recorder = WeightRecorder()
+        trainer = with_a_loss_scaler(
+            make_trainer(
+                tmp_path,
+                tiny_model_path,
+                tiny_tokenizer,
+                prompt_dataset,
+                trainer_cls=overflowing_trainer({2}),
+                callbacks=[recorder],
+                fp16=True,
+                nonfinite_policy=policy,
+            )
         )
         trainer.train()  # no NonFiniteTrainingError, even with "stop"
         assert same(recorder.snapshots[1], recorder.snapshots[2])  # the scaler skipped the update
@@ -353,8 +359,17 @@ class TestNonFiniteStepsWithALossScaler:
     def test_a_nan_loss_under_a_scaler_is_a_skipped_step(
         self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
     ):
-        trainer, recorder = scaled_trainer(
-            nan_loss_trainer({2}), tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset
+        recorder = WeightRecorder()
+        trainer = with_a_loss_scaler(
+            make_trainer(
+                tmp_path,
+                tiny_model_path,
+                tiny_tokenizer,
+                prompt_dataset,
+                trainer_cls=nan_loss_trainer({2}),
+                callbacks=[recorder],
+                fp16=True,
+            )
         )
         trainer.train()
         assert same(recorder.snapshots[1], recorder.snapshots[2])
@@ -388,9 +403,7 @@ class TestAnomalyWarnings:
         def constant_reward(completions, **kwargs):
             return [1.0] * len(completions)
 
-        trainer, _ = build(
-            GRPOTrainerExt, tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, reward=constant_reward
-        )
+        trainer = make_trainer(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, reward_funcs=constant_reward)
         trainer.train()
         (monitor,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, AnomalyMonitor)]
         zero_std = [warning for warning in monitor.warnings if "groups whose rewards are all equal" in warning]
@@ -398,69 +411,8 @@ class TestAnomalyWarnings:
         assert len(zero_std) == 1 and len(no_spread) == 1  # each once, over 4 log steps without spread
 
     def test_monitor_can_be_switched_off(self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
-        trainer, _ = build(
-            GRPOTrainerExt, tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, warn_on_anomalies=False
-        )
+        trainer = make_trainer(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, warn_on_anomalies=False)
         assert not [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, AnomalyMonitor)]
-
-
-class TestRewardFunctions:
-    def test_an_exception_names_the_function_and_the_completion(
-        self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
-    ):
-        def picky_reward(prompts, completions, trainer_state, **kwargs):
-            if trainer_state.global_step == 1 and "xyz=" in prompts:
-                raise ZeroDivisionError("cannot score xyz")
-            return [float(len(c)) for c in completions]
-
-        trainer, recorder = build(
-            GRPOTrainerExt,
-            tmp_path,
-            tiny_model_path,
-            tiny_tokenizer,
-            prompt_dataset,
-            reward=picky_reward,
-            save_strategy="steps",
-            save_steps=1,
-        )
-        with pytest.raises(RewardFunctionError) as error:
-            trainer.train()
-        message = str(error.value)
-        assert "Reward function 'picky_reward' raised ZeroDivisionError: cannot score xyz" in message
-        index = int(message.split("on completion ")[1].split(" ")[0])
-        assert "prompt 'xyz='" in message and index >= 0
-        # The failure came before the step's update: the weights are those of the last checkpoint.
-        assert len(recorder.snapshots) == 2
-        saved = load_file(os.path.join(tmp_path, "checkpoint-1", "model.safetensors"))
-        assert all(torch.equal(saved[n], t) for n, t in recorder.snapshots[1].items() if n in saved)
-
-    def test_none_rewards_are_left_out_and_counted(self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
-        seen = []
-
-        def partial_reward(completions, **kwargs):
-            # The first completion of every group of 4 cannot be scored.
-            return [None if i % 4 == 0 else float(c.count("a")) + 0.1 * len(c) for i, c in enumerate(completions)]
-
-        class Recording(GRPOTrainerExt):
-            def _compute_loss(self, model, inputs):
-                seen.append(inputs["advantages"])
-                return super()._compute_loss(model, inputs)
-
-        trainer, _ = build(
-            Recording,
-            tmp_path,
-            tiny_model_path,
-            tiny_tokenizer,
-            prompt_dataset,
-            reward=partial_reward,
-            per_device_train_batch_size=16,
-        )
-        trainer.train()
-        logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-        assert all(math.isfinite(entry["loss"]) and math.isfinite(entry["reward"]) for entry in logs)
-        assert {entry["frac_reward_unscored"] for entry in logs} == {0.25}
-        # Unscored rows carry advantage 0 (TRL shuffles the rows before the loss, so count them).
-        assert all((advantages == 0).sum() >= 4 for advantages in seen)
 
 
 class TestBadInput:

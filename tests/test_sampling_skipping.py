@@ -10,9 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
-from helpers import constant_reward, half_constant_reward, tiny_grpo_args
-from peft import LoraConfig
-from transformers import set_seed
+from helpers import constant_reward, half_constant_reward, tiny_grpo_args, tiny_lora, train_logs
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
@@ -33,38 +31,22 @@ SAME = (
     "clip_ratio/region_mean",
     "loss/policy",
 )
+# Generations reused, no KL term (skipping would change its gradient), half of the groups without spread.
+REUSED = {"num_iterations": 2, "gradient_accumulation_steps": 2, "beta": 0.0, "reward_funcs": half_constant_reward}
 
 
-class ForwardRowCounter:
-    """Counts the rows of every forward with gradient (the training forward; generation scores without one)."""
+class RowCounting(GRPOTrainerExt):
+    """Counts the rows of every forward with gradient in `forward_rows` (the training forward; generation scores
+    without one)."""
 
-    def __init__(self, trainer):
-        self.rows = []
-        original = trainer._get_per_token_logps_and_entropies
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.forward_rows = []
 
-        def counted(model, input_ids, *args, **kwargs):
-            if torch.is_grad_enabled():
-                self.rows.append(input_ids.size(0))
-            return original(model, input_ids, *args, **kwargs)
-
-        trainer._get_per_token_logps_and_entropies = counted
-
-
-def run(trainer_cls, model_path, tokenizer, dataset, output_dir, *, config_cls=GRPOConfig, lora=False, **options):
-    options = {"num_iterations": 2, "gradient_accumulation_steps": 2, "beta": 0.0, **options}
-    reward = options.pop("reward", half_constant_reward)
-    set_seed(0)
-    trainer = trainer_cls(
-        model=model_path,
-        reward_funcs=reward,
-        args=config_cls(**tiny_grpo_args(output_dir, **options)),
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if lora else None,
-    )
-    counter = ForwardRowCounter(trainer)
-    trainer.train()
-    return [entry for entry in trainer.state.log_history if "loss" in entry], trainer, counter
+    def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):
+        if torch.is_grad_enabled():
+            self.forward_rows.append(input_ids.size(0))
+        return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
 
 
 def assert_same(expected_logs, got_logs, keys=SAME):
@@ -93,17 +75,16 @@ CASES = {
 def test_skipping_logs_the_loss_and_grad_norm_of_the_run_without_it_and_of_stock_trl(
     name, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
-    options = CASES[name]
-    stock, _, _ = run(GRPOTrainer, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "s", **options)
-    whole, _, whole_rows = run(
-        GRPOTrainerExt, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "w", **options
+    options = {**REUSED, **CASES[name]}
+    tiny_run = (tiny_model_path, tiny_tokenizer, prompt_dataset)
+    stock, _ = train_logs(tmp_path / "s", *tiny_run, trainer_cls=GRPOTrainer, config_cls=GRPOConfig, **options)
+    whole, whole_trainer = train_logs(
+        tmp_path / "w", *tiny_run, trainer_cls=RowCounting, config_cls=GRPOConfig, **options
     )
-    skipped, trainer, skipped_rows = run(
-        GRPOTrainerExt,
-        tiny_model_path,
-        tiny_tokenizer,
-        prompt_dataset,
+    skipped, trainer = train_logs(
         tmp_path / "k",
+        *tiny_run,
+        trainer_cls=RowCounting,
         config_cls=GRPOConfigExt,
         skip_zero_advantage_rows=True,
         **options,
@@ -112,7 +93,7 @@ def test_skipping_logs_the_loss_and_grad_norm_of_the_run_without_it_and_of_stock
     assert_same(stock, skipped)
     assert_same(whole, skipped)
     # Half of the groups have no spread: about half the rows never reached the training forward.
-    assert sum(skipped_rows.rows) < 0.75 * sum(whole_rows.rows)
+    assert sum(trainer.forward_rows) < 0.75 * sum(whole_trainer.forward_rows)
     assert all(0.0 < entry["skipped_rows/fraction"] < 1.0 for entry in skipped)
 
 
@@ -120,18 +101,17 @@ def test_skipping_logs_the_loss_and_grad_norm_of_the_run_without_it_and_of_stock
 def test_skipping_a_lora_adapter_logs_the_loss_and_grad_norm_of_the_run_without_it(
     loss_type, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
-    options = {"loss_type": loss_type, "learning_rate": 5e-2}
-    whole, _, _ = run(
-        GRPOTrainerExt, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "w", lora=True, **options
+    options = {**REUSED, "loss_type": loss_type, "learning_rate": 5e-2}
+    tiny_run = (tiny_model_path, tiny_tokenizer, prompt_dataset)
+    whole, _ = train_logs(
+        tmp_path / "w", *tiny_run, trainer_cls=RowCounting, config_cls=GRPOConfig, peft_config=tiny_lora(), **options
     )
-    skipped, _, rows = run(
-        GRPOTrainerExt,
-        tiny_model_path,
-        tiny_tokenizer,
-        prompt_dataset,
+    skipped, _ = train_logs(
         tmp_path / "k",
-        lora=True,
+        *tiny_run,
+        trainer_cls=RowCounting,
         config_cls=GRPOConfigExt,
+        peft_config=tiny_lora(),
         skip_zero_advantage_rows=True,
         **options,
     )
@@ -152,18 +132,19 @@ def test_the_training_forward_sees_only_the_rows_with_a_nonzero_advantage(
         return selected, selection
 
     with mock.patch.object(ZeroAdvantageRowSkipping, "select", recording_select):
-        logs, _, counter = run(
-            GRPOTrainerExt,
+        logs, trainer = train_logs(
+            tmp_path,
             tiny_model_path,
             tiny_tokenizer,
             prompt_dataset,
-            tmp_path,
+            trainer_cls=RowCounting,
             config_cls=GRPOConfigExt,
             loss_type="dapo",
             skip_zero_advantage_rows=True,
+            **REUSED,
         )
-    assert len(counter.rows) == len(seen) == 8  # 4 steps of 2 micro-batches of 4 rows
-    assert counter.rows == [max(trainable, 1) for trainable in seen]
+    assert len(trainer.forward_rows) == len(seen) == 8  # 4 steps of 2 micro-batches of 4 rows
+    assert trainer.forward_rows == [max(trainable, 1) for trainable in seen]
     for step, entry in enumerate(logs):
         window = seen[2 * step : 2 * step + 2]
         assert entry["skipped_rows/fraction"] == pytest.approx(sum(4 - kept for kept in window) / 8)
@@ -172,18 +153,18 @@ def test_the_training_forward_sees_only_the_rows_with_a_nonzero_advantage(
 def test_a_micro_batch_whose_rows_all_skip_trains_one_row_to_an_exact_zero_loss(
     tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
-    logs, trainer, counter = run(
-        GRPOTrainerExt,
+    logs, trainer = train_logs(
+        tmp_path,
         tiny_model_path,
         tiny_tokenizer,
         prompt_dataset,
-        tmp_path,
+        trainer_cls=RowCounting,
         config_cls=GRPOConfigExt,
         loss_type="grpo",
         skip_zero_advantage_rows=True,
-        reward=constant_reward,
+        **{**REUSED, "reward_funcs": constant_reward},
     )
-    assert counter.rows == [1] * 8  # one carrier row per micro-batch keeps the backward going
+    assert trainer.forward_rows == [1] * 8  # one carrier row per micro-batch keeps the backward going
     for entry in logs:
         assert entry["loss"] == 0.0 and entry["grad_norm"] == 0.0
         assert entry["skipped_rows/fraction"] == 1.0
@@ -286,15 +267,15 @@ def test_a_log_step_whose_rows_all_skip_logs_no_entropy_rather_than_0(
 ):
     """TRL's `entropy` is a mean over micro-batches: one that only carried the graph must not add a 0 to it (which
     halved the logged entropy with gradient accumulation 2, and raised a false entropy collapse)."""
-    logs, _, _ = run(
-        GRPOTrainerExt,
+    logs, _ = train_logs(
+        tmp_path,
         tiny_model_path,
         tiny_tokenizer,
         prompt_dataset,
-        tmp_path,
+        trainer_cls=RowCounting,
         config_cls=GRPOConfigExt,
         skip_zero_advantage_rows=True,
-        reward=constant_reward,
+        **{**REUSED, "reward_funcs": constant_reward},
     )
     assert all(entry["skipped_rows/fraction"] == 1.0 for entry in logs)
     assert not any("entropy" in entry or "alarms/entropy_collapse" in entry for entry in logs)

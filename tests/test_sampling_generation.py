@@ -1,19 +1,15 @@
-"""Held-out evaluation samples exactly as `trl.GRPOTrainer` does during training."""
+"""Held-out evaluation samples exactly as `trl.GRPOTrainer` does during training (`trl_grpo_ext.sampling.generation`);
+the recipe's held-out scores (`trl_grpo_ext.recipes.evaluation.sampled_reward_means`) average over those samples."""
 
 import pytest
 from datasets import Dataset
-from helpers import count_a_reward, tiny_grpo_args
+from helpers import count_a_reward, make_trainer, tiny_grpo_args
 from tokenizers.processors import TemplateProcessing
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-from trl_grpo_ext.recipes.evaluation import (
-    SamplingSettings,
-    eos_token_ids,
-    generate_completions,
-    sampled_reward_means,
-    tokenize_prompts,
-)
+from trl_grpo_ext.recipes.evaluation import sampled_reward_means
+from trl_grpo_ext.sampling.generation import SamplingSettings, eos_token_ids, generate_completions, tokenize_prompts
 from trl_grpo_ext.testing import build_char_tokenizer, build_tiny_model
 
 # Renders the messages, then "!" when the template variable `shout` is set, then "=" as the generation prompt.
@@ -40,22 +36,15 @@ def bos_model_path(tmp_path_factory) -> str:
     return path
 
 
-def make_trainer(model_path, output_dir, prompts, **config):
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path)
-    args = GRPOConfigExt(**tiny_grpo_args(output_dir, **config))
-    return GRPOTrainerExt(
-        model=model,
-        reward_funcs=count_a_reward,
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": prompts * 4}),
-        processing_class=tokenizer,
-    )
-
-
 @pytest.mark.parametrize("prompts", [PLAIN, CHAT], ids=["plain", "conversational"])
 def test_prompts_reach_generate_as_trl_tokenises_them(prompts, bos_model_path, tmp_path):
-    trainer = make_trainer(bos_model_path, tmp_path, prompts, chat_template_kwargs={"shout": True})
+    trainer = make_trainer(
+        tmp_path,
+        AutoModelForCausalLM.from_pretrained(bos_model_path),
+        AutoTokenizer.from_pretrained(bos_model_path),
+        Dataset.from_dict({"prompt": prompts * 4}),
+        chat_template_kwargs={"shout": True},
+    )
     tokenizer, model = trainer.processing_class, trainer.model
     expected = trainer._tokenize_prompts(prompts)[0]  # what training feeds `generate`
     if prompts is PLAIN:

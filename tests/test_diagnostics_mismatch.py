@@ -5,8 +5,7 @@ import math
 
 import pytest
 import torch
-from helpers import count_a_reward, tiny_grpo_args
-from test_variants import SamplerStandIn, assert_same_logs, train_logs
+from helpers import assert_same_logs, count_a_reward, tiny_grpo_args, train_logs, use_sampler_stand_in
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
@@ -19,13 +18,13 @@ VLLM = {"loss_type": "grpo", "beta": 0.04, "use_vllm": True, "vllm_mode": "coloc
 # Generation aligned with the optimizer steps: without the correction TRL computes no trainer log-probs, so the
 # extra forward pass does (with num_iterations=2 and gradient accumulation 2, TRL computes them itself).
 ALIGNED = {"num_iterations": 1, "gradient_accumulation_steps": 1}
+# Against stock TRL: both trainers take TRL's own config, generations reused unless ALIGNED.
+TRL_RUN = {"config_cls": GRPOConfig, "num_iterations": 2, "gradient_accumulation_steps": 2}
 
 
 @pytest.fixture
 def stand_in(monkeypatch):
-    import trl.trainer.grpo_trainer
-
-    monkeypatch.setattr(trl.trainer.grpo_trainer, "VLLMGeneration", SamplerStandIn)
+    use_sampler_stand_in(monkeypatch)
 
 
 def expected_offsets(output) -> torch.Tensor:
@@ -42,33 +41,31 @@ def ess(weights: torch.Tensor) -> float:
 
 
 class Capturing(GRPOTrainerExt):
+    """Keeps every batch `_generate_and_score_completions` returns."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.captured = []
+
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         self.captured.append(output)
         return output
 
 
-def run_captured(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, **options):
-    trainer = Capturing(
-        model=tiny_model_path,
-        reward_funcs=count_a_reward,
-        args=GRPOConfigExt(**tiny_grpo_args(tmp_path, **{**ALIGNED, **options})),
-        train_dataset=prompt_dataset,
-        processing_class=tiny_tokenizer,
-    )
-    trainer.captured = []
-    trainer.train()
-    generated = [entry for entry in trainer.state.log_history if f"{RAW}/p50" in entry]
-    return trainer, generated
+def mismatch_entries(trainer) -> list[dict]:
+    """The entries of the log history that carry the mismatch (those of the steps that generated)."""
+    return [entry for entry in trainer.state.log_history if f"{RAW}/p50" in entry]
 
 
 @pytest.mark.parametrize("aligned", [True, False], ids=["extra-forward", "trl-logps"])
 def test_without_the_correction_the_mismatch_is_logged_and_training_is_that_of_stock_trl(
     aligned, stand_in, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
-    options = {**VLLM, "vllm_importance_sampling_correction": False, **(ALIGNED if aligned else {})}
-    stock, _ = train_logs(GRPOTrainer, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "s", **options)
-    ours, _ = train_logs(GRPOTrainerExt, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "o", **options)
+    options = {**TRL_RUN, **VLLM, "vllm_importance_sampling_correction": False, **(ALIGNED if aligned else {})}
+    tiny_run = (tiny_model_path, tiny_tokenizer, prompt_dataset)
+    stock, _ = train_logs(tmp_path / "s", *tiny_run, trainer_cls=GRPOTrainer, **options)
+    ours, _ = train_logs(tmp_path / "o", *tiny_run, trainer_cls=GRPOTrainerExt, **options)
     assert assert_same_logs(stock, ours) >= 40  # the extra forward pass changes nothing in training
     assert not any("sampling/sampling_logp_difference/mean" in entry for entry in stock)  # TRL logs nothing here
     generated = [entry for entry in ours if f"{RAW}/p50" in entry]
@@ -85,9 +82,16 @@ def test_k3_kl_and_effective_sample_size_are_those_of_the_sampler_offsets(
 ):
     """With the correction off the trainer's log-probs come from the extra forward pass; against the stand-in's known
     offsets, the logged KL and ESS are their closed forms (token mode, sequence mode for the ESS)."""
+    tiny_run = (tiny_model_path, tiny_tokenizer, prompt_dataset)
     for mode in ("token_truncate", "sequence_mask"):
-        options = {**VLLM, "vllm_importance_sampling_correction": False, "vllm_importance_sampling_mode": mode}
-        trainer, generated = run_captured(tmp_path / mode, tiny_model_path, tiny_tokenizer, prompt_dataset, **options)
+        options = {
+            **ALIGNED,
+            **VLLM,
+            "vllm_importance_sampling_correction": False,
+            "vllm_importance_sampling_mode": mode,
+        }
+        _, trainer = train_logs(tmp_path / mode, *tiny_run, trainer_cls=Capturing, **options)
+        generated = mismatch_entries(trainer)
         assert len(trainer.captured) == len(generated) == 4
         for output, entry in zip(trainer.captured, generated, strict=True):
             assert "old_per_token_logps" not in output  # the trainer's log-probs came from the extra forward pass
@@ -103,14 +107,17 @@ def test_k3_kl_and_effective_sample_size_are_those_of_the_sampler_offsets(
 def test_with_the_correction_the_applied_weights_effective_sample_size_is_logged(
     stand_in, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
+    tiny_run = (tiny_model_path, tiny_tokenizer, prompt_dataset)
     options = {
+        **ALIGNED,
         **VLLM,
         "vllm_importance_sampling_correction": True,
         "vllm_importance_sampling_mode": "token_truncate",
         "vllm_importance_sampling_clip_min": 0.97,
         "vllm_importance_sampling_clip_max": 1.03,
     }
-    trainer, generated = run_captured(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, **options)
+    _, trainer = train_logs(tmp_path, *tiny_run, trainer_cls=Capturing, **options)
+    generated = mismatch_entries(trainer)
     assert len(trainer.captured) == len(generated) == 4
     for output, entry in zip(trainer.captured, generated, strict=True):
         mask = output["completion_mask"].bool()
@@ -127,13 +134,12 @@ def test_the_first_generation_shows_the_same_mismatch_with_and_without_the_corre
     stand_in, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
     """The first batch is sampled alike in both runs: the extra forward pass gives TRL's own trainer log-probs."""
+    tiny_run = (tiny_model_path, tiny_tokenizer, prompt_dataset)
     first = {}
     for correction in (True, False):
-        options = {**VLLM, "vllm_importance_sampling_correction": correction, "max_steps": 1}
-        _, generated = run_captured(
-            tmp_path / str(correction), tiny_model_path, tiny_tokenizer, prompt_dataset, **options
-        )
-        first[correction] = generated[0]
+        options = {**ALIGNED, **VLLM, "vllm_importance_sampling_correction": correction, "max_steps": 1}
+        _, trainer = train_logs(tmp_path / str(correction), *tiny_run, trainer_cls=Capturing, **options)
+        first[correction] = mismatch_entries(trainer)[0]
     for name in ("min", "max", "p05", "p50", "p95", "mean", "ess", "outside_fraction"):
         assert first[False][f"{RAW}/{name}"] == pytest.approx(first[True][f"{RAW}/{name}"], rel=1e-6), name
     assert first[False]["sampling/sampler_k3_kl"] == pytest.approx(first[True]["sampling/sampler_k3_kl"], rel=1e-5)
@@ -144,16 +150,15 @@ def test_switching_the_mismatch_metrics_off_skips_the_extra_forward_pass(
 ):
     from trl_grpo_ext import trainer as trainer_module
 
+    tiny_run = (tiny_model_path, tiny_tokenizer, prompt_dataset)
     calls = []
     original = trainer_module.trainer_logps
     monkeypatch.setattr(trainer_module, "trainer_logps", lambda *args: calls.append(1) or original(*args))
-    options = {**VLLM, "vllm_importance_sampling_correction": False, "max_steps": 2}
-    _, generated = run_captured(
-        tmp_path / "off", tiny_model_path, tiny_tokenizer, prompt_dataset, log_sampler_mismatch=False, **options
-    )
-    assert generated == [] and calls == []
-    _, generated = run_captured(tmp_path / "on", tiny_model_path, tiny_tokenizer, prompt_dataset, **options)
-    assert len(generated) == len(calls) == 2  # one pass per generation
+    options = {**ALIGNED, **VLLM, "vllm_importance_sampling_correction": False, "max_steps": 2}
+    _, trainer = train_logs(tmp_path / "off", *tiny_run, trainer_cls=Capturing, log_sampler_mismatch=False, **options)
+    assert mismatch_entries(trainer) == [] and calls == []
+    _, trainer = train_logs(tmp_path / "on", *tiny_run, trainer_cls=Capturing, **options)
+    assert len(mismatch_entries(trainer)) == len(calls) == 2  # one pass per generation
 
 
 def mismatch_batch(seed: int, sequence: bool = False, corrected: bool = True) -> SamplerMismatch:

@@ -7,52 +7,19 @@ the KL, the exponential continued linearly only above 20), ~1e-7 relative per st
 the only way the runs could drift further, would move `reward` by >= 0.1.
 """
 
-import math
-
 import pytest
 import torch
-from helpers import count_a_reward, tiny_grpo_args
-from peft import LoraConfig
-from transformers import set_seed
+from helpers import assert_same_logs, count_a_reward, tiny_lora, train_logs, use_sampler_stand_in
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOTrainerExt
 
-RTOL, ATOL = 1e-5, 1e-6
-UNCOMPARED = {"step_time"}  # wall-clock
+# Both trainers take TRL's own config; generations are reused (ratios move and clip).
+TRL_RUN = {"config_cls": GRPOConfig, "num_iterations": 2, "gradient_accumulation_steps": 2}
 
 
 def length_reward(completions, **kwargs):
     return [float(len(completion) % 3) for completion in completions]
-
-
-def train_logs(trainer_cls, model_path, tokenizer, dataset, output_dir, reward_funcs=None, peft_config=None, **config):
-    config = {"num_iterations": 2, "gradient_accumulation_steps": 2, **config}
-    set_seed(0)  # TRL before 1.15 draws LoRA adapters from the unseeded generator (see `_compat`)
-    trainer = trainer_cls(
-        model=model_path,
-        reward_funcs=reward_funcs or count_a_reward,
-        args=GRPOConfig(**tiny_grpo_args(output_dir, **config)),
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
-    trainer.train()
-    return [entry for entry in trainer.state.log_history if "loss" in entry], trainer
-
-
-def assert_same_logs(stock, ours):
-    assert len(stock) == len(ours) == 4
-    compared = 0
-    for step, (expected, got) in enumerate(zip(stock, ours, strict=True), start=1):
-        for key, value in expected.items():
-            if key in UNCOMPARED:
-                continue
-            assert key in got, (step, key)
-            if isinstance(value, float) and not math.isnan(value):
-                assert got[key] == pytest.approx(value, rel=RTOL, abs=ATOL), (step, key)
-                compared += 1
-    return compared
 
 
 def assert_terms_add_up(logs, terms):
@@ -111,11 +78,10 @@ FAST = {"trl-defaults", "dapo", "vespo"}  # the rest run with the slow tests (CI
 def test_each_trl_option_trains_step_for_step_like_stock_trl(
     name, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
+    tiny_run = (tiny_model_path, tiny_tokenizer, prompt_dataset)
     options, terms = OPTIONS[name]
-    stock, _ = train_logs(GRPOTrainer, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "s", **options)
-    ours, trainer = train_logs(
-        GRPOTrainerExt, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "o", **options
-    )
+    stock, _ = train_logs(tmp_path / "s", *tiny_run, trainer_cls=GRPOTrainer, **TRL_RUN, **options)
+    ours, trainer = train_logs(tmp_path / "o", *tiny_run, trainer_cls=GRPOTrainerExt, **TRL_RUN, **options)
     assert assert_same_logs(stock, ours) >= 40
     assert_terms_add_up(ours, terms)
     assert all("ratio/p50" in entry for entry in ours)  # this package's diagnostics, for every option
@@ -126,16 +92,14 @@ def test_each_trl_option_trains_step_for_step_like_stock_trl(
 def test_lora_with_other_loss_types_trains_like_stock_trl(
     loss_type, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
+    tiny_run = (tiny_model_path, tiny_tokenizer, prompt_dataset)
     options = {"loss_type": loss_type, "beta": 0.04, "learning_rate": 5e-2}
 
-    def lora():
-        return LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
-
     stock, _ = train_logs(
-        GRPOTrainer, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "s", peft_config=lora(), **options
+        tmp_path / "s", *tiny_run, trainer_cls=GRPOTrainer, **TRL_RUN, peft_config=tiny_lora(), **options
     )
     ours, _ = train_logs(
-        GRPOTrainerExt, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "o", peft_config=lora(), **options
+        tmp_path / "o", *tiny_run, trainer_cls=GRPOTrainerExt, **TRL_RUN, peft_config=tiny_lora(), **options
     )
     assert assert_same_logs(stock, ours) >= 40
 
@@ -144,52 +108,16 @@ def test_lora_with_other_loss_types_trains_like_stock_trl(
 def test_normalize_then_sum_of_several_rewards_trains_like_stock_trl(
     tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
+    tiny_run = (tiny_model_path, tiny_tokenizer, prompt_dataset)
     options = {"loss_type": "grpo", "beta": 0.04, "multi_objective_aggregation": "normalize_then_sum"}
     rewards = [count_a_reward, length_reward]
     stock, _ = train_logs(
-        GRPOTrainer, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "s", reward_funcs=rewards, **options
+        tmp_path / "s", *tiny_run, trainer_cls=GRPOTrainer, **TRL_RUN, reward_funcs=rewards, **options
     )
     ours, _ = train_logs(
-        GRPOTrainerExt,
-        tiny_model_path,
-        tiny_tokenizer,
-        prompt_dataset,
-        tmp_path / "o",
-        reward_funcs=rewards,
-        **options,
+        tmp_path / "o", *tiny_run, trainer_cls=GRPOTrainerExt, **TRL_RUN, reward_funcs=rewards, **options
     )
     assert assert_same_logs(stock, ours) >= 40
-
-
-class SamplerStandIn:
-    """Stands in for TRL's vLLM backend: samples with the trainer's own model and reports each sampled token's
-    log-probability a little off the trainer's (a deterministic offset), as an inference engine's differ."""
-
-    def __init__(self, *, model, processing_class, max_completion_length, **kwargs):
-        self.model, self.tokenizer, self.max_new_tokens = model, processing_class, max_completion_length
-
-    def sync_weights(self):
-        pass  # it samples with the trainer's weights themselves
-
-    @torch.no_grad()
-    def generate(self, prompts, images, num_generations, profiler=None):
-        model = self.model
-        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-        completions, logprobs = [], []
-        for prompt in prompts:
-            prompt_tensor = torch.tensor([prompt])
-            generated = model.generate(
-                prompt_tensor, do_sample=True, max_new_tokens=self.max_new_tokens, pad_token_id=pad
-            )[0, len(prompt) :].tolist()
-            if eos in generated:
-                generated = generated[: generated.index(eos) + 1]
-            sequence = torch.tensor([prompt + generated])
-            scores = model(sequence).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
-            exact = scores.gather(-1, torch.tensor(generated)[:, None]).squeeze(-1)
-            offsets = 0.05 * torch.sin(torch.arange(len(generated), dtype=torch.float32) + len(prompt))
-            completions.append(generated)
-            logprobs.append([[value] for value in (exact + offsets).tolist()])
-        return prompts, completions, logprobs, None
 
 
 @pytest.mark.parametrize(
@@ -204,9 +132,8 @@ class SamplerStandIn:
 def test_vllm_importance_sampling_correction_trains_like_stock_trl(
     mode, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, monkeypatch
 ):
-    import trl.trainer.grpo_trainer
-
-    monkeypatch.setattr(trl.trainer.grpo_trainer, "VLLMGeneration", SamplerStandIn)
+    tiny_run = (tiny_model_path, tiny_tokenizer, prompt_dataset)
+    use_sampler_stand_in(monkeypatch)
     options = {
         "loss_type": "grpo",
         "beta": 0.04,
@@ -218,8 +145,8 @@ def test_vllm_importance_sampling_correction_trains_like_stock_trl(
         "vllm_importance_sampling_clip_min": 0.97 if mode.startswith("token") else 1.0,
         "vllm_importance_sampling_clip_max": 1.03 if mode.startswith("token") else 1.08,
     }
-    stock, _ = train_logs(GRPOTrainer, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "s", **options)
-    ours, _ = train_logs(GRPOTrainerExt, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path / "o", **options)
+    stock, _ = train_logs(tmp_path / "s", *tiny_run, trainer_cls=GRPOTrainer, **TRL_RUN, **options)
+    ours, _ = train_logs(tmp_path / "o", *tiny_run, trainer_cls=GRPOTrainerExt, **TRL_RUN, **options)
     assert assert_same_logs(stock, ours) >= 40
     prefix = "sampling/importance_sampling_ratio_raw"
     generated = [entry for entry in ours if f"{prefix}/p50" in entry]
@@ -276,8 +203,12 @@ def test_a_mixture_of_experts_router_loss_trains_like_stock_trl(loss_type, tiny_
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_moe_path)
     options = {"loss_type": loss_type, "beta": 0.04}
-    stock, _ = train_logs(GRPOTrainer, tiny_moe_path, tokenizer, prompt_dataset, tmp_path / "s", **options)
-    ours, trainer = train_logs(GRPOTrainerExt, tiny_moe_path, tokenizer, prompt_dataset, tmp_path / "o", **options)
+    stock, _ = train_logs(
+        tmp_path / "s", tiny_moe_path, tokenizer, prompt_dataset, trainer_cls=GRPOTrainer, **TRL_RUN, **options
+    )
+    ours, trainer = train_logs(
+        tmp_path / "o", tiny_moe_path, tokenizer, prompt_dataset, trainer_cls=GRPOTrainerExt, **TRL_RUN, **options
+    )
     assert trainer.aux_loss_enabled
     assert assert_same_logs(stock, ours) >= 40
     assert all(entry["aux_loss"] > 0 and entry["loss/router"] > 0 for entry in ours)

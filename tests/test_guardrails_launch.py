@@ -1,10 +1,9 @@
 """A launch of several processes that accelerate runs as independent single-process runs is refused."""
 
-import os
 from types import SimpleNamespace
 
 import pytest
-from helpers import REPO, launch
+from helpers import launch
 
 from trl_grpo_ext.guardrails.launch import check_launch, launched_processes
 
@@ -48,35 +47,14 @@ def test_launched_processes_reads_the_launcher_variables():
     assert launched_processes({"WORLD_SIZE": "2", "PMI_SIZE": "3"}) == ("WORLD_SIZE", 2)
 
 
-# Builds the trainer in two processes that see no GPU; with use_cpu=False accelerate runs each on its own.
-_SCRIPT = """
-from datasets import Dataset
-from helpers import count_a_reward, tiny_grpo_args
-
-from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-from trl_grpo_ext.guardrails.launch import check_launch
-
-output_dir, model_path, use_cpu = sys.argv[1:]
-trainer = GRPOTrainerExt(
-    model=model_path,
-    reward_funcs=count_a_reward,
-    args=GRPOConfigExt(**tiny_grpo_args(output_dir, use_cpu=use_cpu == "true")),
-    train_dataset=Dataset.from_dict({"prompt": ["abc=", "hello="] * 4}),
-)
-print(f"num_processes={trainer.accelerator.num_processes}", flush=True)
-check_launch(trainer.accelerator)  # (the trainer's constructor makes this check too)
-print("launch checked", flush=True)
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("use_cpu", [False, True], ids=["use_cpu=False", "use_cpu=True"])
 def test_a_cpu_launch_is_refused_without_use_cpu(tmp_path, tiny_model_path, use_cpu):
-    script = tmp_path / "build_trainer.py"
-    # tests/ on the launched script's path, for `helpers`.
-    script.write_text(f"import sys\nsys.path.insert(0, {os.path.join(REPO, 'tests')!r})\n{_SCRIPT}")
-    # `launch` sets CUDA_VISIBLE_DEVICES="".
-    result = launch("cpu_ddp.yaml", [script, tmp_path / "out", tiny_model_path, str(use_cpu).lower()], check=False)
+    # tests/launched.py's `build` phase builds the trainer in two processes that see no GPU (`launch` sets
+    # CUDA_VISIBLE_DEVICES=""); with use_cpu=False accelerate runs each on its own.
+    result = launch(
+        "cpu_ddp.yaml", tmp_path / "out", tiny_model_path, ["build"], "--use_cpu", str(use_cpu).lower(), check=False
+    )
     output = result.stdout + result.stderr
     if use_cpu:
         assert result.returncode == 0, output[-4000:]

@@ -80,10 +80,10 @@ def test_the_console_replaces_the_raw_dict_lines_and_keeps_a_progress_bar(
 
 
 def test_the_recipe_console_is_compact_by_default_and_raw_one_flag_away():
-    script_args, _, _ = recipe.parse_args(["--model_name_or_path", "m", "--output_dir", "o"])
-    assert script_args.console == "compact"
-    script_args, _, _ = recipe.parse_args(["--model_name_or_path", "m", "--output_dir", "o", "--console", "raw"])
-    assert script_args.console == "raw"
+    _, training_args, _ = recipe.parse_args(["--model_name_or_path", "m", "--output_dir", "o"])
+    assert training_args.console == "compact"
+    _, training_args, _ = recipe.parse_args(["--model_name_or_path", "m", "--output_dir", "o", "--console", "raw"])
+    assert training_args.console == "raw"
 
 
 def test_a_resumed_run_does_not_repeat_the_alarms_given_before_it(tmp_path, capsys):

@@ -2,7 +2,7 @@
 their counts in the logs, their thresholds in the config, the same verdicts live and replayed."""
 
 import pytest
-from helpers import count_a_reward, tiny_grpo_args
+from helpers import count_a_reward, tiny_grpo_args, train_logs, training_entries
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
@@ -224,22 +224,6 @@ def monitor_of(trainer) -> AnomalyMonitor:
     return monitor
 
 
-def tiny_run(tmp_path, model_path, tokenizer, dataset, reward=count_a_reward, **config):
-    trainer = GRPOTrainerExt(
-        model=model_path,
-        reward_funcs=reward,
-        args=GRPOConfigExt(**tiny_grpo_args(tmp_path, **config)),
-        train_dataset=dataset,
-        processing_class=tokenizer,
-    )
-    trainer.train()
-    return trainer
-
-
-def training_entries(trainer):
-    return [entry for entry in trainer.state.log_history if "loss" in entry]
-
-
 class TestOnRealRuns:
     def test_the_monitor_comes_before_the_loggers(self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
         trainer = GRPOTrainerExt(
@@ -255,7 +239,7 @@ class TestOnRealRuns:
     def test_one_token_completions_raise_the_truncation_alarm(
         self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
     ):
-        trainer = tiny_run(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, max_completion_length=1)
+        _, trainer = train_logs(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, max_completion_length=1)
         monitor = monitor_of(trainer)
         assert monitor.counts["truncation"] == 1
         entries = training_entries(trainer)
@@ -271,7 +255,9 @@ class TestOnRealRuns:
         def constant_reward(completions, **kwargs):
             return [1.0] * len(completions)
 
-        trainer = tiny_run(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, reward=constant_reward)
+        _, trainer = train_logs(
+            tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, reward_funcs=constant_reward
+        )
         monitor = monitor_of(trainer)
         assert monitor.counts["no_spread"] == 1 and monitor.counts["zero_std"] == 1
         (no_spread,) = [episode for episode in monitor.episodes if episode.name == "no_spread"]
@@ -285,8 +271,13 @@ class TestOnRealRuns:
         def length_reward(completion_ids, **kwargs):
             return [float(len(ids)) for ids in completion_ids]
 
-        trainer = tiny_run(
-            tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, reward=length_reward, max_completion_length=16
+        _, trainer = train_logs(
+            tmp_path,
+            tiny_model_path,
+            tiny_tokenizer,
+            prompt_dataset,
+            reward_funcs=length_reward,
+            max_completion_length=16,
         )
         correlations = [entry.get("reward_length_corr/within_group") for entry in training_entries(trainer)]
         assert any(value == pytest.approx(1.0) for value in correlations if value is not None)
@@ -298,8 +289,13 @@ class TestOnRealRuns:
         def parity_reward(completion_ids, **kwargs):  # depends on the tokens, not on how many
             return [float(sum(ids) % 2) for ids in completion_ids]
 
-        trainer = tiny_run(
-            tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, reward=parity_reward, max_completion_length=16
+        _, trainer = train_logs(
+            tmp_path,
+            tiny_model_path,
+            tiny_tokenizer,
+            prompt_dataset,
+            reward_funcs=parity_reward,
+            max_completion_length=16,
         )
         assert "length_in_group" not in monitor_of(trainer).counts
 

