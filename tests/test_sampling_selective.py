@@ -2,38 +2,39 @@
 metrics follow the per-prompt history, the option off (or never skipping) changes nothing, a killed run resumes
 exactly, and two processes decide alike."""
 
-import json
-import os
+import math
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 from datasets import Dataset
-from helpers import REPO, count_a_reward, launch, phase_results, tiny_grpo_args
-from transformers import set_seed
+from helpers import (
+    CONSTANT_PROMPTS,
+    half_constant_reward,
+    launch,
+    make_trainer,
+    phase_results,
+    run_alone,
+    tiny_grpo_args,
+    train_logs,
+    training_entries,
+)
+from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+from trl_grpo_ext.checkpointing import load_grpo_state
+from trl_grpo_ext.guardrails import NonFiniteTrainingError
 from trl_grpo_ext.sampling.selective import INDEX_COLUMN
 
 G = 4
-TEXTS = ("abc=", "hello=", "xyz=", "qq=", "kite=", "zz=")
-CONSTANT = {"xyz=", "qq="}
-SELECTIVE_RUN = os.path.join(REPO, "tests", "selective_run.py")
-
-
-def constant_on_two_texts(prompts, completions, **kwargs) -> list[float]:
-    return [
-        1.0 if prompt in CONSTANT else completion.count("a") + 0.1 * len(completion)
-        for prompt, completion in zip(prompts, completions, strict=True)
-    ]
+TEXTS = ("abc=", "hello=", "xyz=", "qq=", "kite=", "zz=")  # 2 of them in CONSTANT_PROMPTS
 
 
 def spread_except_constant(prompts, completions, **kwargs) -> list[float]:
-    """Constant on the two texts, and the completion's place in its group elsewhere: only those two are ever flat."""
-    return [1.0 if prompt in CONSTANT else float(i % G) for i, prompt in enumerate(prompts)]
+    """Constant on CONSTANT_PROMPTS, and the completion's place in its group elsewhere: only those two are ever
+    flat."""
+    return [1.0 if prompt in CONSTANT_PROMPTS else float(i % G) for i, prompt in enumerate(prompts)]
 
 
 def epochs_dataset(copies: int = 2) -> Dataset:
@@ -61,16 +62,10 @@ class Recorder:
         self.patch.undo()
 
 
-def run(model_path, tokenizer, output_dir, dataset=None, reward=constant_on_two_texts, trainer_class=None, **options):
+def run(model_path, tokenizer, output_dir, dataset=None, reward=half_constant_reward, **options):
     options = {"num_iterations": 2, "beta": 0.0, "max_steps": 12, "per_device_train_batch_size": 8, **options}
-    set_seed(0)
-    trainer = (trainer_class or GRPOTrainerExt)(
-        model=model_path,
-        reward_funcs=reward,
-        args=GRPOConfigExt(**tiny_grpo_args(output_dir, **options)),
-        train_dataset=dataset if dataset is not None else epochs_dataset(),
-        processing_class=tokenizer,
-    )
+    dataset = dataset if dataset is not None else epochs_dataset()
+    trainer = make_trainer(output_dir, model_path, tokenizer, dataset, reward_funcs=reward, **options)
     recorder = Recorder(trainer)
     try:
         trainer.train()
@@ -100,7 +95,7 @@ def test_a_prompt_flat_at_its_last_visit_is_never_generated_again_without_explor
     rows = trainer.args.generation_batch_size
     assert len(recorder.calls) == 12
     assert all(len(call) == rows for call in recorder.calls)  # each skipped prompt replaced in its place
-    constant_visits = sum(call[i] in CONSTANT for call in recorder.calls for i in range(0, rows, G))
+    constant_visits = sum(call[i] in CONSTANT_PROMPTS for call in recorder.calls for i in range(0, rows, G))
     # Indices 2, 3, 8 and 9 hold the two constant texts: each is generated once at most (that visit makes it flat).
     assert 1 <= constant_visits <= 4
     streak = trainer._selective.streak
@@ -109,7 +104,7 @@ def test_a_prompt_flat_at_its_last_visit_is_never_generated_again_without_explor
     assert sum(entry["selective_rollouts/skipped_prompts"] for entry in logs) > 0
     assert all("selective_rollouts/precision" not in entry for entry in logs)  # nothing predicted flat explored
     for call, entry in zip(recorder.calls, logs, strict=True):
-        flat = sum(call[i] in CONSTANT for i in range(0, rows, G)) / (rows // G)
+        flat = sum(call[i] in CONSTANT_PROMPTS for i in range(0, rows, G)) / (rows // G)
         assert entry["selective_rollouts/zero_spread"] == flat
         assert entry["frac_reward_zero_std"] == flat
 
@@ -174,8 +169,8 @@ def test_never_skipping_changes_nothing_and_reward_functions_get_the_columns_the
     expected_kwargs = {("answer", "completion_ids", "log_extra", "log_metric", "trainer_state")}
     assert seen["without"] == seen["never-skipping"] == expected_kwargs
     assert selective_calls.calls == without_calls.calls
-    expected = [entry for entry in without.state.log_history if "loss" in entry]
-    got = [entry for entry in selective.state.log_history if "loss" in entry]
+    expected = training_entries(without)
+    got = training_entries(selective)
     assert len(expected) == len(got) == 12
     for want, have in zip(expected, got, strict=True):
         for key, value in want.items():
@@ -187,27 +182,29 @@ def test_never_skipping_changes_nothing_and_reward_functions_get_the_columns_the
 
 
 def test_the_option_off_is_stock_trl_step_for_step(tiny_model_path, tiny_tokenizer, tmp_path):
-    options = tiny_grpo_args(tmp_path / "s", num_iterations=2, beta=0.0, max_steps=6)
     dataset = epochs_dataset()
     logs = {}
-    for name, trainer_class, args in (
-        ("stock", GRPOTrainer, GRPOConfig(**options)),
-        ("plain-config", GRPOTrainerExt, GRPOConfig(**options)),
-        ("off", GRPOTrainerExt, GRPOConfigExt(**options, loss_type="dapo", use_bias_correction_kl=True)),
+    for name, trainer_cls, config_cls, options in (
+        ("stock", GRPOTrainer, GRPOConfig, {}),
+        ("plain-config", GRPOTrainerExt, GRPOConfig, {}),
+        ("off", GRPOTrainerExt, GRPOConfigExt, {"loss_type": "dapo", "use_bias_correction_kl": True}),
     ):
-        set_seed(0)
-        trainer = trainer_class(
-            model=tiny_model_path,
-            reward_funcs=constant_on_two_texts,
-            args=args,
-            train_dataset=dataset,
-            processing_class=tiny_tokenizer,
+        logs[name], trainer = train_logs(
+            tmp_path / "s",
+            tiny_model_path,
+            tiny_tokenizer,
+            dataset,
+            trainer_cls=trainer_cls,
+            config_cls=config_cls,
+            reward_funcs=half_constant_reward,
+            num_iterations=2,
+            beta=0.0,
+            max_steps=6,
+            **options,
         )
-        trainer.train()
-        if trainer_class is GRPOTrainerExt:
+        if trainer_cls is GRPOTrainerExt:
             assert trainer._selective is None
             assert trainer.train_dataset.column_names == ["prompt"]
-        logs[name] = [entry for entry in trainer.state.log_history if "loss" in entry]
     for name in ("plain-config", "off"):
         for want, have in zip(logs["stock"], logs[name], strict=True):
             assert not any(key.startswith("selective_rollouts/") for key in have)
@@ -244,26 +241,14 @@ def test_configuration_errors_name_the_option(tiny_model_path, tiny_tokenizer, t
     for name, options in cases.items():
         with pytest.raises(ValueError, match=name):
             GRPOConfigExt(**tiny_grpo_args(tmp_path, selective_rollouts=True, **options))
+    iterable = epochs_dataset().to_iterable_dataset()
     with pytest.raises(ValueError, match="map-style"):
-        GRPOTrainerExt(
-            model=tiny_model_path,
-            reward_funcs=count_a_reward,
-            args=GRPOConfigExt(**tiny_grpo_args(tmp_path, selective_rollouts=True)),
-            train_dataset=epochs_dataset().to_iterable_dataset(),
-            processing_class=tiny_tokenizer,
-        )
+        make_trainer(tmp_path, tiny_model_path, tiny_tokenizer, iterable, selective_rollouts=True)
 
 
 def test_the_checkpoint_of_a_non_finite_stop_holds_the_history_of_the_step_start(
     tiny_model_path, tiny_tokenizer, tmp_path
 ):
-    import math
-
-    from transformers import TrainerCallback
-
-    from trl_grpo_ext.checkpointing import load_grpo_state
-    from trl_grpo_ext.guardrails import NonFiniteTrainingError
-
     captured = {}
 
     class NanAtStep5(GRPOTrainerExt):
@@ -279,24 +264,20 @@ def test_the_checkpoint_of_a_non_finite_stop_holds_the_history_of_the_step_start
             if state.global_step == 4:
                 captured["start"] = captured["trainer"]._selective.state_dict()
 
-    set_seed(0)
-    trainer = NanAtStep5(
-        model=tiny_model_path,
-        reward_funcs=constant_on_two_texts,
-        args=GRPOConfigExt(
-            **tiny_grpo_args(
-                tmp_path,
-                num_iterations=2,
-                beta=0.0,
-                max_steps=8,
-                per_device_train_batch_size=8,
-                selective_rollouts=True,
-                nonfinite_policy="stop",
-            )
-        ),
-        train_dataset=epochs_dataset(),
-        processing_class=tiny_tokenizer,
+    trainer = make_trainer(
+        tmp_path,
+        tiny_model_path,
+        tiny_tokenizer,
+        epochs_dataset(),
+        trainer_cls=NanAtStep5,
+        reward_funcs=half_constant_reward,
         callbacks=[AtStepStart()],
+        num_iterations=2,
+        beta=0.0,
+        max_steps=8,
+        per_device_train_batch_size=8,
+        selective_rollouts=True,
+        nonfinite_policy="stop",
     )
     captured["trainer"] = trainer
     with pytest.raises(NonFiniteTrainingError, match="checkpoint-4"):
@@ -321,50 +302,50 @@ COMPARED = (
 )
 
 
+PHASE = "selective-checkpointed"
+
+
 @pytest.mark.slow
 def test_a_killed_run_with_selective_rollouts_resumes_to_the_decisions_and_logs_of_the_uninterrupted_run(
     tiny_model_path, tmp_path
 ):
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    def run(output_dir, *extra):  # tests/launched.py's run, in <output_dir>/selective-checkpointed
+        return run_alone(output_dir, tiny_model_path, [PHASE], *extra)
 
-    def run_script(output_dir, *extra):
-        command = [sys.executable, SELECTIVE_RUN, str(output_dir), tiny_model_path, "--phase", "resume", *extra]
-        return subprocess.run(command, capture_output=True, text=True, env=env)
-
-    reference = run_script(tmp_path / "reference")
+    reference = run(tmp_path / "reference", "--save_steps", "100")
     assert reference.returncode == 0, reference.stderr[-3000:]
     # Checkpoint 3 falls between a generation and its reuse; die while writing checkpoint 6.
-    killed = run_script(tmp_path / "run", "--save_steps", "3", "--kill_during_save_of", "6")
+    killed = run(tmp_path / "run", "--save_steps", "3", "--kill_during_save_of", "6")
     assert killed.returncode == -signal.SIGKILL
-    resumed = run_script(tmp_path / "run", "--save_steps", "3", "--resume")
+    resumed = run(tmp_path / "run", "--save_steps", "3", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (reference_saved,) = phase_results(tmp_path / "reference", PHASE, num_processes=1)
+    (resumed_saved,) = phase_results(tmp_path / "run", PHASE, num_processes=1)
 
-    def logs(output_dir):
-        with open(output_dir / "resume" / "log_history.json") as handle:
-            return {entry["step"]: entry for entry in json.load(handle) if "loss" in entry}
+    def logs(saved):
+        return {entry["step"]: entry for entry in saved["log_history"] if "loss" in entry}
 
-    expected, got = logs(tmp_path / "reference"), logs(tmp_path / "run")
+    expected, got = logs(reference_saved), logs(resumed_saved)
     later = [step for step in expected if step > 3]
     assert any(expected[step].get("selective_rollouts/skipped_prompts", 0) > 0 for step in later)
     for step in later:
         for key in COMPARED:
             if key in expected[step]:
                 assert got[step][key] == expected[step][key], (step, key)
-    reference_rounds = torch.load(tmp_path / "reference" / "resume" / "rank0.pt", weights_only=False)["rounds"]
-    resumed_rounds = torch.load(tmp_path / "run" / "resume" / "rank0.pt", weights_only=False)["rounds"]
+    reference_rounds, resumed_rounds = reference_saved["rounds"], resumed_saved["rounds"]
     assert resumed_rounds == reference_rounds[-len(resumed_rounds) :]  # the same prompts decided after the resume
 
 
 @pytest.fixture(scope="module")
 def two_processes(tiny_model_path, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("selective-ddp")
-    launch("cpu_ddp.yaml", [SELECTIVE_RUN, output_dir, tiny_model_path, "--phase", "spanning,disagree"])
+    launch("cpu_ddp.yaml", output_dir, tiny_model_path, ["selective", "selective-disagree"])
     return output_dir
 
 
 @pytest.mark.slow
 def test_two_processes_take_the_same_decisions_generate_as_many_rows_and_train_whole_groups(two_processes):
-    ranks = phase_results(two_processes, "spanning")
+    ranks = phase_results(two_processes, "selective")
     for rank in ranks:
         assert rank["engine"]["processes"] == 2 and rank["engine"]["distributed_type"].endswith("MULTI_CPU")
     assert ranks[0]["rounds"] == ranks[1]["rounds"]  # the same prompts decided on both, round by round
@@ -381,5 +362,5 @@ def test_two_processes_take_the_same_decisions_generate_as_many_rows_and_train_w
 
 @pytest.mark.slow
 def test_processes_whose_selections_differ_raise_an_error_naming_it_instead_of_training_apart(two_processes):
-    for rank in phase_results(two_processes, "disagree"):
+    for rank in phase_results(two_processes, "selective-disagree"):
         assert rank["error"] is not None and "different prompts" in rank["error"]
