@@ -1,61 +1,22 @@
 """Dynamic sampling's extra rounds generate only what the batch lacks: the round size follows the documented rule
-(the missing groups over the share kept so far, times the margin, in a layout TRL can generate), groups only fill
-places of their placement, the metrics count what was generated, and two processes and a resumed run stay exact."""
+(the missing groups over the share kept so far, times the margin; the layouts themselves are
+tests/test_sampling_plan.py's), the share kept is decayed and resumable, the metrics count what was generated, and
+two processes and a resumed run stay exact."""
 
-import json
 import math
-import os
 import signal
-import subprocess
-import sys
-from collections import Counter
 
 import pytest
 import torch
 from datasets import Dataset
-from helpers import REPO, launch, phase_results, tiny_grpo_args
-from transformers import set_seed
+from helpers import half_constant_reward, launch, make_trainer, phase_results, run_alone, tiny_grpo_args
 from trl import GRPOTrainer
 
-from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+from trl_grpo_ext import GRPOConfigExt
 from trl_grpo_ext.sampling.dynamic import KeepRate
-from trl_grpo_ext.sampling.plan import extra_round_rows, fill_slots, group_placement
 
 G = 4
-SELECTIVE_RUN = os.path.join(REPO, "tests", "selective_run.py")
 TEXTS = ("abc=", "hello=", "xyz=", "qq=", "kite=", "zz=", "ab=", "bcd=")
-
-
-def test_a_round_holds_the_missing_groups_over_the_keep_rate_in_whole_groups_per_process():
-    one = group_placement(16, 8, 128)  # the demo: one process, 16 groups of 8
-    lacking = Counter({one[0]: 5})
-    assert extra_round_rows(lacking, 0.72, 1.0, 128, 1, 8) == 8 * math.ceil(5 / 0.72)  # 7 groups
-    assert extra_round_rows(lacking, 0.72, 1.2, 128, 1, 8) == 8 * math.ceil(1.2 * 5 / 0.72)  # 9 groups
-    assert extra_round_rows(lacking, 0.2, 1.0, 128, 1, 8) == 128  # more than a generation batch: a whole one
-    assert extra_round_rows(lacking, 0.0, 1.0, 128, 1, 8) == 128  # nothing kept yet: a whole one
-    # Two processes of 8 rows, groups of 4 (whole groups per process): sized for the neediest process.
-    two = group_placement(4, 4, 8)
-    assert two == [((0, 4),), ((0, 4),), ((1, 4),), ((1, 4),)]
-    assert extra_round_rows(Counter({two[0]: 1}), 1.0, 1.0, 8, 2, 4) == 4  # one group on each process
-    assert extra_round_rows(Counter({two[0]: 1, two[2]: 2}), 1.0, 1.0, 8, 2, 4) == 8
-
-
-def test_where_groups_span_processes_only_a_round_with_the_same_segments_fills_a_spanning_place():
-    # 2 processes of 6 rows, groups of 4: group 1 spans both. Rounds of 2 rows hold one spanning group, of 4 rows
-    # one whole group per process; 6 rows is a whole generation batch.
-    whole = group_placement(3, 4, 6)
-    assert group_placement(1, 4, 2) == [((0, 2), (1, 2))] == [whole[1]]
-    assert group_placement(2, 4, 4) == [((0, 4),), ((1, 4),)]
-    assert extra_round_rows(Counter({whole[1]: 1}), 0.9, 1.0, 6, 2, 4) == 2
-    assert extra_round_rows(Counter({whole[0]: 1}), 0.9, 1.0, 6, 2, 4) == 4
-    assert extra_round_rows(Counter({whole[0]: 1, whole[1]: 1}), 0.9, 1.0, 6, 2, 4) == 6
-    informative = [torch.tensor([False, False, True]), torch.tensor([True]), torch.tensor([True, True])]
-    layouts = [whole, group_placement(1, 4, 2), group_placement(2, 4, 4)]
-    assignment, short = fill_slots(informative, whole, layouts)
-    assert assignment == [(2, 0), (1, 0), (0, 2)] and short == 0
-    # The 2-row round's group cannot fill a whole-group place.
-    assignment, short = fill_slots(informative[:2], whole, layouts[:2])
-    assert assignment == [(0, 0), (1, 0), (0, 2)] and short == 1
 
 
 def test_the_keep_rate_weighs_recent_batches_most_and_round_trips_its_state():
@@ -88,14 +49,8 @@ def recorded_run(model_path, tokenizer, output_dir, **options):
         "dynamic_sampling_max_rounds": 4,
         **options,
     }
-    set_seed(0)
-    trainer = GRPOTrainerExt(
-        model=model_path,
-        reward_funcs=flat_on_one_text,
-        args=GRPOConfigExt(**tiny_grpo_args(output_dir, **options)),
-        train_dataset=Dataset.from_dict({"prompt": list(TEXTS) * 4}),
-        processing_class=tokenizer,
-    )
+    dataset = Dataset.from_dict({"prompt": list(TEXTS) * 4})
+    trainer = make_trainer(output_dir, model_path, tokenizer, dataset, reward_funcs=flat_on_one_text, **options)
     calls, batches = [], []
     stock = GRPOTrainer._generate_and_score_completions
 
@@ -174,17 +129,13 @@ def test_a_margin_that_is_not_positive_is_refused(tmp_path):
 @pytest.fixture(scope="module")
 def two_processes(tiny_model_path, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("sizing-ddp")
-    launch("cpu_ddp.yaml", [SELECTIVE_RUN, output_dir, tiny_model_path, "--phase", "whole,spanning-dynamic"])
+    launch("cpu_ddp.yaml", output_dir, tiny_model_path, ["sizing-whole", "sizing-spanning"])
     return output_dir
-
-
-def reward_of(prompt: str, completion: str) -> float:  # tests/selective_run.py's
-    return 1.0 if prompt in ("xyz=", "qq=") else completion.count("a") + 0.1 * len(completion)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("phase", "rows", "sizes"), [("whole", 16, {4, 8, 12, 16}), ("spanning-dynamic", 6, {2, 4, 6})]
+    ("phase", "rows", "sizes"), [("sizing-whole", 16, {4, 8, 12, 16}), ("sizing-spanning", 6, {2, 4, 6})]
 )
 def test_two_processes_generate_rounds_of_equal_size_and_train_whole_groups_with_spread(
     phase, rows, sizes, two_processes
@@ -202,7 +153,7 @@ def test_two_processes_generate_rounds_of_equal_size_and_train_whole_groups_with
         prompts = first["prompts"] + second["prompts"]
         completions = first["completions"] + second["completions"]
         assert all(len(set(prompts[i : i + G])) == 1 for i in range(0, len(prompts), G))
-        rewards = torch.tensor([reward_of(p, c) for p, c in zip(prompts, completions, strict=True)]).view(-1, G)
+        rewards = torch.tensor(half_constant_reward(prompts, completions)).view(-1, G)  # the phase's reward
         assert (rewards.std(dim=1) > 0).all()  # every place filled (at most 6 rounds)
         advantages = torch.cat([first["advantages"], second["advantages"]]).view(-1, G)
         expected = (rewards - rewards.mean(dim=1, keepdim=True)) / (rewards.std(dim=1, keepdim=True) + 1e-4)
@@ -211,24 +162,24 @@ def test_two_processes_generate_rounds_of_equal_size_and_train_whole_groups_with
 
 @pytest.mark.slow
 def test_a_killed_run_resumes_to_the_round_sizes_and_logs_of_the_uninterrupted_run(tiny_model_path, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    phase = "sizing-checkpointed"
 
-    def run_script(output_dir, *extra):
-        command = [sys.executable, SELECTIVE_RUN, str(output_dir), tiny_model_path, "--phase", "resume-dynamic"]
-        return subprocess.run([*command, *extra], capture_output=True, text=True, env=env)
+    def run(output_dir, *extra):  # tests/launched.py's run, in <output_dir>/sizing-checkpointed
+        return run_alone(output_dir, tiny_model_path, [phase], *extra)
 
-    reference = run_script(tmp_path / "reference")
+    reference = run(tmp_path / "reference", "--save_steps", "100")
     assert reference.returncode == 0, reference.stderr[-3000:]
-    killed = run_script(tmp_path / "run", "--save_steps", "3", "--kill_during_save_of", "6")
+    killed = run(tmp_path / "run", "--save_steps", "3", "--kill_during_save_of", "6")
     assert killed.returncode == -signal.SIGKILL
-    resumed = run_script(tmp_path / "run", "--save_steps", "3", "--resume")
+    resumed = run(tmp_path / "run", "--save_steps", "3", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (reference_rows,) = phase_results(tmp_path / "reference", phase, num_processes=1)
+    (resumed_rows,) = phase_results(tmp_path / "run", phase, num_processes=1)
 
-    def logs(output_dir):
-        with open(output_dir / "resume-dynamic" / "log_history.json") as handle:
-            return {entry["step"]: entry for entry in json.load(handle) if "loss" in entry}
+    def logs(saved):
+        return {entry["step"]: entry for entry in saved["log_history"] if "loss" in entry}
 
-    expected, got = logs(tmp_path / "reference"), logs(tmp_path / "run")
+    expected, got = logs(reference_rows), logs(resumed_rows)
     keys = ("loss", "grad_norm", "reward", "dynamic_sampling/generated_groups", "dynamic_sampling/kept_fraction")
     later = [step for step in expected if step > 3]
     assert any(expected[step].get("dynamic_sampling/rounds", 0) > 0 for step in later)
@@ -236,7 +187,5 @@ def test_a_killed_run_resumes_to_the_round_sizes_and_logs_of_the_uninterrupted_r
         for key in keys:
             if key in expected[step]:
                 assert got[step][key] == expected[step][key], (step, key)
-    reference_rows = torch.load(tmp_path / "reference" / "resume-dynamic" / "rank0.pt", weights_only=False)
-    resumed_rows = torch.load(tmp_path / "run" / "resume-dynamic" / "rank0.pt", weights_only=False)
     assert resumed_rows["stock_rows"] == reference_rows["stock_rows"][-len(resumed_rows["stock_rows"]) :]
     assert min(reference_rows["stock_rows"]) < 16
