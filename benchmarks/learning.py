@@ -11,11 +11,17 @@ match, the training time, the time at which each seed first reached the target (
 the median step time, and the logged zero-spread fraction, dynamic-sampling rounds and share of rows skipped.
 
 Sides: stock `trl.GRPOTrainer` with DeepSeekMath's GRPO objective (`loss_type="grpo"`, `beta=0.04`,
-`use_bias_correction_kl=False`), `GRPOTrainerExt` with its defaults (the same objective), with `dynamic_sampling`,
-and with `beta=0` plus `skip_zero_advantage_rows`. Then `beta=0` without and with skipping trains shorter runs
-without evaluation (`skip_steps`), timed per step in two parts: TRL's generation and scoring, and the rest (the
-training forward and backward, which skipping shortens, and the optimizer): the step time of skipping at the measured
-zero-spread fraction.
+`use_bias_correction_kl=False`), `GRPOTrainerExt` with its defaults (the same objective), with `dynamic_sampling`
+(extra rounds sized to what a batch lacks; `ext_dynamic_full`: every extra round a whole generation batch, as before
+that sizing), with `selective_rollouts`, with both, and with `beta=0` plus `skip_zero_advantage_rows`. Then `beta=0`
+without and with skipping trains shorter runs without evaluation (`skip_steps`), timed per step in two parts: TRL's
+generation and scoring, and the rest (the training forward and backward, which skipping shortens, and the optimizer):
+the step time of skipping at the measured zero-spread fraction.
+
+Two data sides: the whole shipped training set (20,000 prompts: 400 steps visit each prompt once at most, so
+selective rollouts only see the prompts that dynamic sampling's stream and TRL's sampler both drew), and the
+multi-epoch side (`epoch_prompts`, 1,000 prompts: each is visited about 3 times by TRL's sampler in 400 steps). Every
+run also counts the completions generated (every call of TRL's generation, extra rounds included) and those trained.
 """
 
 from __future__ import annotations
@@ -31,15 +37,23 @@ from .common import format_table, pin_threads
 SIDES = {
     "trl": "stock trl.GRPOTrainer(loss_type='grpo', beta=0.04, use_bias_correction_kl=False)",
     "ext": "GRPOTrainerExt, GRPOConfigExt defaults (beta=0.04)",
+    "ext_dynamic_full": "GRPOTrainerExt, dynamic_sampling=True, every extra round a whole generation batch",
     "ext_dynamic": "GRPOTrainerExt, dynamic_sampling=True",
+    "ext_selective": "GRPOTrainerExt, selective_rollouts=True",
+    "ext_selective_dynamic": "GRPOTrainerExt, selective_rollouts=True, dynamic_sampling=True",
     "ext_beta0_skip": "GRPOTrainerExt, beta=0, skip_zero_advantage_rows=True",
     "ext_beta0": "GRPOTrainerExt, beta=0",
 }
-LEARNING_SIDES = ("trl", "ext", "ext_dynamic", "ext_beta0_skip")
+LEARNING_SIDES = ("trl", "ext", "ext_dynamic_full", "ext_dynamic", "ext_selective_dynamic")
+EPOCH_SIDES = ("trl", "ext", "ext_dynamic", "ext_selective", "ext_selective_dynamic")
 OPTIONS = {
     "trl": {},
     "ext": {},
+    # A margin of a whole generation batch's groups (16): every extra round is a whole generation batch.
+    "ext_dynamic_full": {"dynamic_sampling": True, "dynamic_sampling_round_margin": 16.0},
     "ext_dynamic": {"dynamic_sampling": True},
+    "ext_selective": {"selective_rollouts": True},
+    "ext_selective_dynamic": {"selective_rollouts": True, "dynamic_sampling": True},
     "ext_beta0": {"beta": 0.0},
     "ext_beta0_skip": {"beta": 0.0, "skip_zero_advantage_rows": True},
 }
@@ -48,11 +62,24 @@ LOGGED = (
     "dynamic_sampling/frac_reward_zero_std_generated",
     "dynamic_sampling/rounds",
     "skipped_rows/fraction",
+    "selective_rollouts/skipped_prompts",
+    "selective_rollouts/precision",
+    "selective_rollouts/zero_spread",
+    "selective_rollouts/exploration_probability",
 )
 
 
-def train_and_evaluate(side: str, seed: int, steps: int, eval_every: int, eval_samples: int, threads: int) -> dict:
-    """One run of `side`: held-out exact match every `eval_every` steps against training seconds, and step times."""
+def train_and_evaluate(
+    side: str,
+    seed: int,
+    steps: int,
+    eval_every: int,
+    eval_samples: int,
+    threads: int,
+    train_prompts: int | None = None,
+) -> dict:
+    """One run of `side`: held-out exact match every `eval_every` steps against training seconds, step times, and the
+    completions generated and trained; on the first `train_prompts` training prompts (default: all of them)."""
     from dataclasses import fields
 
     from peft import LoraConfig
@@ -83,6 +110,7 @@ def train_and_evaluate(side: str, seed: int, steps: int, eval_every: int, eval_s
     else:
         trainer_class, args = GRPOTrainerExt, GRPOConfigExt(**{**config, **OPTIONS[side]})
     dataset = load_recipe_dataset(demo["dataset_name"])
+    train_set = dataset["train"] if train_prompts is None else dataset["train"].select(range(train_prompts))
     eval_rows = dataset["test"].select(range(eval_samples)).to_list() if eval_samples else []
     model_path = demo["model_name_or_path"]
     lora = LoraConfig(
@@ -141,11 +169,20 @@ def train_and_evaluate(side: str, seed: int, steps: int, eval_every: int, eval_s
                 self.stop()
 
     clock = Clock()
+    completions = {"generated": 0, "trained": 0}
+    stock_generation = GRPOTrainer._generate_and_score_completions
+
+    def counted_generation(self, inputs):  # TRL's own: every round of every side (this process runs one trainer)
+        if self.model.training:
+            completions["generated"] += len(inputs)
+        return stock_generation(self, inputs)
+
+    GRPOTrainer._generate_and_score_completions = counted_generation  # before the trainer binds it
     trainer = trainer_class(
         model=model_path,
         reward_funcs=exact_match,
         args=args,
-        train_dataset=dataset["train"],
+        train_dataset=train_set,
         processing_class=AutoTokenizer.from_pretrained(model_path, padding_side="left"),
         peft_config=lora,
         callbacks=[clock],
@@ -158,8 +195,11 @@ def train_and_evaluate(side: str, seed: int, steps: int, eval_every: int, eval_s
             return generate(inputs)
         finally:
             clock.generating += time.process_time() - started
+            if trainer.model.training:
+                completions["trained"] += len(inputs)
 
     trainer._generate_and_score_completions = timed_generation
+
     try:
         trainer.train()
     finally:
@@ -179,6 +219,9 @@ def train_and_evaluate(side: str, seed: int, steps: int, eval_every: int, eval_s
         "step_times": step_times,
         "generation_times": generation_times,
         "logged": logged,
+        "generated_completions": completions["generated"],
+        "trained_completions": completions["trained"],
+        "train_prompts": len(train_set),
     }
 
 
@@ -186,9 +229,12 @@ def _worker(queue, *arguments) -> None:
     queue.put(train_and_evaluate(*arguments))
 
 
-def _run_one(context, side: str, seed: int, steps: int, eval_every: int, eval_samples: int, threads: int) -> dict:
+def _run_one(
+    context, side: str, seed: int, steps: int, eval_every: int, eval_samples: int, threads: int, prompts=None
+) -> dict:
     queue = context.Queue()
-    process = context.Process(target=_worker, args=(queue, side, seed, steps, eval_every, eval_samples, threads))
+    arguments = (queue, side, seed, steps, eval_every, eval_samples, threads, prompts)
+    process = context.Process(target=_worker, args=arguments)
     process.start()
     result = queue.get()
     process.join()
@@ -203,6 +249,22 @@ def _rotations(sides: tuple[str, ...], index: int) -> tuple[str, ...]:
     return sides[shift:] + sides[:shift]
 
 
+def _learning_runs(context, seeds, sides, steps, eval_every, eval_samples, threads, prompts=None) -> list[dict]:
+    runs = []
+    for index, seed in enumerate(seeds):
+        for side in _rotations(sides, index):
+            result = _run_one(context, side, seed, steps, eval_every, eval_samples, threads, prompts)
+            runs.append(result)
+            step, cpu, wall, score = result["curve"][-1]
+            where = f"{result['train_prompts']} prompts"
+            print(
+                f"  {side} seed {seed} ({where}): exact match {score:.3f} after {step} steps, {cpu:.0f} CPU s "
+                f"({wall:.0f} s), {result['generated_completions']} completions generated",
+                flush=True,
+            )
+    return runs
+
+
 def run(
     seeds: tuple[int, ...] = (0, 1, 2),
     steps: int = 400,
@@ -211,18 +273,20 @@ def run(
     threads: int = 1,
     sides: tuple[str, ...] = LEARNING_SIDES,
     skip_steps: int = 60,
+    epoch_sides: tuple[str, ...] = (),
+    epoch_prompts: int = 1000,
 ) -> dict:
-    """Every side for every seed, one process at a time, then `skip_step_times`; what `--json` writes."""
+    """Every side for every seed, one process at a time, then the multi-epoch sides (`epoch_sides` on the first
+    `epoch_prompts` training prompts), then `skip_step_times`; what `--json` writes."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
-    runs = []
-    for index, seed in enumerate(seeds):
-        for side in _rotations(sides, index):
-            result = _run_one(context, side, seed, steps, eval_every, eval_samples, threads)
-            runs.append(result)
-            step, cpu, wall, score = result["curve"][-1]
-            print(f"  {side} seed {seed}: exact match {score:.3f} after {step} steps, {cpu:.0f} CPU s ({wall:.0f} s)")
+    runs = _learning_runs(context, seeds, sides, steps, eval_every, eval_samples, threads)
+    epoch_runs = []
+    if epoch_sides and epoch_prompts:
+        epoch_runs = _learning_runs(
+            context, seeds, epoch_sides, steps, eval_every, eval_samples, threads, prompts=epoch_prompts
+        )
     skip = []
     if skip_steps:
         for index, seed in enumerate(seeds):
@@ -235,15 +299,20 @@ def run(
         eval_samples=eval_samples,
         threads=threads,
         skip_steps=skip_steps,
+        epoch_prompts=epoch_prompts if epoch_runs else None,
     )
-    return {
+    results = {
         "config": config,
-        "sides": {side: SIDES[side] for side in (*sides, "ext_beta0")},
+        "sides": {side: SIDES[side] for side in (*sides, *epoch_sides, "ext_beta0")},
         "runs": runs,
         "skip_runs": skip,
         **(summary(runs, sides) if runs else {}),
         "skip_step_times": skip_summary(skip),
     }
+    if epoch_runs:
+        results["epoch_runs"] = epoch_runs
+        results["epochs"] = summary(epoch_runs, epoch_sides)
+    return results
 
 
 def _time_to(curve, target: float) -> float | None:
@@ -265,11 +334,23 @@ def summary(runs: list[dict], sides) -> dict:
     reference = by_side.get("trl") or by_side[sides[0]]
     target = statistics.mean(run["curve"][-1][3] for run in reference)
     reference_time = statistics.mean(run["training_cpu_s"] for run in reference)
+    reference_generated = [run["generated_completions"] for run in reference if "generated_completions" in run]
     rows = {}
     for side, side_runs in by_side.items():
         reached = [_time_to(run["curve"], target) for run in side_runs]
         times = [seconds for seconds in reached if seconds is not None]
+        generated = [run["generated_completions"] for run in side_runs if "generated_completions" in run]
+        trained = [run["trained_completions"] for run in side_runs if "trained_completions" in run]
+        trl_time = statistics.mean(run["training_cpu_s"] for run in side_runs) / reference_time
         rows[side] = {
+            "training_cpu_vs_trl": trl_time,
+            "generated_completions": generated,
+            "generated_vs_trl": (
+                statistics.mean(generated) / statistics.mean(reference_generated)
+                if generated and reference_generated
+                else None
+            ),
+            "generated_per_trained": sum(generated) / sum(trained) if generated and trained else None,
             "final_exact_match": [run["curve"][-1][3] for run in side_runs],
             "training_cpu_s": [run["training_cpu_s"] for run in side_runs],
             "training_wall_s": [run["training_wall_s"] for run in side_runs],
@@ -316,10 +397,12 @@ def table(results: dict) -> str:
     headers = [
         "side",
         "final exact match",
-        "training CPU s",
+        "training CPU s (/ trl)",
         f"CPU s to {results['target_exact_match']:.3f} (seeds)",
         "/ trl training",
         "step CPU s",
+        "completions generated (/ trl)",
+        "generated / trained",
         "zero-std generated (trained)",
         "rounds",
         "skipped",
@@ -329,20 +412,42 @@ def table(results: dict) -> str:
         reached = [seconds for seconds in row["time_to_target_cpu_s"] if seconds is not None]
         ratio = row["time_to_target_vs_trl_training"]
         logged = row["logged"]
+        generated = row.get("generated_completions") or []
+        against = row.get("generated_vs_trl")
+        per_trained = row.get("generated_per_trained")
+        training = spread(row["training_cpu_s"], 0)
+        if "training_cpu_vs_trl" in row:
+            training += f" ({row['training_cpu_vs_trl']:.2f})"
         rows.append(
             [
                 side,
                 spread(row["final_exact_match"], 3),
-                spread(row["training_cpu_s"], 0),
+                training,
                 (spread(reached, 0) if reached else "-") + f" ({len(reached)}/{len(row['time_to_target_cpu_s'])})",
                 f"{ratio:.2f}" if ratio is not None else "-",
                 f"{row['step_time_median_cpu_s']:.3f}",
+                (f"{statistics.mean(generated):.0f}" if generated else "-")
+                + (f" ({against:.2f})" if against is not None else ""),
+                f"{per_trained:.2f}" if per_trained is not None else "-",
                 _zero_std(logged),
                 _value(logged, "dynamic_sampling/rounds"),
-                _value(logged, "skipped_rows/fraction"),
+                _skipped(logged),
             ]
         )
     return format_table(headers, rows)
+
+
+def _skipped(logged: dict) -> str:
+    """Rows skipped (`skip_zero_advantage_rows`) and prompts skipped per generation batch (`selective_rollouts`)."""
+    parts = []
+    if "skipped_rows/fraction" in logged:
+        parts.append(f"{logged['skipped_rows/fraction']:.2f} of rows")
+    if "selective_rollouts/skipped_prompts" in logged:
+        text = f"{logged['selective_rollouts/skipped_prompts']:.1f} prompts"
+        if "selective_rollouts/precision" in logged:
+            text += f" (precision {logged['selective_rollouts/precision']:.2f})"
+        parts.append(text)
+    return ", ".join(parts) or "-"
 
 
 def skip_table(skip: dict) -> str:
@@ -374,5 +479,5 @@ def _value(logged: dict, name: str) -> str:
 
 if __name__ == "__main__":  # a quick look: python -m benchmarks.learning
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    quick = run(seeds=(0,), steps=12, eval_every=6, eval_samples=32, skip_steps=6)
-    print(table(quick) + "\n\n" + skip_table(quick["skip_step_times"]))
+    quick = run(seeds=(0,), steps=12, eval_every=6, eval_samples=32, skip_steps=6, epoch_sides=EPOCH_SIDES)
+    print(table(quick) + "\n\n" + table(quick["epochs"]) + "\n\n" + skip_table(quick["skip_step_times"]))

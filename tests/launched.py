@@ -34,6 +34,21 @@ Dynamic sampling and row skipping (tests/test_sampling_distributed.py, DDP, FSDP
   and with `skip_zero_advantage_rows`: rank 1 then leaves every row out; the log histories and forward row counts.
 - `disagree`: rank 1's keep/drop decisions differ from rank 0's: the error each process raised (must be last).
 
+Selective rollouts and dynamic sampling's round sizes (tests/test_sampling_selective.py,
+tests/test_sampling_dynamic_sizing.py), over 12 prompts (6 texts, 2 of them with a constant reward), each generation
+used twice, beta=0. Each saves the log history, the rows each of TRL's generation calls got (`stock_rows`), the
+prompts each round of selective rollouts was decided for (`rounds`), every batch that trains (this process's rows,
+decoded, and advantages) and the engine:
+
+- `selective-checkpointed`, `sizing-checkpointed`: one process (`python`), selective rollouts with dynamic sampling,
+  or dynamic sampling alone, 12 steps of 16 rows, checkpointed every `--save_steps`; `--kill_during_save_of` and
+  `--resume` as for `checkpointed`.
+- `selective`: two processes, 3 rows each per step and groups of 4 (a group spans both processes), selective rollouts
+  with dynamic sampling.
+- `sizing-whole`: two processes, 8 rows each per step (whole groups per process), dynamic sampling alone.
+- `sizing-spanning`: the layout of `selective`, dynamic sampling alone.
+- `selective-disagree`: `selective` where rank 1 never skips: the error each process raised (must be last).
+
 The launch check (tests/test_guardrails_launch.py):
 
 - `build`: builds the trainer with `use_cpu` set by `--use_cpu` and prints `num_processes=<n>`, then `launch checked`
@@ -72,11 +87,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import helpers  # noqa: E402  (this script's folder is on sys.path)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import trl  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from helpers import (  # noqa: E402  (this script's folder is on sys.path)
     HELDOUT_OPTIONS,
     constant_reward,
     count_a_reward,
+    half_constant_reward,
     heldout_arguments,
     letter_a_metric,
     make_trainer,
@@ -93,6 +110,7 @@ from trl_grpo_ext.checkpointing import STAGING_DIR  # noqa: E402
 from trl_grpo_ext.guardrails import NonFiniteTrainingError  # noqa: E402
 from trl_grpo_ext.guardrails.launch import check_launch  # noqa: E402
 from trl_grpo_ext.sampling import dynamic as sampling_module  # noqa: E402
+from trl_grpo_ext.sampling.selective import SelectiveRollouts  # noqa: E402
 
 PACKAGE_DIR = os.path.dirname(trl_grpo_ext.__file__)
 HARNESS_FILES = (__file__, helpers.__file__)
@@ -441,6 +459,89 @@ def run_disagreeing(output_dir, model_path, **overrides) -> dict:
         sampling_module.informative_groups = original
 
 
+# The runs of selective rollouts and of dynamic sampling's round sizes, over `helpers.tiny_grpo_args`.
+ROUNDS = dict(max_completion_length=6, num_iterations=2, beta=0.0, use_cpu=ENGINE != "deepspeed")
+SELECTIVE = dict(selective_rollouts=True, dynamic_sampling=True, selective_rollouts_exploration=0.3)
+# 3 rows per process and step, groups of 4: a group spans both processes.
+SPANNING = dict(
+    per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=8, dynamic_sampling_max_rounds=6
+)
+ROUND_PHASES = {
+    "selective-checkpointed": dict(
+        SELECTIVE,
+        per_device_train_batch_size=16,
+        max_steps=12,
+        selective_rollouts_exploration_step=0.1,
+        selective_rollouts_target_zero_spread=0.1,
+    ),
+    "sizing-checkpointed": dict(per_device_train_batch_size=16, max_steps=12, dynamic_sampling=True),
+    "selective": dict(SELECTIVE, **SPANNING),
+    "selective-disagree": dict(SELECTIVE, **SPANNING),
+    "sizing-spanning": dict(SPANNING, dynamic_sampling=True),
+    "sizing-whole": dict(
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        max_steps=8,
+        dynamic_sampling=True,
+        dynamic_sampling_max_rounds=6,
+    ),
+}
+
+
+def run_rounds(output_dir, model_path, phase: str, cli) -> dict:
+    """A `ROUND_PHASES` run, recording the rows of every call of TRL's generation and the prompts of every round
+    selective rollouts decided."""
+    checkpointed = phase.endswith("-checkpointed")
+    trainer = make_trainer(
+        output_dir,
+        model_path,
+        AutoTokenizer.from_pretrained(model_path),
+        tiny_dataset(["abc=", "hello=", "xyz=", "qq=", "kite=", "zz="] * 2),
+        trainer_cls=RecordingTrainer,
+        reward_funcs=half_constant_reward,  # what the tests score the batches with
+        **ROUNDS,
+        **ROUND_PHASES[phase],
+        **(dict(save_strategy="steps", save_steps=cli.save_steps) if checkpointed else {}),
+    )
+    trainer.records = {"batches": [], "micro_batches": 0, "forward_rows": [], "stock_rows": [], "rounds": []}
+    if checkpointed and cli.kill_during_save_of is not None:
+        die_while_saving(trainer, cli.kill_during_save_of)
+    if phase == "selective-disagree" and RANK == 1:
+        judge = trainer._selective._judge
+
+        def never_skip(prompts):
+            keep, flat = judge(prompts)
+            return [True] * len(keep), flat
+
+        trainer._selective._judge = never_skip
+    stock, observe = trl.GRPOTrainer._generate_and_score_completions, SelectiveRollouts.observe
+
+    def counted(self, inputs):
+        if self.model.training:
+            trainer.records["stock_rows"].append(len(inputs))
+        return stock(self, inputs)
+
+    def observed(self, selection, informative):
+        trainer.records["rounds"].append({"prompts": list(selection.prompts), "flags": informative.tolist()})
+        return observe(self, selection, informative)
+
+    trl.GRPOTrainer._generate_and_score_completions, SelectiveRollouts.observe = counted, observed
+    error = None
+    try:
+        trainer.train(resume_from_checkpoint=True if checkpointed and cli.resume else None)
+    except RuntimeError as raised:
+        if phase != "selective-disagree":
+            raise
+        error = str(raised)
+    finally:
+        trl.GRPOTrainer._generate_and_score_completions, SelectiveRollouts.observe = stock, observe
+    engine = {
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "processes": trainer.accelerator.num_processes,
+    }
+    return {"log_history": trainer.state.log_history, "error": error, "engine": engine, **trainer.records}
+
+
 def run_build(output_dir, model_path, use_cpu: bool) -> dict:
     """Builds the trainer in processes that see no GPU; with use_cpu=False accelerate runs each on its own."""
     trainer = make_trainer(output_dir, model_path, None, tiny_dataset(["abc=", "hello="] * 4), use_cpu=use_cpu)
@@ -541,6 +642,8 @@ def run_phase(phase: str, cli) -> dict:
         )
     if phase == "disagree":
         return run_disagreeing(output_dir, cli.model_path, **dynamic)
+    if phase in ROUND_PHASES:
+        return run_rounds(output_dir, cli.model_path, phase, cli)
     if phase == "build":
         return run_build(output_dir, cli.model_path, cli.use_cpu == "true")
     if phase == "checkpointed":
@@ -559,7 +662,7 @@ def main() -> None:
     parser.add_argument("--phases", default="reference")
     # `build`
     parser.add_argument("--use_cpu", choices=["true", "false"], default="true")
-    # `checkpointed`
+    # `checkpointed` (`--save_steps`, `--kill_during_save_of`, `--resume` also the `*-checkpointed` phases)
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--dynamic_sampling", action="store_true")
     parser.add_argument("--save_steps", type=int, default=2)

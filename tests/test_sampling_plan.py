@@ -1,7 +1,9 @@
 """Dynamic sampling's decisions (`trl_grpo_ext.sampling.plan`): TRL's advantages and reward metrics for an assembled
-batch, which groups are informative, where kept groups may go, and the seeded, resumable prompt stream."""
+batch, which groups are informative, where kept groups may go, how many rows an extra round generates, and the
+seeded, resumable prompt stream."""
 
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext.sampling.plan import (
     PromptStream,
+    extra_round_rows,
     fill_slots,
     group_placement,
     informative_groups,
@@ -103,6 +106,38 @@ def test_groups_take_only_places_with_the_same_placement():
     placements = group_placement(2, 4, 8)
     assignment, short = fill_slots([torch.tensor([False, False]), torch.tensor([False, True])], placements)
     assert assignment == [(1, 1), (0, 1)] and short == 1
+
+
+def test_a_round_holds_the_missing_groups_over_the_keep_rate_in_whole_groups_per_process():
+    one = group_placement(16, 8, 128)  # the demo: one process, 16 groups of 8
+    lacking = Counter({one[0]: 5})
+    assert extra_round_rows(lacking, 0.72, 1.0, 128, 1, 8) == 8 * math.ceil(5 / 0.72)  # 7 groups
+    assert extra_round_rows(lacking, 0.72, 1.2, 128, 1, 8) == 8 * math.ceil(1.2 * 5 / 0.72)  # 9 groups
+    assert extra_round_rows(lacking, 0.2, 1.0, 128, 1, 8) == 128  # more than a generation batch: a whole one
+    assert extra_round_rows(lacking, 0.0, 1.0, 128, 1, 8) == 128  # nothing kept yet: a whole one
+    # Two processes of 8 rows, groups of 4 (whole groups per process): sized for the neediest process.
+    two = group_placement(4, 4, 8)
+    assert two == [((0, 4),), ((0, 4),), ((1, 4),), ((1, 4),)]
+    assert extra_round_rows(Counter({two[0]: 1}), 1.0, 1.0, 8, 2, 4) == 4  # one group on each process
+    assert extra_round_rows(Counter({two[0]: 1, two[2]: 2}), 1.0, 1.0, 8, 2, 4) == 8
+
+
+def test_where_groups_span_processes_only_a_round_with_the_same_segments_fills_a_spanning_place():
+    # 2 processes of 6 rows, groups of 4: group 1 spans both. Rounds of 2 rows hold one spanning group, of 4 rows
+    # one whole group per process; 6 rows is a whole generation batch.
+    whole = group_placement(3, 4, 6)
+    assert group_placement(1, 4, 2) == [((0, 2), (1, 2))] == [whole[1]]
+    assert group_placement(2, 4, 4) == [((0, 4),), ((1, 4),)]
+    assert extra_round_rows(Counter({whole[1]: 1}), 0.9, 1.0, 6, 2, 4) == 2
+    assert extra_round_rows(Counter({whole[0]: 1}), 0.9, 1.0, 6, 2, 4) == 4
+    assert extra_round_rows(Counter({whole[0]: 1, whole[1]: 1}), 0.9, 1.0, 6, 2, 4) == 6
+    informative = [torch.tensor([False, False, True]), torch.tensor([True]), torch.tensor([True, True])]
+    layouts = [whole, group_placement(1, 4, 2), group_placement(2, 4, 4)]
+    assignment, short = fill_slots(informative, whole, layouts)
+    assert assignment == [(2, 0), (1, 0), (0, 2)] and short == 0
+    # The 2-row round's group cannot fill a whole-group place.
+    assignment, short = fill_slots(informative[:2], whole, layouts[:2])
+    assert assignment == [(0, 0), (1, 0), (0, 2)] and short == 1
 
 
 def test_the_prompt_stream_is_seeded_resumable_and_continues_over_epochs():

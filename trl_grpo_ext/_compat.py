@@ -99,6 +99,7 @@ CALLED_METHODS = {
         *FORWARD_KEYS,
     ),
     "_remove_unused_columns": ("dataset", "description"),
+    "_set_signature_columns_if_needed": (),
     "get_off_policy_mask": (
         "advantages",
         "per_token_logps",
@@ -126,6 +127,7 @@ TRL_ATTRIBUTES = (
     "_logs",
     "_step",
     "_buffered_inputs",
+    "_signature_columns",  # transformers' Trainer's: the columns `remove_unused_columns=True` keeps
     "_entropy_bonus_enabled",
     "_entropy_window_stats",
     "_last_world_entropy",

@@ -133,17 +133,76 @@ class GRPOConfigExt(GRPOConfig):
         metadata={
             "help": "DAPO's dynamic sampling: after TRL scored a generation batch, replace the groups whose rewards "
             "are all equal (advantage 0, no policy gradient) by informative groups generated for fresh prompts of "
-            "the training set, one whole generation batch per extra round, at most dynamic_sampling_max_rounds "
-            "rounds; advantages are then computed on the assembled batch as TRL computes them. Places still empty "
-            "after the last round keep their zero-spread group (same batch shape on every process). Needs a "
-            "map-style train_dataset. Logs dynamic_sampling/*."
+            "the training set, in extra rounds sized to what the batch still lacks (dynamic_sampling_round_margin), "
+            "at most dynamic_sampling_max_rounds rounds; advantages are then computed on the assembled batch as TRL "
+            "computes them. Places still empty after the last round keep their zero-spread group (same batch shape "
+            "on every process). Needs a map-style train_dataset. Logs dynamic_sampling/*."
         },
     )
     dynamic_sampling_max_rounds: int = field(
         default=3,
         metadata={
             "help": "With dynamic_sampling, the most extra generation rounds per generation batch (>= 1); each costs "
-            "one generation batch's generation and scoring."
+            "the generation and scoring of its prompts."
+        },
+    )
+    dynamic_sampling_round_margin: float = field(
+        default=1.1,
+        metadata={
+            "help": "With dynamic_sampling, an extra round generates this many times the groups the batch still "
+            "lacks divided by the share of informative groups seen so far (recent generation batches weigh most), "
+            "rounded up to whole groups per process where the layout allows, at most a whole generation batch (> 0). "
+            "Larger: fewer rounds, more groups generated; a value at least the groups of a generation batch makes "
+            "every extra round a whole generation batch."
+        },
+    )
+
+    selective_rollouts: bool = field(
+        default=False,
+        metadata={
+            "help": "Skip, before generation, the training prompts predicted to give no reward spread: those whose "
+            "last selective_rollouts_history visits (at least) had none, each still explored with probability "
+            "p ** (streak - history + 1), p adapted towards selective_rollouts_target_zero_spread. A skipped prompt "
+            "is replaced in its place by the next prompt of the stream of fresh prompts (dynamic sampling's), judged "
+            "alike; prompts are identified by their index in the training set (a map-style train_dataset is "
+            "needed). Combines with dynamic_sampling and skip_zero_advantage_rows. Logs selective_rollouts/*."
+        },
+    )
+    selective_rollouts_history: int = field(
+        default=1,
+        metadata={
+            "help": "With selective_rollouts, the visits without reward spread in a row after which a prompt is "
+            "predicted flat (>= 1)."
+        },
+    )
+    selective_rollouts_target_zero_spread: float = field(
+        default=0.25,
+        metadata={
+            "help": "With selective_rollouts, the share of generated groups without reward spread that the "
+            "exploration probability steers towards: it goes down while more groups than this have no spread, up "
+            "otherwise (in [0, 1])."
+        },
+    )
+    selective_rollouts_exploration: float = field(
+        default=0.5,
+        metadata={
+            "help": "With selective_rollouts, the initial exploration probability p: a prompt predicted flat is "
+            "generated for anyway with probability p ** (streak - history + 1) (within the bounds below)."
+        },
+    )
+    selective_rollouts_exploration_min: float = field(
+        default=0.05,
+        metadata={"help": "With selective_rollouts, the lowest exploration probability (in [0, 1])."},
+    )
+    selective_rollouts_exploration_max: float = field(
+        default=1.0,
+        metadata={"help": "With selective_rollouts, the highest exploration probability (in [min, 1])."},
+    )
+    selective_rollouts_exploration_step: float = field(
+        default=0.01,
+        metadata={
+            "help": "With selective_rollouts, how far the exploration probability moves after each generation batch "
+            "(>= 0; 0 keeps it fixed)."
         },
     )
 
@@ -352,10 +411,15 @@ def config_problems(args, *, only_after_trl: bool = False) -> list[str]:
     ):
         if option(args, name) not in choices:
             problems.append(f"`{name}` must be one of {choices}, got {option(args, name)!r}.")
+    margin = option(args, "dynamic_sampling_round_margin")
+    if not margin > 0:
+        problems.append(f"`dynamic_sampling_round_margin` must be > 0, got {margin}.")
+    problems += _selective_rollouts_problems(args)
     problems += [
         problem
         for problem in (
             _at_least(args, "dynamic_sampling_max_rounds", 1),
+            _at_least(args, "selective_rollouts_history", 1),
             _at_least(args, "max_nonfinite_skips", 0),
             _at_least(args, "warn_patience", 1),
             _at_least(args, "heldout_every_steps", 0),
@@ -369,6 +433,34 @@ def config_problems(args, *, only_after_trl: bool = False) -> list[str]:
     if pass_at is not None and (not pass_at or min(pass_at) < 1):  # k <= heldout_num_generations: the trainer's
         problems.append(f"`heldout_pass_at` must list values >= 1, got {pass_at}.")
     problems += hyperparameter_problems(args.epsilon, args.epsilon_high, args.beta, args.delta)
+    return problems
+
+
+def _selective_rollouts_problems(args) -> list[str]:
+    problems = []
+    for name in (
+        "selective_rollouts_target_zero_spread",
+        "selective_rollouts_exploration_min",
+        "selective_rollouts_exploration_max",
+    ):
+        value = option(args, name)
+        if not 0.0 <= value <= 1.0:
+            problems.append(f"`{name}` must lie in [0, 1], got {value}.")
+    low, high = option(args, "selective_rollouts_exploration_min"), option(args, "selective_rollouts_exploration_max")
+    initial = option(args, "selective_rollouts_exploration")
+    if low > high:
+        problems.append(
+            f"`selective_rollouts_exploration_min` ({low}) must not exceed `selective_rollouts_exploration_max` "
+            f"({high})."
+        )
+    elif not low <= initial <= high:
+        problems.append(
+            f"`selective_rollouts_exploration` must lie in [selective_rollouts_exploration_min, "
+            f"selective_rollouts_exploration_max] = [{low}, {high}], got {initial}."
+        )
+    if not option(args, "selective_rollouts_exploration_step") >= 0:
+        step = option(args, "selective_rollouts_exploration_step")
+        problems.append(f"`selective_rollouts_exploration_step` must be >= 0, got {step}.")
     return problems
 
 

@@ -6,8 +6,9 @@ their signatures against the installed TRL), and hands its concern to the helper
 
 - `_compute_loss`: the objective (`objective_inputs.gather_objective_inputs`, `ops.policy_objective`), row skipping
   (`sampling.skipping`) and the per-micro-batch diagnostics sums (`diagnostics`);
-- `_generate_and_score_completions`: dynamic sampling (`sampling.dynamic.DynamicSampler`), the per-group reward
-  spread of the batch that trains, the sampler/trainer mismatch with vLLM (`diagnostics.mismatch`);
+- `_generate_and_score_completions`: selective rollouts (`sampling.selective.SelectiveRollouts`), dynamic sampling
+  (`sampling.dynamic.DynamicSampler`), the per-group reward spread of the batch that trains, the sampler/trainer
+  mismatch with vLLM (`diagnostics.mismatch`);
 - `_calculate_rewards`: the rewards and completion lengths of the batch just scored;
 - `log`: the one gather of the diagnostics per log step;
 - `training_step`, `_get_grad_norm`: the non-finite guard (`guardrails.nonfinite.NonFiniteStepGuard`);
@@ -49,6 +50,7 @@ from .report.console import ConsoleCallback
 from .sampling.dynamic import DynamicSampler, ScoredBatch
 from .sampling.generation import eos_token_ids
 from .sampling.heldout import HeldoutEvaluator
+from .sampling.selective import SelectiveRollouts
 from .sampling.skipping import ZeroAdvantageRowSkipping, skipping_problems
 from .sampling.truncation import TruncationMatch
 
@@ -87,8 +89,9 @@ class GRPOTrainerExt(GRPOTrainer):
     alarm also reaches trackio and W&B as an alert where `report_to` names them. With `heldout_metrics=[...]` (and
     `heldout_dataset`, or `eval_dataset`) it evaluates held-out prompts with k sampled completions each,
     independently of the reward (`sampling.heldout`). Opt-in (`GRPOConfigExt`): `dynamic_sampling` replaces the
-    groups without reward spread by informative ones generated for fresh prompts, and `skip_zero_advantage_rows`
-    leaves the rows that cannot move the loss out of the training forward, exactly.
+    groups without reward spread by informative ones generated for fresh prompts, `selective_rollouts` skips before
+    generation the prompts predicted to give no reward spread, and `skip_zero_advantage_rows` leaves the rows that
+    cannot move the loss out of the training forward, exactly.
 
     Args:
         heldout_metrics (callable or list of callables, *optional*): metric functions with the reward-function
@@ -159,11 +162,18 @@ class GRPOTrainerExt(GRPOTrainer):
         self._nonfinite_guard = NonFiniteGuard(option(args, "nonfinite_policy"), option(args, "max_nonfinite_skips"))
         self._checkpoints.register("nonfinite_guard", self._nonfinite_guard)
         self._nonfinite_steps = NonFiniteStepGuard(self, self._nonfinite_guard, self._checkpoints)
-        self._dynamic_sampler = None
+        self._selective, self._dynamic_sampler = None, None
+        if option(args, "selective_rollouts"):
+            self._selective = SelectiveRollouts(self, **_selective_options(args))
+            self._checkpoints.register("selective_rollouts", self._selective, rewind=True)
+            self._checkpoints.register("prompt_stream", self._selective.stream, rewind=True)
         if option(args, "dynamic_sampling"):
-            rounds = option(args, "dynamic_sampling_max_rounds")
-            self._dynamic_sampler = DynamicSampler(self, rounds, last_scored=lambda: self._scored)
-            self._checkpoints.register("prompt_stream", self._dynamic_sampler.stream, rewind=True)
+            rounds, margin = option(args, "dynamic_sampling_max_rounds"), option(args, "dynamic_sampling_round_margin")
+            sampler = DynamicSampler(self, rounds, lambda: self._scored, margin=margin, selective=self._selective)
+            if self._selective is None:  # else the stream is the one selective rollouts registered
+                self._checkpoints.register("prompt_stream", sampler.stream, rewind=True)
+            self._checkpoints.register("dynamic_sampling", sampler.keep_rate, rewind=True)
+            self._dynamic_sampler = sampler
         self._heldout = heldout
         heldout.attach(self)
         if option(args, "warn_on_anomalies"):
@@ -290,6 +300,8 @@ class GRPOTrainerExt(GRPOTrainer):
         mark = match.mark(mode) if match is not None else None
         if self._dynamic_sampler is not None and mode == "train":
             output, scored = self._dynamic_sampler.generate(inputs, stock)
+        elif self._selective is not None and mode == "train":
+            output, scored = self._selective.generate(inputs, stock, lambda: self._scored)
         else:
             output, scored = stock(inputs), self._scored
         self._add_reward_spread(scored, mode)
@@ -414,6 +426,12 @@ class GRPOTrainerExt(GRPOTrainer):
             lora_settings=self._user_lora_settings,
             card_metrics=self.card_metrics,
         )
+
+
+def _selective_options(args) -> dict:
+    """`SelectiveRollouts`' options from the configuration's `selective_rollouts_*` fields."""
+    names = ("history", "target_zero_spread", "exploration", "exploration_min", "exploration_max", "exploration_step")
+    return {name: option(args, f"selective_rollouts_{name}") for name in names}
 
 
 def _check_train_dataset(train_dataset, environment_factory) -> None:

@@ -4,6 +4,7 @@
 - `heldout`: held-out evaluation during training (mean@n, pass@k), independent of the reward;
 - `dynamic`: dynamic sampling (DAPO's), replacing the groups without reward spread;
 - `plan`: dynamic sampling's decisions, as functions of gathered tensors (alike on every process);
+- `selective`: selective rollouts, skipping before generation the prompts predicted to give no reward spread;
 - `skipping`: exact skipping of the rows that cannot move the loss.
 """
 

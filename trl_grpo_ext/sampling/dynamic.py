@@ -3,10 +3,13 @@
 A group whose completions all get the same reward has advantage 0: it gives no policy gradient (only the KL term).
 `DynamicSampler.generate` (called by `GRPOTrainerExt._generate_and_score_completions`) lets TRL generate and score
 its generation batch as usual, drops the groups without reward spread (`plan.informative_groups`), and generates and
-scores, with TRL's own code path, a whole generation batch of fresh training prompts (`plan.PromptStream`) per extra
-round, at most `dynamic_sampling_max_rounds` rounds, until every dropped group has been replaced by an informative
-one. The advantages are then computed on the assembled batch as TRL computes them on a batch (`plan.trl_advantages`:
-group, batch or no scaling, either multi-objective aggregation), and `num_items_in_batch` is recounted.
+scores, with TRL's own code path, extra rounds of fresh training prompts (`plan.PromptStream`), at most
+`dynamic_sampling_max_rounds` of them, until every dropped group has been replaced by an informative one. Each extra
+round generates only what the batch still lacks: `dynamic_sampling_round_margin` times the missing groups divided by
+the share of groups kept so far (`KeepRate`: this batch's rounds and, decayed, the batches before), rounded up to a
+round layout (`plan.extra_round_rows`), at most a whole generation batch. The advantages are then computed on the
+assembled batch as TRL computes them on a batch (`plan.trl_advantages`: group, batch or no scaling, either
+multi-objective aggregation), and `num_items_in_batch` is recounted.
 
 A batch that stays short after the last round keeps, in the places not filled, the zero-spread groups TRL sampled
 first: the batch keeps its shape, so every process still trains the same number of rows and micro-batches, and
@@ -15,19 +18,27 @@ groups add only the KL term (nothing when `beta == 0`; `skip_zero_advantage_rows
 forward), where shrinking the batch would make micro-batches uneven across processes and change every denominator.
 
 Several processes. TRL's sampler lays a generation batch out group by group over the processes, and a group can span
-two; every extra round has the same layout. A group only takes the place of one with the same placement (the same
-processes, as many rows on each: `plan.fill_slots`), so no row moves between processes and each keeps its
-number of rows. The keep/drop decisions are taken on the rewards gathered from every process, identically
-everywhere, and then checked: one small gather per round compares them, and rows per process, across processes, and
-a difference raises an error naming it rather than leaving the processes waiting for each other.
+two. An extra round of `r` rows per process is laid out the same way (global row `i` on process `i // r`, the same
+`r` on every process: TRL's reward gathering and vLLM's generation are collectives over equal shares). A group only
+takes the place of one with the same placement (the same processes, as many rows on each: `plan.fill_slots`), so no
+row moves between processes and each keeps its number of rows; the round size is the smallest whose placements hold
+enough groups for every placement with empty places (when the rows per process are a multiple of
+`num_generations`, whole groups per process: any group of a process fills any place of that process). The keep/drop
+decisions and the round sizes are taken on the rewards gathered from every process, identically everywhere, and then
+checked: one small gather per round compares them, and rows per process, across processes, and a difference raises
+an error naming it rather than leaving the processes waiting for each other.
 
 Prompts of different rounds were padded to different widths: the assembled batch pads them again (prompts on the
 left, completions on the right). The log-probs TRL computed for a round (sampling, reference) stay those of that
 round's padding: with rotary position embeddings (Llama, Qwen, Mistral, ...) extra left padding changes a forward
 only to float rounding; models with absolute position embeddings see their prompts shifted.
 
+With selective rollouts (`sampling.selective`), round 0's prompts are those TRL's sampler handed out with the
+predicted-flat ones replaced, the extra rounds' prompts are drawn through the same judgement (from the same stream),
+and every round's groups update the prompts' histories.
+
 Metrics (once per generation batch): `dynamic_sampling/kept_fraction` (informative groups / generated groups),
-`dynamic_sampling/rounds` (extra rounds), `dynamic_sampling/generated_groups`,
+`dynamic_sampling/rounds` (extra rounds), `dynamic_sampling/generated_groups` (every round's groups),
 `dynamic_sampling/frac_reward_zero_std_generated` (TRL's `frac_reward_zero_std` over every generated group), and
 `dynamic_sampling/trained_mean_length` and `trained_clipped_ratio` (TRL's `completions/mean_length` and
 `completions/clipped_ratio` of the batch that trains, which the alarms read beside its reward). TRL's
@@ -35,14 +46,14 @@ reward metrics (`reward`, `reward_std`, `frac_reward_zero_std`, `rewards/<name>/
 `reward_std/group_*` and the completions table describe the batch that trains; `completions/*` and `num_tokens`
 count everything generated.
 
-Resume: the prompt stream is registered with the checkpoints (`Checkpoints.register(..., rewind=True)`): saved with
-every checkpoint, and rewound to the start of the step for the checkpoint a non-finite stop writes, so that a resumed
-run draws the same prompts.
+Resume: the prompt stream and the keep-rate counts are registered with the checkpoints (`Checkpoints.register(...,
+rewind=True)`): saved with every checkpoint, and rewound to the start of the step for the checkpoint a non-finite stop
+writes, so that a resumed run draws the same prompts in rounds of the same sizes.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +63,7 @@ from trl.trainer.utils import pad
 
 from .plan import (
     PromptStream,
+    extra_round_rows,
     fill_slots,
     group_placement,
     informative_groups,
@@ -59,7 +71,7 @@ from .plan import (
     trl_reward_metrics,
 )
 
-__all__ = ["DynamicSampler", "ScoredBatch"]
+__all__ = ["DynamicSampler", "KeepRate", "ScoredBatch"]
 
 # Per-row tensors of TRL's generation batch: the side they are padded on and the padding value ("pad": the token).
 _ROW_TENSORS = {
@@ -103,6 +115,38 @@ class _Round:
     informative: torch.Tensor  # (K,) bool
     frac_reward_zero_std: float
     logs: dict[str, Any]
+    local_rows: int = 0  # rows per process
+    placements: list[tuple] | None = None  # `group_placement` of the round
+    selection: Any = None  # with selective rollouts: its prompts (`selective.Selection`)
+
+
+class KeepRate:
+    """The share of generated groups that were informative, the estimate an extra round is sized with: the counts of
+    the current generation batch's rounds plus those of the batches before, decayed by `decay` per batch (recent
+    batches count most: the share drifts as the policy learns).
+
+    Its state is two floats, identical on every process (they come from gathered rewards).
+    """
+
+    def __init__(self, decay: float = 0.8):
+        self.decay = decay
+        self.kept = self.generated = 0.0
+
+    def estimate(self, kept: int, generated: int) -> float:
+        """The share, with the current batch's `kept` of `generated` groups so far (0 when nothing was generated)."""
+        total = self.generated + generated
+        return (self.kept + kept) / total if total else 0.0
+
+    def update(self, kept: int, generated: int) -> None:
+        """Fold a finished generation batch in."""
+        self.kept = self.decay * self.kept + kept
+        self.generated = self.decay * self.generated + generated
+
+    def state_dict(self) -> dict[str, float]:
+        return {"kept": self.kept, "generated": self.generated}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.kept, self.generated = float(state["kept"]), float(state["generated"])
 
 
 class DynamicSampler:
@@ -113,12 +157,22 @@ class DynamicSampler:
             rewritten for the assembled batch.
         max_rounds (`int`): the most extra rounds per generation batch.
         last_scored (`Callable[[], ScoredBatch]`): the rewards of the generation batch TRL scored last.
+        margin (`float`): an extra round generates this many times the groups it is expected to need.
+        selective (`selective.SelectiveRollouts`, *optional*): selective rollouts, whose stream this sampler then
+            draws from.
 
     Raises:
-        ValueError: for an `IterableDataset` (fresh prompts are drawn by index) or `max_rounds < 1`.
+        ValueError: for an `IterableDataset` (fresh prompts are drawn by index), `max_rounds < 1` or `margin <= 0`.
     """
 
-    def __init__(self, trainer, max_rounds: int, last_scored: Callable[[], ScoredBatch]):
+    def __init__(
+        self,
+        trainer,
+        max_rounds: int,
+        last_scored: Callable[[], ScoredBatch],
+        margin: float = 1.1,
+        selective=None,
+    ):
         dataset = trainer.train_dataset
         if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
             raise ValueError(
@@ -128,9 +182,17 @@ class DynamicSampler:
             )
         if max_rounds < 1:
             raise ValueError(f"`dynamic_sampling_max_rounds` must be >= 1, got {max_rounds}.")
+        if not margin > 0:
+            raise ValueError(f"`dynamic_sampling_round_margin` must be > 0, got {margin}.")
         self.trainer, self.max_rounds, self.last_scored = trainer, max_rounds, last_scored
+        self.margin, self.selective = margin, selective
         #: The fresh prompts of the extra rounds (resumable: `Checkpoints.register`).
-        self.stream = PromptStream(len(dataset), trainer.args.seed, shuffle=trainer.shuffle_dataset)
+        if selective is not None:
+            self.stream = selective.stream
+        else:
+            self.stream = PromptStream(len(dataset), trainer.args.seed, shuffle=trainer.shuffle_dataset)
+        #: The share of informative groups, that extra rounds are sized with (resumable).
+        self.keep_rate = KeepRate()
         self._sampling_dataset = None
 
     def generate(self, inputs: list[dict], stock: Callable[[list[dict]], dict]) -> tuple[dict[str, Any], ScoredBatch]:
@@ -146,19 +208,45 @@ class DynamicSampler:
         """
         trainer = self.trainer
         num_generations = trainer.num_generations
+        num_processes = trainer.accelerator.num_processes
         metrics = trainer._metrics["train"]
         lengths_before = {name: len(values) for name, values in metrics.items()}
-        rounds = [self._scored_round(inputs, stock)]
         local_rows = len(inputs)
+        selection = None
+        if self.selective is not None:
+            selection, inputs = self.selective.prepare(inputs)
+        rounds = [self._scored_round(inputs, stock, local_rows, selection)]
         total_rows = rounds[0].scored.rewards_per_func.size(0)
-        num_groups = total_rows // num_generations
-        placements = group_placement(num_groups, num_generations, local_rows)
+        placements = rounds[0].placements
         assignment, short = fill_slots([r.informative for r in rounds], placements)
         self._check_processes_agree(local_rows, total_rows, rounds[-1].informative, short)
         while short and len(rounds) <= self.max_rounds:
-            rounds.append(self._scored_round(self._fresh_inputs(num_groups, local_rows), stock))
-            assignment, short = fill_slots([r.informative for r in rounds], placements)
-            self._check_processes_agree(local_rows, total_rows, rounds[-1].informative, short)
+            kept = sum(int(r.informative.sum()) for r in rounds)
+            generated = sum(r.informative.numel() for r in rounds)
+            lacking = Counter(
+                placements[group]
+                for round_index, group in assignment
+                if round_index == 0 and not rounds[0].informative[group]
+            )
+            rows = extra_round_rows(
+                lacking,
+                self.keep_rate.estimate(kept, generated),
+                self.margin,
+                local_rows,
+                num_processes,
+                num_generations,
+            )
+            round_groups = num_processes * rows // num_generations
+            fresh, selection = self._fresh_inputs(round_groups, rows)
+            rounds.append(self._scored_round(fresh, stock, rows, selection))
+            round_total = rounds[-1].scored.rewards_per_func.size(0)
+            assignment, short = fill_slots([r.informative for r in rounds], placements, [r.placements for r in rounds])
+            self._check_processes_agree(rows, round_total, rounds[-1].informative, short)
+        kept = sum(int(r.informative.sum()) for r in rounds)
+        generated = sum(r.informative.numel() for r in rounds)
+        self.keep_rate.update(kept, generated)
+        if self.selective is not None:
+            self.selective.finish(metrics)
 
         sources = [
             (round_index, group * num_generations + offset)
@@ -173,8 +261,9 @@ class DynamicSampler:
             trainer.scale_rewards,
             trainer.multi_objective_aggregation,
         )
-        start = trainer.accelerator.process_index * local_rows
-        local_sources = [(r, row - start) for r, row in sources[start : start + local_rows]]
+        process = trainer.accelerator.process_index
+        start = process * local_rows
+        local_sources = [(r, row - process * rounds[r].local_rows) for r, row in sources[start : start + local_rows]]
         if len(rounds) == 1:
             output = rounds[0].output  # nothing replaced: TRL's batch as it is
         else:
@@ -190,12 +279,11 @@ class DynamicSampler:
         for name, value in trained.items():
             del metrics[name][lengths_before.get(name, 0) :]
             metrics[name].append(value)
-        kept = sum(r.informative.sum().item() for r in rounds)
-        metrics["dynamic_sampling/kept_fraction"].append(kept / (num_groups * len(rounds)))
+        metrics["dynamic_sampling/kept_fraction"].append(kept / generated)
         metrics["dynamic_sampling/rounds"].append(float(len(rounds) - 1))
-        metrics["dynamic_sampling/generated_groups"].append(float(num_groups * len(rounds)))
-        generated = sum(r.frac_reward_zero_std for r in rounds) / len(rounds)
-        metrics["dynamic_sampling/frac_reward_zero_std_generated"].append(generated)
+        metrics["dynamic_sampling/generated_groups"].append(float(generated))
+        zero_std = sum(r.frac_reward_zero_std * r.informative.numel() for r in rounds) / generated
+        metrics["dynamic_sampling/frac_reward_zero_std_generated"].append(zero_std)
         if truncated is not None:  # TRL's `completions/*` count every round: these, the batch that trains
             local = torch.stack([lengths.to(torch.float64), truncated.to(torch.float64)], dim=1)
             trained = trainer.accelerator.gather(local.to(trainer.accelerator.device)).cpu()
@@ -204,8 +292,9 @@ class DynamicSampler:
         self._rewrite_completions_table(rounds, sources, advantages)
         return output, ScoredBatch(rewards_per_func, lengths, start, truncated)
 
-    def _scored_round(self, inputs: list[dict], stock) -> _Round:
-        """TRL's `_generate_and_score_completions` on `inputs`, with what the plan needs of it."""
+    def _scored_round(self, inputs: list[dict], stock, local_rows: int, selection=None) -> _Round:
+        """TRL's `_generate_and_score_completions` on `inputs` (`local_rows` rows on each process), with what the plan
+        needs of it; with selective rollouts, its groups update their prompts' histories."""
         trainer = self.trainer
         trainer._logs["extra"].clear()  # so that the columns left after the call are this round's (N values each)
         output = stock(inputs)
@@ -229,25 +318,36 @@ class DynamicSampler:
             "rewards": {name: list(values) for name, values in trainer._logs["rewards"].items()},
             "extra": {name: list(values) for name, values in trainer._logs["extra"].items()},
         }
+        informative = informative_groups(rewards, trainer.num_generations)
+        if selection is not None:
+            self.selective.observe(selection, informative)
+        num_groups = scored.rewards_per_func.size(0) // trainer.num_generations
         return _Round(
             output=output,
             scored=scored,
-            informative=informative_groups(rewards, trainer.num_generations),
+            informative=informative,
             frac_reward_zero_std=is_std_zero.float().mean().item(),
             logs=logs,
+            local_rows=local_rows,
+            placements=group_placement(num_groups, trainer.num_generations, local_rows),
+            selection=selection,
         )
 
-    def _fresh_inputs(self, num_groups: int, local_rows: int) -> list[dict]:
-        """This process's rows of a generation batch of fresh prompts, laid out as TRL's sampler lays them out (each
-        prompt `num_generations` times in a row, the global batch split over the processes in order)."""
+    def _fresh_inputs(self, num_groups: int, local_rows: int) -> tuple[list[dict], Any]:
+        """This process's rows of a round of `num_groups` fresh prompts, laid out as TRL's sampler lays out a
+        generation batch (each prompt `num_generations` times in a row, `local_rows` rows per process in order), and
+        the round's selection (`None` without selective rollouts)."""
+        start = self.trainer.accelerator.process_index * local_rows
+        if self.selective is not None:
+            selection = self.selective.draw(num_groups)  # the same on every process
+            return self.selective.rows(selection, start, local_rows), selection
         if self._sampling_dataset is None:  # the columns the data loader hands out
             self._sampling_dataset = self.trainer._remove_unused_columns(
                 self.trainer.train_dataset, description="training"
             )
         prompts = self.stream.draw(num_groups)  # the same on every process
         indices = [index for index in prompts for _ in range(self.trainer.num_generations)]
-        start = self.trainer.accelerator.process_index * local_rows
-        return [self._sampling_dataset[index] for index in indices[start : start + local_rows]]
+        return [self._sampling_dataset[index] for index in indices[start : start + local_rows]], None
 
     def _check_processes_agree(self, local_rows: int, total_rows: int, informative: torch.Tensor, short: int) -> None:
         """Raise, on every process alike, if the processes hold different numbers of rows or took different

@@ -2,23 +2,29 @@
 
 - `trl_advantages`, `trl_reward_metrics`: TRL's advantages and reward metrics of a generation batch, from its gathered
   rewards (a copy of the inline block of TRL 1.16's `GRPOTrainer._generate_and_score_completions`, recorded in
-  `_compat.TRL_COPIES` and pinned by `tests/test_sampling.py`), so that a batch assembled from several generation
+  `_compat.TRL_COPIES` and pinned by `tests/test_sampling_plan.py`), so that a batch assembled from several generation
   rounds gets the advantages TRL would give it.
 - `informative_groups`: which groups have a reward spread (the others have advantage 0: no policy gradient).
 - `group_placement`, `fill_slots`: which generated group trains in which place of the batch. TRL's sampler lays a
-  generation batch out group by group over the processes; a group may span two. Each extra round has the same
-  layout, so a group can take the place of another with the same placement (the same processes, as many rows on
-  each) without any row moving between processes.
+  generation batch out group by group over the processes; a group may span two. An extra round is laid out the same
+  way with fewer rows per process (the same number on each), so a group can take the place of another with the same
+  placement (the same processes, as many rows on each) without any row moving between processes.
+- `extra_round_rows`: how many rows per process the next extra round generates, from the places still empty and the
+  share of groups kept so far.
 - `PromptStream`: the fresh prompts of the extra rounds, in a seeded order of their own (two integers of state).
 """
 
 from __future__ import annotations
+
+import math
+from collections import Counter
 
 import torch
 from trl.trainer.utils import nanstd
 
 __all__ = [
     "PromptStream",
+    "extra_round_rows",
     "fill_slots",
     "group_placement",
     "informative_groups",
@@ -136,12 +142,16 @@ def group_placement(num_groups: int, num_generations: int, rows_per_process: int
     return placements
 
 
-def fill_slots(informative: list[torch.Tensor], placements: list[tuple]) -> tuple[list[tuple[int, int]], int]:
+def fill_slots(
+    informative: list[torch.Tensor], placements: list[tuple], round_placements: list[list[tuple]] | None = None
+) -> tuple[list[tuple[int, int]], int]:
     """Which generated group trains in each place of the batch.
 
     Args:
-        informative (`list[torch.Tensor]`): per round (0 the batch TRL sampled, then the extra rounds), `(K,)` bool.
-        placements (`list[tuple]`): `group_placement` of a round (the same for every round).
+        informative (`list[torch.Tensor]`): per round (0 the batch TRL sampled, then the extra rounds), `(K_r,)` bool.
+        placements (`list[tuple]`): `group_placement` of round 0: the places of the batch.
+        round_placements (`list[list[tuple]]`, *optional*): `group_placement` of each round, round 0's included
+            (an extra round may be smaller); default: every round laid out as round 0.
 
     Returns:
         `(assignment, short)`: per place `j` of round 0, the `(round, group)` that trains there, and how many places
@@ -154,11 +164,56 @@ def fill_slots(informative: list[torch.Tensor], placements: list[tuple]) -> tupl
         if not ok:
             waiting.setdefault(placements[group], []).append(group)
     for round_index, flags in enumerate(informative[1:], start=1):
+        layout = placements if round_placements is None else round_placements[round_index]
         for group, ok in enumerate(flags.tolist()):
-            places = waiting.get(placements[group])
+            places = waiting.get(layout[group])
             if ok and places:
                 assignment[places.pop(0)] = (round_index, group)
     return assignment, sum(len(places) for places in waiting.values())
+
+
+def extra_round_rows(
+    lacking: Counter,
+    keep_rate: float,
+    margin: float,
+    rows_per_process: int,
+    num_processes: int,
+    num_generations: int,
+) -> int:
+    """Rows per process of the next extra round: the smallest round, laid out as TRL lays out a generation batch (the
+    same number of rows on every process, groups in order), that holds, for every placement with empty places,
+    `ceil(margin * empty / keep_rate)` groups of that placement, or as many as a whole generation batch holds.
+
+    Args:
+        lacking (`Counter`): placement (`group_placement`'s tuples, of a whole generation batch) -> empty places.
+        keep_rate (`float`): the expected share of informative groups; 0 (none seen yet): a whole generation batch.
+        margin (`float`): generate this many times the groups expected to be needed.
+        rows_per_process (`int`): rows of a whole generation batch on each process.
+        num_processes (`int`), num_generations (`int`): the layout.
+
+    Returns:
+        `int`: between 1 and `rows_per_process`; `rows_per_process` where no smaller round holds enough.
+
+    A round of `r` rows per process needs `num_processes * r` to be a multiple of `num_generations` (whole groups);
+    where `rows_per_process` is a multiple of `num_generations`, rounds of whole groups per process fill any place of
+    their process, and a smaller round costs nothing in which places it can fill. Where groups span processes, only
+    a round with the same spanning segments can fill a spanning place.
+    """
+    num_groups = num_processes * rows_per_process // num_generations
+    whole = Counter(group_placement(num_groups, num_generations, rows_per_process))
+    needed = {}
+    for placement, empty in lacking.items():
+        if empty <= 0:
+            continue
+        wanted = math.ceil(margin * empty / keep_rate) if keep_rate > 0 else whole[placement]
+        needed[placement] = min(wanted, whole[placement])
+    for rows in range(1, rows_per_process):
+        if (num_processes * rows) % num_generations:
+            continue
+        held = Counter(group_placement(num_processes * rows // num_generations, num_generations, rows))
+        if all(held[placement] >= count for placement, count in needed.items()):
+            return rows
+    return rows_per_process
 
 
 class PromptStream:

@@ -1,0 +1,295 @@
+"""Selective rollouts (`GRPOConfigExt.selective_rollouts`): skip, before generation, the prompts that recently had
+no reward spread (the idea of GRESO, arXiv 2506.02177).
+
+A prompt whose completions all got the same reward gives no policy gradient; one that got no spread on its last
+visits usually gets none again. Every training prompt, identified by its index in the training set, carries one
+number: its *streak*, the count of its most recent consecutive visits without reward spread (0 after a visit with
+spread, and for a prompt never generated for). Before TRL generates for a generation batch:
+
+- a prompt whose streak is at least `selective_rollouts_history` is *predicted flat*; it is still generated for
+  (*explored*) with probability `p ** (streak - history + 1)`, `p` the exploration probability, and skipped otherwise
+  (the longer it stayed flat, the rarer its visits);
+- each skipped prompt is replaced, in its place (the same rows on the same processes), by the next prompt of the
+  training set's stream of fresh prompts (`plan.PromptStream`, the one dynamic sampling's extra rounds draw from),
+  itself judged the same way;
+- after scoring, every generated group updates its prompt's streak, and `p` moves towards the target share of
+  zero-spread groups: down by `selective_rollouts_exploration_step` when more of the generated groups than
+  `selective_rollouts_target_zero_spread` had no spread, up otherwise, within `[selective_rollouts_exploration_min,
+  selective_rollouts_exploration_max]`.
+
+With dynamic sampling, the prompts of its extra rounds are drawn through the same judgement, and every round's
+groups update the streaks.
+
+Identical on every process: the prompts' indices of a generation batch are gathered from all processes (one gather
+per generation batch), the streaks are updated from gathered rewards, and the random draws come from a generator
+seeded with the run's seed and the number of decisions taken so far: every process takes the same decisions, and each
+keeps its number of rows (a replacement prompt takes exactly the rows of the prompt it replaces). With several
+processes, one more gather per round compares the prompts decided, and a difference raises an error on every process
+naming it rather than training processes on different prompts.
+
+Which prompt a row is: when the option is on, the training set gets one column more, `INDEX_COLUMN` (kept also with
+`remove_unused_columns=True`); it is taken off every row before TRL's generation and reward functions see it, which
+receive exactly the columns they receive without the option.
+
+Resume: the streaks, the exploration probability and the decision count are saved with every checkpoint (registered
+with `Checkpoints.register(..., rewind=True)`), and so is the prompt stream: a killed run resumes to the decisions an
+uninterrupted run takes.
+
+Metrics (once per generation batch): `selective_rollouts/skipped_prompts` (prompts skipped, every process and round),
+`selective_rollouts/predicted_flat` (the share of the prompts considered that were predicted flat),
+`selective_rollouts/precision` (of the prompts predicted flat and explored anyway, the share that had no spread:
+how often a skip is right), `selective_rollouts/zero_spread` (the share of generated groups without spread, which
+`p` steers towards the target) and `selective_rollouts/exploration_probability` (the `p` the batch was decided with).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .plan import PromptStream, informative_groups, trl_advantages
+
+__all__ = ["INDEX_COLUMN", "SelectiveRollouts", "Selection", "strip_index"]
+
+#: The training-set column that holds each row's index while selective rollouts are on.
+INDEX_COLUMN = "_trl_grpo_ext_prompt_index"
+
+
+def strip_index(rows: list[dict]) -> list[dict]:
+    """`rows` without `INDEX_COLUMN`: what TRL's generation and the reward functions receive."""
+    return [{key: value for key, value in row.items() if key != INDEX_COLUMN} for row in rows]
+
+
+@dataclass
+class Selection:
+    """The prompts of one generation round, group by group (the same list on every process).
+
+    Attributes:
+        prompts (`list[int]`): the training-set index of each group's prompt, in the round's order.
+        explored (`list[bool]`): per group, whether its prompt was predicted flat and generated for anyway.
+    """
+
+    prompts: list[int]
+    explored: list[bool] = field(default_factory=list)
+
+
+class SelectiveRollouts:
+    """Selective rollouts for a `GRPOTrainer` (see the module docstring).
+
+    Args:
+        trainer (`GRPOTrainer`): its training set gets `INDEX_COLUMN`; its options, accelerator and metrics are read.
+        history (`int`): visits without spread in a row after which a prompt is predicted flat (>= 1).
+        target_zero_spread (`float`): the share of generated groups without spread that `p` steers towards.
+        exploration (`float`): the initial exploration probability `p`.
+        exploration_min, exploration_max (`float`): its bounds.
+        exploration_step (`float`): how far `p` moves after each generation batch.
+        stream (`PromptStream`, *optional*): the stream replacements are drawn from (dynamic sampling's, shared);
+            default: a new one over the training set.
+
+    Raises:
+        ValueError: for a training set that is not a map-style `datasets.Dataset`.
+    """
+
+    # Kept apart from the seeds of TRL's sampler and of the prompt stream.
+    SEED_OFFSET = 0x5E1EC7
+
+    def __init__(
+        self,
+        trainer,
+        *,
+        history: int = 1,
+        target_zero_spread: float = 0.25,
+        exploration: float = 0.5,
+        exploration_min: float = 0.05,
+        exploration_max: float = 1.0,
+        exploration_step: float = 0.01,
+        stream: PromptStream | None = None,
+    ):
+        from datasets import Dataset
+
+        dataset = trainer.train_dataset
+        if not isinstance(dataset, Dataset):
+            raise ValueError(
+                "selective_rollouts identifies prompts by their index in the training set: it needs a map-style "
+                "`train_dataset` (a datasets.Dataset), not an IterableDataset or another kind. Load the dataset "
+                "without `streaming=True`, or set selective_rollouts=False."
+            )
+        if INDEX_COLUMN in dataset.column_names:
+            raise ValueError(f"The training set has a column named {INDEX_COLUMN!r}, which selective_rollouts uses.")
+        trainer.train_dataset = dataset.add_column(INDEX_COLUMN, list(range(len(dataset))))
+        # With remove_unused_columns=True, Trainer keeps only the signature columns: keep the index too.
+        trainer._set_signature_columns_if_needed()
+        trainer._signature_columns = [*trainer._signature_columns, INDEX_COLUMN]
+        self.trainer = trainer
+        self.history, self.target = history, target_zero_spread
+        self.exploration_min, self.exploration_max, self.step = exploration_min, exploration_max, exploration_step
+        self.stream = stream or PromptStream(len(dataset), trainer.args.seed, shuffle=trainer.shuffle_dataset)
+        #: Per training prompt, its most recent visits without reward spread in a row (resumable).
+        self.streak = torch.zeros(len(dataset), dtype=torch.int32)
+        self.exploration = float(exploration)
+        self.decisions = 0  # decisions taken so far: the seed of the next one's draws
+        self._rows = None
+        self._batch = _BatchCounts()
+
+    # Deciding
+
+    def _judge(self, prompts: list[int]) -> tuple[list[bool], list[bool]]:
+        """Per prompt: (generate it, it was predicted flat). Draws from the generator of this decision."""
+        generator = torch.Generator().manual_seed(self.trainer.args.seed + self.SEED_OFFSET + self.decisions)
+        self.decisions += 1
+        streaks = self.streak[torch.tensor(prompts, dtype=torch.long)]
+        draws = torch.rand(len(prompts), generator=generator, dtype=torch.float64)
+        flat = streaks >= self.history
+        chance = torch.where(flat, self.exploration ** (streaks - self.history + 1).double(), 1.0)
+        keep = draws < chance
+        self._batch.considered += len(prompts)
+        self._batch.predicted_flat += int(flat.sum())
+        return keep.tolist(), flat.tolist()
+
+    def _replace(self, prompts: list[int]) -> Selection:
+        """`prompts` with each skipped one replaced by the next accepted prompt of the stream, in its place."""
+        keep, flat = self._judge(prompts)
+        selection = Selection(list(prompts), [f and k for f, k in zip(flat, keep, strict=True)])
+        empty = [place for place, kept in enumerate(keep) if not kept]
+        self._batch.skipped += len(empty)
+        drawn, limit = 0, len(self.streak)  # at most one pass over the training set per call
+        while empty:
+            candidates = self.stream.draw(len(empty))
+            drawn += len(candidates)
+            forced = drawn >= limit  # every prompt predicted flat: take the candidates as they are
+            keep, flat = self._judge(candidates)
+            rest = []
+            for place, candidate, kept, predicted in zip(empty, candidates, keep, flat, strict=True):
+                if kept or forced:
+                    selection.prompts[place], selection.explored[place] = candidate, predicted
+                else:
+                    self._batch.skipped += 1
+                    rest.append(place)
+            empty = rest
+        self._check_processes_agree(selection)
+        return selection
+
+    def _check_processes_agree(self, selection: Selection) -> None:
+        """Raise, on every process alike, if the processes decided for different prompts (one gather of two numbers
+        per round; nothing with one process)."""
+        accelerator = self.trainer.accelerator
+        if accelerator.num_processes == 1:
+            return
+        prompts = torch.tensor(selection.prompts, dtype=torch.float64)
+        checksum = (prompts * torch.arange(1, len(prompts) + 1, dtype=torch.float64)).sum()
+        mine = torch.stack([torch.tensor(float(self.decisions), dtype=torch.float64), checksum])
+        table = accelerator.gather(mine[None].to(accelerator.device)).view(-1, 2).cpu()
+        if not torch.equal(table, table[:1].expand_as(table)):
+            raise RuntimeError(
+                "selective_rollouts: the processes decided for different prompts (decision counts and checksums "
+                f"{table.tolist()}); their prompt histories differ (a process resumed from another checkpoint, or a "
+                "reward that is not deterministic across processes)."
+            )
+
+    def prepare(self, inputs: list[dict]) -> tuple[Selection, list[dict]]:
+        """The prompts of the generation batch TRL's sampler handed out (`inputs`: this process's rows), each
+        predicted-flat one skipped and replaced; returns them and this process's rows (without `INDEX_COLUMN`)."""
+        trainer = self.trainer
+        num_generations = trainer.num_generations
+        local = torch.tensor([row[INDEX_COLUMN] for row in inputs], dtype=torch.long)
+        indices = trainer.accelerator.gather(local.to(trainer.accelerator.device)).cpu()
+        groups = indices.view(-1, num_generations)
+        if not torch.equal(groups, groups[:, :1].expand_as(groups)):
+            raise RuntimeError(
+                "selective_rollouts: TRL's sampler handed out rows whose groups of num_generations do not share one "
+                "prompt; the rows of a generation batch must be laid out prompt by prompt."
+            )
+        selection = self._replace(groups[:, 0].tolist())
+        if selection.prompts == groups[:, 0].tolist():
+            return selection, strip_index(inputs)  # nothing skipped: TRL's rows as they are
+        start = trainer.accelerator.process_index * len(inputs)
+        return selection, self.rows(selection, start, len(inputs))
+
+    def draw(self, count: int) -> Selection:
+        """`count` fresh prompts from the stream, predicted-flat ones skipped (for dynamic sampling's extra rounds)."""
+        return self._replace(self.stream.draw(count))
+
+    def rows(self, selection: Selection, start: int, count: int) -> list[dict]:
+        """Rows `start .. start + count` of the round `selection` (each prompt `num_generations` times in a row, as
+        TRL's sampler lays them out), as the data loader hands them out, without `INDEX_COLUMN`."""
+        if self._rows is None:
+            self._rows = self.trainer._remove_unused_columns(self.trainer.train_dataset, description="training")
+        num_generations = self.trainer.num_generations
+        indices = [prompt for prompt in selection.prompts for _ in range(num_generations)][start : start + count]
+        return strip_index([self._rows[index] for index in indices])
+
+    # Learning from what was generated
+
+    def observe(self, selection: Selection, informative: torch.Tensor) -> None:
+        """Update the streaks of a generated round's prompts; `informative` `(K,)` bool per group (gathered)."""
+        for prompt, ok, explored in zip(selection.prompts, informative.tolist(), selection.explored, strict=True):
+            self.streak[prompt] = 0 if ok else self.streak[prompt] + 1
+            self._batch.generated += 1
+            self._batch.flat += not ok
+            if explored:
+                self._batch.explored += 1
+                self._batch.explored_flat += not ok
+
+    def finish(self, metrics: dict[str, list]) -> None:
+        """After a generation batch's last round: log its metrics and move the exploration probability."""
+        batch, self._batch = self._batch, _BatchCounts()
+        metrics["selective_rollouts/skipped_prompts"].append(float(batch.skipped))
+        metrics["selective_rollouts/exploration_probability"].append(self.exploration)
+        if batch.considered:
+            metrics["selective_rollouts/predicted_flat"].append(batch.predicted_flat / batch.considered)
+        if batch.explored:
+            metrics["selective_rollouts/precision"].append(batch.explored_flat / batch.explored)
+        if batch.generated:
+            zero_spread = batch.flat / batch.generated
+            metrics["selective_rollouts/zero_spread"].append(zero_spread)
+            step = -self.step if zero_spread > self.target else self.step
+            self.exploration = min(self.exploration_max, max(self.exploration_min, self.exploration + step))
+
+    def generate(
+        self, inputs: list[dict], stock: Callable[[list[dict]], dict], last_scored: Callable
+    ) -> tuple[dict[str, Any], Any]:
+        """Without dynamic sampling: TRL's `_generate_and_score_completions` (`stock`) on the selected prompts."""
+        selection, rows = self.prepare(inputs)
+        output = stock(rows)
+        scored = last_scored()
+        self.observe(selection, self.informative(scored.rewards_per_func))
+        self.finish(self.trainer._metrics["train"])
+        return output, scored
+
+    def informative(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
+        """`(K,)` bool: which groups of a scored round had a reward spread (dynamic sampling's test)."""
+        trainer = self.trainer
+        _, _, rewards = trl_advantages(
+            rewards_per_func,
+            trainer.reward_weights,
+            trainer.num_generations,
+            trainer.scale_rewards,
+            trainer.multi_objective_aggregation,
+        )
+        return informative_groups(rewards, trainer.num_generations)
+
+    # Resume
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"streak": self.streak.clone(), "exploration": self.exploration, "decisions": self.decisions}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.streak = state["streak"].clone().to(torch.int32)
+        self.exploration, self.decisions = float(state["exploration"]), int(state["decisions"])
+        self._batch = _BatchCounts()
+
+
+@dataclass
+class _BatchCounts:
+    """What one generation batch's decisions and outcomes add up to (for its metrics)."""
+
+    considered: int = 0
+    predicted_flat: int = 0
+    skipped: int = 0
+    generated: int = 0
+    flat: int = 0
+    explored: int = 0
+    explored_flat: int = 0
