@@ -311,6 +311,28 @@ def test_demo_recipe_under_accelerate_launch_with_two_cpu_processes(tmp_path):
     assert (tmp_path / "ddp" / "README.md").is_file()
 
 
+def test_the_vllm_demo_config_is_the_demo_s_with_generation_through_vllm():
+    with open(DEMO_CONFIG) as handle:
+        demo = yaml.safe_load(handle)
+    with open(os.path.join(DEMO_DIR, "config_demo_vllm.yaml")) as handle:
+        with_vllm = yaml.safe_load(handle)
+    differing = {key for key in demo.keys() | with_vllm.keys() if demo.get(key) != with_vllm.get(key)}
+    assert differing == {"use_vllm", "vllm_mode", "output_dir"}
+    assert with_vllm["use_vllm"] is True and with_vllm["vllm_mode"] == "colocate"
+
+
+def test_the_recipe_applies_the_vllm_cpu_shim_only_when_asked(monkeypatch):
+    import trl_grpo_ext.testing
+
+    calls = []
+    monkeypatch.setattr(trl_grpo_ext.testing, "enable_vllm_on_cpu", lambda: calls.append("shim"))
+    monkeypatch.setattr(recipe, "main", lambda *args: calls.append("main"))
+    monkeypatch.delenv(trl_grpo_ext.testing.VLLM_ON_CPU_ENV, raising=False)
+    assert recipe.run(["--config", DEMO_CONFIG]) == 0 and calls == ["main"]
+    monkeypatch.setenv(trl_grpo_ext.testing.VLLM_ON_CPU_ENV, "1")
+    assert recipe.run(["--config", DEMO_CONFIG]) == 0 and calls == ["main", "shim", "main"]
+
+
 def test_eval_samples_0_switches_the_held_out_schedule_off_saying_so(monkeypatch, capsys):
     import trl_grpo_ext.recipes.data
 

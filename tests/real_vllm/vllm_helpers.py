@@ -51,9 +51,12 @@ def training_logs(log_history) -> list[dict]:
     return [entry for entry in log_history if "loss" in entry]
 
 
-def run_script(script: str, *args, unset=(), timeout: int = 900) -> subprocess.CompletedProcess:
-    """A script of this folder in its own process (its own engine), with the test environment less `unset`."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+def run_script(
+    script: str, *args, unset=(), timeout: int = 900, extra_env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """A script of this folder (or at an absolute path) in its own process (its own engine), from the repository root,
+    with the test environment less `unset`, plus `extra_env`."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="", **(extra_env or {}))
     for name in unset:
         env.pop(name, None)
     # TRL's colocate mode sets these in this process for the shared engine's process group: a child that inherited
