@@ -51,6 +51,8 @@ def counting_engine(monkeypatch):
 
     CountingStandIn.instances = []
     monkeypatch.setattr(trl.trainer.grpo_trainer, "VLLMGeneration", CountingStandIn)
+    yield
+    CountingStandIn.instances = []  # each holds its trainer's model: let them go with the test
 
 
 def vllm_heldout_trainer(tmp_path, model_path, tokenizer, metrics=(letter_a_metric,), **config):

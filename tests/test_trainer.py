@@ -102,6 +102,10 @@ def test_lora_trains_only_adapters_and_uses_the_base_model_as_reference(
             return super()._compute_loss(model, inputs)
 
     args = GRPOConfigExt(**tiny_grpo_args(tmp_path, num_iterations=2, learning_rate=5e-2))
+    # Models that earlier tests left alive (held until this test ends, so that no id is reused) are not counted.
+    gc.collect()
+    alive_before = [obj for obj in gc.get_objects() if isinstance(obj, torch.nn.Module)]
+    models_before = {id(obj) for obj in alive_before}
     trainer = RecordingTrainer(
         model=tiny_model_path,
         reward_funcs=count_a_reward,
@@ -121,7 +125,8 @@ def test_lora_trains_only_adapters_and_uses_the_base_model_as_reference(
     assert trainer.ref_model is None
     gc.collect()
     causal_lm_class = type(trainer.model.get_base_model())
-    assert sum(type(obj) is causal_lm_class for obj in gc.get_objects()) == 1
+    built_here = [obj for obj in gc.get_objects() if type(obj) is causal_lm_class and id(obj) not in models_before]
+    assert len(built_here) == 1
 
     trainer.train()
 
