@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, count_a_reward, tiny_grpo_args
+from helpers import REPO, count_a_reward, make_trainer, tiny_grpo_args
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.card.builder import build_model_card
@@ -92,6 +92,17 @@ def test_without_matplotlib_the_card_says_once_that_there_is_no_report(
     said = [record for record in caplog.records if "matplotlib is not installed" in record.getMessage()]
     assert len(said) == 1 and not (tmp_path / "report.png").exists()
     assert "## Training report" not in (tmp_path / "README.md").read_text()
+
+
+def test_a_run_on_an_iterable_dataset_writes_its_card_without_a_training_prompt(tiny_model_path, tmp_path):
+    """An `IterableDataset` is not read for the quick start's prompt (before: an AttributeError at the first card)."""
+    from datasets import Dataset
+
+    stream = Dataset.from_dict({"prompt": ["abc="] * 8}).to_iterable_dataset()
+    trainer = make_trainer(tmp_path, tiny_model_path, None, stream)
+    trainer.create_model_card()
+    code = quick_start((tmp_path / "README.md").read_text())
+    assert "<your prompt>" in code and "abc=" not in code
 
 
 @pytest.mark.slow

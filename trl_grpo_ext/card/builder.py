@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 
+from datasets import Dataset
 from huggingface_hub import ModelCardData
 from transformers import is_wandb_available
 from transformers.utils import logging
@@ -293,6 +294,15 @@ def build_model_card(
     return "\n".join(lines)
 
 
+def first_training_prompt(dataset) -> str | None:
+    """The first training prompt, for the card's quick start: from a map-style `datasets.Dataset` whose `prompt` is a
+    string (a conversation, an `IterableDataset`, whose stream reading would consume, or no dataset: `None`)."""
+    if not isinstance(dataset, Dataset) or "prompt" not in dataset.column_names or len(dataset) == 0:
+        return None
+    prompt = dataset[0]["prompt"]
+    return prompt if isinstance(prompt, str) else None
+
+
 def write_model_card(
     trainer,
     model_name: str | None = None,
@@ -351,7 +361,7 @@ def write_model_card(
         lora = user_lora_settings(unwrapped.peft_config["default"])
     urls = run_urls()
     tags = [tags] if isinstance(tags, str) else tags
-    prompts = getattr(trainer.train_dataset, "column_names", None) and trainer.train_dataset[:1].get("prompt")
+    prompt = first_training_prompt(trainer.train_dataset)
     card = build_model_card(
         model_name=name,
         base_model=base_model,
@@ -367,7 +377,7 @@ def write_model_card(
         objective=objective_options(args),
         alarms=health.problem_lines(),
         model_path=os.path.abspath(output_dir),
-        prompt=prompts[0] if prompts and isinstance(prompts[0], str) else None,
+        prompt=prompt,
         base_model_path=model_id if is_adapter and model_id and os.path.isdir(model_id) else None,
         **urls,
     )
