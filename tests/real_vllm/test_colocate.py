@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from helpers import WeightRecorder
 from peft import LoraConfig
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
@@ -260,22 +261,6 @@ def test_lora_trains_like_stock_trl_and_the_engine_holds_the_merged_weights(
     assert all(
         entry["sampling/sampling_logp_difference/mean"] < 0.05 for entry in training_logs(ours.state.log_history)
     )
-
-
-class WeightRecorder(TrainerCallback):
-    """The trainable weights after every optimizer step (index 0: before training)."""
-
-    def __init__(self):
-        self.snapshots = []
-
-    def snapshot(self, model):
-        self.snapshots.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.snapshot(model)
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        self.snapshot(model)
 
 
 class NanLossAtStep2(GRPOTrainerExt):

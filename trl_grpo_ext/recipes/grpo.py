@@ -264,10 +264,10 @@ def run(
         from trl_grpo_ext.testing import enable_sharded_engines_on_cpu
 
         enable_sharded_engines_on_cpu()  # before the training arguments create accelerate's state
-    if os.environ.get("TRL_GRPO_EXT_VLLM_ON_CPU") == "1":  # testing.VLLM_ON_CPU_ENV: vLLM's CPU engine (docs/vllm.md)
-        from trl_grpo_ext.testing import enable_vllm_on_cpu
+    from trl_grpo_ext import testing
 
-        enable_vllm_on_cpu()  # before the trainer builds its colocate engine
+    if os.environ.get(testing.VLLM_ON_CPU_ENV) == "1":  # vLLM's CPU engine (docs/vllm.md)
+        testing.enable_vllm_on_cpu()  # before the trainer builds its colocate engine
     try:
         script_args, training_args, model_args = parse_args(argv, prog, **parse_kwargs)
         if optional_tensorboard:
