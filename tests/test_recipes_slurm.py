@@ -130,7 +130,8 @@ FAKE_SRUN = """#!/bin/bash
 echo "$*" >> "$SRUN_LOG"
 case "$*" in
   *"vllm serve"*) trap 'echo "server stopped" >> "$SRUN_LOG"; exit 0' TERM; while true; do sleep 0.05; done ;;
-  *"--machine_rank 1 "*) exit "${RANK1_STATUS:-0}" ;;
+  *"--machine_rank 1 "*)  # after rank 0 has started: a failing rank makes the launcher stop the others
+    until grep -q -- "--machine_rank 0 " "$SRUN_LOG"; do sleep 0.05; done; exit "${RANK1_STATUS:-0}" ;;
 esac
 """
 
