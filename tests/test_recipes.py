@@ -342,3 +342,22 @@ def test_eval_samples_0_switches_the_held_out_schedule_off_saying_so(monkeypatch
         recipe.main(*args)
     assert args[1].heldout_every_steps == 0
     assert "eval_samples is 0: no held-out evaluation (heldout_every_steps=5 is left unused" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "flags", "message"),
+    [
+        ("ratio_quantiles: 0.95\n", [], "`ratio_quantiles` must be a list of numbers"),
+        ("heldout_pass_at: 4\n", [], "`heldout_pass_at` must be a list of whole numbers"),
+        ("", ["--loss_type", "grpoo"], "`loss_type` must be one of ('grpo', "),
+    ],
+)
+def test_a_wrong_kind_of_value_or_an_unknown_loss_type_is_one_line_with_exit_status_2(
+    yaml_text, flags, message, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr(recipe, "main", lambda *args: pytest.fail("the recipe ran"))
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model_name_or_path: m\noutput_dir: {tmp_path / 'out'}\n{yaml_text}")
+    assert recipe.run(["--config", str(config), *flags], prog="grpo") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"grpo: error: {message}") and err.count("\n") == 1
