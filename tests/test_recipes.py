@@ -361,3 +361,28 @@ def test_a_wrong_kind_of_value_or_an_unknown_loss_type_is_one_line_with_exit_sta
     assert recipe.run(["--config", str(config), *flags], prog="grpo") == 2
     err = capsys.readouterr().err
     assert err.startswith(f"grpo: error: {message}") and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_a_resumed_run_reports_what_the_uninterrupted_run_reports(tmp_path, capsys):
+    """Its score before GRPO is the base model's (from the resumed state's history, not a new evaluation of the
+    checkpoint), and its held-out history, card and console lines are the uninterrupted run's."""
+    import shutil
+
+    def run(output_dir, *extra):
+        args = demo_args(output_dir, "--max_steps", "2", "--save_steps", "1", "--eval_samples", "4", *extra)
+        result, _ = run_recipe(args + ["--per_device_train_batch_size", "8", "--report_to", "none"])
+        console = [line for line in capsys.readouterr().out.splitlines() if "before GRPO" in line]
+        with open(output_dir / "trainer_state.json") as handle:
+            history = [entry for entry in json.load(handle)["log_history"] if "heldout/exact_match/mean@1" in entry]
+        card = (output_dir / "README.md").read_text()
+        rows = [line for line in card.splitlines() if line.startswith("| `held-out")]
+        return result, console, [(entry["step"], entry["heldout/exact_match/mean@1"]) for entry in history], rows
+
+    reference = run(tmp_path / "reference")
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copytree(tmp_path / "reference" / "checkpoint-1", resumed_dir / "checkpoint-1")  # stopped after step 1
+    resumed = run(resumed_dir, "--resume_from_checkpoint", "true")
+    assert resumed == reference
+    assert [step for step, _ in reference[2]] == [0, 2] and reference[1]

@@ -176,9 +176,12 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
             k = training_args.heldout_num_generations
             each = "one sampled completion each" if k == 1 else f"{k} sampled completions each"
             print(f"\nHeld-out evaluation on {len(heldout)} test prompts, {each}:")
-            for name in before:
+            for name in after:
                 label = name.removeprefix("heldout/").replace("/", " ")
-                print(f"  {label}: {before[name]:.3f} before GRPO -> {after[name]:.3f} after")
+                if name in before:
+                    print(f"  {label}: {before[name]:.3f} before GRPO -> {after[name]:.3f} after")
+                else:  # resumed from a checkpoint of a run that did not evaluate before training
+                    print(f"  {label}: {after[name]:.3f} after (no evaluation before GRPO in the run resumed)")
         logged = any("loss" in entry for entry in trainer.state.log_history)
         print(output_summary(training_args.output_dir, started, logged, training_args.logging_steps))
     trainer.accelerator.wait_for_everyone()
@@ -187,14 +190,24 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
 
 
 class _EvaluateWhenTrainingBegins(TrainerCallback):
-    """The held-out evaluation, logged, when training begins (its step: 0, or that of the checkpoint resumed): inside
-    `train()`, whose fresh `TrainerState` would drop an entry logged before. Its values go into `values`."""
+    """The held-out evaluation before training, logged at step 0 when training begins: inside `train()`, whose fresh
+    `TrainerState` would drop an entry logged before. Its values go into `values`.
+
+    A resumed run does not evaluate again (that would score the checkpoint, and add an entry at its step that the
+    uninterrupted run does not have): its values are those the run logged at step 0, in the resumed state's history
+    (none when that run did not evaluate before training)."""
 
     def __init__(self, trainer, values: dict):
         self.trainer, self.values = trainer, values
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.values.update(self.trainer.evaluate_heldout(log=True))
+        if state.global_step == 0:
+            self.values.update(self.trainer.evaluate_heldout(log=True))
+            return
+        for entry in state.log_history:
+            if entry.get("step") == 0 and any(key.startswith("heldout/") for key in entry):
+                self.values.update({key: value for key, value in entry.items() if key.startswith("heldout/")})
+                return
 
 
 def _heldout_at_last_step(trainer) -> dict[str, float]:
