@@ -174,6 +174,7 @@ def build_model_card(
     trackio_url: str | None = None,
     comet_url: str | None = None,
     alarms: list[str] | None = None,
+    alarms_off: bool = False,
     model_path: str | None = None,
     prompt: str | None = None,
     base_model_path: str | None = None,
@@ -208,6 +209,8 @@ def build_model_card(
         alarms: the alarms raised during training and what else the health verdicts found, one line each
             (`health.assess(...).problem_lines()`), for a "Training health" section; an empty list says that none
             was raised, `None` leaves the section out.
+        alarms_off: the run had its alarms off (`warn_on_anomalies=False`): the section says so, and `alarms` holds
+            only what the other health checks found.
         model_path: the run's folder, for the quick start of a run not pushed (default: `model_name`); an absolute
             path loads from any folder.
         prompt: a training prompt (a string) for the quick start to generate from; default: a placeholder.
@@ -279,7 +282,11 @@ def build_model_card(
     lines += [f"| `{key}` | {format_value(value)} |" for key, value in {**metrics, **(extra_metrics or {})}.items()]
     if alarms is not None:
         lines += ["", "## Training health", ""]
-        if alarms:
+        if alarms_off:
+            lines += ["The alarms were off in this run (`warn_on_anomalies=False`).", ""]
+        if alarms_off and not alarms:
+            lines += ["The other health checks (non-finite values, gradient norm, counts) found nothing."]
+        elif alarms:
             lines += ["Problems found in training (each with the steps concerned and what to change):", ""]
             lines += [f"- {alarm}" for alarm in alarms]
         else:
@@ -331,7 +338,7 @@ def write_model_card(
         return
     from peft import PeftModel
 
-    from ..guardrails.anomaly import AnomalyMonitor
+    from ..guardrails.anomaly import AlarmSettings
     from ..report.health import assess
 
     args = trainer.args
@@ -341,7 +348,8 @@ def write_model_card(
     base_model = model_id if model_id and not os.path.isdir(model_id) else None
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     is_adapter = isinstance(unwrapped, PeftModel)
-    health = assess(trainer.state.log_history, AnomalyMonitor.from_config(args))
+    settings = AlarmSettings.from_config(args)
+    health = assess(trainer.state.log_history, settings.monitor(live=True))  # no alarm where the run had none
     name = model_name or os.path.basename(os.path.normpath(output_dir))
     report = None
     try:
@@ -376,6 +384,7 @@ def write_model_card(
         lora=lora if is_adapter else None,
         objective=objective_options(args),
         alarms=health.problem_lines(),
+        alarms_off=not settings.enabled,
         model_path=os.path.abspath(output_dir),
         prompt=prompt,
         base_model_path=model_id if is_adapter and model_id and os.path.isdir(model_id) else None,
