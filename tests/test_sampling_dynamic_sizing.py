@@ -198,11 +198,11 @@ def flat_on_two_texts(prompts, completions, **kwargs) -> list[float]:
     return half_constant_reward(prompts, completions)
 
 
-def run_with_small_rounds(model_path, tokenizer, output_dir, **options):
-    """A run whose extra rounds are smaller than a generation batch: per step, what TRL generated in each call
-    (completion lengths and truncation, TRL's definitions), the batch that trains, and TRL's completions table as a
-    log step reads it."""
-    dataset = Dataset.from_dict({"prompt": list(TEXTS) * 4})
+def run_with_small_rounds(model_path, tokenizer, output_dir, dataset=None, reward=flat_on_two_texts, **options):
+    """A run whose extra rounds are smaller than a generation batch (one generation batch of 8 groups per step): per
+    call of TRL's generation, its step, completion lengths and truncation (TRL's definitions) and its groups' prompts;
+    per step, the batch that trains and TRL's completions table as a log step reads it."""
+    dataset = dataset if dataset is not None else Dataset.from_dict({"prompt": list(TEXTS) * 4})
     options = {
         "num_iterations": 1,
         "beta": 0.0,
@@ -212,7 +212,7 @@ def run_with_small_rounds(model_path, tokenizer, output_dir, **options):
         "dynamic_sampling": True,
         **options,
     }
-    trainer = make_trainer(output_dir, model_path, tokenizer, dataset, reward_funcs=flat_on_two_texts, **options)
+    trainer = make_trainer(output_dir, model_path, tokenizer, dataset, reward_funcs=reward, **options)
     ends = {*trainer.eos_token_ids, tokenizer.pad_token_id}
     calls, batches, tables = [], [], []
     stock = GRPOTrainer._generate_and_score_completions
@@ -222,7 +222,8 @@ def run_with_small_rounds(model_path, tokenizer, output_dir, **options):
         lengths = output["completion_mask"].sum(dim=1)
         last = output["completion_ids"].gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
         truncated = [int(token) not in ends for token in last]
-        calls.append((self.state.global_step, lengths.tolist(), truncated))
+        prompts = [row["prompt"] for row in inputs[::G]]
+        calls.append((self.state.global_step, lengths.tolist(), truncated, prompts))
         return output
 
     original = trainer._generate_and_score_completions
@@ -257,7 +258,7 @@ def test_with_rounds_smaller_than_a_batch_the_completions_table_holds_the_rows_t
 ):
     trainer, calls, batches, tables = small_rounds
     rows = trainer.args.generation_batch_size
-    assert any(len(lengths) < rows for _, lengths, _ in calls)  # an extra round smaller than a generation batch
+    assert any(len(lengths) < rows for _, lengths, _, _ in calls)  # an extra round smaller than a generation batch
     assert len(tables) == len(batches) == 6
     for (prompts, completions, rewards, advantages), batch in zip(tables, batches, strict=True):
         assert prompts == tiny_tokenizer.batch_decode(batch["prompt_ids"], skip_special_tokens=True)
@@ -273,8 +274,8 @@ def test_the_completions_metrics_count_every_generated_row_once_whatever_the_rou
     assert any(entry["dynamic_sampling/rounds"] > 0 for entry in logs)
     for entry in logs:
         step_calls = [call for call in calls if call[0] == entry["step"] - 1]  # generated during that step
-        lengths = [length for _, call_lengths, _ in step_calls for length in call_lengths]
-        truncated = [flag for _, _, call_flags in step_calls for flag in call_flags]
+        lengths = [length for _, call_lengths, _, _ in step_calls for length in call_lengths]
+        truncated = [flag for _, _, call_flags, _ in step_calls for flag in call_flags]
         terminated = [length for length, cut in zip(lengths, truncated, strict=True) if not cut] or [0]
         assert entry["completions/mean_length"] == pytest.approx(sum(lengths) / len(lengths))
         assert entry["completions/min_length"] == min(lengths)
@@ -297,28 +298,11 @@ def test_an_extra_round_never_generates_again_a_prompt_of_its_batch_even_in_the_
     tiny_model_path, tiny_tokenizer, tmp_path
 ):
     dataset = Dataset.from_dict({"prompt": DISTINCT})
-    options = dict(
-        num_iterations=1,
-        beta=0.0,
-        max_steps=4,
-        per_device_train_batch_size=16,
-        gradient_accumulation_steps=2,
-        dynamic_sampling=True,
-        shuffle_dataset=False,
+    _, calls, _, _ = run_with_small_rounds(
+        tiny_model_path, tiny_tokenizer, tmp_path, dataset, flat_on_some, max_steps=4, shuffle_dataset=False
     )
-    trainer = make_trainer(tmp_path, tiny_model_path, tiny_tokenizer, dataset, reward_funcs=flat_on_some, **options)
-    calls = []
-    stock = GRPOTrainer._generate_and_score_completions
-
-    def recorded(self, inputs):
-        calls.append((self.state.global_step, [row["prompt"] for row in inputs[::G]]))
-        return stock(self, inputs)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(GRPOTrainer, "_generate_and_score_completions", recorded)
-        trainer.train()
-    steps = sorted({step for step, _ in calls})
+    steps = sorted({step for step, *_ in calls})
     assert len(calls) > len(steps)  # extra rounds happened
     for step in steps:
-        generated = [prompt for call_step, prompts in calls if call_step == step for prompt in prompts]
+        generated = [prompt for call_step, *_, prompts in calls if call_step == step for prompt in prompts]
         assert len(generated) == len(set(generated)), generated
