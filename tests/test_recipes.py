@@ -386,3 +386,22 @@ def test_a_resumed_run_reports_what_the_uninterrupted_run_reports(tmp_path, caps
     resumed = run(resumed_dir, "--resume_from_checkpoint", "true")
     assert resumed == reference
     assert [step for step, _ in reference[2]] == [0, 2] and reference[1]
+
+
+def test_a_colocated_vllm_engine_is_shut_down_before_accelerate_ends_training():
+    """vLLM tears down its process groups, then the default one; after `end_training()` destroyed the default group,
+    its teardown at exit printed `ValueError: Invalid process group specified` (the real engine:
+    tests/real_vllm/test_recipe.py)."""
+    from types import SimpleNamespace
+
+    calls = []
+    engine = SimpleNamespace(shutdown=lambda: calls.append("engine shutdown"))
+    accelerator = SimpleNamespace(
+        wait_for_everyone=lambda: calls.append("wait"), end_training=lambda: calls.append("end_training")
+    )
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=engine))
+    recipe._end_training(SimpleNamespace(accelerator=accelerator, vllm_generation=SimpleNamespace(llm=llm)))
+    assert calls == ["wait", "engine shutdown", "end_training"]
+    calls.clear()
+    recipe._end_training(SimpleNamespace(accelerator=accelerator))  # no vLLM, or vLLM in server mode
+    assert calls == ["wait", "end_training"]

@@ -7,10 +7,12 @@ from collections import Counter
 
 import pytest
 import torch
+from datasets import Dataset
 from helpers import half_constant_reward, make_trainer
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext.sampling.plan import (
+    PromptKeys,
     PromptStream,
     combine_round_metrics,
     extra_round_rows,
@@ -168,8 +170,10 @@ def test_the_stream_passes_over_the_prompts_a_batch_holds_and_draws_none_twice()
     assert stream.draw(2, taken) == [3, 4]
     assert taken == {0, 1, 2, 3, 4}
     assert stream.draw(2, taken) == [5, 0]  # one pass without a fresh prompt: drawn as they come
-    keys = ["a", "b", "a", "c"]
-    assert PromptStream(4, seed=0, shuffle=False).draw(2, {"b"}, keys.__getitem__) == [0, 3]  # by value
+    keys = PromptKeys(Dataset.from_dict({"prompt": ["a", "b", "a", "c"]}))
+    assert PromptStream(4, seed=0, shuffle=False).draw(2, {"b"}, keys) == [0, 3]  # by value
+    chats = PromptKeys([{"prompt": [{"role": "user", "content": "a"}]}, {"environment": "maze"}])  # no columns
+    assert chats(0) in chats.of([[{"role": "user", "content": "a"}]]) and chats(1) == ("row", 1)
 
 
 def test_per_call_metrics_of_several_rounds_weigh_each_round_by_what_it_describes():

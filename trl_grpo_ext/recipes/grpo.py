@@ -184,9 +184,24 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
                     print(f"  {label}: {after[name]:.3f} after (no evaluation before GRPO in the run resumed)")
         logged = any("loss" in entry for entry in trainer.state.log_history)
         print(output_summary(training_args.output_dir, started, logged, training_args.logging_steps))
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
+    _end_training(trainer)
     return {"before": before, "after": after}
+
+
+def _end_training(trainer) -> None:
+    """Wait for every process, shut a colocated vLLM engine down, then end accelerate's training (trackers and
+    process group).
+
+    The engine tears down its own process groups and then the default one; at interpreter exit, after
+    `end_training()` destroyed the default group, its groups are no longer valid and vLLM prints `ValueError: Invalid
+    process group specified` after a run that succeeded. Shut down first, it finds them whole.
+    """
+    trainer.accelerator.wait_for_everyone()
+    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)  # colocate mode: TRL's `vllm.LLM`
+    engine = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if engine is not None:
+        engine.shutdown()
+    trainer.accelerator.end_training()
 
 
 class _EvaluateWhenTrainingBegins(TrainerCallback):

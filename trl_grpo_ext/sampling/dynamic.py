@@ -227,7 +227,11 @@ class DynamicSampler:
         if self.selective is not None:
             selection, inputs = self.selective.prepare(inputs)
         rounds = [self._scored_round(inputs, stock, local_rows, selection)]
-        taken = self._prompt_keys.of(rounds[0].logs["prompt"])  # the prompts the batch holds (every process's)
+        # The prompts the batch holds (every process's); TRL's table has them also without selective rollouts
+        if selection is not None:
+            taken = {self._prompt_keys(prompt) for prompt in selection.prompts}
+        else:
+            taken = self._prompt_keys.of(rounds[0].logs["prompt"])
         total_rows = rounds[0].scored.rewards_per_func.size(0)
         placements = rounds[0].placements
         assignment, short = fill_slots([r.informative for r in rounds], placements)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 
 import torch
 from trl.trainer.utils import nanstd
@@ -292,10 +292,12 @@ def prompt_key(prompt) -> Hashable:
 
 
 class PromptKeys:
-    """`prompt_key` of each row of a training set, by index (its `prompt` column, read once when first needed).
+    """`prompt_key` of each row of a training set, by index: its `prompt` column (read once when first needed), or
+    each row's `prompt` for a dataset without columns. A row without a prompt (an environment supplies it) is its own
+    key, like no prompt value: nothing is passed over for it.
 
     Args:
-        dataset (`datasets.Dataset`): the training set.
+        dataset: the training set (map-style).
     """
 
     def __init__(self, dataset):
@@ -304,8 +306,13 @@ class PromptKeys:
 
     def __call__(self, index: int) -> Hashable:
         if self._keys is None:
-            self._keys = [prompt_key(prompt) for prompt in self.dataset["prompt"]]
-        return self._keys[index]
+            columns = getattr(self.dataset, "column_names", None) or []
+            self._keys = [prompt_key(prompt) for prompt in self.dataset["prompt"]] if "prompt" in columns else []
+        if self._keys:
+            return self._keys[index]
+        row = self.dataset[index]
+        prompt = row.get("prompt") if isinstance(row, Mapping) else None
+        return ("row", index) if prompt is None else prompt_key(prompt)
 
     def of(self, prompts: Iterable) -> set:
         """The keys of `prompts` (prompt values, e.g. the rows of TRL's completions table)."""
