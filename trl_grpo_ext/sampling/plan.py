@@ -293,8 +293,8 @@ def prompt_key(prompt) -> Hashable:
 
 class PromptKeys:
     """`prompt_key` of each row of a training set, by index: its `prompt` column (read once when first needed), or
-    each row's `prompt` for a dataset without columns. A row without a prompt (an environment supplies it) is its own
-    key, like no prompt value: nothing is passed over for it.
+    each row's `prompt` for a dataset without columns. A row without a prompt (an environment supplies it) has a key
+    of its own, `("row", index)`, which no prompt matches: it is never passed over.
 
     Args:
         dataset: the training set (map-style).
@@ -358,6 +358,8 @@ def combine_round_metrics(rounds: list[dict[str, list[float]]], rows: list[int])
         weighed = [(value, weight) for value, weight in pairs if weight > 0] or pairs
         if not weighed:
             combined[name] = math.nan
+        elif len(weighed) == 1:  # one round (no extra round): TRL's value as it is
+            combined[name] = weighed[0][0]
         elif last.startswith("min"):
             combined[name] = min(value for value, _ in weighed)
         elif last.startswith("max"):
