@@ -16,6 +16,7 @@ from trl.trainer.utils import generate_model_card
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.card import builder as model_card
 from trl_grpo_ext.card.builder import CARD_CONFIG_FIELDS, build_model_card, final_metrics
+from trl_grpo_ext.report.health import assess
 
 HISTORY = [
     {"loss": 0.1, "reward": 0.2, "kl": 0.01, "ratio/p05": 0.9, "ratio/p50": 1.0, "ratio/p95": 1.1, "step": 1},
@@ -92,6 +93,20 @@ def test_the_card_lists_the_alarms_raised_or_says_there_were_none():
     health = text.split("## Training health")[1].split("##")[0]
     assert "- truncation (steps 1-4): 100% of completions" in health
     assert "No alarm was raised" in card(alarms=[]) and "## Training health" not in card()
+
+
+def test_a_run_with_its_alarms_off_has_a_card_that_lists_none_and_says_so(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    trainer = make_trainer(
+        tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, max_completion_length=1, warn_on_anomalies=False
+    )
+    trainer.train()
+    assert "truncation" in assess(trainer.state.log_history).alarms  # what alarms on would have listed
+    trainer.create_model_card()
+    health = section((tmp_path / "README.md").read_text(), "## Training health")
+    assert health.startswith("The alarms were off in this run (`warn_on_anomalies=False`).")
+    assert "truncation" not in health and "No alarm was raised" not in health
 
 
 # DeepSeekMath's GRPO objective, as the card of GRPOConfigExt's defaults has always written it.

@@ -130,3 +130,36 @@ def test_the_quick_start_of_a_demo_run_runs_as_written_from_another_folder(tmp_p
     assert result.returncode == 0, result.stderr[-4000:]
     letters = result.stdout.strip().splitlines()[-1].replace(" ", "")
     assert letters and set(letters) <= set("abcdefghij")  # a completion of the reversal task
+
+
+def test_a_run_that_never_saved_into_its_folder_has_a_quick_start_that_loads_its_checkpoint(tmp_path):
+    """The README's tiny example: `train()` without `save_model()`; the card (written with the checkpoint at the
+    last step) loads the model from that checkpoint, and its quick start runs as written."""
+    from datasets import Dataset
+
+    run_dir = tmp_path / "runs" / "tiny-grpo"
+    trainer = GRPOTrainerExt(
+        model=DEMO_MODEL,
+        reward_funcs=count_a_reward,
+        args=GRPOConfigExt(output_dir=str(run_dir), max_steps=2, logging_steps=1, use_cpu=True, report_to="none"),
+        train_dataset=Dataset.from_dict({"prompt": ["abc=", "hij=", "efgd="] * 32}),
+    )
+    trainer.train()
+    assert not (run_dir / "model.safetensors").exists() and (run_dir / "checkpoint-2" / "model.safetensors").exists()
+    code = quick_start((run_dir / "README.md").read_text())
+    assert f'from_pretrained("{run_dir / "checkpoint-2"}")' in code
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_a_card_written_before_any_save_says_how_to_save_the_model(tiny_model_path, tmp_path):
+    from datasets import Dataset
+
+    trainer = make_trainer(tmp_path, tiny_model_path, None, Dataset.from_dict({"prompt": ["abc="] * 8}))
+    trainer.create_model_card()
+    text = (tmp_path / "README.md").read_text()
+    assert "No model was saved with this card yet: `trainer.save_model()`" in text and str(tmp_path) in text
+    trainer.save_model()
+    trainer.create_model_card()
+    assert "No model was saved" not in (tmp_path / "README.md").read_text()

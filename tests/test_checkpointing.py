@@ -6,6 +6,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -14,7 +15,13 @@ import pytest
 import torch
 from helpers import count_a_reward, harness_command, launched_env, phase_results, run_alone, tiny_grpo_args
 
-from trl_grpo_ext.checkpointing import STAGING_DIR, load_grpo_state, publish_checkpoint, save_grpo_state
+from trl_grpo_ext.checkpointing import (
+    STAGING_DIR,
+    Checkpoints,
+    load_grpo_state,
+    publish_checkpoint,
+    save_grpo_state,
+)
 
 COMPARED = ("loss", "grad_norm", "reward", "kl", "clip_ratio/region_mean", "ratio/mean", "entropy")
 # Random kill moments per mode; raise it to run more trials: KILL_TRIALS=20 pytest tests/test_checkpointing.py
@@ -238,3 +245,41 @@ def test_the_best_checkpoint_is_recorded_under_its_final_name_and_survives_a_res
     assert resumed.state.best_model_checkpoint is not None and os.path.isdir(resumed.state.best_model_checkpoint)
     if best != os.path.join(str(tmp_path), "checkpoint-4"):
         assert os.path.isdir(best)
+
+
+def process_on_a_node(run_dir, process_index, should_save, barrier):
+    """The trainer of one of four processes, for `Checkpoints.staged_save`: its node's file system is `run_dir`."""
+    buffered = [{"completion_ids": torch.full((2, 3), process_index), "advantages": torch.tensor([0.5, -0.5])}]
+    accelerator = SimpleNamespace(
+        process_index=process_index, is_local_main_process=process_index % 2 == 0, wait_for_everyone=barrier.wait
+    )
+    return SimpleNamespace(
+        _get_output_dir=lambda trial: str(run_dir),
+        state=SimpleNamespace(global_step=4, best_model_checkpoint=None),
+        args=SimpleNamespace(should_save=should_save, save_total_limit=None, push_to_hub=False),
+        accelerator=accelerator,
+        _step=8,
+        _buffered_inputs=buffered,
+    )
+
+
+def test_a_node_without_the_main_node_s_file_system_keeps_its_processes_states_in_its_checkpoint(tmp_path):
+    """Two nodes of two processes, no shared storage: the main node publishes its checkpoint; the other node's
+    processes put their buffered generations into the checkpoint folder of their node, not left in its staging
+    folder, where a resume would not find them."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    barrier = threading.Barrier(4, timeout=60)
+
+    def save(rank):
+        trainer = process_on_a_node(nodes[rank // 2], rank, rank == 0, barrier)
+        with Checkpoints(trainer).staged_save(trial=None):
+            pass  # Trainer's own files: written by the saving process only
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(save, range(4)))
+    assert sorted(os.listdir(nodes[0] / "checkpoint-4")) == ["grpo_state_rank0.pt", "grpo_state_rank1.pt"]
+    assert sorted(os.listdir(nodes[1])) == ["checkpoint-4"]  # no staging folder left behind
+    for rank in (2, 3):
+        state = load_grpo_state(str(nodes[1] / "checkpoint-4"), rank, "cpu")
+        assert state["step"] == 8
+        assert torch.equal(state["buffered_inputs"][0]["completion_ids"], torch.full((2, 3), rank))

@@ -1,11 +1,13 @@
 """`GRPOConfigExt` defaults and field documentation."""
 
 import dataclasses
+import re
 
+import pytest
 from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
-from trl_grpo_ext import GRPOConfigExt
+from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 
 
 def test_defaults_are_deepseekmath_s_objective(tmp_path):
@@ -39,3 +41,31 @@ def test_every_field_declared_here_has_help_text():
 
 def test_is_a_trl_grpo_config(tmp_path):
     assert isinstance(GRPOConfigExt(output_dir=str(tmp_path)), GRPOConfig)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"ratio_quantiles": 0.95}, "`ratio_quantiles` must be a list of numbers (e.g. [0.05, 0.5, 0.95]), got 0.95."),
+        ({"heldout_pass_at": 4}, "`heldout_pass_at` must be a list of whole numbers (e.g. [1, 4]), got 4."),
+        ({"heldout_pass_at": [2.5]}, "`heldout_pass_at` must be a list of whole numbers (e.g. [1, 4]), got [2.5]."),
+    ],
+)
+def test_a_scalar_or_a_fraction_for_a_list_field_is_one_sentence_naming_it(fields, message, tmp_path):
+    with pytest.raises(ValueError) as error:
+        GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, **fields)
+    assert str(error.value) == message
+
+
+def test_list_fields_take_whole_floats_as_numbers(tmp_path):
+    config = GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, ratio_quantiles=[0, 1], heldout_pass_at=[1.0, 4])
+    assert config.ratio_quantiles == [0.0, 1.0] and config.heldout_pass_at == [1, 4]
+
+
+def test_an_unknown_loss_type_is_named_with_the_known_ones_before_any_model_loads(tmp_path):
+    known = "('grpo', 'bnpo', 'dr_grpo', 'dapo', 'luspo', 'cispo', 'sapo', 'vespo')"
+    with pytest.raises(ValueError, match=re.escape(f"`loss_type` must be one of {known}, got 'grpoo'.")):
+        GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, loss_type="grpoo")
+    plain = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, loss_type="grpoo")
+    with pytest.raises(ValueError, match="got 'grpoo'"):  # before the model (a path that does not exist) loads
+        GRPOTrainerExt(model=str(tmp_path / "no-model"), reward_funcs=len, args=plain, train_dataset=None)

@@ -187,6 +187,15 @@ class TestRewardSpread:
         accumulator.add_rewards(torch.tensor([0.1, 0.1, 0.1, 0.1]), 4, torch.tensor([1, 2, 3, 4]))  # no spread
         assert "reward_length_corr/within_group" not in accumulator.summarize(None).scalars
 
+    def test_groups_without_reward_spread_leave_the_correlation_as_the_groups_with_spread_give_it(self):
+        """They have advantage 0 and push no length either way: a reward equal to the length wherever rewards
+        differ correlates fully, however many groups are flat."""
+        accumulator = DiagnosticsAccumulator()
+        rewards = torch.tensor([3.0, 5.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+        lengths = torch.tensor([3, 5, 1, 2, 1, 6, 9, 4, 2, 8, 3, 7])
+        accumulator.add_rewards(rewards, 4, lengths)
+        assert accumulator.summarize(None).scalars["reward_length_corr/within_group"] == pytest.approx(1.0)
+
 
 def pooled_within_group_correlation(rewards, lengths, group_size) -> float:
     """Centre each group on its own means, then one Pearson correlation over every centred row."""

@@ -324,3 +324,73 @@ def test_the_spread_alarms_judge_the_groups_when_the_package_logs_them():
     assert fired_at([entry], "zero_std")[0] == [0]
     assert fired_at([entry] * 3, "no_spread")[0] == [2]
     assert fired_at([{"frac_reward_zero_std": 1.0}] * 3, "no_spread")[0] == [2]  # a stock TRL history
+
+
+def test_unscored_waits_for_a_function_silent_over_a_window_while_every_completion_is_scored():
+    nan = float("nan")
+    # Two tasks, each function None on the other's prompts: a step whose batch held only one task's prompts.
+    multitask = [
+        {"rewards/math/mean": nan if step % 3 == 0 else 0.5, "rewards/code/mean": 0.2 if step % 3 else nan}
+        for step in range(30)
+    ]
+    multitask = [{**entry, "frac_reward_unscored": 0.0} for entry in multitask]
+    assert fired_at(multitask, "unscored")[0] == []
+    silent = [{"rewards/format/mean": 1.0, "rewards/parse/mean": nan, "frac_reward_unscored": 0.0}] * 12
+    indices, messages, _ = fired_at(silent, "unscored")
+    assert indices == [9]  # the 10th log step in a row without a score
+    assert "reward function 'parse' scored no completion for 10 log steps in a row" in messages[0]
+    unscored = [{"rewards/parse/mean": nan, "frac_reward_unscored": 1.0}]  # scored by no function at all: at once
+    assert "'parse' scored no completion of this step" in fired_at(unscored, "unscored")[1][0]
+
+
+def math_only(prompts, completions, **kwargs):
+    return [float(len(c)) if p == "abc=" else None for p, c in zip(prompts, completions, strict=True)]
+
+
+def words_only(prompts, completions, **kwargs):
+    return [float(c.count("a")) if p != "abc=" else None for p, c in zip(prompts, completions, strict=True)]
+
+
+def test_a_healthy_multi_task_run_raises_no_unscored_alarm(tiny_model_path, tiny_tokenizer, tmp_path):
+    """One prompt per step, the tasks taking turns: each function scores nothing at every other step, while every
+    completion is scored."""
+    from datasets import Dataset
+
+    dataset = Dataset.from_dict({"prompt": ["abc=", "xyz="] * 4})
+    entries, trainer = train_logs(
+        tmp_path,
+        tiny_model_path,
+        tiny_tokenizer,
+        dataset,
+        reward_funcs=[math_only, words_only],
+        shuffle_dataset=False,
+        max_steps=6,
+    )
+    assert all(entry["frac_reward_unscored"] == 0.0 for entry in entries)
+    assert any(entry["rewards/math_only/mean"] is None for entry in entries)  # silent at some steps
+    assert "unscored" not in monitor_of(trainer).counts
+    assert "unscored" not in assess(trainer.state.log_history, AnomalyMonitor.from_config(trainer.args)).alarms
+
+
+def length_where_it_varies(prompts, completion_ids, **kwargs):
+    """Constant on half the prompts (flat groups); elsewhere exactly the completion length."""
+    constant = {"xyz=", "qq="}
+    return [1.0 if p in constant else float(len(ids)) for p, ids in zip(prompts, completion_ids, strict=True)]
+
+
+def test_the_length_alarm_fires_however_many_groups_are_flat(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
+):
+    entries, trainer = train_logs(
+        tmp_path,
+        tiny_model_path,
+        tiny_tokenizer,
+        prompt_dataset,
+        reward_funcs=length_where_it_varies,
+        max_completion_length=16,
+        per_device_train_batch_size=16,  # 4 groups a step, half of them flat
+    )
+    correlations = [entry.get("reward_length_corr/within_group") for entry in entries]
+    assert any(entry["reward_std/frac_zero_groups"] >= 0.5 for entry in entries)
+    assert all(value == pytest.approx(1.0) for value in correlations if value is not None) and any(correlations)
+    assert monitor_of(trainer).counts["length_in_group"] == 1

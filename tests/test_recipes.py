@@ -342,3 +342,66 @@ def test_eval_samples_0_switches_the_held_out_schedule_off_saying_so(monkeypatch
         recipe.main(*args)
     assert args[1].heldout_every_steps == 0
     assert "eval_samples is 0: no held-out evaluation (heldout_every_steps=5 is left unused" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "flags", "message"),
+    [
+        ("ratio_quantiles: 0.95\n", [], "`ratio_quantiles` must be a list of numbers"),
+        ("heldout_pass_at: 4\n", [], "`heldout_pass_at` must be a list of whole numbers"),
+        ("", ["--loss_type", "grpoo"], "`loss_type` must be one of ('grpo', "),
+    ],
+)
+def test_a_wrong_kind_of_value_or_an_unknown_loss_type_is_one_line_with_exit_status_2(
+    yaml_text, flags, message, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr(recipe, "main", lambda *args: pytest.fail("the recipe ran"))
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model_name_or_path: m\noutput_dir: {tmp_path / 'out'}\n{yaml_text}")
+    assert recipe.run(["--config", str(config), *flags], prog="grpo") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"grpo: error: {message}") and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_a_resumed_run_reports_what_the_uninterrupted_run_reports(tmp_path, capsys):
+    """Its score before GRPO is the base model's (from the resumed state's history, not a new evaluation of the
+    checkpoint), and its held-out history, card and console lines are the uninterrupted run's."""
+    import shutil
+
+    def run(output_dir, *extra):
+        args = demo_args(output_dir, "--max_steps", "2", "--save_steps", "1", "--eval_samples", "4", *extra)
+        result, _ = run_recipe(args + ["--per_device_train_batch_size", "8", "--report_to", "none"])
+        console = [line for line in capsys.readouterr().out.splitlines() if "before GRPO" in line]
+        with open(output_dir / "trainer_state.json") as handle:
+            history = [entry for entry in json.load(handle)["log_history"] if "heldout/exact_match/mean@1" in entry]
+        card = (output_dir / "README.md").read_text()
+        rows = [line for line in card.splitlines() if line.startswith("| `held-out")]
+        return result, console, [(entry["step"], entry["heldout/exact_match/mean@1"]) for entry in history], rows
+
+    reference = run(tmp_path / "reference")
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copytree(tmp_path / "reference" / "checkpoint-1", resumed_dir / "checkpoint-1")  # stopped after step 1
+    resumed = run(resumed_dir, "--resume_from_checkpoint", "true")
+    assert resumed == reference
+    assert [step for step, _ in reference[2]] == [0, 2] and reference[1]
+
+
+def test_a_colocated_vllm_engine_is_shut_down_before_accelerate_ends_training():
+    """vLLM tears down its process groups, then the default one; after `end_training()` destroyed the default group,
+    its teardown at exit printed `ValueError: Invalid process group specified` (the real engine:
+    tests/real_vllm/test_recipe.py)."""
+    from types import SimpleNamespace
+
+    calls = []
+    engine = SimpleNamespace(shutdown=lambda: calls.append("engine shutdown"))
+    accelerator = SimpleNamespace(
+        wait_for_everyone=lambda: calls.append("wait"), end_training=lambda: calls.append("end_training")
+    )
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=engine))
+    recipe._end_training(SimpleNamespace(accelerator=accelerator, vllm_generation=SimpleNamespace(llm=llm)))
+    assert calls == ["wait", "engine shutdown", "end_training"]
+    calls.clear()
+    recipe._end_training(SimpleNamespace(accelerator=accelerator))  # no vLLM, or vLLM in server mode
+    assert calls == ["wait", "end_training"]

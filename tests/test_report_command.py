@@ -1,6 +1,7 @@
 """`trl-grpo-ext report RUN_DIR`: a GRPOTrainerExt run, a stock trl.GRPOTrainer run, folders without a run."""
 
 import json
+import os
 
 import pytest
 from helpers import count_a_reward, tiny_grpo_args
@@ -146,3 +147,55 @@ def test_health_verdicts_of_counts_and_of_a_held_out_metric_that_falls():
     assert held_out.verdict == "ALARM" and "reward_vs_heldout at step 3" in held_out.detail
     assert "heldout/accuracy/mean@4 0.6 -> 0.3" in held_out.detail
     assert health["reward"].verdict == "ok" and health["KL to the reference"].verdict == "missing"
+
+
+def test_the_run_that_wrote_the_folder_last_is_read_and_the_other_run_is_named(tmp_path, capsys):
+    old = [{"loss": 1.0, "step": step, "reward": 0.1} for step in range(1, 401)]
+    write_state(tmp_path / "checkpoint-400", 400, old)
+    new = [{"loss": 0.5, "step": step, "reward": 0.2} for step in range(1, 21)]
+    write_state(tmp_path / "checkpoint-10", 10, new[:10])  # the new run's own checkpoint: not another run
+    write_state(tmp_path, 20, new)
+    for age, folder in ((300, tmp_path / "checkpoint-400"), (10, tmp_path / "checkpoint-10"), (0, tmp_path)):
+        stamp = (tmp_path / "trainer_state.json").stat().st_mtime - age
+        os.utime(folder / "trainer_state.json", (stamp, stamp))
+    path, state = find_trainer_state(str(tmp_path))
+    assert path == str(tmp_path / "trainer_state.json") and state["global_step"] == 20
+    status, out, _ = report(tmp_path, capsys)
+    assert status == 0 and out.startswith(f"Run {tmp_path}: trainer_state.json at global step 20, 20 training log")
+    assert "also holds trainer states of another run: checkpoint-400/trainer_state.json (step 400)." in out
+    assert "checkpoint-10" not in out
+
+
+def test_one_run_s_checkpoints_and_final_state_are_not_called_other_runs(tmp_path, capsys):
+    history = [{"loss": 0.5, "step": step} for step in range(1, 5)]
+    write_state(tmp_path / "checkpoint-2", 2, history[:2])
+    write_state(tmp_path / "checkpoint-4", 4, history)
+    status, out, _ = report(tmp_path, capsys)
+    assert status == 0 and "another run" not in out
+
+
+def truncated_run(run_dir, model, tokenizer, dataset, **fields):
+    """A 4-step run whose one-token completions are all truncated, with a checkpoint at its end."""
+    options = tiny_grpo_args(run_dir, max_completion_length=1, save_strategy="steps", save_steps=4, **fields)
+    trainer = GRPOTrainerExt(
+        model=model,
+        reward_funcs=count_a_reward,
+        args=GRPOConfigExt(**options),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    return trainer
+
+
+def test_the_report_judges_with_the_run_s_own_thresholds(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, capsys
+):
+    truncated_run(tmp_path / "off", tiny_model_path, tiny_tokenizer, prompt_dataset, warn_truncated_fraction=None)
+    status, out, _ = report(tmp_path / "off", capsys)
+    assert status == 0 and "Thresholds: the run's own warn_* values." in out
+    assert "truncation (" not in out  # the run switched that alarm off
+    truncated_run(tmp_path / "quiet", tiny_model_path, tiny_tokenizer, prompt_dataset, warn_on_anomalies=False)
+    status, out, _ = report(tmp_path / "quiet", capsys)
+    assert status == 0 and "it ran with warn_on_anomalies=False" in out
+    assert "truncation (steps 1-4): " in out  # judged all the same, with its thresholds

@@ -10,6 +10,7 @@ import pytest
 import torch
 from datasets import Dataset
 from helpers import half_constant_reward, launch, make_trainer, phase_results, run_alone, tiny_grpo_args
+from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt
@@ -189,3 +190,119 @@ def test_a_killed_run_resumes_to_the_round_sizes_and_logs_of_the_uninterrupted_r
                 assert got[step][key] == expected[step][key], (step, key)
     assert resumed_rows["stock_rows"] == reference_rows["stock_rows"][-len(resumed_rows["stock_rows"]) :]
     assert min(reference_rows["stock_rows"]) < 16
+
+
+def flat_on_two_texts(prompts, completions, **kwargs) -> list[float]:
+    """`helpers.half_constant_reward` with its constant prompts among `TEXTS` (2 of 8 groups flat): a function of
+    the prompt and the completion, computed again on a batch's decoded rows."""
+    return half_constant_reward(prompts, completions)
+
+
+def run_with_small_rounds(model_path, tokenizer, output_dir, dataset=None, reward=flat_on_two_texts, **options):
+    """A run whose extra rounds are smaller than a generation batch (one generation batch of 8 groups per step): per
+    call of TRL's generation, its step, completion lengths and truncation (TRL's definitions) and its groups' prompts;
+    per step, the batch that trains and TRL's completions table as a log step reads it."""
+    dataset = dataset if dataset is not None else Dataset.from_dict({"prompt": list(TEXTS) * 4})
+    options = {
+        "num_iterations": 1,
+        "beta": 0.0,
+        "max_steps": 6,
+        "per_device_train_batch_size": 16,
+        "gradient_accumulation_steps": 2,
+        "dynamic_sampling": True,
+        **options,
+    }
+    trainer = make_trainer(output_dir, model_path, tokenizer, dataset, reward_funcs=reward, **options)
+    ends = {*trainer.eos_token_ids, tokenizer.pad_token_id}
+    calls, batches, tables = [], [], []
+    stock = GRPOTrainer._generate_and_score_completions
+
+    def recorded(self, inputs):
+        output = stock(self, inputs)
+        lengths = output["completion_mask"].sum(dim=1)
+        last = output["completion_ids"].gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+        truncated = [int(token) not in ends for token in last]
+        prompts = [row["prompt"] for row in inputs[::G]]
+        calls.append((self.state.global_step, lengths.tolist(), truncated, prompts))
+        return output
+
+    original = trainer._generate_and_score_completions
+
+    def kept(inputs):
+        output = original(inputs)
+        batches.append(output)
+        return output
+
+    class TableAtLog(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if "loss" in logs:
+                table = trainer._logs
+                rewards = {name: list(column) for name, column in table["rewards"].items()}
+                tables.append((list(table["prompt"]), list(table["completion"]), rewards, list(table["advantages"])))
+
+    trainer._generate_and_score_completions = kept
+    trainer.add_callback(TableAtLog())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(GRPOTrainer, "_generate_and_score_completions", recorded)
+        trainer.train()
+    return trainer, calls, batches, tables
+
+
+@pytest.fixture(scope="module")
+def small_rounds(tiny_model_path, tiny_tokenizer, tmp_path_factory):
+    return run_with_small_rounds(tiny_model_path, tiny_tokenizer, tmp_path_factory.mktemp("small-rounds"))
+
+
+def test_with_rounds_smaller_than_a_batch_the_completions_table_holds_the_rows_that_train(
+    small_rounds, tiny_tokenizer
+):
+    trainer, calls, batches, tables = small_rounds
+    rows = trainer.args.generation_batch_size
+    assert any(len(lengths) < rows for _, lengths, _, _ in calls)  # an extra round smaller than a generation batch
+    assert len(tables) == len(batches) == 6
+    for (prompts, completions, rewards, advantages), batch in zip(tables, batches, strict=True):
+        assert prompts == tiny_tokenizer.batch_decode(batch["prompt_ids"], skip_special_tokens=True)
+        assert completions == tiny_tokenizer.batch_decode(batch["completion_ids"], skip_special_tokens=True)
+        assert rewards == {"flat_on_two_texts": pytest.approx(flat_on_two_texts(prompts, completions))}
+        assert advantages == pytest.approx(batch["advantages"].tolist())
+
+
+def test_the_completions_metrics_count_every_generated_row_once_whatever_the_round_sizes(small_rounds):
+    trainer, calls, _, _ = small_rounds
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 6
+    assert any(entry["dynamic_sampling/rounds"] > 0 for entry in logs)
+    for entry in logs:
+        step_calls = [call for call in calls if call[0] == entry["step"] - 1]  # generated during that step
+        lengths = [length for _, call_lengths, _, _ in step_calls for length in call_lengths]
+        truncated = [flag for _, _, call_flags, _ in step_calls for flag in call_flags]
+        terminated = [length for length, cut in zip(lengths, truncated, strict=True) if not cut] or [0]
+        assert entry["completions/mean_length"] == pytest.approx(sum(lengths) / len(lengths))
+        assert entry["completions/min_length"] == min(lengths)
+        assert entry["completions/max_length"] == max(lengths)
+        assert entry["completions/clipped_ratio"] == pytest.approx(sum(truncated) / len(truncated))
+        assert entry["completions/mean_terminated_length"] == pytest.approx(sum(terminated) / len(terminated))
+        assert entry["completions/min_terminated_length"] == min(terminated)
+        assert entry["completions/max_terminated_length"] == max(terminated)
+
+
+DISTINCT = [first + second + "=" for first in "abcd" for second in "efgh"]  # 16 distinct prompts
+FLAT = set(DISTINCT[1::4])  # 4 of them, 2 in each generation batch of 8 groups
+
+
+def flat_on_some(prompts, completions, **kwargs) -> list[float]:
+    return [1.0 if prompt in FLAT else float(i % G) for i, prompt in enumerate(prompts)]
+
+
+def test_an_extra_round_never_generates_again_a_prompt_of_its_batch_even_in_the_sampler_s_order(
+    tiny_model_path, tiny_tokenizer, tmp_path
+):
+    dataset = Dataset.from_dict({"prompt": DISTINCT})
+    _, calls, _, _ = run_with_small_rounds(
+        tiny_model_path, tiny_tokenizer, tmp_path, dataset, flat_on_some, max_steps=4, shuffle_dataset=False
+    )
+    steps = sorted({step for step, *_ in calls})
+    assert len(calls) > len(steps)  # extra rounds happened
+    for step in steps:
+        generated = [prompt for call_step, *_, prompts in calls if call_step == step for prompt in prompts]
+        assert len(generated) == len(set(generated)), generated

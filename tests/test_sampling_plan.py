@@ -7,11 +7,14 @@ from collections import Counter
 
 import pytest
 import torch
+from datasets import Dataset
 from helpers import half_constant_reward, make_trainer
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext.sampling.plan import (
+    PromptKeys,
     PromptStream,
+    combine_round_metrics,
     extra_round_rows,
     fill_slots,
     group_placement,
@@ -152,3 +155,40 @@ def test_the_prompt_stream_is_seeded_resumable_and_continues_over_epochs():
     assert again.draw(7) == rest
     assert PromptStream(5, seed=4).draw(5) != PromptStream(5, seed=3).draw(5)
     assert PromptStream(4, seed=0, shuffle=False).draw(6) == [0, 1, 2, 3, 0, 1]
+
+
+def test_an_infinite_margin_asks_for_a_whole_generation_batch():
+    placement = group_placement(4, 4, 16)[0]
+    assert extra_round_rows(Counter({placement: 1}), 0.5, math.inf, 16, 1, 4) == 16
+    assert extra_round_rows(Counter({placement: 1}), 1e-300, 1e300, 16, 1, 4) == 16
+    assert extra_round_rows(Counter({placement: 1}), 0.5, 1.0, 16, 1, 4) == 8
+
+
+def test_the_stream_passes_over_the_prompts_a_batch_holds_and_draws_none_twice():
+    stream = PromptStream(6, seed=0, shuffle=False)
+    taken = {0, 1, 2}
+    assert stream.draw(2, taken) == [3, 4]
+    assert taken == {0, 1, 2, 3, 4}
+    assert stream.draw(2, taken) == [5, 0]  # one pass without a fresh prompt: drawn as they come
+    keys = PromptKeys(Dataset.from_dict({"prompt": ["a", "b", "a", "c"]}))
+    assert PromptStream(4, seed=0, shuffle=False).draw(2, {"b"}, keys) == [0, 3]  # by value
+    chats = PromptKeys([{"prompt": [{"role": "user", "content": "a"}]}, {"environment": "maze"}])  # no columns
+    assert chats(0) in chats.of([[{"role": "user", "content": "a"}]]) and chats(1) == ("row", 1)
+
+
+def test_per_call_metrics_of_several_rounds_weigh_each_round_by_what_it_describes():
+    rounds = [
+        {"completions/mean_length": [4.0], "completions/min_length": [2.0], "completions/clipped_ratio": [0.5],
+         "completions/mean_terminated_length": [3.0], "tools/call_frequency": [1.0],
+         "tools/failure_frequency": [0.5], "my_score": [1.0]},
+        {"completions/mean_length": [8.0], "completions/min_length": [1.0], "completions/clipped_ratio": [1.0],
+         "completions/mean_terminated_length": [0.0], "tools/call_frequency": [3.0],
+         "tools/failure_frequency": [0.0], "my_score": [math.nan]},
+    ]  # fmt: skip
+    combined = combine_round_metrics(rounds, [24, 8])
+    assert combined["completions/mean_length"] == pytest.approx((4 * 24 + 8 * 8) / 32)
+    assert combined["completions/min_length"] == 1.0
+    assert combined["completions/clipped_ratio"] == pytest.approx((0.5 * 24 + 8) / 32)
+    assert combined["completions/mean_terminated_length"] == 3.0  # the second round terminated nothing
+    assert combined["tools/failure_frequency"] == pytest.approx(0.5 * 24 / (24 + 3 * 8))  # per tool call
+    assert combined["my_score"] == 1.0  # a NaN says nothing

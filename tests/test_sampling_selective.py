@@ -4,6 +4,7 @@ exactly, and two processes decide alike."""
 
 import math
 import signal
+from collections import defaultdict
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.checkpointing import load_grpo_state
 from trl_grpo_ext.guardrails import NonFiniteTrainingError
-from trl_grpo_ext.sampling.selective import INDEX_COLUMN
+from trl_grpo_ext.sampling.selective import INDEX_COLUMN, Selection
 
 G = 4
 TEXTS = ("abc=", "hello=", "xyz=", "qq=", "kite=", "zz=")  # 2 of them in CONSTANT_PROMPTS
@@ -364,3 +365,21 @@ def test_two_processes_take_the_same_decisions_generate_as_many_rows_and_train_w
 def test_processes_whose_selections_differ_raise_an_error_naming_it_instead_of_training_apart(two_processes):
     for rank in phase_results(two_processes, "selective-disagree"):
         assert rank["error"] is not None and "different prompts" in rank["error"]
+
+
+def test_a_prompt_held_twice_by_one_generation_batch_moves_its_history_once(tiny_model_path, tiny_tokenizer, tmp_path):
+    trainer = make_trainer(
+        tmp_path, tiny_model_path, tiny_tokenizer, epochs_dataset(), selective_rollouts=True, max_steps=1
+    )
+    selective = trainer._selective
+    metrics = defaultdict(list)
+
+    def batch(*rounds):
+        for prompts, informative in rounds:
+            selective.observe(Selection(prompts, [False] * len(prompts)), torch.tensor(informative))
+        selective.finish(metrics)
+        return selective.streak[:3].tolist()
+
+    assert batch(([0, 0, 1], [False, False, False])) == [1, 1, 0]  # one visit each, without spread
+    assert batch(([0, 0], [False, True]), ([1], [False]), ([1], [False])) == [0, 2, 0]  # over rounds too
+    assert batch(([0, 2, 0], [True, True, False])) == [0, 2, 0]  # spread in one of its groups: spread

@@ -261,6 +261,16 @@ class Checkpoints:
                 best_model_checkpoint=trainer.state.best_model_checkpoint,
             )
         trainer.accelerator.wait_for_everyone()
+        # A node that no saving process shares a file system with (several nodes, no shared storage, no
+        # `save_on_each_node`): nobody published its staging folder. Its processes' states go into its own
+        # checkpoint folder, where a copy of the main node's checkpoint joins them for a resume.
+        own = grpo_state_path(staged, trainer.accelerator.process_index)
+        if os.path.isfile(own):
+            os.makedirs(final, exist_ok=True)
+            os.replace(own, grpo_state_path(final, trainer.accelerator.process_index))
+        trainer.accelerator.wait_for_everyone()
+        if not trainer.args.should_save and trainer.accelerator.is_local_main_process:
+            shutil.rmtree(staging_run_dir, ignore_errors=True)
         if trainer.args.push_to_hub:
             trainer._push_from_checkpoint(final)
 

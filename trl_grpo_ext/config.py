@@ -15,6 +15,7 @@ from .guardrails.alarms import ALARMS
 from .guardrails.nonfinite import NONFINITE_POLICIES
 from .objective_inputs import fused_kernel_problems
 from .ops import IMPLEMENTATIONS, hyperparameter_problems
+from .ops.loss_types import loss_type_record
 from .ops.validation import kernel_refusal
 from .report.console import CONSOLE_MODES
 
@@ -344,8 +345,10 @@ class GRPOConfigExt(GRPOConfig):
             self.activation_checkpointing = self.gradient_checkpointing
         if self.bf16 is None:
             self.bf16 = not self.fp16 and not self.use_cpu and is_torch_bf16_gpu_available()
-        self.ratio_quantiles = [float(q) for q in self.ratio_quantiles]
-        if self.heldout_pass_at is not None:
+        # Numbers as numbers ([1, 4.0] from a YAML file); anything else is named by `config_problems`.
+        if _list_problem(self, "ratio_quantiles", "numbers") is None:
+            self.ratio_quantiles = [float(q) for q in self.ratio_quantiles]
+        if self.heldout_pass_at is not None and _list_problem(self, "heldout_pass_at", "whole numbers") is None:
             self.heldout_pass_at = [int(k) for k in self.heldout_pass_at]
         problems = config_problems(self)  # before TRL's own checks, which load nothing either
         if problems:
@@ -382,6 +385,22 @@ def option(args, name: str):
     return _DEFAULTS[name]
 
 
+#: An example value of each list field, for the sentence that refuses another kind of value.
+_LIST_EXAMPLES = {"ratio_quantiles": "[0.05, 0.5, 0.95]", "heldout_pass_at": "[1, 4]"}
+
+
+def _list_problem(args, name: str, kind: str) -> str | None:
+    """The sentence that refuses a list field (`_LIST_EXAMPLES`) whose value is not a list of `kind` ("numbers",
+    "whole numbers"), `None` when it is one."""
+    value = option(args, name)
+    numbers = isinstance(value, (list, tuple)) and all(
+        isinstance(item, (int, float)) and not isinstance(item, bool) for item in value
+    )
+    if numbers and (kind == "numbers" or all(float(item).is_integer() for item in value)):
+        return None
+    return f"`{name}` must be a list of {kind} (e.g. {_LIST_EXAMPLES[name]}), got {value!r}."
+
+
 def _at_least(args, name: str, minimum: int) -> str | None:
     value = option(args, name)
     return f"`{name}` must be >= {minimum}, got {value}." if value < minimum else None
@@ -401,8 +420,15 @@ def config_problems(args, *, only_after_trl: bool = False) -> list[str]:
         outside = fused_kernel_problems(args) if implementation in ("fused", "compiled") else []
         return [kernel_refusal(implementation, outside, "loss_implementation")] if outside else []
     problems = []
+    try:
+        loss_type_record(args.loss_type)  # before any model loads: the trainer looks its record up
+    except ValueError as error:
+        problems.append(str(error))
     quantiles = option(args, "ratio_quantiles")
-    if any(not 0.0 <= q <= 1.0 for q in quantiles):
+    wrong_kind = _list_problem(args, "ratio_quantiles", "numbers")
+    if wrong_kind is not None:
+        problems.append(wrong_kind)
+    elif any(not 0.0 <= q <= 1.0 for q in quantiles):
         problems.append(f"`ratio_quantiles` must lie in [0, 1], got {[q for q in quantiles if not 0.0 <= q <= 1.0]}.")
     for name, choices in (
         ("loss_implementation", IMPLEMENTATIONS),
@@ -430,7 +456,10 @@ def config_problems(args, *, only_after_trl: bool = False) -> list[str]:
         if problem is not None
     ]
     pass_at = option(args, "heldout_pass_at")
-    if pass_at is not None and (not pass_at or min(pass_at) < 1):  # k <= heldout_num_generations: the trainer's
+    wrong_kind = None if pass_at is None else _list_problem(args, "heldout_pass_at", "whole numbers")
+    if wrong_kind is not None:
+        problems.append(wrong_kind)
+    elif pass_at is not None and (not pass_at or min(pass_at) < 1):  # k <= heldout_num_generations: the trainer's
         problems.append(f"`heldout_pass_at` must list values >= 1, got {pass_at}.")
     problems += hyperparameter_problems(args.epsilon, args.epsilon_high, args.beta, args.delta)
     return problems

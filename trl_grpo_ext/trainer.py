@@ -41,6 +41,7 @@ from .diagnostics import DiagnosticsAccumulator
 from .diagnostics.loggers import write_histograms
 from .diagnostics.mismatch import sampler_mismatch, trainer_logps, truncation_warning
 from .guardrails import AnomalyMonitor, NonFiniteGuard, NonFiniteStepGuard
+from .guardrails.anomaly import AlarmSettings
 from .guardrails.launch import check_launch
 from .guardrails.reward_errors import guard_reward_funcs
 from .objective_inputs import entropy_bonus, gather_objective_inputs
@@ -176,6 +177,7 @@ class GRPOTrainerExt(GRPOTrainer):
             self._dynamic_sampler = sampler
         self._heldout = heldout
         heldout.attach(self)
+        self.add_callback(AlarmSettings.from_config(args))  # kept in the trainer state, for `report`
         if option(args, "warn_on_anomalies"):
             # First in line, so that the loggers and the console after it see the `alarms/<name>` counts it adds.
             self.callback_handler.callbacks.insert(0, AnomalyMonitor.from_config(args))

@@ -22,6 +22,8 @@ def test_the_vllm_demo_config_trains_and_evaluates_through_the_engine(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert "Held-out evaluation on 16 test prompts" in result.stdout
+    # The engine is shut down before accelerate ends training: no traceback from vLLM's teardown at exit.
+    assert "Invalid process group specified" not in result.stderr and "Traceback" not in result.stderr
     with open(output_dir / "trainer_state.json") as handle:
         history = json.load(handle)["log_history"]
     steps = [entry for entry in history if "loss" in entry]

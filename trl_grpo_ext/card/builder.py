@@ -14,7 +14,6 @@ import os
 from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 
-from datasets import Dataset
 from huggingface_hub import ModelCardData
 from transformers import is_wandb_available
 from transformers.utils import logging
@@ -29,6 +28,7 @@ from .objective import (
     objective_options,
     resolve_options,
 )
+from .quick_start import first_training_prompt, is_hub_id, quick_start_lines, weights_folder
 from .stock import TRL_TAGS, trl_card_sections, trl_card_tags
 
 __all__ = [
@@ -86,11 +86,6 @@ def run_urls() -> dict[str, str | None]:
     return {"wandb_url": wandb_url, "trackio_url": get_trackio_space_url(), "comet_url": get_comet_experiment_url()}
 
 
-def _is_hub_id(name: str | None) -> bool:
-    """`owner/name` that is not a local path."""
-    return bool(name) and name.count("/") == 1 and not os.path.exists(name)
-
-
 #: Framework versions the card lists besides TRL's (TRL, Transformers, Pytorch, Datasets, Tokenizers): label, package.
 EXTRA_FRAMEWORKS = (("trl_grpo_ext", "trl-grpo-ext"), ("PEFT", "peft"), ("Accelerate", "accelerate"))
 
@@ -105,43 +100,6 @@ def _framework_versions(trl_versions: str) -> list[str]:
             continue
     first = [extra.pop("trl_grpo_ext")] if "trl_grpo_ext" in extra else []
     return [*first, *[line for line in trl_versions.splitlines() if line.strip()], *extra.values()]
-
-
-def _quick_start(repo: str, is_adapter: bool, prompt: str | None = None, base_model: str | None = None) -> list[str]:
-    """The "Quick start" section: load the model (or the adapter on its base model) from `repo` (the Hub id, or the
-    run's folder as an absolute path: runs from any folder) and generate from `prompt` (a placeholder without one);
-    for an adapter on a base model in a local folder, a line saying where that base model is read from."""
-    prompt = "<your prompt>" if prompt is None else prompt
-    lines = ["## Quick start", "", "```python"]
-    if is_adapter:
-        lines += [
-            "from peft import AutoPeftModelForCausalLM",
-            "from transformers import AutoTokenizer",
-            "",
-            f'model = AutoPeftModelForCausalLM.from_pretrained("{repo}")',
-            f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
-        ]
-    else:
-        lines += [
-            "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            "",
-            f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
-            f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
-        ]
-    lines += [
-        f'inputs = tokenizer([{prompt!r}], return_tensors="pt").to(model.device)',
-        "output = model.generate(**inputs, max_new_tokens=64)",
-        'print(tokenizer.decode(output[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
-        "```",
-        "",
-    ]
-    if is_adapter and base_model is not None and not _is_hub_id(base_model):
-        lines += [
-            f"The adapter's base model is the local folder `{base_model}` (`base_model_name_or_path` in "
-            "`adapter_config.json`): the quick start runs where that folder exists.",
-            "",
-        ]
-    return lines
 
 
 def _trl_sections_tail(trl_sections: dict[str, str]) -> list[str]:
@@ -174,7 +132,9 @@ def build_model_card(
     trackio_url: str | None = None,
     comet_url: str | None = None,
     alarms: list[str] | None = None,
+    alarms_off: bool = False,
     model_path: str | None = None,
+    weights_saved: bool = True,
     prompt: str | None = None,
     base_model_path: str | None = None,
 ) -> str:
@@ -208,8 +168,12 @@ def build_model_card(
         alarms: the alarms raised during training and what else the health verdicts found, one line each
             (`health.assess(...).problem_lines()`), for a "Training health" section; an empty list says that none
             was raised, `None` leaves the section out.
-        model_path: the run's folder, for the quick start of a run not pushed (default: `model_name`); an absolute
-            path loads from any folder.
+        alarms_off: the run had its alarms off (`warn_on_anomalies=False`): the section says so, and `alarms` holds
+            only what the other health checks found.
+        model_path: the folder of the weights, for the quick start of a run not pushed (default: `model_name`); an
+            absolute path loads from any folder.
+        weights_saved: `model_path` holds (or is being written with) the weights; otherwise the quick start says how
+            to save them there.
         prompt: a training prompt (a string) for the quick start to generate from; default: a placeholder.
         base_model_path: where the adapter's base model is read from when that is a local folder (said below the
             quick start).
@@ -233,7 +197,7 @@ def build_model_card(
     )
     datasets = [dataset_name] if isinstance(dataset_name, str) else list(dataset_name or [])
     names = [
-        f"[{name}](https://huggingface.co/datasets/{name})" if _is_hub_id(name) else f"`{name}`" for name in datasets
+        f"[{name}](https://huggingface.co/datasets/{name})" if is_hub_id(name) else f"`{name}`" for name in datasets
     ]
     on = f" on the {', '.join(names)} dataset{'s' if len(names) > 1 else ''}" if names else ""
     repo = hub_model_id or model_path or model_name
@@ -260,7 +224,7 @@ def build_model_card(
         f"This model is {what} {base}{on}, trained with GRPO (group relative policy optimisation) by the "
         f"`GRPOTrainerExt` of `trl_grpo_ext`: a TRL `GRPOTrainer` whose loss is {loss}.",
         "",
-        *_quick_start(repo, is_adapter, prompt, base_model_path),
+        *quick_start_lines(repo, is_adapter, prompt, base_model_path, weights_saved or hub_model_id is not None),
         "## Objective",
         "",
         "For each prompt, G completions are sampled and scored; token t of completion i:",
@@ -279,7 +243,11 @@ def build_model_card(
     lines += [f"| `{key}` | {format_value(value)} |" for key, value in {**metrics, **(extra_metrics or {})}.items()]
     if alarms is not None:
         lines += ["", "## Training health", ""]
-        if alarms:
+        if alarms_off:
+            lines += ["The alarms were off in this run (`warn_on_anomalies=False`).", ""]
+        if alarms_off and not alarms:
+            lines += ["The other health checks (non-finite values, gradient norm, counts) found nothing."]
+        elif alarms:
             lines += ["Problems found in training (each with the steps concerned and what to change):", ""]
             lines += [f"- {alarm}" for alarm in alarms]
         else:
@@ -292,15 +260,6 @@ def build_model_card(
         lines += ["", f"![Training curves: reward, reward spread, KL, clip fraction, ratio, loss]({report_image})"]
     lines += ["", *_trl_sections_tail(trl_sections)]
     return "\n".join(lines)
-
-
-def first_training_prompt(dataset) -> str | None:
-    """The first training prompt, for the card's quick start: from a map-style `datasets.Dataset` whose `prompt` is a
-    string (a conversation, an `IterableDataset`, whose stream reading would consume, or no dataset: `None`)."""
-    if not isinstance(dataset, Dataset) or "prompt" not in dataset.column_names or len(dataset) == 0:
-        return None
-    prompt = dataset[0]["prompt"]
-    return prompt if isinstance(prompt, str) else None
 
 
 def write_model_card(
@@ -318,7 +277,9 @@ def write_model_card(
     own card, which it replaces and keeps whole: `build_model_card`): TRL's tags (`generated_from_trainer`, `trl`,
     `grpo`, `hf_jobs` on Hugging Face Jobs, `trackio:<url>` for an active trackio run) and sections, with this
     package's objective, configuration (the fields that acted, as the user set them), final metrics and report; the
-    alarms raised (the rules of `args`' `warn_*` thresholds, replayed over the log history).
+    alarms raised (the rules of `args`' `warn_*` thresholds, replayed over the log history). The quick start loads
+    the model from where it is: the output folder when it holds the weights, else the checkpoint being written (the
+    card is written at every checkpoint) or the newest checkpoint with weights, else it says how to save them.
 
     Args:
         trainer (`GRPOTrainer`): the run.
@@ -331,7 +292,7 @@ def write_model_card(
         return
     from peft import PeftModel
 
-    from ..guardrails.anomaly import AnomalyMonitor
+    from ..guardrails.anomaly import AlarmSettings
     from ..report.health import assess
 
     args = trainer.args
@@ -341,7 +302,8 @@ def write_model_card(
     base_model = model_id if model_id and not os.path.isdir(model_id) else None
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     is_adapter = isinstance(unwrapped, PeftModel)
-    health = assess(trainer.state.log_history, AnomalyMonitor.from_config(args))
+    settings = AlarmSettings.from_config(args)
+    health = assess(trainer.state.log_history, settings.monitor(live=True))  # no alarm where the run had none
     name = model_name or os.path.basename(os.path.normpath(output_dir))
     report = None
     try:
@@ -362,6 +324,7 @@ def write_model_card(
     urls = run_urls()
     tags = [tags] if isinstance(tags, str) else tags
     prompt = first_training_prompt(trainer.train_dataset)
+    model_path, weights_saved = weights_folder(trainer, is_adapter)
     card = build_model_card(
         model_name=name,
         base_model=base_model,
@@ -376,7 +339,9 @@ def write_model_card(
         lora=lora if is_adapter else None,
         objective=objective_options(args),
         alarms=health.problem_lines(),
-        model_path=os.path.abspath(output_dir),
+        alarms_off=not settings.enabled,
+        model_path=model_path,
+        weights_saved=weights_saved,
         prompt=prompt,
         base_model_path=model_id if is_adapter and model_id and os.path.isdir(model_id) else None,
         **urls,

@@ -402,8 +402,9 @@ def _length_moments(
 
     Its rows `first_row ..` of the batch are centred on the means of their group's rows held here (all of the group
     unless the group spans processes) and summed: `[sum l_c * R_c, sum l_c^2, sum R_c^2]`. Rows that no function
-    scored are left out; groups without reward spread (TRL's zero std: within 1e-8 of 0) add only their length
-    spread, so that rounding noise in equal rewards adds nothing.
+    scored are left out, and so are groups without reward spread (TRL's zero std: within 1e-8 of 0): their
+    advantages are 0, they push no length either way, and their length spread would pull the correlation towards 0
+    by the share of such groups (rounding noise in equal rewards adds nothing either).
 
     Args:
         rewards (`torch.Tensor` of shape `(N,)`): the whole batch's total rewards, NaN for unscored rows.
@@ -424,9 +425,10 @@ def _length_moments(
     rows = zeros.index_add(0, local, weight).clamp(min=1)
     reward_mean = zeros.index_add(0, local, torch.where(scored, reward, 0.0)) / rows
     length_mean = zeros.index_add(0, local, torch.where(scored, length, 0.0)) / rows
-    length_centred = torch.where(scored, length - length_mean[local], 0.0)
     varies = group_stds[group] > ZERO_STD  # NaN (one scored row) is no spread either
-    reward_centred = torch.where(scored & varies, reward - reward_mean[local], 0.0)
+    counted = scored & varies
+    length_centred = torch.where(counted, length - length_mean[local], 0.0)
+    reward_centred = torch.where(counted, reward - reward_mean[local], 0.0)
     return torch.stack(
         [(length_centred * reward_centred).sum(), length_centred.pow(2).sum(), reward_centred.pow(2).sum()]
     )

@@ -113,30 +113,54 @@ TRUNCATION_KEYS = ("dynamic_sampling/trained_clipped_ratio", "completions/clippe
 
 
 class UnscoredRule(Rule):
-    """A reward function scored no completion of a step (`rewards/<name>/mean` is NaN: every reward `None` or NaN),
-    or at least `threshold` of the completions were scored by no function (`frac_reward_unscored`)."""
+    """At least `threshold` of the completions were scored by no function (`frac_reward_unscored`), or a reward
+    function scored no completion (`rewards/<name>/mean` NaN: every reward `None` or NaN) in `WINDOW` scoring log
+    steps in a row.
+
+    A function that returns `None` for the prompts of other tasks (TRL's pattern for a multi-task reward) is silent
+    at a step whose batch holds none of its prompts; those completions are scored by another function, so
+    `frac_reward_unscored` stays low and one silent step says nothing. A parser that never matches stays silent.
+    """
 
     keys = ("frac_reward_unscored", "rewards/<name>/mean")
+    WINDOW = 10  # scoring log steps in a row without a score from one function
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.silent: dict[str, int] = {}  # function -> scoring log steps in a row it scored nothing
 
     def judge(self, entry):
         means = {key: value for key, value in entry.items() if key.startswith("rewards/") and key.endswith("/mean")}
         share = _number(entry, "frac_reward_unscored")
         if not means and share is None:
             return None  # not a step that scored completions
-        silent = sorted(
+        for key, value in means.items():
+            name = key.removeprefix("rewards/").removesuffix("/mean")
+            self.silent[name] = self.silent.get(name, 0) + 1 if _not_a_number(value) else 0
+        now = sorted(
             key.removeprefix("rewards/").removesuffix("/mean") for key, v in means.items() if _not_a_number(v)
         )
-        if not silent and (share is None or share < self.threshold):
-            return False
-        if silent:
-            named = ", ".join(f"'{name}'" for name in silent)
-            text = f"reward function {named} scored no completion of this step (every reward None or NaN)"
-        else:
+        lasting = sorted(name for name in now if self.silent[name] >= self.WINDOW)
+        if share is not None and share >= self.threshold:
             text = f"{share:.0%} of the completions were scored by no reward function (None or NaN)"
+            if now:
+                text += f"; reward function {_quoted(now)} scored no completion of this step"
+        elif lasting:
+            steps = min(self.silent[name] for name in lasting)
+            text = (
+                f"reward function {_quoted(lasting)} scored no completion for {steps} log steps in a row (every "
+                "reward None or NaN)"
+            )
+        else:
+            return False
         return (
             f"{text}: unscored completions get advantage 0, so they teach nothing. Check the function on a few "
             "completions: a parser that never matches (answer format, tags) returns None for everything."
         )
+
+
+def _quoted(names: list[str]) -> str:
+    return ", ".join(f"'{name}'" for name in names)
 
 
 class NoGradientRule(Rule):
@@ -566,8 +590,9 @@ ALARMS: dict[str, Alarm] = {
             1.0,
             False,
             True,
-            "Alarm unscored: a reward function scored no completion of a log step (all None or NaN), or at least "
-            "this share of completions was scored by no reward function (frac_reward_unscored).",
+            "Alarm unscored: at least this share of completions was scored by no reward function "
+            "(frac_reward_unscored), or a reward function scored no completion (all None or NaN) for "
+            f"{UnscoredRule.WINDOW} log steps in a row.",
         ),
         Alarm(
             "no_gradient",

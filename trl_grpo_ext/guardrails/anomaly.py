@@ -4,7 +4,7 @@ It warns, once per episode and naming what to change, when most groups carry no 
 without spread, most completions are truncated, the clip fraction stays high, the importance-ratio tail explodes,
 the KL jumps, the entropy collapses, `grad_norm` spikes, the length follows the reward, or the training reward rises
 while a held-out metric falls. The rules themselves are in `alarms.py`; `trl_grpo_ext.report.health` replays a finished
-run through the same ones.
+run through the same ones, with the run's own thresholds: `AlarmSettings` keeps them in the trainer state.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
 from .alarms import ALARMS, Rule, build_rules
 
-__all__ = ["AnomalyMonitor", "Episode"]
+__all__ = ["AlarmSettings", "AnomalyMonitor", "Episode"]
 
 logger = logging.get_logger(__name__)
 
@@ -80,10 +81,7 @@ class AnomalyMonitor(TrainerCallback):
     def from_config(cls, args) -> AnomalyMonitor:
         """The monitor that `args`' `warn_*` fields describe; a plain `trl.GRPOConfig` (which has none) gets
         `GRPOConfigExt`'s defaults."""
-        from ..config import option
-
-        thresholds = {alarm.keyword: option(args, alarm.field) for alarm in ALARMS.values()}
-        return cls(**thresholds, patience=option(args, "warn_patience"))
+        return AlarmSettings.from_config(args).monitor()
 
     def reset(self) -> None:
         """Forget every entry seen: fresh rules, no counts, no episodes."""
@@ -159,3 +157,59 @@ class AnomalyMonitor(TrainerCallback):
             and logs.keys() - counts.keys() <= entry.keys()
         ):
             entry.update(counts)  # Trainer.log recorded this entry before calling the callbacks
+
+
+class AlarmSettings(TrainerCallback, ExportableState):
+    """A run's alarm settings (`warn_on_anomalies`, `warn_patience` and every `warn_*` threshold), kept in its trainer
+    state: `trainer_state.json`'s `stateful_callbacks["AlarmSettings"]`, written with every checkpoint and by
+    `Trainer.save_state`, so that `trl-grpo-ext report` judges a finished run with the thresholds it ran with.
+
+    It records what the configuration of the run says when training begins (a resumed run's own, also where
+    `restore_callback_states_from_checkpoint` rebuilt this record from the checkpoint's).
+
+    Args:
+        enabled (`bool`): `warn_on_anomalies`.
+        patience (`int`): `warn_patience`.
+        thresholds (`dict`): `AnomalyMonitor`'s keywords (the `warn_*` fields without the prefix) -> threshold, `None`
+            for an alarm switched off.
+    """
+
+    def __init__(self, enabled: bool = True, patience: int = 3, thresholds: Mapping | None = None):
+        self.enabled, self.patience = bool(enabled), int(patience)
+        self.thresholds = dict(thresholds or {})
+
+    @classmethod
+    def from_config(cls, args) -> AlarmSettings:
+        """The settings of `args` (a plain `trl.GRPOConfig` has `GRPOConfigExt`'s defaults)."""
+        from ..config import option
+
+        thresholds = {alarm.keyword: option(args, alarm.field) for alarm in ALARMS.values()}
+        return cls(option(args, "warn_on_anomalies"), option(args, "warn_patience"), thresholds)
+
+    @classmethod
+    def from_trainer_state(cls, state: Mapping) -> AlarmSettings | None:
+        """The settings a trainer state (`trainer_state.json`'s contents) records; `None` when it records none (a
+        stock TRL run, or one of a release without them)."""
+        record = (state.get("stateful_callbacks") or {}).get(cls.__name__)
+        if not isinstance(record, Mapping) or not isinstance(record.get("args"), Mapping):
+            return None
+        args = record["args"]
+        known = {alarm.keyword for alarm in ALARMS.values()}
+        thresholds = {key: value for key, value in (args.get("thresholds") or {}).items() if key in known}
+        return cls(args.get("enabled", True), args.get("patience", 3), thresholds)
+
+    def monitor(self, live: bool = False) -> AnomalyMonitor:
+        """An `AnomalyMonitor` with these thresholds; with `live`, the alarms the run gave: none when it had them off
+        (`enabled` False)."""
+        if live and not self.enabled:
+            return AnomalyMonitor(patience=self.patience, **{alarm.keyword: None for alarm in ALARMS.values()})
+        return AnomalyMonitor(patience=self.patience, **self.thresholds)
+
+    def state(self) -> dict:
+        args = {"enabled": self.enabled, "patience": self.patience, "thresholds": dict(self.thresholds)}
+        return {"args": args, "attributes": {}}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        current = self.from_config(args)
+        self.enabled, self.patience, self.thresholds = current.enabled, current.patience, current.thresholds
+        state.stateful_callbacks[type(self).__name__] = self.state()

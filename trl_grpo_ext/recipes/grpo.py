@@ -176,25 +176,53 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
             k = training_args.heldout_num_generations
             each = "one sampled completion each" if k == 1 else f"{k} sampled completions each"
             print(f"\nHeld-out evaluation on {len(heldout)} test prompts, {each}:")
-            for name in before:
+            for name in after:
                 label = name.removeprefix("heldout/").replace("/", " ")
-                print(f"  {label}: {before[name]:.3f} before GRPO -> {after[name]:.3f} after")
+                if name in before:
+                    print(f"  {label}: {before[name]:.3f} before GRPO -> {after[name]:.3f} after")
+                else:  # resumed from a checkpoint of a run that did not evaluate before training
+                    print(f"  {label}: {after[name]:.3f} after (no evaluation before GRPO in the run resumed)")
         logged = any("loss" in entry for entry in trainer.state.log_history)
         print(output_summary(training_args.output_dir, started, logged, training_args.logging_steps))
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
+    _end_training(trainer)
     return {"before": before, "after": after}
 
 
+def _end_training(trainer) -> None:
+    """Wait for every process, shut a colocated vLLM engine down, then end accelerate's training (trackers and
+    process group).
+
+    The engine tears down its own process groups and then the default one; at interpreter exit, after
+    `end_training()` destroyed the default group, its groups are no longer valid and vLLM prints `ValueError: Invalid
+    process group specified` after a run that succeeded. Shut down first, it finds them whole.
+    """
+    trainer.accelerator.wait_for_everyone()
+    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)  # colocate mode: TRL's `vllm.LLM`
+    engine = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if engine is not None:
+        engine.shutdown()
+    trainer.accelerator.end_training()
+
+
 class _EvaluateWhenTrainingBegins(TrainerCallback):
-    """The held-out evaluation, logged, when training begins (its step: 0, or that of the checkpoint resumed): inside
-    `train()`, whose fresh `TrainerState` would drop an entry logged before. Its values go into `values`."""
+    """The held-out evaluation before training, logged at step 0 when training begins: inside `train()`, whose fresh
+    `TrainerState` would drop an entry logged before. Its values go into `values`.
+
+    A resumed run does not evaluate again (that would score the checkpoint, and add an entry at its step that the
+    uninterrupted run does not have): its values are those the run logged at step 0, in the resumed state's history
+    (none when that run did not evaluate before training)."""
 
     def __init__(self, trainer, values: dict):
         self.trainer, self.values = trainer, values
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.values.update(self.trainer.evaluate_heldout(log=True))
+        if state.global_step == 0:
+            self.values.update(self.trainer.evaluate_heldout(log=True))
+            return
+        for entry in state.log_history:
+            if entry.get("step") == 0 and any(key.startswith("heldout/") for key in entry):
+                self.values.update({key: value for key, value in entry.items() if key.startswith("heldout/")})
+                return
 
 
 def _heldout_at_last_step(trainer) -> dict[str, float]:

@@ -1,10 +1,13 @@
 """`trl-grpo-ext report RUN_DIR`: the training report and health summary of a GRPO run, from its trainer state.
 
-Reads `trainer_state.json` from the run folder or its last `checkpoint-<step>` folder (whichever is further on),
-of any `Trainer`-based GRPO run: `GRPOTrainerExt`'s, or stock `trl.GRPOTrainer`'s (then with the panels and
-verdicts its metrics allow, saying what is missing). Rewrites `report.png`, prints one line per signal of the
-"What to watch" table with its verdict and the steps concerned, then the alarms raised with what to change. Exit
-status 0 when the run could be read, 1 with a one-line reason when not.
+Reads the `trainer_state.json` written last in the run folder: its own (`Trainer.save_state`) or a
+`checkpoint-<step>` folder's, whichever was written most recently (the run that wrote the folder last; a folder
+reused by a shorter run keeps the older run's checkpoints), and says when the folder also holds states of another
+run. Works for any `Trainer`-based GRPO run: `GRPOTrainerExt`'s, judged with the run's own `warn_*` thresholds (kept
+in its state), or stock `trl.GRPOTrainer`'s (then with `GRPOConfigExt`'s defaults, and the panels and verdicts its
+metrics allow, saying what is missing). Rewrites `report.png`, prints one line per signal of the "What to watch"
+table with its verdict and the steps concerned, then the alarms raised with what to change. Exit status 0 when the
+run could be read, 1 with a one-line reason when not.
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+from dataclasses import dataclass, field
 
-__all__ = ["RunNotReadable", "find_trainer_state", "load_trainer_state", "run"]
+__all__ = ["FoundRun", "RunNotReadable", "find_run", "find_trainer_state", "load_trainer_state", "run"]
 
 STATE_NAME = "trainer_state.json"
 DESCRIPTION = (
@@ -43,30 +48,73 @@ def load_trainer_state(path: str) -> dict:
     return state
 
 
-def find_trainer_state(run_dir: str) -> tuple[str, dict]:
-    """The path and contents of the trainer state of the run in `run_dir`: its own `trainer_state.json` or its last
-    checkpoint's, whichever has the higher `global_step` (a run saves its state at each checkpoint and, through
-    `Trainer.save_state`, at the end).
+@dataclass
+class FoundRun:
+    """The trainer state `report` reads, and the states of other runs in the same folder.
+
+    Attributes:
+        path (`str`): the `trainer_state.json` read.
+        state (`dict`): its contents.
+        other_runs (`list[tuple[str, int]]`): `(path, global_step)` of each state in the folder that this run did
+            not write: its log history is not the start of this run's.
+    """
+
+    path: str
+    state: dict
+    other_runs: list[tuple[str, int]] = field(default_factory=list)
+
+
+_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
+
+
+def find_run(run_dir: str) -> FoundRun:
+    """The trainer state written last in `run_dir` (its own `trainer_state.json` or a `checkpoint-<step>` folder's,
+    the most recently modified; at equal times the further one), and the other runs' states beside it.
 
     Raises:
         RunNotReadable: `run_dir` is not a folder, holds no trainer state, or the newest one cannot be read.
     """
-    from transformers.trainer_utils import get_last_checkpoint
-
     if not os.path.isdir(run_dir):
         raise RunNotReadable(f"{run_dir} is not a folder")
     candidates = [os.path.join(run_dir, STATE_NAME)]
-    last = get_last_checkpoint(run_dir)
-    if last is not None:
-        candidates.append(os.path.join(last, STATE_NAME))
+    candidates += [
+        os.path.join(run_dir, name, STATE_NAME)
+        for name in sorted(os.listdir(run_dir))
+        if _CHECKPOINT.match(name) and os.path.isdir(os.path.join(run_dir, name))
+    ]
     found = [path for path in candidates if os.path.isfile(path)]
     if not found:
         raise RunNotReadable(
             f"{run_dir} holds no {STATE_NAME}, neither itself nor in a checkpoint-<step> folder: not the output "
             "folder of a Trainer run (or one that never saved; set save_strategy or call trainer.save_state())"
         )
-    states = [(path, load_trainer_state(path)) for path in found]
-    return max(states, key=lambda item: item[1].get("global_step") or 0)
+    stamped = [(os.path.getmtime(path), path) for path in found]
+    newest = max(stamped, key=lambda item: (item[0], _step_of(item[1])))[1]
+    state = load_trainer_state(newest)
+    history = state["log_history"]
+    others = []
+    for path in found:
+        if path == newest:
+            continue
+        try:
+            other = load_trainer_state(path)
+        except RunNotReadable:
+            continue  # not a state of any run to speak of
+        earlier = other["log_history"]
+        if earlier != history[: len(earlier)] or (other.get("global_step") or 0) > (state.get("global_step") or 0):
+            others.append((path, other.get("global_step")))
+    return FoundRun(newest, state, others)
+
+
+def _step_of(path: str) -> int:
+    folder = os.path.basename(os.path.dirname(path))
+    return int(folder.rsplit("-", 1)[1]) if _CHECKPOINT.match(folder) else -1
+
+
+def find_trainer_state(run_dir: str) -> tuple[str, dict]:
+    """`(path, contents)` of the trainer state `find_run` reads."""
+    found = find_run(run_dir)
+    return found.path, found.state
 
 
 def _parser(prog: str | None) -> argparse.ArgumentParser:
@@ -78,21 +126,39 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
 
 def run(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run the command with `argv` (default: the command line); returns the exit status."""
+    from ..guardrails.anomaly import AlarmSettings
     from .health import assess
 
     args = _parser(prog).parse_args(argv)
     name = prog or "report"
     try:
-        path, state = find_trainer_state(args.run_dir)
+        found = find_run(args.run_dir)
     except RunNotReadable as error:
         print(f"{name}: {error}", file=sys.stderr)
         return 1
+    path, state = found.path, found.state
     history = state["log_history"]
-    health = assess(history)
+    settings = AlarmSettings.from_trainer_state(state)
+    health = assess(history, settings.monitor() if settings is not None else None)
     print(
         f"Run {args.run_dir}: {os.path.relpath(path, args.run_dir)} at global step {state.get('global_step')}, "
         f"{health.training_entries} training log entries"
     )
+    if found.other_runs:
+        listed = ", ".join(f"{os.path.relpath(other, args.run_dir)} (step {step})" for other, step in found.other_runs)
+        print(
+            f"The folder also holds trainer states of another run: {listed}. This report is of the run that wrote "
+            "the folder last; give each run an output_dir of its own to keep them apart."
+        )
+    if settings is None:
+        print(
+            "Thresholds: GRPOConfigExt's defaults (the state records no warn_* values: a stock TRL run, or one of "
+            "an older release)."
+        )
+    elif not settings.enabled:
+        print("Thresholds: the run's warn_* values; it ran with warn_on_anomalies=False (no alarm was given live).")
+    else:
+        print("Thresholds: the run's own warn_* values.")
     print(_draw(history, args.output or os.path.join(args.run_dir, "report.png"), args.run_dir, health.episodes))
     print("\nHealth, one line per signal (what to watch: the metrics of docs/diagnostics.md):")
     for line in health.lines():

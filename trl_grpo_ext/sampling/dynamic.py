@@ -43,8 +43,14 @@ Metrics (once per generation batch): `dynamic_sampling/kept_fraction` (informati
 `dynamic_sampling/trained_mean_length` and `trained_clipped_ratio` (TRL's `completions/mean_length` and
 `completions/clipped_ratio` of the batch that trains, which the alarms read beside its reward). TRL's
 reward metrics (`reward`, `reward_std`, `frac_reward_zero_std`, `rewards/<name>/*`), this package's
-`reward_std/group_*` and the completions table describe the batch that trains; `completions/*` and `num_tokens`
-count everything generated.
+`reward_std/group_*` and the completions table describe the batch that trains; `num_tokens` and TRL's other metrics
+of each generation call (`completions/*`, `tools/*`, vLLM's `sampling/*`, what reward functions log with
+`log_metric`) count everything generated, one value per generation batch with the rounds weighted by their rows
+(`plan.combine_round_metrics`).
+
+Fresh prompts: an extra round passes over the prompts the generation batch holds already (those of its earlier
+rounds, compared by value), so that no prompt is weighed twice, also where the stream and TRL's sampler visit the
+training set in the same order (`shuffle_dataset=False`).
 
 Resume: the prompt stream and the keep-rate counts are registered with the checkpoints (`Checkpoints.register(...,
 rewind=True)`): saved with every checkpoint, and rewound to the start of the step for the checkpoint a non-finite stop
@@ -62,7 +68,10 @@ import torch
 from trl.trainer.utils import pad
 
 from .plan import (
+    RUNNING_TOTALS,
+    PromptKeys,
     PromptStream,
+    combine_round_metrics,
     extra_round_rows,
     fill_slots,
     group_placement,
@@ -118,6 +127,7 @@ class _Round:
     local_rows: int = 0  # rows per process
     placements: list[tuple] | None = None  # `group_placement` of the round
     selection: Any = None  # with selective rollouts: its prompts (`selective.Selection`)
+    metrics: dict[str, list[float]] | None = None  # the values TRL's call appended to `_metrics` (per-call metrics)
 
 
 class KeepRate:
@@ -194,6 +204,7 @@ class DynamicSampler:
         #: The share of informative groups, that extra rounds are sized with (resumable).
         self.keep_rate = KeepRate()
         self._sampling_dataset = None
+        self._prompt_keys = selective.prompt_keys if selective is not None else PromptKeys(dataset)
 
     def generate(self, inputs: list[dict], stock: Callable[[list[dict]], dict]) -> tuple[dict[str, Any], ScoredBatch]:
         """The batch that trains and its rewards.
@@ -216,6 +227,11 @@ class DynamicSampler:
         if self.selective is not None:
             selection, inputs = self.selective.prepare(inputs)
         rounds = [self._scored_round(inputs, stock, local_rows, selection)]
+        # The prompts the batch holds (every process's); TRL's table has them also without selective rollouts
+        if selection is not None:
+            taken = {self._prompt_keys(prompt) for prompt in selection.prompts}
+        else:
+            taken = self._prompt_keys.of(rounds[0].logs["prompt"])
         total_rows = rounds[0].scored.rewards_per_func.size(0)
         placements = rounds[0].placements
         assignment, short = fill_slots([r.informative for r in rounds], placements)
@@ -237,7 +253,7 @@ class DynamicSampler:
                 num_generations,
             )
             round_groups = num_processes * rows // num_generations
-            fresh, selection = self._fresh_inputs(round_groups, rows)
+            fresh, selection = self._fresh_inputs(round_groups, rows, taken)
             rounds.append(self._scored_round(fresh, stock, rows, selection))
             round_total = rounds[-1].scored.rewards_per_func.size(0)
             assignment, short = fill_slots([r.informative for r in rounds], placements, [r.placements for r in rounds])
@@ -274,9 +290,12 @@ class DynamicSampler:
         if all(r.scored.truncated is not None for r in rounds):
             truncated = torch.stack([rounds[r].scored.truncated[row] for r, row in local_sources])
 
-        # TRL's reward metrics of the batch that trains, in place of those of each round
+        # TRL's reward metrics of the batch that trains, in place of those of each round; its other metrics of each
+        # call (completions/*, ...) as one value for everything generated, the rounds weighted by their rows
         trained = trl_reward_metrics(rewards_per_func, trainer.reward_weights, trainer.reward_func_names, is_std_zero)
-        for name, value in trained.items():
+        per_call = [{k: v for k, v in r.metrics.items() if k not in trained} for r in rounds]
+        generated_rows = [r.scored.rewards_per_func.size(0) for r in rounds]
+        for name, value in {**combine_round_metrics(per_call, generated_rows), **trained}.items():
             del metrics[name][lengths_before.get(name, 0) :]
             metrics[name].append(value)
         metrics["dynamic_sampling/kept_fraction"].append(kept / generated)
@@ -296,8 +315,21 @@ class DynamicSampler:
         """TRL's `_generate_and_score_completions` on `inputs` (`local_rows` rows on each process), with what the plan
         needs of it; with selective rollouts, its groups update their prompts' histories."""
         trainer = self.trainer
-        trainer._logs["extra"].clear()  # so that the columns left after the call are this round's (N values each)
+        # Emptied, so that what the call leaves in TRL's table (one generation batch long) is this round's rows; the
+        # table of the batch that trains is written once every round is in (`_rewrite_completions_table`).
+        for name in ("prompt", "completion", "advantages"):
+            trainer._logs[name].clear()
+        for column in (*trainer._logs["rewards"].values(), *trainer._logs["extra"].values()):
+            column.clear()
+        trainer._logs["extra"].clear()
+        metrics = trainer._metrics["train"]
+        before = {name: len(values) for name, values in metrics.items()}
         output = stock(inputs)
+        appended = {
+            name: list(values[before.get(name, 0) :])
+            for name, values in metrics.items()
+            if name not in RUNNING_TOTALS and len(values) > before.get(name, 0)
+        }
         unknown = sorted(set(output) - set(_ROW_TENSORS) - set(_RECOMPUTED))
         if unknown:  # the same keys on every process: all of them raise
             raise ValueError(
@@ -331,21 +363,23 @@ class DynamicSampler:
             local_rows=local_rows,
             placements=group_placement(num_groups, trainer.num_generations, local_rows),
             selection=selection,
+            metrics=appended,
         )
 
-    def _fresh_inputs(self, num_groups: int, local_rows: int) -> tuple[list[dict], Any]:
+    def _fresh_inputs(self, num_groups: int, local_rows: int, taken: set) -> tuple[list[dict], Any]:
         """This process's rows of a round of `num_groups` fresh prompts, laid out as TRL's sampler lays out a
         generation batch (each prompt `num_generations` times in a row, `local_rows` rows per process in order), and
-        the round's selection (`None` without selective rollouts)."""
+        the round's selection (`None` without selective rollouts). Prompts whose key is in `taken` (those the batch
+        holds already) are passed over; the round's own are added to it."""
         start = self.trainer.accelerator.process_index * local_rows
         if self.selective is not None:
-            selection = self.selective.draw(num_groups)  # the same on every process
+            selection = self.selective.draw(num_groups, taken)  # the same on every process
             return self.selective.rows(selection, start, local_rows), selection
         if self._sampling_dataset is None:  # the columns the data loader hands out
             self._sampling_dataset = self.trainer._remove_unused_columns(
                 self.trainer.train_dataset, description="training"
             )
-        prompts = self.stream.draw(num_groups)  # the same on every process
+        prompts = self.stream.draw(num_groups, taken, self._prompt_keys)  # the same on every process
         indices = [index for index in prompts for _ in range(self.trainer.num_generations)]
         return [self._sampling_dataset[index] for index in indices[start : start + local_rows]], None
 

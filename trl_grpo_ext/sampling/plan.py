@@ -11,19 +11,25 @@
   placement (the same processes, as many rows on each) without any row moving between processes.
 - `extra_round_rows`: how many rows per process the next extra round generates, from the places still empty and the
   share of groups kept so far.
-- `PromptStream`: the fresh prompts of the extra rounds, in a seeded order of their own (two integers of state).
+- `PromptStream`, `PromptKeys`: the fresh prompts of the extra rounds, in a seeded order of their own (two integers
+  of state), passing over the prompts a generation batch holds already.
+- `combine_round_metrics`: TRL's metrics of each generation call (`completions/*`, ...) of several rounds, as one value
+  for everything the rounds generated.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable, Hashable, Iterable, Mapping
 
 import torch
 from trl.trainer.utils import nanstd
 
 __all__ = [
+    "PromptKeys",
     "PromptStream",
+    "combine_round_metrics",
     "extra_round_rows",
     "fill_slots",
     "group_placement",
@@ -205,8 +211,9 @@ def extra_round_rows(
     for placement, empty in lacking.items():
         if empty <= 0:
             continue
-        wanted = math.ceil(margin * empty / keep_rate) if keep_rate > 0 else whole[placement]
-        needed[placement] = min(wanted, whole[placement])
+        # A margin of inf (or one so large that the count overflows) asks for as many as a whole batch holds.
+        wanted = margin * empty / keep_rate if keep_rate > 0 else math.inf
+        needed[placement] = whole[placement] if wanted >= whole[placement] else math.ceil(wanted)
     for rows in range(1, rows_per_process):
         if (num_processes * rows) % num_generations:
             continue
@@ -247,16 +254,29 @@ class PromptStream:
                 self._order = list(range(self.size))
         return self._order
 
-    def draw(self, count: int) -> list[int]:
-        """The next `count` indices (continuing into the next permutation when this one runs out)."""
-        drawn = []
+    def draw(self, count: int, taken: set | None = None, key: Callable[[int], Hashable] | None = None) -> list[int]:
+        """The next `count` indices (continuing into the next permutation when this one runs out).
+
+        Args:
+            taken (`set`, *optional*): keys (`key(index)`) of the prompts a generation batch holds already: an index
+                whose key is in it is passed over (the stream moves past it), and each index drawn adds its key, so
+                that a batch does not weigh one prompt twice. After one pass over the training set without enough
+                fresh prompts (a training set of few distinct prompts), the indices are drawn as they come.
+            key (`Callable`, *optional*): what makes two prompts the same (`PromptKeys`); default: the index.
+        """
+        drawn, passed = [], 0
         while len(drawn) < count:
-            order = self._permutation()
-            take = min(count - len(drawn), self.size - self.position)
-            drawn += order[self.position : self.position + take]
-            self.position += take
+            index = self._permutation()[self.position]
+            self.position += 1
             if self.position == self.size:
                 self.epoch, self.position, self._order = self.epoch + 1, 0, None
+            if taken is not None:
+                name = index if key is None else key(index)
+                if name in taken and passed < self.size:
+                    passed += 1
+                    continue
+                taken.add(name)
+            drawn.append(index)
         return drawn
 
     def state_dict(self) -> dict[str, int]:
@@ -264,3 +284,96 @@ class PromptStream:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.position, self._order = int(state["epoch"]), int(state["position"]), None
+
+
+def prompt_key(prompt) -> Hashable:
+    """What makes two prompts the same: the string, or the text of a conversation (a list of messages)."""
+    return prompt if isinstance(prompt, str) else repr(prompt)
+
+
+class PromptKeys:
+    """`prompt_key` of each row of a training set, by index: its `prompt` column (read once when first needed), or
+    each row's `prompt` for a dataset without columns. A row without a prompt (an environment supplies it) has a key
+    of its own, `("row", index)`, which no prompt matches: it is never passed over.
+
+    Args:
+        dataset: the training set (map-style).
+    """
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self._keys: list[Hashable] | None = None
+
+    def __call__(self, index: int) -> Hashable:
+        if self._keys is None:
+            columns = getattr(self.dataset, "column_names", None) or []
+            self._keys = [prompt_key(prompt) for prompt in self.dataset["prompt"]] if "prompt" in columns else []
+        if self._keys:
+            return self._keys[index]
+        row = self.dataset[index]
+        prompt = row.get("prompt") if isinstance(row, Mapping) else None
+        return ("row", index) if prompt is None else prompt_key(prompt)
+
+    def of(self, prompts: Iterable) -> set:
+        """The keys of `prompts` (prompt values, e.g. the rows of TRL's completions table)."""
+        return {prompt_key(prompt) for prompt in prompts}
+
+
+#: TRL metrics that are set, not appended, at each generation call (a running total): the last call's value stands.
+RUNNING_TOTALS = ("num_tokens",)
+
+
+def combine_round_metrics(rounds: list[dict[str, list[float]]], rows: list[int]) -> dict[str, float]:
+    """One value per metric for everything several generation calls generated, from each call's values.
+
+    TRL logs, at each call of `_generate_and_score_completions`, one value per metric of the rows it generated
+    (`completions/*`, `tools/*`, vLLM's `sampling/*`, what reward functions log with `log_metric`); TRL's `log` then
+    averages the values of a log window as if each call were a generation batch. For the rounds of one generation
+    batch: a metric whose name's last part starts with `min` (`max`) is the smallest (largest) round value, any other
+    the mean of the round values weighted by the rows they describe: the rows of the round, its terminated rows for
+    `*_terminated_length` (rows times one minus `completions/clipped_ratio`), its tool calls for
+    `tools/failure_frequency` (rows times `tools/call_frequency`). NaN values (nothing to measure) are left out.
+
+    Args:
+        rounds (`list[dict]`): per call, metric name -> the values it appended (one, as TRL logs them).
+        rows (`list[int]`): per call, the rows it generated (every process's).
+
+    Returns:
+        `dict`: metric name -> its value for the whole generation batch (NaN where no round had one).
+    """
+    combined = {}
+    for name in dict.fromkeys(name for values in rounds for name in values):
+        pairs = []
+        for values, count in zip(rounds, rows, strict=True):
+            finite = [value for value in values.get(name, []) if not math.isnan(value)]
+            if not finite:
+                continue
+            weight = float(count)
+            if name.endswith("_terminated_length"):
+                weight *= 1.0 - _round_value(values, "completions/clipped_ratio", 0.0)
+            elif name == "tools/failure_frequency":
+                weight *= _round_value(values, "tools/call_frequency", 1.0)
+            pairs.append((sum(finite) / len(finite), weight))
+        last = name.rsplit("/", 1)[-1]
+        weighed = [(value, weight) for value, weight in pairs if weight > 0] or pairs
+        if not weighed:
+            combined[name] = math.nan
+        elif len(weighed) == 1:  # one round (no extra round): TRL's value as it is
+            combined[name] = weighed[0][0]
+        elif last.startswith("min"):
+            combined[name] = min(value for value, _ in weighed)
+        elif last.startswith("max"):
+            combined[name] = max(value for value, _ in weighed)
+        else:
+            total = sum(weight for _, weight in weighed)
+            combined[name] = (
+                sum(value * weight for value, weight in weighed) / total
+                if total > 0
+                else sum(value for value, _ in weighed) / len(weighed)
+            )
+    return combined
+
+
+def _round_value(values: dict[str, list[float]], name: str, default: float) -> float:
+    found = [value for value in values.get(name, []) if not math.isnan(value)]
+    return sum(found) / len(found) if found else default

@@ -11,14 +11,16 @@ spread, and for a prompt never generated for). Before TRL generates for a genera
   (the longer it stayed flat, the rarer its visits);
 - each skipped prompt is replaced, in its place (the same rows on the same processes), by the next prompt of the
   training set's stream of fresh prompts (`plan.PromptStream`, the one dynamic sampling's extra rounds draw from),
-  itself judged the same way;
-- after scoring, every generated group updates its prompt's streak, and `p` moves towards the target share of
+  itself judged the same way; the stream passes over the prompts the batch holds already, so that none is weighed
+  twice;
+- after scoring, the groups update their prompts' streaks (a generation batch is one visit of each of its prompts,
+  with spread when one of the prompt's groups in it had spread), and `p` moves towards the target share of
   zero-spread groups: down by `selective_rollouts_exploration_step` when more of the generated groups than
   `selective_rollouts_target_zero_spread` had no spread, up otherwise, within `[selective_rollouts_exploration_min,
   selective_rollouts_exploration_max]`.
 
-With dynamic sampling, the prompts of its extra rounds are drawn through the same judgement, and every round's
-groups update the streaks.
+With dynamic sampling, the prompts of its extra rounds are drawn through the same judgement (and never repeat a
+prompt of the batch), and every round's groups update the streaks, within the batch's one visit.
 
 Identical on every process: the prompts' indices of a generation batch are gathered from all processes (one gather
 per generation batch), the streaks are updated from gathered rewards, and the random draws come from a generator
@@ -50,7 +52,7 @@ from typing import Any
 
 import torch
 
-from .plan import PromptStream, informative_groups, trl_advantages
+from .plan import PromptKeys, PromptStream, informative_groups, trl_advantages
 
 __all__ = ["INDEX_COLUMN", "SelectiveRollouts", "Selection", "strip_index"]
 
@@ -127,12 +129,15 @@ class SelectiveRollouts:
         self.history, self.target = history, target_zero_spread
         self.exploration_min, self.exploration_max, self.step = exploration_min, exploration_max, exploration_step
         self.stream = stream or PromptStream(len(dataset), trainer.args.seed, shuffle=trainer.shuffle_dataset)
+        #: What makes two training prompts the same (a replacement never repeats a prompt of its batch).
+        self.prompt_keys = PromptKeys(dataset)
         #: Per training prompt, its most recent visits without reward spread in a row (resumable).
         self.streak = torch.zeros(len(dataset), dtype=torch.int32)
         self.exploration = float(exploration)
         self.decisions = 0  # decisions taken so far: the seed of the next one's draws
         self._rows = None
         self._batch = _BatchCounts()
+        self._visits: dict[int, tuple[int, bool]] = {}  # prompt -> (streak before this batch, spread in this batch)
 
     # Deciding
 
@@ -149,15 +154,16 @@ class SelectiveRollouts:
         self._batch.predicted_flat += int(flat.sum())
         return keep.tolist(), flat.tolist()
 
-    def _replace(self, prompts: list[int]) -> Selection:
-        """`prompts` with each skipped one replaced by the next accepted prompt of the stream, in its place."""
+    def _replace(self, prompts: list[int], taken: set) -> Selection:
+        """`prompts` with each skipped one replaced by the next accepted prompt of the stream, in its place; the
+        stream passes over the prompts whose key is in `taken` (those of the batch), and adds those it draws."""
         keep, flat = self._judge(prompts)
         selection = Selection(list(prompts), [f and k for f, k in zip(flat, keep, strict=True)])
         empty = [place for place, kept in enumerate(keep) if not kept]
         self._batch.skipped += len(empty)
         drawn, limit = 0, len(self.streak)  # at most one pass over the training set per call
         while empty:
-            candidates = self.stream.draw(len(empty))
+            candidates = self.stream.draw(len(empty), taken, self.prompt_keys)
             drawn += len(candidates)
             forced = drawn >= limit  # every prompt predicted flat: take the candidates as they are
             keep, flat = self._judge(candidates)
@@ -202,15 +208,17 @@ class SelectiveRollouts:
                 "selective_rollouts: TRL's sampler handed out rows whose groups of num_generations do not share one "
                 "prompt; the rows of a generation batch must be laid out prompt by prompt."
             )
-        selection = self._replace(groups[:, 0].tolist())
-        if selection.prompts == groups[:, 0].tolist():
+        prompts = groups[:, 0].tolist()
+        selection = self._replace(prompts, {self.prompt_keys(prompt) for prompt in prompts})
+        if selection.prompts == prompts:
             return selection, strip_index(inputs)  # nothing skipped: TRL's rows as they are
         start = trainer.accelerator.process_index * len(inputs)
         return selection, self.rows(selection, start, len(inputs))
 
-    def draw(self, count: int) -> Selection:
-        """`count` fresh prompts from the stream, predicted-flat ones skipped (for dynamic sampling's extra rounds)."""
-        return self._replace(self.stream.draw(count))
+    def draw(self, count: int, taken: set) -> Selection:
+        """`count` fresh prompts from the stream, predicted-flat ones skipped (for dynamic sampling's extra rounds),
+        none whose key is in `taken` (the prompts of the batch; those drawn are added)."""
+        return self._replace(self.stream.draw(count, taken, self.prompt_keys), taken)
 
     def rows(self, selection: Selection, start: int, count: int) -> list[dict]:
         """Rows `start .. start + count` of the round `selection` (each prompt `num_generations` times in a row, as
@@ -224,9 +232,14 @@ class SelectiveRollouts:
     # Learning from what was generated
 
     def observe(self, selection: Selection, informative: torch.Tensor) -> None:
-        """Update the streaks of a generated round's prompts; `informative` `(K,)` bool per group (gathered)."""
+        """Update the streaks of a generated round's prompts; `informative` `(K,)` bool per group (gathered).
+
+        A generation batch is one visit of each of its prompts, however many of its groups (rounds, repeats in the
+        training set) hold the prompt: the visit had spread when one of them had."""
         for prompt, ok, explored in zip(selection.prompts, informative.tolist(), selection.explored, strict=True):
-            self.streak[prompt] = 0 if ok else self.streak[prompt] + 1
+            before, spread = self._visits.get(prompt, (int(self.streak[prompt]), False))
+            self._visits[prompt] = (before, spread or ok)
+            self.streak[prompt] = 0 if spread or ok else before + 1
             self._batch.generated += 1
             self._batch.flat += not ok
             if explored:
@@ -236,6 +249,7 @@ class SelectiveRollouts:
     def finish(self, metrics: dict[str, list]) -> None:
         """After a generation batch's last round: log its metrics and move the exploration probability."""
         batch, self._batch = self._batch, _BatchCounts()
+        self._visits = {}
         metrics["selective_rollouts/skipped_prompts"].append(float(batch.skipped))
         metrics["selective_rollouts/exploration_probability"].append(self.exploration)
         if batch.considered:
@@ -279,7 +293,7 @@ class SelectiveRollouts:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.streak = state["streak"].clone().to(torch.int32)
         self.exploration, self.decisions = float(state["exploration"]), int(state["decisions"])
-        self._batch = _BatchCounts()
+        self._batch, self._visits = _BatchCounts(), {}
 
 
 @dataclass

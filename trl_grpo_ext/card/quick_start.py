@@ -1,0 +1,113 @@
+"""The model card's "Quick start": where the trained model is loaded from, and the code that loads it.
+
+The code runs as written from any folder: it loads the Hub repository of a pushed run, else the folder that holds the
+weights, by its absolute path (the output folder, or the checkpoint that holds them while the run has not saved into
+the output folder); where no weights were saved yet, the card says how to save them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from datasets import Dataset
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
+
+__all__ = ["WEIGHT_FILES", "first_training_prompt", "is_hub_id", "quick_start_lines", "weights_folder"]
+
+
+def is_hub_id(name: str | None) -> bool:
+    """`owner/name` that is not a local path."""
+    return bool(name) and name.count("/") == 1 and not os.path.exists(name)
+
+
+def quick_start_lines(
+    repo: str,
+    is_adapter: bool,
+    prompt: str | None = None,
+    base_model: str | None = None,
+    weights_saved: bool = True,
+) -> list[str]:
+    """The "Quick start" section: load the model (or the adapter on its base model) from `repo` (the Hub id, or the
+    folder that holds the weights as an absolute path: runs from any folder) and generate from `prompt` (a
+    placeholder without one); for an adapter on a base model in a local folder, a line saying where that base model
+    is read from; where no weights were saved yet, how to save them."""
+    prompt = "<your prompt>" if prompt is None else prompt
+    lines = ["## Quick start", "", "```python"]
+    if is_adapter:
+        lines += [
+            "from peft import AutoPeftModelForCausalLM",
+            "from transformers import AutoTokenizer",
+            "",
+            f'model = AutoPeftModelForCausalLM.from_pretrained("{repo}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
+        ]
+    else:
+        lines += [
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "",
+            f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
+        ]
+    lines += [
+        f'inputs = tokenizer([{prompt!r}], return_tensors="pt").to(model.device)',
+        "output = model.generate(**inputs, max_new_tokens=64)",
+        'print(tokenizer.decode(output[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
+        "```",
+        "",
+    ]
+    if not weights_saved:
+        saved = "adapter" if is_adapter else "model"
+        lines += [
+            f"No {saved} was saved with this card yet: `trainer.save_model()` (or a checkpoint, `save_strategy`) "
+            f"writes it into `{repo}`, from where the quick start loads it.",
+            "",
+        ]
+    if is_adapter and base_model is not None and not is_hub_id(base_model):
+        lines += [
+            f"The adapter's base model is the local folder `{base_model}` (`base_model_name_or_path` in "
+            "`adapter_config.json`): the quick start runs where that folder exists.",
+            "",
+        ]
+    return lines
+
+
+def first_training_prompt(dataset) -> str | None:
+    """The first training prompt, for the card's quick start: from a map-style `datasets.Dataset` whose `prompt` is a
+    string (a conversation, an `IterableDataset`, whose stream reading would consume, or no dataset: `None`)."""
+    if not isinstance(dataset, Dataset) or "prompt" not in dataset.column_names or len(dataset) == 0:
+        return None
+    prompt = dataset[0]["prompt"]
+    return prompt if isinstance(prompt, str) else None
+
+
+_CHECKPOINT = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
+#: The files that hold a model's (or a LoRA adapter's) weights in a saved folder.
+WEIGHT_FILES = {
+    False: ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"),
+    True: ("adapter_model.safetensors", "adapter_model.bin"),
+}
+
+
+def weights_folder(trainer, is_adapter: bool) -> tuple[str, bool]:
+    """The absolute folder the card's quick start loads the trained model from, and whether weights are there (or
+    being written): during a checkpoint save (Trainer writes the card just before the checkpoint), that checkpoint;
+    else the output folder when it holds them; else the newest checkpoint holding them, up to the current step (a
+    later one is another run's, left in the folder); else the output folder, where `save_model` writes them."""
+    output_dir = os.path.abspath(trainer.args.output_dir)
+    step = trainer.state.global_step
+    checkpoints = getattr(trainer, "_checkpoints", None)  # GRPOTrainerExt's (`checkpointing.Checkpoints`)
+    if checkpoints is not None and checkpoints.staging:
+        return os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}"), True
+
+    def holds_weights(folder: str) -> bool:
+        return any(os.path.isfile(os.path.join(folder, name)) for name in WEIGHT_FILES[is_adapter])
+
+    if holds_weights(output_dir):
+        return output_dir, True
+    saved = []
+    for folder in sort_checkpoints(output_dir) if os.path.isdir(output_dir) else []:
+        match = _CHECKPOINT.fullmatch(os.path.basename(folder))
+        if match is not None and int(match.group(1)) <= step and holds_weights(folder):
+            saved.append(folder)
+    return (saved[-1], True) if saved else (output_dir, False)
