@@ -52,6 +52,7 @@ __all__ = [
     "check_transformers_version",
     "options_missing_from_trl",
     "seed_before_model_init",
+    "trl_has_fused_lm_head",
 ]
 
 #: Extra model inputs that TRL's batches may carry (vision-language models), forwarded untouched to
@@ -74,6 +75,15 @@ FORWARD_KEYS = (
 #: TRL's signatures, so a release that renames or reshapes one fails a fast test rather than a slow one.
 OVERRIDDEN_HOOKS = {
     "_compute_loss": ("model", "inputs"),
+    "_get_per_token_logps_and_entropies": (
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+        "batch_size",
+        "compute_entropy",
+        "compute_aux_loss",
+    ),
     "_generate_and_score_completions": ("inputs",),
     "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
     "log": ("logs", "start_time"),
@@ -281,6 +291,16 @@ OPTIONS_ADDED = (
         "PyTorch path)",
     ),
 )
+
+#: The first TRL release whose log-prob forward runs through a fused LM head (`add_fused_lm_head`), which the
+#: padding-free forward (`forward.logprobs`) calls with packed rows.
+_FUSED_LM_HEAD_SINCE = Version("1.15.0")
+
+
+def trl_has_fused_lm_head(trl_version: str | None = None) -> bool:
+    """Whether the installed TRL (or `trl_version`) computes log-probs through its fused LM head."""
+    return Version(trl_version or _installed_trl()) >= _FUSED_LM_HEAD_SINCE
+
 
 #: The first TRL release whose `GRPOTrainer.__init__` seeds the RNGs before building the model.
 _SEEDS_BEFORE_MODEL_INIT = Version("1.15.0")

@@ -117,6 +117,28 @@ class GRPOConfigExt(GRPOConfig):
         },
     )
 
+    # The log-prob forward
+    padding_free: bool = field(
+        default=True,
+        metadata={
+            "help": "Compute every log-prob forward (policy, old policy, reference) on the real tokens only: each "
+            "chunk's rows packed end to end, position_ids restarting per sequence, as transformers packs sequences "
+            "for sdpa, eager, flex and flash attention; the log-probs, entropies and router loss are TRL's padded "
+            "forward's to rounding. The first forward of a run is checked against the padded one; a model that "
+            "does not pack exactly, vision-language inputs, use_liger_kernel or an integer pad_to_multiple_of fall "
+            "back to TRL's padded forward with one line saying why (forward.logprobs). forward/* metrics say what "
+            "padding and repeated prompts cost, with the option on or off."
+        },
+    )
+    padding_free_row_tokens: int = field(
+        default=2048,
+        metadata={
+            "help": "With padding_free: the most tokens in one packed row (a longer sequence has a row of its own). "
+            "Attention without varlen kernels (sdpa, eager) costs the square of a row's length: rows of a few "
+            "thousand tokens keep that small; with flash-attention a larger budget costs nothing."
+        },
+    )
+
     # Compute spent on the rows that teach
     skip_zero_advantage_rows: bool = field(
         default=False,
@@ -366,7 +388,7 @@ _DEFAULTS = {
 
 #: The fields whose value for a configuration without them (a plain `trl.GRPOConfig`) is not `GRPOConfigExt`'s default
 #: but the one that keeps stock TRL's behaviour: a plain config then trains as stock TRL does.
-TRL_BEHAVIOUR = {"match_sampler_truncation": False}
+TRL_BEHAVIOUR = {"match_sampler_truncation": False, "padding_free": False}
 
 
 def option(args, name: str):
@@ -444,6 +466,7 @@ def config_problems(args, *, only_after_trl: bool = False) -> list[str]:
     problems += [
         problem
         for problem in (
+            _at_least(args, "padding_free_row_tokens", 1),
             _at_least(args, "dynamic_sampling_max_rounds", 1),
             _at_least(args, "selective_rollouts_history", 1),
             _at_least(args, "max_nonfinite_skips", 0),

@@ -6,6 +6,7 @@ their signatures against the installed TRL), and hands its concern to the helper
 
 - `_compute_loss`: the objective (`objective_inputs.gather_objective_inputs`, `ops.policy_objective`), row skipping
   (`sampling.skipping`) and the per-micro-batch diagnostics sums (`diagnostics`);
+- `_get_per_token_logps_and_entropies`: every log-prob forward, padding-free (`forward.PackedLogProbs`);
 - `_generate_and_score_completions`: selective rollouts (`sampling.selective.SelectiveRollouts`), dynamic sampling
   (`sampling.dynamic.DynamicSampler`), the per-group reward spread of the batch that trains, the sampler/trainer
   mismatch with vLLM (`diagnostics.mismatch`);
@@ -40,6 +41,7 @@ from .config import GRPOConfigExt, config_problems, option
 from .diagnostics import DiagnosticsAccumulator
 from .diagnostics.loggers import write_histograms
 from .diagnostics.mismatch import sampler_mismatch, trainer_logps, truncation_warning
+from .forward import FORWARD_METRICS, PackedLogProbs, forward_counts
 from .guardrails import AnomalyMonitor, NonFiniteGuard, NonFiniteStepGuard
 from .guardrails.anomaly import AlarmSettings
 from .guardrails.launch import check_launch
@@ -149,6 +151,9 @@ class GRPOTrainerExt(GRPOTrainer):
 
         self._loss_type = LOSS_TYPES[self.loss_type]
         self._loss_implementation = option(args, "loss_implementation")
+        self._packed_forward = PackedLogProbs(
+            self, option(args, "padding_free"), option(args, "padding_free_row_tokens")
+        )
         self._row_skipping = self._build_row_skipping(option(args, "skip_zero_advantage_rows"))
         self._diagnostics = {mode: self._build_diagnostics(mode) for mode in ("train", "eval")}
         if truncation_warning(args):
@@ -204,6 +209,7 @@ class GRPOTrainerExt(GRPOTrainer):
         extra_metrics = ("policy_loss",) if self._entropy_bonus_enabled else ()  # TRL logs it with a bonus only
         extra_metrics += ("aux_loss",) if self.aux_loss_enabled else ()
         extra_metrics += self._loss_type.extra_metrics
+        extra_metrics += FORWARD_METRICS
         if mode == "train" and self._row_skipping is not None:
             extra_metrics += ("skipped_rows/fraction",)
         return DiagnosticsAccumulator(
@@ -270,6 +276,7 @@ class GRPOTrainerExt(GRPOTrainer):
             loss = loss + self.router_aux_loss_coef * aux_loss * scale
             terms["router"] = self.router_aux_loss_coef * aux_loss.detach() * scale
             extras["aux_loss"] = (aux_loss, 1)
+        extras.update(forward_counts(inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_mask"]).metrics())
         if selection is not None:
             extras["skipped_rows/fraction"] = selection.skipped_fraction()
             out = selection.with_whole_batch_clip_counts(out)
@@ -291,6 +298,65 @@ class GRPOTrainerExt(GRPOTrainer):
             compute_entropy=True,
             compute_aux_loss=self.aux_loss_enabled,
             **{key: inputs.get(key) for key in FORWARD_KEYS},
+        )
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **forward_inputs,
+    ):
+        """TRL's hook, padding-free where the run allows it (`forward.logprobs`), TRL's padded forward elsewhere:
+        log-probs `(N, C)`, entropies `(N, C)` or `None`, the router loss (0-dim) or `None`."""
+        packed = self._packed_forward(
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            batch_size,
+            compute_entropy,
+            compute_aux_loss,
+            forward_inputs,
+        )
+        if packed is not None:
+            return packed
+        return self._stock_logps_and_entropies(
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            batch_size,
+            compute_entropy,
+            compute_aux_loss,
+            **forward_inputs,
+        )
+
+    def _stock_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **forward_inputs,
+    ):
+        """TRL's padded log-prob forward, as stock TRL runs it."""
+        return super()._get_per_token_logps_and_entropies(
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            batch_size=batch_size,
+            compute_entropy=compute_entropy,
+            compute_aux_loss=compute_aux_loss,
+            **forward_inputs,
         )
 
     # Generation and rewards

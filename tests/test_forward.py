@@ -1,0 +1,170 @@
+"""The padding-free log-prob forward (`trl_grpo_ext.forward`): its layout, the token counts, equality with TRL's padded
+forward in the trainer, the self-check and the fallbacks."""
+
+import logging
+
+import pytest
+import torch
+from helpers import make_trainer
+
+from trl_grpo_ext.forward import forward_counts, pack_rows, run_fallback_reason, unpackable_reason
+from trl_grpo_ext.forward.layout import first_of_prompt
+
+P, C = 7, 9
+PROMPT_LENGTHS = [7, 3, 5, 7, 2, 4]
+COMPLETION_LENGTHS = [9, 1, 4, 0, 9, 6]
+
+
+def padded_rows(seed: int = 0):
+    """Rows as TRL builds them: prompts left-padded to P, completions right-padded to C (one has no completion)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 20, (len(PROMPT_LENGTHS), P + C), generator=generator)
+    mask = torch.ones_like(ids)
+    for i, (prompt, completion) in enumerate(zip(PROMPT_LENGTHS, COMPLETION_LENGTHS, strict=True)):
+        mask[i, : P - prompt] = 0
+        mask[i, P + completion :] = 0
+    return ids * mask, mask
+
+
+@pytest.mark.parametrize("row_tokens", [None, 10, 1])
+def test_packing_keeps_each_sequence_s_tokens_positions_and_scored_tokens(row_tokens):
+    ids, mask = padded_rows()
+    layout = pack_rows(ids, mask, C, row_tokens)
+    total = sum(PROMPT_LENGTHS) + sum(COMPLETION_LENGTHS)
+    assert layout.num_sequences == 6
+    if row_tokens is None:
+        assert layout.input_ids.shape == (1, total)
+    if row_tokens == 1:  # each sequence in a row of its own
+        assert layout.input_ids.size(0) == 6
+    # The real tokens (ids >= 3 here; a packed row's tail holds 0) are each row's, in order, at positions 0, 1, ...
+    real = layout.input_ids != 0
+    assert torch.equal(layout.input_ids[real], ids[mask.bool()])
+    lengths = [p + c for p, c in zip(PROMPT_LENGTHS, COMPLETION_LENGTHS, strict=True)]
+    assert torch.equal(layout.position_ids[real], torch.cat([torch.arange(n) for n in lengths]))
+    if row_tokens is not None:
+        assert all(int(row.sum()) <= max(row_tokens, max(lengths)) for row in real)
+    # The scored tokens are exactly the completion tokens, put back where TRL has them.
+    completion = mask[:, P:].bool()
+    assert layout.targets.numel() == int(completion.sum())
+    assert torch.equal(layout.unpack(layout.targets, (6, C)), ids[:, P:] * completion)
+    keep_next = torch.zeros_like(layout.keep)
+    keep_next[:, 1:] = layout.keep[:, :-1]
+    assert torch.equal(layout.input_ids[keep_next], layout.targets)
+
+
+def test_rows_that_cannot_pack_are_named():
+    ids, mask = padded_rows()
+    assert unpackable_reason(mask, C) is None
+    gap = mask.clone()
+    gap[0, P + 2] = 0
+    assert "gap" in unpackable_reason(gap, C)
+    no_prompt = mask.clone()
+    no_prompt[1, :P] = 0
+    assert "no prompt" in unpackable_reason(no_prompt, C)
+
+
+def test_counts_of_the_padded_forward():
+    ids, mask = padded_rows()
+    prompt_ids, prompt_mask = ids[:, :P].clone(), mask[:, :P]
+    prompt_ids[3] = prompt_ids[0]  # row 3 repeats row 0's prompt (7 tokens); row 5 repeats row 2's after a shuffle
+    prompt_ids[5], prompt_mask = prompt_ids[2], prompt_mask.clone()
+    prompt_mask[5] = prompt_mask[2]
+    counts = forward_counts(prompt_ids, prompt_mask, mask[:, P:])
+    real = int(prompt_mask.sum()) + sum(COMPLETION_LENGTHS)
+    assert first_of_prompt(prompt_ids, prompt_mask).tolist() == [True, True, True, False, True, False]
+    assert counts.forwarded == 6 * (P + C)
+    assert counts.padding == 6 * (P + C) - real
+    assert counts.repeated_prompt == 7 + 5
+    assert counts.distinct == real - 12
+    metrics = counts.metrics()
+    assert set(metrics) == {
+        "forward/padding_fraction",
+        "forward/repeated_prompt_fraction",
+        "forward/tokens_per_distinct",
+    }
+
+
+@pytest.fixture
+def trainer(tmp_path, tiny_model_path, prompt_dataset):
+    return make_trainer(tmp_path, tiny_model_path, None, prompt_dataset)
+
+
+@pytest.mark.parametrize("batch_size,row_tokens", [(None, 2048), (4, 2048), (None, 10)])
+def test_the_packed_forward_is_trl_s_padded_forward_to_rounding(trainer, batch_size, row_tokens):
+    ids, mask = padded_rows(1)
+    trainer._packed_forward.row_tokens = row_tokens
+    model = trainer.model
+    logps, entropies, _ = trainer._stock_logps_and_entropies(model, ids, mask, C, batch_size, compute_entropy=True)
+    packed = trainer._get_per_token_logps_and_entropies(model, ids, mask, C, batch_size, compute_entropy=True)
+    assert trainer._packed_forward.self_check.passed
+    completion = mask[:, P:].bool()
+    torch.testing.assert_close(packed[0][completion], logps[completion], rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed[1][completion], entropies[completion], rtol=0, atol=1e-5)
+    assert packed[0].shape == logps.shape and not packed[0][~completion].any()
+
+
+def test_the_gradient_of_the_packed_forward_is_the_padded_one(trainer):
+    ids, mask = padded_rows(2)
+    model = trainer.model
+    completion = mask[:, P:].float()
+
+    def gradient(hook):
+        model.zero_grad()
+        logps, _, _ = hook(model, ids, mask, C)
+        (logps * completion).sum().backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    padded = gradient(trainer._stock_logps_and_entropies)
+    packed = gradient(trainer._get_per_token_logps_and_entropies)
+    torch.testing.assert_close(packed, padded, rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_that_does_not_pack_falls_back_with_a_warning_that_names_it(trainer, monkeypatch, caplog):
+    """A model whose attention ignores position_ids (stand-in: the positions are dropped before the model)."""
+    forward = trainer.model.forward
+
+    def ignores_positions(*args, position_ids=None, **kwargs):
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.model, "forward", ignores_positions)
+    ids, mask = padded_rows(3)
+    with caplog.at_level(logging.WARNING):
+        out = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
+    check = trainer._packed_forward.self_check
+    assert check.done and not check.passed and check.difference > 1e-3
+    assert "differs from the padded one" in caplog.text
+    monkeypatch.setattr(trainer.model, "forward", forward)
+    padded, _, _ = trainer._stock_logps_and_entropies(trainer.model, ids, mask, C)
+    torch.testing.assert_close(out[0], padded)  # the fallback is TRL's padded forward
+
+
+def test_options_that_cannot_pack_fall_back_with_one_line(trainer, caplog):
+    ids, mask = padded_rows()
+    trainer.args.pad_to_multiple_of = 8
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
+    assert caplog.text.count("pad_to_multiple_of=8 asks for padded shapes") == 1
+    trainer.args.pad_to_multiple_of = None
+    assert run_fallback_reason(trainer, {"pixel_values": None}) is None
+    assert "vision-language inputs" in run_fallback_reason(trainer, {"pixel_values": torch.zeros(1)})
+    trainer.args.use_liger_kernel = True
+    assert "use_liger_kernel" in run_fallback_reason(trainer, {})
+
+
+def test_training_logs_the_forward_metrics_and_matches_the_padded_run(tmp_path, tiny_model_path, prompt_dataset):
+    runs = {}
+    for padding_free in (True, False):
+        trainer = make_trainer(
+            tmp_path / str(padding_free), tiny_model_path, None, prompt_dataset, padding_free=padding_free
+        )
+        trainer.train()
+        runs[padding_free] = [entry for entry in trainer.state.log_history if "loss" in entry]
+    for entry in runs[True] + runs[False]:  # logged with the option off too: what it would save
+        assert 0 <= entry["forward/padding_fraction"] < 1
+        assert entry["forward/tokens_per_distinct"] > 1
+        assert 0 < entry["forward/repeated_prompt_fraction"] < 1  # 4 completions per prompt
+    for key in ("loss", "grad_norm", "entropy", "forward/padding_fraction"):
+        packed = torch.tensor([entry[key] for entry in runs[True]])
+        padded = torch.tensor([entry[key] for entry in runs[False]])
+        torch.testing.assert_close(packed, padded, rtol=1e-4, atol=1e-6)

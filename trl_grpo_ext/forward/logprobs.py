@@ -1,0 +1,211 @@
+"""Padding-free log-probs (`GRPOConfigExt.padding_free`): TRL's log-prob forward without its padding.
+
+`GRPOTrainerExt._get_per_token_logps_and_entropies` hands every log-prob forward of a step here (the policy's with
+gradient, the old policy's, the reference's, LoRA's adapters-disabled reference included). Each of TRL's chunks
+(`batch_size` rows) is packed (`layout.pack_rows`: real tokens only, `position_ids` restarting per sequence) and run
+through the model as TRL runs it, with TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`: temperature, logit
+scale and soft cap, FSDP's sharded head, the router loss), scoring exactly the completion tokens; the per-token
+values are put back in TRL's `(N, C)` layout, zero where the completion mask is 0, as TRL's own are. The result is
+TRL's to rounding: the same tokens, each sequence attending to itself only, at the same relative positions (rotary
+embeddings see only differences of positions, so the left padding TRL adds changes nothing there).
+
+Never silently wrong. The first forward of a run is checked against TRL's padded one (`SelfCheck`): a model whose
+attention ignores `position_ids` or the packed-sequence mask (remote code, an architecture transformers does not
+pack, learned absolute positions) differs, and the run falls back to TRL's padded forward with one warning naming the
+model and the difference. What cannot pack falls back with one line saying why (`run_fallback_reason`,
+`layout.unpackable_reason`): vision-language inputs, `use_liger_kernel`, an integer `pad_to_multiple_of` (padded
+shapes asked for), TRL before 1.15 (no fused LM head), a row whose mask has a gap.
+
+With the router loss on, a chunk is one packed row (the loss counts every token of the forward, so no tail padding
+may enter it); otherwise a packed row holds at most `padding_free_row_tokens` tokens (a sequence longer than that
+has a row of its own): attention without varlen kernels costs the square of a row's length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.utils import logging
+
+from .._compat import trl_has_fused_lm_head
+from .layout import PackedLayout, pack_rows, unpackable_reason
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["PackedLogProbs", "SelfCheck", "run_fallback_reason"]
+
+
+def run_fallback_reason(trainer, forward_inputs: dict[str, Any]) -> str | None:
+    """Why this run's forwards cannot be packed, `None` when they can (the reasons of the module docstring that hold
+    for the whole run, or for inputs with images)."""
+    if getattr(trainer.args, "use_liger_kernel", False):
+        return "use_liger_kernel=True replaces the model's forward"
+    if isinstance(getattr(trainer.args, "pad_to_multiple_of", None), int):
+        return f"pad_to_multiple_of={trainer.args.pad_to_multiple_of} asks for padded shapes"
+    if any(value is not None for value in forward_inputs.values()):
+        return "vision-language inputs are forwarded per row"
+    if not trl_has_fused_lm_head():
+        return "the installed TRL has no fused LM head (TRL 1.15 or newer packs)"
+    return None
+
+
+@dataclass
+class SelfCheck:
+    """The packed forward against TRL's padded one, once per run, on a few rows of the first forward.
+
+    The check rows (`check_rows`) are the first rows' real tokens, all in one packed row (so that a model whose
+    attention crosses sequences differs), their padded copies with three extra columns of left padding (so that a
+    model that reads absolute positions differs even where the batch has no padding). `tolerance` is on the largest
+    absolute log-prob difference over the completion tokens: 1e-4 in float32, 0.1 in half precision.
+    """
+
+    rows: int = 3
+    done: bool = False
+    passed: bool = True
+    difference: float = 0.0
+
+    @staticmethod
+    def tolerance(dtype: torch.dtype) -> float:
+        return 1e-4 if dtype == torch.float32 else 1e-1
+
+    def check_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, pad_id: int):
+        """`(input_ids, attention_mask, logits_to_keep)` of the check: each of the first `rows` rows' real tokens, the
+        first as a prompt and the rest as a completion (at least one token each), left-padded by three more columns
+        than needed."""
+        prompt_width = attention_mask.size(1) - logits_to_keep
+        sequences = []
+        for i in range(min(self.rows, input_ids.size(0))):
+            real = input_ids[i][attention_mask[i].bool()]
+            prompt = int(attention_mask[i, :prompt_width].sum())
+            if real.numel() >= 2:
+                prompt = min(max(prompt, 1), real.numel() - 1)
+                sequences.append((real[:prompt], real[prompt:]))
+        if not sequences:  # rows of fewer than 2 real tokens: any two tokens still tell packing from padding
+            sequences = [(input_ids.new_tensor([pad_id]), input_ids.new_tensor([pad_id]))]
+        prompt_width = max(len(p) for p, _ in sequences) + 3
+        completion_width = max(len(c) for _, c in sequences)
+        ids = input_ids.new_full((len(sequences), prompt_width + completion_width), pad_id)
+        mask = torch.zeros_like(ids)
+        for i, (prompt, completion) in enumerate(sequences):
+            ids[i, prompt_width - len(prompt) : prompt_width] = prompt
+            ids[i, prompt_width : prompt_width + len(completion)] = completion
+            mask[i, prompt_width - len(prompt) : prompt_width + len(completion)] = 1
+        return ids, mask, completion_width
+
+
+class PackedLogProbs:
+    """The padding-free log-prob forward of a trainer (module docstring).
+
+    Args:
+        trainer (`GRPOTrainerExt`): the trainer whose forwards this computes (its model, accelerator, TRL hook).
+        enabled (`bool`): `padding_free`.
+        row_tokens (`int`): `padding_free_row_tokens`.
+    """
+
+    def __init__(self, trainer, enabled: bool, row_tokens: int):
+        self.trainer = trainer
+        self.enabled = enabled
+        self.row_tokens = row_tokens
+        self.self_check = SelfCheck()
+        self._said: set[str] = set()
+
+    def _fall_back(self, reason: str) -> None:
+        if reason not in self._said:
+            self._said.add(reason)
+            logger.warning(f"padding_free=True: this forward runs padded, as TRL runs it, because {reason}.")
+
+    def __call__(
+        self,
+        model,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None,
+        compute_entropy: bool,
+        compute_aux_loss: bool,
+        forward_inputs: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """Per-token log-probs `(N, C)`, entropies `(N, C)` (or `None`) and the router loss (0-dim, or `None`), as
+        TRL's hook returns them; `None` where this forward must run padded (said once per reason)."""
+        if not self.enabled:
+            return None
+        reason = run_fallback_reason(self.trainer, forward_inputs)
+        if reason is None and not self.self_check.done:
+            self._run_self_check(model, input_ids, attention_mask, logits_to_keep)
+        if reason is None and not self.self_check.passed:
+            return None  # warned once by the self-check
+        reason = reason or unpackable_reason(attention_mask, logits_to_keep)
+        if reason is not None:
+            self._fall_back(reason)
+            return None
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies, aux_losses = [], [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            chunk = slice(start, start + batch_size)
+            out = self._forward_chunk(
+                model, input_ids[chunk], attention_mask[chunk], logits_to_keep, compute_entropy, compute_aux_loss
+            )
+            logps.append(out[0])
+            entropies.append(out[1])
+            aux_losses.append(out[2])
+        return (
+            torch.cat(logps),
+            torch.cat(entropies) if compute_entropy else None,
+            torch.stack(aux_losses).mean() if compute_aux_loss else None,
+        )
+
+    def _forward_chunk(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, compute_aux_loss):
+        row_tokens = None if compute_aux_loss else self.row_tokens
+        layout = pack_rows(input_ids, attention_mask, logits_to_keep, row_tokens)
+        outputs = self._model_forward(model, layout, compute_aux_loss)
+        scored = layout.keep[:, :-1]  # the fused head scores token t + 1 at position t: (B, L - 1)
+        shape = (input_ids.size(0), logits_to_keep)
+        logps = layout.unpack(outputs.log_probs[scored], shape)
+        entropies = None
+        if compute_entropy:
+            entropies = layout.unpack(outputs.entropy[scored], shape)
+        return logps, entropies, outputs.aux_loss if compute_aux_loss else None
+
+    def _model_forward(self, model, layout: PackedLayout, compute_aux_loss: bool):
+        labels = torch.full_like(layout.input_ids, -100)
+        labels[:, 1:][layout.keep[:, :-1]] = layout.targets
+        inputs = {"input_ids": layout.input_ids, "position_ids": layout.position_ids, "use_cache": False}
+        if compute_aux_loss:
+            inputs["output_router_logits"] = True
+        with self.trainer.accelerator.autocast():
+            return model(**inputs, labels=labels, fused_lm_head=True)
+
+    def _run_self_check(self, model, input_ids, attention_mask, logits_to_keep) -> None:
+        check = self.self_check
+        check.done = True
+        tokenizer = getattr(self.trainer.processing_class, "tokenizer", self.trainer.processing_class)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        ids, mask, width = check.check_rows(input_ids, attention_mask, logits_to_keep, pad_id)
+        was_training = model.training
+        model.eval()  # no dropout: both forwards see the same weights and the same computation
+        try:
+            with torch.no_grad():
+                padded, _, _ = self.trainer._stock_logps_and_entropies(model, ids, mask, width)
+                layout = pack_rows(ids, mask, width, row_tokens=None)
+                outputs = self._model_forward(model, layout, compute_aux_loss=False)
+                packed = layout.unpack(outputs.log_probs[layout.keep[:, :-1]], padded.shape)
+        finally:
+            model.train(was_training)
+        completion = mask[:, -width:].bool()
+        difference = (packed - padded).abs().masked_fill(~completion, 0).amax().float()
+        if self.trainer.accelerator.num_processes > 1:  # every process decides alike
+            difference = self.trainer.accelerator.gather(difference[None]).amax()
+        check.difference = float(difference)
+        dtype = getattr(self.trainer.model, "dtype", torch.float32)
+        check.passed = check.difference <= SelfCheck.tolerance(dtype) and torch.isfinite(difference).item()
+        name = getattr(getattr(self.trainer.model, "config", None), "_name_or_path", "") or type(model).__name__
+        if check.passed:
+            logger.info(f"padding_free=True: packed log-probs match the padded ones (to {check.difference:.2e}).")
+        else:
+            logger.warning(
+                f"padding_free=True: the packed forward of {name} differs from the padded one by "
+                f"{check.difference:.3g} in log-prob (tolerance {SelfCheck.tolerance(dtype):g}); its attention "
+                "probably ignores position_ids or the packed-sequence mask. This run forwards padded, as TRL does."
+            )
