@@ -1,5 +1,5 @@
-"""`python -m benchmarks {e2e,kernel,comm,learning,truncation,all} [--json PATH]`: benchmarks that print tables and
-write JSON.
+"""`python -m benchmarks {e2e,kernel,comm,forward,learning,truncation,all} [--json PATH]`: benchmarks that print
+tables and write JSON.
 
 Every comparison runs its sides alternately in one invocation, with pinned CPU threads, and reports medians with
 min/max. See each module's docstring for what it measures. `learning` (held-out exact match against training time
@@ -26,12 +26,14 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(gpu_main(argv[1:]))
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument("suite", choices=["e2e", "kernel", "comm", "learning", "truncation", "all", "gpu"])
+    parser.add_argument("suite", choices=["e2e", "kernel", "comm", "forward", "learning", "truncation", "all", "gpu"])
     parser.add_argument("--json", default=None, help="where to write the results (default: bench-<suite>.json)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 was fastest for small models)")
     parser.add_argument("--repeats", type=int, default=5, help="repeats of each end-to-end comparison")
     parser.add_argument("--kernel-repeats", type=int, default=30, help="interleaved repeats of each kernel timing")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds: checks that it runs")
+    parser.add_argument("--forward-steps", type=int, default=3, help="timed steps per side (forward)")
+    parser.add_argument("--forward-groups", type=int, default=2, help="groups of 8 completions per micro-batch")
     parser.add_argument("--e2e-steps", type=int, default=16, help="training steps per end-to-end run")
     parser.add_argument("--e2e-modes", default="full,lora", help="comma-separated: full, lora")
     parser.add_argument("--learning-steps", type=int, default=400, help="training steps per learning run (the demo's)")
@@ -102,6 +104,19 @@ def main(argv: list[str] | None = None) -> None:
 
         results["comm"] = comm.run(batch_sizes=(8,) if args.quick else comm.BATCH_SIZES)
         tables.append("Collectives added by metrics\n" + comm.table(results["comm"]))
+
+    if args.suite in ("forward", "all"):
+        from . import forward
+
+        results["forward"] = forward.run(
+            steps=1 if args.quick else args.forward_steps, groups=args.forward_groups, quick=args.quick
+        )
+        shape = results["forward"]["shape"]
+        title = (
+            f"Log-prob forwards of a step (reference + policy with backward), {shape['rows']} rows of up to "
+            f"{shape['width']} tokens (goals: time / trl <= 0.5, memory / trl <= 0.6)"
+        )
+        tables.append(title + "\n" + forward.table(results["forward"]))
 
     if args.suite == "learning":
         from . import learning

@@ -497,8 +497,12 @@ def test_bad_quantiles_are_refused(tmp_path):
         GRPOConfigExt(output_dir=str(tmp_path), ratio_quantiles=[0.5, 1.5])
 
 
-def test_no_host_sync_per_micro_batch(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, monkeypatch):
-    # `.item()` and `.tolist()` in the loss path would force a device sync per micro-batch on a GPU.
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_no_host_sync_per_micro_batch(
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, monkeypatch, padding_free
+):
+    # `.item()` and `.tolist()` in the loss path would force a device sync per micro-batch on a GPU; the packed
+    # forward reads its rows' spans once per micro-batch (forward.layout.row_spans), nothing else does.
     calls = {"loss_path": 0}
     in_loss = [False]
     original_item, original_tolist = torch.Tensor.item, torch.Tensor.tolist
@@ -520,5 +524,13 @@ def test_no_host_sync_per_micro_batch(tiny_model_path, tiny_tokenizer, prompt_da
 
     monkeypatch.setattr(torch.Tensor, "item", counting(original_item))
     monkeypatch.setattr(torch.Tensor, "tolist", counting(original_tolist))
-    train_logs(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, trainer_cls=Watched, max_steps=2)
-    assert calls["loss_path"] == 0
+    train_logs(
+        tmp_path,
+        tiny_model_path,
+        tiny_tokenizer,
+        prompt_dataset,
+        trainer_cls=Watched,
+        max_steps=2,
+        padding_free=padding_free,
+    )
+    assert calls["loss_path"] == (2 if padding_free else 0)  # 2 steps of one micro-batch each

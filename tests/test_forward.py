@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import make_trainer
 
-from trl_grpo_ext.forward import forward_counts, pack_rows, run_fallback_reason, unpackable_reason
+from trl_grpo_ext.forward import forward_counts, pack_rows, row_spans, run_fallback_reason, unpackable_reason
 from trl_grpo_ext.forward.layout import first_of_prompt
 
 P, C = 7, 9
@@ -54,13 +54,13 @@ def test_packing_keeps_each_sequence_s_tokens_positions_and_scored_tokens(row_to
 
 def test_rows_that_cannot_pack_are_named():
     ids, mask = padded_rows()
-    assert unpackable_reason(mask, C) is None
+    assert unpackable_reason(row_spans(mask, C), P) is None
     gap = mask.clone()
     gap[0, P + 2] = 0
-    assert "gap" in unpackable_reason(gap, C)
+    assert "gap" in unpackable_reason(row_spans(gap, C), P)
     no_prompt = mask.clone()
     no_prompt[1, :P] = 0
-    assert "no prompt" in unpackable_reason(no_prompt, C)
+    assert "no prompt" in unpackable_reason(row_spans(no_prompt, C), P)
 
 
 def test_counts_of_the_padded_forward():

@@ -26,7 +26,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ForwardCounts", "PackedLayout", "forward_counts", "pack_rows", "unpackable_reason"]
+__all__ = [
+    "FORWARD_METRICS",
+    "ForwardCounts",
+    "PackedLayout",
+    "forward_counts",
+    "pack_rows",
+    "row_spans",
+    "unpackable_reason",
+]
 
 
 @dataclass(frozen=True)
@@ -84,27 +92,35 @@ def forward_counts(
     )
 
 
-def unpackable_reason(attention_mask: torch.Tensor, logits_to_keep: int) -> str | None:
-    """Why these rows cannot be packed exactly, `None` when they can.
+def row_spans(attention_mask: torch.Tensor, logits_to_keep: int) -> list[tuple[int, int, int, int]]:
+    """Each row's `(first real column, real tokens, completion tokens, last real column)`, read from the device in
+    one host synchronisation (the only one of a packed forward's layout).
+
+    Args:
+        attention_mask (`torch.Tensor` of shape `(N, P + C)`), logits_to_keep (`int`): `C`.
+    """
+    mask = attention_mask.bool()
+    width = mask.size(1)
+    columns = torch.arange(width, device=mask.device)
+    first = torch.where(mask, columns, width).amin(-1)
+    last = torch.where(mask, columns, -1).amax(-1)
+    spans = torch.stack([first, mask.sum(-1), mask[:, width - logits_to_keep :].sum(-1), last], dim=-1)
+    return [tuple(span) for span in spans.tolist()]
+
+
+def unpackable_reason(spans: list[tuple[int, int, int, int]], prompt_width: int) -> str | None:
+    """Why rows with these `row_spans` cannot be packed exactly, `None` when they can.
 
     A row packs when its real tokens (mask 1) are one contiguous span that holds at least one prompt token: a gap
     inside a row (a token the padded forward hides from the ones after it) would move the positions of the tokens
     after it, and a completion without a prompt token before it has no logit to be scored from.
 
     Args:
-        attention_mask (`torch.Tensor` of shape `(N, P + C)`), logits_to_keep (`int`): `C`.
+        spans: `row_spans(attention_mask, C)`; prompt_width (`int`): `P`.
     """
-    mask = attention_mask.bool()
-    columns = torch.arange(mask.size(1), device=mask.device)
-    count = mask.sum(-1)
-    first = torch.where(mask, columns, mask.size(1)).amin(-1)
-    last = torch.where(mask, columns, -1).amax(-1)
-    prompt_width = mask.size(1) - logits_to_keep
-    gaps = (count > 0) & (last - first + 1 != count)
-    no_prompt = first >= prompt_width
-    if bool(gaps.any()):
+    if any(count > 0 and last - first + 1 != count for first, count, _, last in spans):
         return "a row's attention mask has a gap between real tokens"
-    if bool(no_prompt.any()):
+    if any(first >= prompt_width for first, _, _, _ in spans):
         return "a row has no prompt token"
     return None
 
@@ -128,33 +144,33 @@ class PackedLayout:
 
 
 def pack_rows(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, row_tokens: int | None
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    row_tokens: int | None,
+    spans: list[tuple[int, int, int, int]] | None = None,
 ) -> PackedLayout:
     """Lay the real tokens of padded rows end to end (module docstring), in order, a new packed row whenever the
     next sequence would take one past `row_tokens` tokens (`None`: one packed row). A sequence longer than
     `row_tokens` gets a row of its own. Rows must pack (`unpackable_reason` is `None`).
 
-    One host synchronisation: the rows' spans are read once to build the index tensors.
+    One host synchronisation (`row_spans`, unless `spans` are given): the index tensors are built from them.
 
     Args:
         input_ids (`torch.Tensor` of shape `(N, P + C)`), attention_mask (`torch.Tensor` of shape `(N, P + C)`):
             prompts left-padded, completions right-padded, as TRL builds them.
         logits_to_keep (`int`): `C`, the completion width.
         row_tokens (`int` or `None`): the token budget of a packed row.
+        spans: `row_spans(attention_mask, logits_to_keep)`, when already read.
     """
     device = input_ids.device
-    mask = attention_mask.bool()
-    width = mask.size(1)
+    width = attention_mask.size(1)
     prompt_width = width - logits_to_keep
-    columns = torch.arange(width, device=device)
-    first = torch.where(mask, columns, width).amin(-1)
-    count = mask.sum(-1)
-    completion_tokens = mask[:, prompt_width:].sum(-1)
-    spans = torch.stack([first, count, completion_tokens], dim=-1).tolist()  # the one host synchronisation
+    spans = row_spans(attention_mask, logits_to_keep) if spans is None else spans
 
     placements = []  # (packed row, offset) of each sequence
     row, used = 0, 0
-    for _, length, _ in spans:
+    for _, length, _, _ in spans:
         if used and row_tokens is not None and used + length > row_tokens:
             row, used = row + 1, 0
         placements.append((row, used))
@@ -163,7 +179,7 @@ def pack_rows(
     row_length = max(offset + span[1] for (_, offset), span in zip(placements, spans, strict=True))
 
     src, dst, positions, keep_dst, rows, cols = [], [], [], [], [], []
-    for i, ((start, length, completion), (packed_row, offset)) in enumerate(zip(spans, placements, strict=True)):
+    for i, ((start, length, completion, _), (packed_row, offset)) in enumerate(zip(spans, placements, strict=True)):
         base = packed_row * row_length + offset
         src.append(torch.arange(i * width + start, i * width + start + length))
         dst.append(torch.arange(base, base + length))

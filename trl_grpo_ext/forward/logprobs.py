@@ -30,7 +30,7 @@ import torch
 from transformers.utils import logging
 
 from .._compat import trl_has_fused_lm_head
-from .layout import PackedLayout, pack_rows, unpackable_reason
+from .layout import PackedLayout, pack_rows, row_spans, unpackable_reason
 
 logger = logging.get_logger(__name__)
 
@@ -136,16 +136,26 @@ class PackedLogProbs:
             self._run_self_check(model, input_ids, attention_mask, logits_to_keep)
         if reason is None and not self.self_check.passed:
             return None  # warned once by the self-check
-        reason = reason or unpackable_reason(attention_mask, logits_to_keep)
+        batch_size = batch_size or input_ids.size(0)
+        chunks = []
+        for start in range(0, input_ids.size(0), batch_size):
+            chunk = slice(start, start + batch_size)
+            spans = row_spans(attention_mask[chunk], logits_to_keep)  # one host synchronisation per chunk
+            reason = reason or unpackable_reason(spans, attention_mask.size(1) - logits_to_keep)
+            chunks.append((chunk, spans))
         if reason is not None:
             self._fall_back(reason)
             return None
-        batch_size = batch_size or input_ids.size(0)
         logps, entropies, aux_losses = [], [], []
-        for start in range(0, input_ids.size(0), batch_size):
-            chunk = slice(start, start + batch_size)
+        for chunk, spans in chunks:
             out = self._forward_chunk(
-                model, input_ids[chunk], attention_mask[chunk], logits_to_keep, compute_entropy, compute_aux_loss
+                model,
+                input_ids[chunk],
+                attention_mask[chunk],
+                logits_to_keep,
+                compute_entropy,
+                compute_aux_loss,
+                spans,
             )
             logps.append(out[0])
             entropies.append(out[1])
@@ -156,9 +166,11 @@ class PackedLogProbs:
             torch.stack(aux_losses).mean() if compute_aux_loss else None,
         )
 
-    def _forward_chunk(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, compute_aux_loss):
+    def _forward_chunk(
+        self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, compute_aux_loss, spans
+    ):
         row_tokens = None if compute_aux_loss else self.row_tokens
-        layout = pack_rows(input_ids, attention_mask, logits_to_keep, row_tokens)
+        layout = pack_rows(input_ids, attention_mask, logits_to_keep, row_tokens, spans)
         outputs = self._model_forward(model, layout, compute_aux_loss)
         scored = layout.keep[:, :-1]  # the fused head scores token t + 1 at position t: (B, L - 1)
         shape = (input_ids.size(0), logits_to_keep)

@@ -1,0 +1,164 @@
+"""The training forward on realistic shapes: TRL's padded log-prob forward against the padding-free one.
+
+A Qwen3-architecture model built locally with random weights (about 25M parameters at the default sizes, sdpa
+attention), one micro-batch of `groups` groups of `G = 8` completions: prompts of 100-400 tokens, completion lengths
+log-normal (mean about 300) with one completion per group cut at `max_completion_length = 1024`, drawn once with a
+fixed seed; generation plays no part (the rows are given). Per step each side runs what a GRPO step runs through
+`_get_per_token_logps_and_entropies`: the reference forward (no gradient) and the policy forward with entropies,
+followed by the backward of the summed completion log-probs. Sides (`trl`: stock TRL's padded hook, `ext`: the
+padding-free one of `GRPOTrainerExt`) alternate, step by step, in one process.
+
+Reported per side: the step time (median of `steps` after one warm-up, seconds), the activation memory of the
+policy forward (bytes of the tensors autograd saves for the backward, counted by `saved_tensors_hooks`: deterministic,
+unlike a CPU's resident memory), and the tokens forwarded per distinct token (`forward/tokens_per_distinct`).
+Goals (issue: faster than TRL): time and activation memory of `ext` <= 0.5x and <= 0.6x `trl`'s.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+import torch
+
+from .common import format_table
+
+MAX_COMPLETION = 1024
+
+
+def draw_rows(groups: int, generations: int, seed: int, vocab: int, quick: bool):
+    """`(input_ids, attention_mask, logits_to_keep)` of a micro-batch as TRL builds it (module docstring)."""
+    generator = torch.Generator().manual_seed(seed)
+    cut = 48 if quick else MAX_COMPLETION
+    prompts, completions = [], []
+    for _ in range(groups):
+        length = int(torch.randint(10 if quick else 100, (40 if quick else 400) + 1, (1,), generator=generator))
+        prompt = torch.randint(3, vocab, (length,), generator=generator)
+        lengths = torch.distributions.LogNormal(torch.tensor(5.5 if not quick else 2.5), 0.6).sample((generations,))
+        lengths = lengths.clamp(1, cut).long()
+        lengths[0] = cut  # one completion per group cut at max_completion_length
+        for n in lengths.tolist():
+            prompts.append(prompt)
+            completions.append(torch.randint(3, vocab, (n,), generator=generator))
+    width_p, width_c = max(map(len, prompts)), max(map(len, completions))
+    ids = torch.zeros(len(prompts), width_p + width_c, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        ids[i, width_p - len(p) : width_p], ids[i, width_p : width_p + len(c)] = p, c
+        mask[i, width_p - len(p) : width_p + len(c)] = 1
+    return ids, mask, width_c
+
+
+def _trainer(quick: bool, tmp: str):
+    from datasets import Dataset
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+    from trl_grpo_ext.testing import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    vocab = 256 if quick else 32000
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=32 if quick else 384,
+        intermediate_size=64 if quick else 1536,
+        num_hidden_layers=2 if quick else 6,
+        num_attention_heads=4 if quick else 6,
+        num_key_value_heads=2,
+        head_dim=8 if quick else 64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(f"{tmp}/model")
+    tokenizer.save_pretrained(f"{tmp}/model")
+    args = GRPOConfigExt(
+        f"{tmp}/out", per_device_train_batch_size=8, num_generations=8, report_to="none", use_cpu=True, max_steps=1
+    )
+    trainer = GRPOTrainerExt(
+        model=f"{tmp}/model",
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["a"] * 8}),
+        processing_class=tokenizer,
+    )
+    return trainer, vocab, sum(p.numel() for p in trainer.model.parameters())
+
+
+def _step(trainer, hook, ids, mask, width) -> tuple[float, int]:
+    """One step of a side: (seconds, bytes saved for the backward by the policy forward)."""
+    model = trainer.model
+    saved = [0]
+
+    def pack(tensor):
+        saved[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        hook(model, ids, mask, width)  # the reference forward
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logps, _, _ = hook(model, ids, mask, width, None, True)
+    (logps * mask[:, -width:]).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - start, saved[0]
+
+
+def run(steps: int = 3, groups: int = 2, quick: bool = False, seed: int = 0) -> dict:
+    from trl_grpo_ext.forward import forward_counts
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer, vocab, parameters = _trainer(quick, tmp)
+        ids, mask, width = draw_rows(groups, 8, seed, vocab, quick)
+        counts = forward_counts(ids[:, :-width], mask[:, :-width], mask[:, -width:])
+        sides = {"trl": trainer._stock_logps_and_entropies, "ext": trainer._get_per_token_logps_and_entropies}
+        times, memory = {side: [] for side in sides}, {}
+        for step in range(steps + 1):
+            for side, hook in sides.items():
+                seconds, saved = _step(trainer, hook, ids, mask, width)
+                memory[side] = saved
+                if step:  # the first is a warm-up
+                    times[side].append(seconds)
+        check = trainer._packed_forward.self_check
+    packed_tokens = int(mask.sum())
+    return {
+        "config": {"steps": steps, "groups": groups, "generations": 8, "quick": quick, "parameters": parameters},
+        "shape": {"rows": ids.size(0), "width": ids.size(1), "completion_width": width},
+        "tokens": {
+            "trl": int(counts.forwarded),
+            "ext": packed_tokens,
+            "distinct": int(counts.distinct),
+        },
+        "self_check": {"passed": check.passed, "difference": check.difference},
+        "sides": {
+            side: {
+                "step_seconds": statistics.median(times[side]),
+                "activation_bytes": memory[side],
+                "tokens_per_distinct": (int(counts.forwarded) if side == "trl" else packed_tokens)
+                / int(counts.distinct),
+            }
+            for side in sides
+        },
+    }
+
+
+def table(result: dict) -> str:
+    trl = result["sides"]["trl"]
+    rows = []
+    for side, values in result["sides"].items():
+        rows.append(
+            [
+                side,
+                f"{values['step_seconds']:.2f}",
+                f"{values['step_seconds'] / trl['step_seconds']:.2f}",
+                f"{values['activation_bytes'] / 2**20:.0f}",
+                f"{values['activation_bytes'] / trl['activation_bytes']:.2f}",
+                f"{values['tokens_per_distinct']:.2f}",
+            ]
+        )
+    headers = ["side", "step s", "time / trl", "activations MiB", "memory / trl", "tokens / distinct"]
+    return format_table(headers, rows)
