@@ -197,6 +197,10 @@ def section_equivalence(ctx: Context, allotted: float, result: dict) -> dict:
             max_steps=EQUIVALENCE_STEPS,
             num_iterations=2,
             gradient_accumulation_steps=2,
+            # The objective against stock TRL's at a tolerance of 1e-5 over 8 steps: TRL's padded forward on both
+            # sides, since packing changes the log-probs by rounding, which training compounds (its own equality
+            # with the padded forward: tests/test_forward.py).
+            **({} if side == "trl" else {"padding_free": False}),
         )
         trainer.train()
         logs = loss_logs(trainer)
