@@ -79,8 +79,7 @@ def test_the_communication_benchmark_counts_one_gather_per_log_step(tmp_path, mo
         assert ours["ext_diagnostics"]["calls"] == results["log_steps"]  # one per log step
         assert ours["trl_loss_metrics"]["calls"] == 0
         assert stock["trl_loss_metrics"]["calls"] == 7 * results["micro_batches"]  # 5 reductions, 2 gathers
-        # Generation and rewards: the same on both sides; and once per run, the padding-free self-check's verdict.
-        assert ours["other"]["calls"] == stock["other"]["calls"] + 1
+        assert ours["other"]["calls"] == stock["other"]["calls"]  # generation and rewards: the same on both sides
     assert runs[("ext", 4)]["ext_diagnostics"]["bytes"] == runs[("ext", 8)]["ext_diagnostics"]["bytes"]
     assert runs[("trl", 4)]["trl_loss_metrics"]["bytes"] < runs[("trl", 8)]["trl_loss_metrics"]["bytes"]
 

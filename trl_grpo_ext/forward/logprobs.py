@@ -207,8 +207,8 @@ class PackedLogProbs:
             model.train(was_training)
         completion = mask[:, -width:].bool()
         difference = (packed - padded).abs().masked_fill(~completion, 0).amax().float()
-        if self.trainer.accelerator.num_processes > 1:  # every process decides alike
-            difference = self.trainer.accelerator.gather(difference[None]).amax()
+        # Each process decides on its own rows, without a collective: either way its log-probs are exact, and both
+        # paths run one model forward per chunk, so that sharded engines gather their parameters alike.
         check.difference = float(difference)
         dtype = getattr(self.trainer.model, "dtype", torch.float32)
         check.passed = check.difference <= SelfCheck.tolerance(dtype) and torch.isfinite(difference).item()
