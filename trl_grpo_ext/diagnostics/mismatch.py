@@ -156,8 +156,11 @@ def trainer_logps(trainer, output: dict[str, Any]) -> torch.Tensor:
     args = trainer.args
     batch_size = args.per_device_train_batch_size if trainer.model.training else args.per_device_eval_batch_size
     completion_ids = output["completion_ids"]
+    # TRL's padded forward (`GRPOTrainerExt` keeps it beside the padding-free one): the truncation match reads the
+    # backbone's hidden states in that layout (sampling.truncation).
+    forward = getattr(trainer, "_stock_logps_and_entropies", trainer._get_per_token_logps_and_entropies)
     with torch.no_grad(), paused, preserved_rng():
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+        logps, _, _ = forward(
             trainer.model,
             torch.cat([output["prompt_ids"], completion_ids], dim=1),
             torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1),
