@@ -114,7 +114,9 @@ class PackedLogProbs:
     def _fall_back(self, reason: str) -> None:
         if reason not in self._said:
             self._said.add(reason)
-            logger.warning(f"padding_free=True: this forward runs padded, as TRL runs it, because {reason}.")
+            # The installed TRL is no mistake of the user's: said at info level; every other reason is a warning.
+            say = logger.info if "installed TRL" in reason else logger.warning
+            say(f"padding_free=True: this forward runs padded, as TRL runs it, because {reason}.")
 
     def __call__(
         self,
