@@ -330,34 +330,15 @@ class GRPOTrainerExt(GRPOTrainer):
             input_ids,
             attention_mask,
             logits_to_keep,
-            batch_size,
-            compute_entropy,
-            compute_aux_loss,
-            **forward_inputs,
-        )
-
-    def _stock_logps_and_entropies(
-        self,
-        model,
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        batch_size=None,
-        compute_entropy=False,
-        compute_aux_loss=False,
-        **forward_inputs,
-    ):
-        """TRL's padded log-prob forward, as stock TRL runs it."""
-        return super()._get_per_token_logps_and_entropies(
-            model,
-            input_ids,
-            attention_mask,
-            logits_to_keep,
             batch_size=batch_size,
             compute_entropy=compute_entropy,
             compute_aux_loss=compute_aux_loss,
             **forward_inputs,
         )
+
+    def _stock_logps_and_entropies(self, *args, **kwargs):
+        """TRL's padded log-prob forward, as stock TRL runs it (the same arguments as the hook)."""
+        return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
     # Generation and rewards
 
