@@ -57,11 +57,11 @@ def prompt_dataset() -> Dataset:
 
 @pytest.fixture(scope="session")
 def ddp_run(tiny_model_path, tmp_path_factory):
-    """tests/launched.py's `reference` and `heldout` phases under DDP (two CPU processes): their folder."""
+    """tests/launched.py's `reference`, `padded` and `heldout` phases under DDP (two CPU processes): their folder."""
     from helpers import launch
 
     output_dir = tmp_path_factory.mktemp("ddp")
-    launch("cpu_ddp.yaml", output_dir, tiny_model_path, ["reference", "heldout"])
+    launch("cpu_ddp.yaml", output_dir, tiny_model_path, ["reference", "padded", "heldout"])
     return output_dir
 
 

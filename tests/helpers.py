@@ -355,6 +355,26 @@ def assert_one_gather_per_log_step(ranks: list[dict]) -> None:
         assert calls["total"] > calls["ours"]  # the engine's own collectives were counted by the same hooks
 
 
+def assert_packed_is_padded(packed: list[dict], padded: list[dict]) -> None:
+    """tests/launched.py's `reference` run (padding-free log-probs, the default) logged the losses, gradient norms
+    and statistics of its `padded` run (TRL's padded forward) to rounding, and each ran the forward it names."""
+    for packed_rank, padded_rank in zip(packed, padded, strict=True):
+        assert packed_rank["records"]["packed_forwards"] > 0
+        assert padded_rank["records"]["packed_forwards"] == 0
+    ours = [entry for entry in packed[0]["log_history"] if "loss" in entry]
+    theirs = [entry for entry in padded[0]["log_history"] if "loss" in entry]
+    assert len(ours) == len(theirs) > 0
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.get("reward") == b.get("reward"), a["step"]  # the same completions were sampled
+        # float32: packed and padded attention sum in another order (a few units in the last place per log-prob).
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6), a["step"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), a["step"]
+        for key in ("kl", "entropy", "ratio/mean"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+        assert a["forward/tokens_per_distinct"] == b["forward/tokens_per_distinct"]  # logged whichever ran
+
+
 # Held-out evaluation shared by tests/test_sampling_heldout.py and tests/launched.py's `heldout` phase: 11
 # prompts in chunks of 2 (6 chunks, 4 completions each): two processes get unequal shares.
 HELDOUT_PROMPTS = [

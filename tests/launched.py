@@ -269,7 +269,20 @@ def distributed_trainer(output_dir, model_path, *, lora=False, trainer_kwargs=No
     return trainer
 
 
-def run_train(output_dir, model_path, *, kill_during_save_of=None, resume=False) -> dict:
+def count_packed_forwards(trainer: RunTrainer) -> None:
+    """Counts, in `records["packed_forwards"]`, the log-prob forwards that ran packed (not TRL's padded forward)."""
+    packed = trainer._packed_forward
+    trainer.records["packed_forwards"] = 0
+
+    def counted(*args, **kwargs):
+        out = packed(*args, **kwargs)
+        trainer.records["packed_forwards"] += out is not None
+        return out
+
+    trainer._packed_forward = counted
+
+
+def run_train(output_dir, model_path, *, kill_during_save_of=None, resume=False, **overrides) -> dict:
     found = None
     if resume:  # what a killed run left behind, before resuming cleans up
         staging = os.path.join(output_dir, STAGING_DIR)
@@ -277,7 +290,8 @@ def run_train(output_dir, model_path, *, kill_during_save_of=None, resume=False)
             "checkpoints": sorted(int(name[11:]) for name in os.listdir(output_dir) if name.startswith("checkpoint-")),
             "staged": sorted(os.listdir(staging)) if os.path.isdir(staging) else [],
         }
-    trainer = distributed_trainer(output_dir, model_path, save_strategy="steps", save_steps=SAVE_STEPS)
+    trainer = distributed_trainer(output_dir, model_path, save_strategy="steps", save_steps=SAVE_STEPS, **overrides)
+    count_packed_forwards(trainer)
     original_loss = trainer_module.policy_objective
 
     def recording_loss(*args, **kwargs):
@@ -617,6 +631,8 @@ def run_phase(phase: str, cli) -> dict:
     dynamic = dict(dynamic_sampling=True, dynamic_sampling_max_rounds=6, per_device_train_batch_size=3, beta=0.0)
     if phase == "reference":
         return run_train(output_dir, cli.model_path)
+    if phase == "padded":  # `reference` through TRL's padded forward
+        return run_train(output_dir, cli.model_path, padding_free=False)
     if phase in ("crash", "resume"):
         output_dir = os.path.join(cli.output_dir, "run")
         kill = KILL_STEP if phase == "crash" else None

@@ -5,6 +5,7 @@ from helpers import (
     assert_heldout_is_that_of_one_process,
     assert_logged_statistics_are_those_of_both_processes_pooled,
     assert_one_gather_per_log_step,
+    assert_packed_is_padded,
     heldout_in_one_process,
     phase_results,
 )
@@ -20,6 +21,11 @@ def test_logged_statistics_are_those_of_both_processes_pooled(ddp_reference):
 @pytest.mark.slow
 def test_diagnostics_add_exactly_one_collective_per_log_step(ddp_reference):
     assert_one_gather_per_log_step(ddp_reference)
+
+
+@pytest.mark.slow
+def test_padding_free_log_probs_train_as_trl_s_padded_forward(ddp_run, ddp_reference):
+    assert_packed_is_padded(ddp_reference, phase_results(ddp_run, "padded"))
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
 """FSDP2 and DeepSpeed ZeRO-2/3 with two CPU processes (gloo), launched with recipes/accelerate_configs/cpu_*.yaml.
 
 Each engine costs two launches of tests/launched.py: the first runs the NaN, LoRA and crash phases and dies
-(SIGKILL) while writing a checkpoint; the second resumes that run, then trains the uninterrupted reference and runs
-the recipe. Every phase records the engine accelerate ran and the size of a local shard against the full size.
+(SIGKILL) while writing a checkpoint; the second resumes that run, then trains the uninterrupted reference and its
+twin through TRL's padded forward, and runs the recipe. Every phase records the engine accelerate ran and the size of
+a local shard against the full size.
 """
 
 import json
@@ -15,6 +16,7 @@ from helpers import (
     assert_heldout_is_that_of_one_process,
     assert_logged_statistics_are_those_of_both_processes_pooled,
     assert_one_gather_per_log_step,
+    assert_packed_is_padded,
     heldout_in_one_process,
     launch,
     phase_results,
@@ -28,7 +30,7 @@ ENGINES = {
     "zero3": ("cpu_zero3.yaml", "DistributedType.DEEPSPEED", 3),
 }
 FIRST_LAUNCH = ("nan-skip", "nan-stop", "lora", "crash")  # "crash" kills the processes: last
-SECOND_LAUNCH = ("resume", "reference", "heldout", "recipe")  # "recipe" ends the process group: last
+SECOND_LAUNCH = ("resume", "reference", "padded", "heldout", "recipe")  # "recipe" ends the process group: last
 # tests/launched.py's constants
 SAVE_STEPS, KILL_STEP, MAX_STEPS, NAN_STEP = 3, 6, 8, 2
 COMPARED = ("loss", "grad_norm", "reward", "kl", "clip_ratio/region_mean", "ratio/mean", "entropy")
@@ -94,6 +96,11 @@ def test_loss_and_grad_norm_match_a_ddp_run_of_the_same_processes(engine_run, dd
         # cancel (on-policy steps: about 1e-7 around 0), where only an absolute bound means anything.
         assert sharded[step]["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-6), step
         assert sharded[step]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_padding_free_log_probs_train_as_trl_s_padded_forward(engine_run):
+    assert_packed_is_padded(engine_run.phase("reference"), engine_run.phase("padded"))
 
 
 @pytest.mark.slow
