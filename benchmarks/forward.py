@@ -50,7 +50,7 @@ def draw_rows(groups: int, generations: int, seed: int, vocab: int, quick: bool)
     return ids, mask, width_c
 
 
-def _trainer(quick: bool, tmp: str):
+def _trainer(quick: bool, tmp: str, device: str = "cpu", attn_implementation: str = "sdpa"):
     from datasets import Dataset
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -71,13 +71,20 @@ def _trainer(quick: bool, tmp: str):
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        attn_implementation="sdpa",
     )
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).save_pretrained(f"{tmp}/model")
     tokenizer.save_pretrained(f"{tmp}/model")
+    cuda = device == "cuda"
     args = GRPOConfigExt(
-        f"{tmp}/out", per_device_train_batch_size=8, num_generations=8, report_to="none", use_cpu=True, max_steps=1
+        f"{tmp}/out",
+        per_device_train_batch_size=8,
+        num_generations=8,
+        report_to="none",
+        use_cpu=not cuda,
+        bf16=cuda,
+        max_steps=1,
+        model_init_kwargs={"attn_implementation": attn_implementation, **({"dtype": torch.bfloat16} if cuda else {})},
     )
     trainer = GRPOTrainerExt(
         model=f"{tmp}/model",
@@ -98,6 +105,10 @@ def _step(trainer, hook, ids, mask, width) -> tuple[float, int]:
         saved[0] += tensor.numel() * tensor.element_size()
         return tensor
 
+    cuda = ids.is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     with torch.no_grad():
         hook(model, ids, mask, width)  # the reference forward
@@ -105,28 +116,42 @@ def _step(trainer, hook, ids, mask, width) -> tuple[float, int]:
         logps, _, _ = hook(model, ids, mask, width, None, True)
     (logps * mask[:, -width:]).sum().backward()
     model.zero_grad(set_to_none=True)
-    return time.perf_counter() - start, saved[0]
+    if cuda:
+        torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    return time.perf_counter() - start, saved[0], peak
 
 
-def run(steps: int = 3, groups: int = 2, quick: bool = False, seed: int = 0) -> dict:
+def run(
+    steps: int = 3,
+    groups: int = 2,
+    quick: bool = False,
+    seed: int = 0,
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+) -> dict:
+    """Both sides on the drawn micro-batch (module docstring); `device` `"cuda"` runs in bfloat16 and also reports
+    each side's peak allocated memory (`peak_bytes`, `None` on the CPU)."""
     from trl_grpo_ext.forward import forward_counts
 
     with tempfile.TemporaryDirectory() as tmp:
-        trainer, vocab, parameters = _trainer(quick, tmp)
+        trainer, vocab, parameters = _trainer(quick, tmp, device, attn_implementation)
         ids, mask, width = draw_rows(groups, 8, seed, vocab, quick)
         counts = forward_counts(ids[:, :-width], mask[:, :-width], mask[:, -width:])
+        ids, mask = ids.to(trainer.accelerator.device), mask.to(trainer.accelerator.device)
         sides = {"trl": trainer._stock_logps_and_entropies, "ext": trainer._get_per_token_logps_and_entropies}
-        times, memory = {side: [] for side in sides}, {}
+        times, memory, peaks = {side: [] for side in sides}, {}, {}
         for step in range(steps + 1):
             for side, hook in sides.items():
-                seconds, saved = _step(trainer, hook, ids, mask, width)
+                seconds, saved, peaks[side] = _step(trainer, hook, ids, mask, width)
                 memory[side] = saved
                 if step:  # the first is a warm-up
                     times[side].append(seconds)
         check = trainer._packed_forward.self_check
     packed_tokens = int(mask.sum())
+    config = {"steps": steps, "groups": groups, "generations": 8, "quick": quick, "parameters": parameters}
     return {
-        "config": {"steps": steps, "groups": groups, "generations": 8, "quick": quick, "parameters": parameters},
+        "config": {**config, "device": device, "attn_implementation": attn_implementation},
         "shape": {"rows": ids.size(0), "width": ids.size(1), "completion_width": width},
         "tokens": {
             "trl": int(counts.forwarded),
@@ -138,6 +163,7 @@ def run(steps: int = 3, groups: int = 2, quick: bool = False, seed: int = 0) -> 
             side: {
                 "step_seconds": statistics.median(times[side]),
                 "activation_bytes": memory[side],
+                "peak_bytes": peaks[side],
                 "tokens_per_distinct": (int(counts.forwarded) if side == "trl" else packed_tokens)
                 / int(counts.distinct),
             }

@@ -16,6 +16,9 @@ after every section, so that a run cut short still leaves the sections it finish
 5. `nonfinite`: a NaN loss at one step: the update is skipped and counted, the weights stay finite.
 6. `e2e`: step time and `torch.cuda.max_memory_allocated`, `GRPOTrainerExt` against stock TRL, full and LoRA,
    interleaved step by step (targets: ratios <= 1.00).
+7. `forward`: TRL's padded log-prob forward against the padding-free one on long-tailed completions, with sdpa and
+   (where `flash_attn` is installed) flash-attention 2: step time, activation and peak memory (targets: 0.5x time,
+   0.6x memory).
 
 Each section plans with a share of the time left (`--budget-s`, counted from the start of the process), shrinks or
 skips its later parts when that runs short (saying so), and is interrupted at the end of the budget. A section
@@ -51,7 +54,7 @@ GRACE_S = 15.0  # how far past its budget the last section may run before it is 
 
 def _sections() -> dict:
     """name -> (function, share of the time left that it plans with, fewest seconds worth starting it: (GPU, CPU))."""
-    from . import gpu_kernels, gpu_sections
+    from . import gpu_forward, gpu_kernels, gpu_sections
 
     return {
         "environment": (gpu_sections.section_environment, 0.02, (5, 5)),
@@ -60,11 +63,12 @@ def _sections() -> dict:
         "kernels": (gpu_kernels.section_kernels, 0.20, (40, 10)),
         "nonfinite": (gpu_sections.section_nonfinite, 0.07, (15, 5)),
         "e2e": (gpu_sections.section_e2e, 0.33, (60, 20)),
+        "forward": (gpu_forward.section_forward, 0.12, (30, 10)),
         "sharded": (gpu_sections.section_sharded, 1.0, (60, 60)),
     }
 
 
-DEFAULT_SECTIONS = ("environment", "equivalence", "syncs", "kernels", "nonfinite", "e2e")
+DEFAULT_SECTIONS = ("environment", "equivalence", "syncs", "kernels", "nonfinite", "e2e", "forward")
 #: Every section, in running order; `sharded` (FSDP2, and ZeRO where deepspeed is installed) only when asked for.
 SECTION_NAMES = (*DEFAULT_SECTIONS, "sharded")
 

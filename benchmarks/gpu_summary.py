@@ -204,6 +204,18 @@ def _e2e(result: dict) -> list[str]:
     ]
 
 
+def _forward(result: dict) -> list[str]:
+    config = result["config"]
+    lines = [
+        f"{config['groups']} groups of {config['generations']} completions, attention: "
+        f"{', '.join(config['implementations'])}.",
+        "",
+        result.get("table", ""),
+        "",
+    ]
+    return lines + [f"{name} failed:\n```\n{error.rstrip()}\n```" for name, error in result["errors"].items()]
+
+
 RENDERERS = {
     "environment": ("Environment", _environment),
     "equivalence": ("Equivalence with stock TRL", _equivalence),
@@ -211,6 +223,7 @@ RENDERERS = {
     "kernels": ("Loss kernels", _kernels),
     "nonfinite": ("Non-finite guard", _nonfinite),
     "e2e": ("End to end (GRPOTrainerExt / stock TRL)", _e2e),
+    "forward": ("The log-prob forward (padding-free / TRL's padded)", _forward),
 }
 
 

@@ -78,8 +78,21 @@ def test_quick_run_exercises_every_section_and_writes_json_and_markdown(tmp_path
     assert set(e2e["modes"]) == {"full"} and e2e["modes"]["full"]["sides"]["ext"]["step_time_s"]["n"] == 2
     assert e2e["targets"]["full_peak_memory_ext_over_trl"]["value"] > 0
 
+    # The padding-free forward: sdpa only on a CPU, packed exactly, fewer tokens than TRL's padded rows.
+    forward = sections["forward"]["result"]
+    assert list(forward["runs"]) == ["sdpa"] and forward["config"]["quick"]
+    assert forward["checks"] == {"sdpa_self_check_passed": True, "sdpa_fewer_tokens": True}
+    assert set(forward["targets"]) == {"sdpa_step_time_ext_over_trl", "sdpa_activation_memory_ext_over_trl"}
+    assert forward["targets"]["sdpa_activation_memory_ext_over_trl"]["value"] < 1.0
+
     summary = (tmp_path / "gpu.md").read_text()
-    for title in ("## Equivalence with stock TRL", "## Host synchronisations", "## Loss kernels", "## End to end"):
+    for title in (
+        "## Equivalence with stock TRL",
+        "## Host synchronisations",
+        "## Loss kernels",
+        "## End to end",
+        "## The log-prob forward",
+    ):
         assert title in summary
 
 
@@ -109,6 +122,7 @@ def _fake_sections(calls):
         "kernels": (overruns, 0.1, (0, 0)),
         "nonfinite": (passes, 0.1, (1, 1)),
         "e2e": (passes, 0.1, (1, 1)),
+        "forward": (passes, 0.1, (1, 1)),
     }
 
 
@@ -127,7 +141,7 @@ def test_a_failing_or_overrunning_section_is_recorded_and_the_run_goes_on(tmp_pa
     assert sections["kernels"]["status"] == "error" and "SectionTimeout" in sections["kernels"]["error"]
     assert sections["kernels"]["seconds"] < budget_s + 1  # interrupted at the end of the budget, not after its 60 s
     assert sections["kernels"]["result"] == {"first_part": 1.5}  # what it finished is kept
-    for name in ("nonfinite", "e2e"):
+    for name in ("nonfinite", "e2e", "forward"):
         assert sections[name]["status"] == "skipped" and "time budget" in sections[name]["reason"]
     assert results["sections"] == sections
     summary = (tmp_path / "gpu.md").read_text()
