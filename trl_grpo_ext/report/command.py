@@ -6,8 +6,13 @@ reused by a shorter run keeps the older run's checkpoints), and says when the fo
 run. Works for any `Trainer`-based GRPO run: `GRPOTrainerExt`'s, judged with the run's own `warn_*` thresholds (kept
 in its state), or stock `trl.GRPOTrainer`'s (then with `GRPOConfigExt`'s defaults, and the panels and verdicts its
 metrics allow, saying what is missing). Rewrites `report.png`, prints one line per signal of the "What to watch"
-table with its verdict and the steps concerned, then the alarms raised with what to change. Exit status 0 when the
-run could be read, 1 with a one-line reason when not.
+table with its verdict and the steps concerned, then the alarms raised with what to change (`--format text`, the
+default; `markdown` for a CI step summary, `json` for a script: the same findings, each with its verdict, severity
+tier and onset step, see `formats`).
+
+Exit status: 0 when the run could be read; 1 with a one-line reason when not; 2 when `--fail-on TIER` is given and
+a finding or alarm is of that tier or above (tiers: note < warning < critical; a `FAIL` verdict is critical, an
+`ALARM` a warning, a `note` a note). Without `--fail-on`, findings never change the status.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
+
+from .formats import FORMATS, Report, forward_summary, render, unrecognised_keys
 
 __all__ = ["FoundRun", "RunNotReadable", "find_run", "find_trainer_state", "load_trainer_state", "run"]
 
@@ -117,17 +124,39 @@ def find_trainer_state(run_dir: str) -> tuple[str, dict]:
     return found.path, found.state
 
 
+#: `--fail-on`'s tiers (`health.SEVERITIES` above "ok").
+FAIL_ON = ("note", "warning", "critical")
+EXIT_OK, EXIT_NOT_READABLE, EXIT_FINDINGS = 0, 1, 2
+EXIT_CODES = (
+    "exit status: 0 the run was read (whatever its health, unless --fail-on says otherwise); 1 it could not be read "
+    "(the one-line reason on stderr); 2 a finding or alarm at or above the --fail-on tier (FAIL is critical, ALARM a "
+    "warning, a note a note)"
+)
+
+
 def _parser(prog: str | None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=EXIT_CODES)
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run's output folder (or one of its checkpoints)")
     parser.add_argument("--output", default=None, help="where to write the report image (default: RUN_DIR/report.png)")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="text",
+        help="text (default), markdown (a CI step summary) or json (findings with verdict, severity, onset step)",
+    )
+    parser.add_argument(
+        "--fail-on",
+        choices=FAIL_ON,
+        default=None,
+        help="exit with status 2 when a finding or alarm is of this severity or above (default: never)",
+    )
     return parser
 
 
 def run(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Run the command with `argv` (default: the command line); returns the exit status."""
+    """Run the command with `argv` (default: the command line); returns the exit status (see `EXIT_CODES`)."""
     from ..guardrails.anomaly import AlarmSettings
-    from .health import assess
+    from .health import SEVERITIES, assess
 
     args = _parser(prog).parse_args(argv)
     name = prog or "report"
@@ -135,43 +164,50 @@ def run(argv: list[str] | None = None, prog: str | None = None) -> int:
         found = find_run(args.run_dir)
     except RunNotReadable as error:
         print(f"{name}: {error}", file=sys.stderr)
-        return 1
-    path, state = found.path, found.state
+        return EXIT_NOT_READABLE
+    state = found.state
     history = state["log_history"]
     settings = AlarmSettings.from_trainer_state(state)
     health = assess(history, settings.monitor() if settings is not None else None)
-    print(
-        f"Run {args.run_dir}: {os.path.relpath(path, args.run_dir)} at global step {state.get('global_step')}, "
+    read = os.path.relpath(found.path, args.run_dir)
+    notes = [
+        f"Run {args.run_dir}: {read} at global step {state.get('global_step')}, "
         f"{health.training_entries} training log entries"
-    )
+    ]
     if found.other_runs:
         listed = ", ".join(f"{os.path.relpath(other, args.run_dir)} (step {step})" for other, step in found.other_runs)
-        print(
+        notes.append(
             f"The folder also holds trainer states of another run: {listed}. This report is of the run that wrote "
             "the folder last; give each run an output_dir of its own to keep them apart."
         )
     if settings is None:
-        print(
+        notes.append(
             "Thresholds: GRPOConfigExt's defaults (the state records no warn_* values: a stock TRL run, or one of "
             "an older release)."
         )
     elif not settings.enabled:
-        print("Thresholds: the run's warn_* values; it ran with warn_on_anomalies=False (no alarm was given live).")
+        notes.append(
+            "Thresholds: the run's warn_* values; it ran with warn_on_anomalies=False (no alarm was given live)."
+        )
     else:
-        print("Thresholds: the run's own warn_* values.")
-    print(_draw(history, args.output or os.path.join(args.run_dir, "report.png"), args.run_dir, health.episodes))
-    print("\nHealth, one line per signal (what to watch: the metrics of docs/diagnostics.md):")
-    for line in health.lines():
-        print(f"  {line}")
-    problems = health.problem_lines()
-    if problems:
-        alarms = f"{len(health.alarms)} alarm(s) raised" if health.alarms else "no alarm raised"
-        print(f"\nProblems found ({alarms}), with what to change:")
-        for line in problems:
-            print(f"  {line}")
-    else:
-        print("\nNo alarm was raised and no health check failed.")
-    return 0
+        notes.append("Thresholds: the run's own warn_* values.")
+    unrecognised = unrecognised_keys(history)
+    if unrecognised:
+        notes.append(f"Keys not recognised (not judged): {', '.join(unrecognised)}")
+    report = Report(
+        run_dir=args.run_dir,
+        read=read,
+        global_step=state.get("global_step"),
+        notes=notes,
+        image=_draw(history, args.output or os.path.join(args.run_dir, "report.png"), args.run_dir, health.episodes),
+        health=health,
+        forward=forward_summary(history),
+        unrecognised=unrecognised,
+    )
+    print(render(report, args.format))
+    if args.fail_on is not None and SEVERITIES.index(report.worst_severity()) >= SEVERITIES.index(args.fail_on):
+        return EXIT_FINDINGS
+    return EXIT_OK
 
 
 def _draw(history: list[dict], output: str, run_dir: str, episodes) -> str:
