@@ -55,6 +55,7 @@ def test_json_holds_every_finding_with_verdict_severity_and_onset(tmp_path, caps
     assert findings["reward"]["severity"] == "ok" and findings["reward"]["onset_step"] is None
     assert document["severity"] == "critical" and document["global_step"] == 12 and document["alarms"] == []
     assert document["training_entries"] == 12 and document["read"] == "trainer_state.json"
+    assert document["source"] == "trainer_state"
 
 
 def test_json_lists_each_alarm_with_its_onset_step(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, capsys):

@@ -3,7 +3,10 @@
 Reads the `trainer_state.json` written last in the run folder: its own (`Trainer.save_state`) or a
 `checkpoint-<step>` folder's, whichever was written most recently (the run that wrote the folder last; a folder
 reused by a shorter run keeps the older run's checkpoints), and says when the folder also holds states of another
-run. Works for any `Trainer`-based GRPO run: `GRPOTrainerExt`'s, judged with the run's own `warn_*` thresholds (kept
+run. A folder with no trainer state but TensorBoard event files (stock TRL with `save_strategy="no"`) is read from
+those, with `tensorboard` installed (`report.tensorboard`). Logged keys the report does not know are named.
+
+Works for any `Trainer`-based GRPO run: `GRPOTrainerExt`'s, judged with the run's own `warn_*` thresholds (kept
 in its state), or stock `trl.GRPOTrainer`'s (then with `GRPOConfigExt`'s defaults, and the panels and verdicts its
 metrics allow, saying what is missing). Rewrites `report.png`, prints one line per signal of the "What to watch"
 table with its verdict and the steps concerned, then the alarms raised with what to change (`--format text`, the
@@ -25,12 +28,14 @@ import sys
 from dataclasses import dataclass, field
 
 from .formats import FORMATS, Report, forward_summary, render, unrecognised_keys
+from .tensorboard import event_files, history_from_event_files
 
 __all__ = ["FoundRun", "RunNotReadable", "find_run", "find_trainer_state", "load_trainer_state", "run"]
 
 STATE_NAME = "trainer_state.json"
 DESCRIPTION = (
-    "The training report of a GRPO run (GRPOTrainerExt or stock trl.GRPOTrainer) from its trainer_state.json: "
+    "The training report of a GRPO run (GRPOTrainerExt or stock trl.GRPOTrainer) from its trainer_state.json "
+    "(or its TensorBoard event files): "
     "rewrites report.png and prints a health summary, one line per signal, with the steps concerned."
 )
 
@@ -64,11 +69,15 @@ class FoundRun:
         state (`dict`): its contents.
         other_runs (`list[tuple[str, int]]`): `(path, global_step)` of each state in the folder that this run did
             not write: its log history is not the start of this run's.
+        source (`str`): `"trainer_state"`, or `"tensorboard"` when the folder holds no trainer state and `path` is
+            the folder of the TensorBoard event files read (`state` is then rebuilt from them: its `log_history`
+            and `global_step`, the last step logged).
     """
 
     path: str
     state: dict
     other_runs: list[tuple[str, int]] = field(default_factory=list)
+    source: str = "trainer_state"
 
 
 _CHECKPOINT = re.compile(r"^checkpoint-\d+$")
@@ -90,6 +99,8 @@ def find_run(run_dir: str) -> FoundRun:
         if _CHECKPOINT.match(name) and os.path.isdir(os.path.join(run_dir, name))
     ]
     found = [path for path in candidates if os.path.isfile(path)]
+    if not found and (events := event_files(run_dir)):
+        return _tensorboard_run(run_dir, events)
     if not found:
         raise RunNotReadable(
             f"{run_dir} holds no {STATE_NAME}, neither itself nor in a checkpoint-<step> folder: not the output "
@@ -111,6 +122,19 @@ def find_run(run_dir: str) -> FoundRun:
         if earlier != history[: len(earlier)] or (other.get("global_step") or 0) > (state.get("global_step") or 0):
             others.append((path, other.get("global_step")))
     return FoundRun(newest, state, others)
+
+
+def _tensorboard_run(run_dir: str, events: list[str]) -> FoundRun:
+    """The run whose only logs are the TensorBoard event files `events`: `path` is their folder (the common one)."""
+    try:
+        history = history_from_event_files(events)
+    except ImportError as error:
+        raise RunNotReadable(f"{run_dir} holds no {STATE_NAME}, only TensorBoard event files; {error}") from None
+    except Exception as error:  # a truncated or foreign file: the reason, not a traceback
+        raise RunNotReadable(f"{run_dir}: its TensorBoard event files cannot be read: {error}") from None
+    folder = os.path.commonpath([os.path.dirname(path) for path in events])
+    steps = [entry["step"] for entry in history]
+    return FoundRun(folder, {"global_step": max(steps, default=0), "log_history": history}, source="tensorboard")
 
 
 def _step_of(path: str) -> int:
@@ -170,8 +194,9 @@ def run(argv: list[str] | None = None, prog: str | None = None) -> int:
     settings = AlarmSettings.from_trainer_state(state)
     health = assess(history, settings.monitor() if settings is not None else None)
     read = os.path.relpath(found.path, args.run_dir)
+    what = f"TensorBoard event files in {read}" if found.source == "tensorboard" else read
     notes = [
-        f"Run {args.run_dir}: {read} at global step {state.get('global_step')}, "
+        f"Run {args.run_dir}: {what} at global step {state.get('global_step')}, "
         f"{health.training_entries} training log entries"
     ]
     if found.other_runs:
@@ -197,6 +222,7 @@ def run(argv: list[str] | None = None, prog: str | None = None) -> int:
     report = Report(
         run_dir=args.run_dir,
         read=read,
+        source=found.source,
         global_step=state.get("global_step"),
         notes=notes,
         image=_draw(history, args.output or os.path.join(args.run_dir, "report.png"), args.run_dir, health.episodes),

@@ -100,7 +100,8 @@ class Report:
 
     Attributes:
         run_dir: the folder given.
-        read: what was read, relative to `run_dir` (a `trainer_state.json`, or the folder of TensorBoard event files).
+        read: what was read, relative to `run_dir`: a `trainer_state.json`, or the folder of TensorBoard event files.
+        source: `"trainer_state"` or `"tensorboard"`.
         global_step: the run's step.
         notes: the lines about the run before the health summary (what was read, the thresholds, other runs).
         image: the line about `report.png`.
@@ -111,6 +112,7 @@ class Report:
 
     run_dir: str
     read: str
+    source: str
     global_step: int | None
     notes: list[str]
     image: str
@@ -199,6 +201,7 @@ def _json(report: Report) -> str:
     document = {
         "run_dir": report.run_dir,
         "read": report.read,
+        "source": report.source,
         "global_step": report.global_step,
         "training_entries": report.health.training_entries,
         "notes": report.notes,
