@@ -103,3 +103,9 @@ def test_a_resumed_run_does_not_repeat_the_alarms_given_before_it(tmp_path, caps
     assert "ALARM" not in capsys.readouterr().out
     console.on_log(args, state, TrainerControl(), logs={**TRAIN, "alarms/zero_std": 2, "alarms/truncation": 1})
     assert capsys.readouterr().out.rstrip().endswith("| ALARM zero_std")
+
+
+def test_a_nan_or_infinite_loss_is_shown_on_the_line_not_dropped():
+    line = format_log_line({**TRAIN, "loss": float("nan"), "loss/policy": float("inf")}, 7, alarms=["kl_jump"])
+    assert line.endswith("| len 7.4 | loss nan loss/policy inf | ALARM kl_jump")
+    assert "nan" not in format_log_line(TRAIN, 7)

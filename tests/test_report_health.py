@@ -158,3 +158,29 @@ def test_every_alarm_is_one_record_that_the_config_the_monitor_and_the_report_re
         assert field.default == alarm.default and alarm.help in field.metadata["help"], name
         assert AnomalyMonitor(**{alarm.keyword: None}).thresholds[name] is None
         assert alarm.problem(alarm.default) is None and alarm.problem(alarm.low - 1) is not None
+
+
+def nan_loss_history(first_nan_step: int | None, steps: int = 200) -> list[dict]:
+    """rlwatch's NaN-loss trace in TRL's format: a falling loss, NaN from `first_nan_step` on."""
+    history = []
+    for step in range(1, steps + 1):
+        loss = math.nan if first_nan_step is not None and step >= first_nan_step else 0.5 - step / 2000
+        history.append({"loss": loss, "loss/policy": loss, "reward": 0.3, "grad_norm": 1.0, "step": step})
+    return history
+
+
+def test_a_nan_loss_is_a_failure_naming_its_first_step():
+    health = assess(nan_loss_history(100))
+    loss = next(signal for signal in health.signals if signal.signal.name == "loss split")
+    assert loss.verdict == "FAIL" and loss.severity == "critical" and loss.onset == 100
+    assert "not finite (NaN or inf) from step 100: loss at steps 100-200; loss/policy at steps 100-200" in loss.detail
+    assert not health.ok and any(line.startswith("loss split: not finite") for line in health.problem_lines())
+
+
+def test_an_infinite_loss_logged_once_is_a_failure_and_a_finite_one_is_not():
+    history = nan_loss_history(None, steps=10)
+    history[6]["loss/kl_penalty"] = math.inf
+    loss = next(signal for signal in assess(history).signals if signal.signal.name == "loss split")
+    assert loss.verdict == "FAIL" and loss.onset == 7 and "loss/kl_penalty at step 7" in loss.detail
+    healthy = next(signal for signal in assess(nan_loss_history(None)).signals if signal.signal.name == "loss split")
+    assert healthy.verdict == "shown" and healthy.onset is None and healthy.severity == "ok"

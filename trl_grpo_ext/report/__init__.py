@@ -3,6 +3,8 @@
 - `figure`: `report.png`, the training curves with the alarm episodes shaded;
 - `health`: one verdict per signal of a run's log history, from the alarm rules;
 - `command`: `trl-grpo-ext report RUN_DIR`;
+- `formats`: its summary written as text, markdown or JSON, from one set of findings;
+- `tensorboard`: a log history from TensorBoard event files, for a folder without a trainer state;
 - `console`: the progress bar and one compact line per log step.
 """
 

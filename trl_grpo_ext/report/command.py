@@ -3,11 +3,19 @@
 Reads the `trainer_state.json` written last in the run folder: its own (`Trainer.save_state`) or a
 `checkpoint-<step>` folder's, whichever was written most recently (the run that wrote the folder last; a folder
 reused by a shorter run keeps the older run's checkpoints), and says when the folder also holds states of another
-run. Works for any `Trainer`-based GRPO run: `GRPOTrainerExt`'s, judged with the run's own `warn_*` thresholds (kept
+run. A folder with no trainer state but TensorBoard event files (stock TRL with `save_strategy="no"`) is read from
+those, with `tensorboard` installed (`report.tensorboard`). Logged keys the report does not know are named.
+
+Works for any `Trainer`-based GRPO run: `GRPOTrainerExt`'s, judged with the run's own `warn_*` thresholds (kept
 in its state), or stock `trl.GRPOTrainer`'s (then with `GRPOConfigExt`'s defaults, and the panels and verdicts its
 metrics allow, saying what is missing). Rewrites `report.png`, prints one line per signal of the "What to watch"
-table with its verdict and the steps concerned, then the alarms raised with what to change. Exit status 0 when the
-run could be read, 1 with a one-line reason when not.
+table with its verdict and the steps concerned, then the alarms raised with what to change (`--format text`, the
+default; `markdown` for a CI step summary, `json` for a script: the same findings, each with its verdict, severity
+tier and onset step, see `formats`).
+
+Exit status: 0 when the run could be read; 1 with a one-line reason when not; 2 when `--fail-on TIER` is given and
+a finding or alarm is of that tier or above (tiers: note < warning < critical; a `FAIL` verdict is critical, an
+`ALARM` a warning, a `note` a note). Without `--fail-on`, findings never change the status.
 """
 
 from __future__ import annotations
@@ -19,11 +27,15 @@ import re
 import sys
 from dataclasses import dataclass, field
 
+from .formats import FORMATS, Report, forward_summary, render, unrecognised_keys
+from .tensorboard import event_files, history_from_event_files
+
 __all__ = ["FoundRun", "RunNotReadable", "find_run", "find_trainer_state", "load_trainer_state", "run"]
 
 STATE_NAME = "trainer_state.json"
 DESCRIPTION = (
-    "The training report of a GRPO run (GRPOTrainerExt or stock trl.GRPOTrainer) from its trainer_state.json: "
+    "The training report of a GRPO run (GRPOTrainerExt or stock trl.GRPOTrainer) from its trainer_state.json "
+    "(or its TensorBoard event files): "
     "rewrites report.png and prints a health summary, one line per signal, with the steps concerned."
 )
 
@@ -57,11 +69,15 @@ class FoundRun:
         state (`dict`): its contents.
         other_runs (`list[tuple[str, int]]`): `(path, global_step)` of each state in the folder that this run did
             not write: its log history is not the start of this run's.
+        source (`str`): `"trainer_state"`, or `"tensorboard"` when the folder holds no trainer state and `path` is
+            the folder of the TensorBoard event files read (`state` is then rebuilt from them: its `log_history`
+            and `global_step`, the last step logged).
     """
 
     path: str
     state: dict
     other_runs: list[tuple[str, int]] = field(default_factory=list)
+    source: str = "trainer_state"
 
 
 _CHECKPOINT = re.compile(r"^checkpoint-\d+$")
@@ -83,6 +99,8 @@ def find_run(run_dir: str) -> FoundRun:
         if _CHECKPOINT.match(name) and os.path.isdir(os.path.join(run_dir, name))
     ]
     found = [path for path in candidates if os.path.isfile(path)]
+    if not found and (events := event_files(run_dir)):
+        return _tensorboard_run(run_dir, events)
     if not found:
         raise RunNotReadable(
             f"{run_dir} holds no {STATE_NAME}, neither itself nor in a checkpoint-<step> folder: not the output "
@@ -106,6 +124,19 @@ def find_run(run_dir: str) -> FoundRun:
     return FoundRun(newest, state, others)
 
 
+def _tensorboard_run(run_dir: str, events: list[str]) -> FoundRun:
+    """The run whose only logs are the TensorBoard event files `events`: `path` is their folder (the common one)."""
+    try:
+        history = history_from_event_files(events)
+    except ImportError as error:
+        raise RunNotReadable(f"{run_dir} holds no {STATE_NAME}, only TensorBoard event files; {error}") from None
+    except Exception as error:  # a truncated or foreign file: the reason, not a traceback
+        raise RunNotReadable(f"{run_dir}: its TensorBoard event files cannot be read: {error}") from None
+    folder = os.path.commonpath([os.path.dirname(path) for path in events])
+    steps = [entry["step"] for entry in history]
+    return FoundRun(folder, {"global_step": max(steps, default=0), "log_history": history}, source="tensorboard")
+
+
 def _step_of(path: str) -> int:
     folder = os.path.basename(os.path.dirname(path))
     return int(folder.rsplit("-", 1)[1]) if _CHECKPOINT.match(folder) else -1
@@ -117,17 +148,39 @@ def find_trainer_state(run_dir: str) -> tuple[str, dict]:
     return found.path, found.state
 
 
+#: `--fail-on`'s tiers (`health.SEVERITIES` above "ok").
+FAIL_ON = ("note", "warning", "critical")
+EXIT_OK, EXIT_NOT_READABLE, EXIT_FINDINGS = 0, 1, 2
+EXIT_CODES = (
+    "exit status: 0 the run was read (whatever its health, unless --fail-on says otherwise); 1 it could not be read "
+    "(the one-line reason on stderr); 2 a finding or alarm at or above the --fail-on tier (FAIL is critical, ALARM a "
+    "warning, a note a note)"
+)
+
+
 def _parser(prog: str | None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=EXIT_CODES)
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run's output folder (or one of its checkpoints)")
     parser.add_argument("--output", default=None, help="where to write the report image (default: RUN_DIR/report.png)")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="text",
+        help="text (default), markdown (a CI step summary) or json (findings with verdict, severity, onset step)",
+    )
+    parser.add_argument(
+        "--fail-on",
+        choices=FAIL_ON,
+        default=None,
+        help="exit with status 2 when a finding or alarm is of this severity or above (default: never)",
+    )
     return parser
 
 
 def run(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Run the command with `argv` (default: the command line); returns the exit status."""
+    """Run the command with `argv` (default: the command line); returns the exit status (see `EXIT_CODES`)."""
     from ..guardrails.anomaly import AlarmSettings
-    from .health import assess
+    from .health import SEVERITIES, assess
 
     args = _parser(prog).parse_args(argv)
     name = prog or "report"
@@ -135,43 +188,52 @@ def run(argv: list[str] | None = None, prog: str | None = None) -> int:
         found = find_run(args.run_dir)
     except RunNotReadable as error:
         print(f"{name}: {error}", file=sys.stderr)
-        return 1
-    path, state = found.path, found.state
+        return EXIT_NOT_READABLE
+    state = found.state
     history = state["log_history"]
     settings = AlarmSettings.from_trainer_state(state)
     health = assess(history, settings.monitor() if settings is not None else None)
-    print(
-        f"Run {args.run_dir}: {os.path.relpath(path, args.run_dir)} at global step {state.get('global_step')}, "
+    read = os.path.relpath(found.path, args.run_dir)
+    what = f"TensorBoard event files in {read}" if found.source == "tensorboard" else read
+    notes = [
+        f"Run {args.run_dir}: {what} at global step {state.get('global_step')}, "
         f"{health.training_entries} training log entries"
-    )
+    ]
     if found.other_runs:
         listed = ", ".join(f"{os.path.relpath(other, args.run_dir)} (step {step})" for other, step in found.other_runs)
-        print(
+        notes.append(
             f"The folder also holds trainer states of another run: {listed}. This report is of the run that wrote "
             "the folder last; give each run an output_dir of its own to keep them apart."
         )
     if settings is None:
-        print(
+        notes.append(
             "Thresholds: GRPOConfigExt's defaults (the state records no warn_* values: a stock TRL run, or one of "
             "an older release)."
         )
     elif not settings.enabled:
-        print("Thresholds: the run's warn_* values; it ran with warn_on_anomalies=False (no alarm was given live).")
+        notes.append(
+            "Thresholds: the run's warn_* values; it ran with warn_on_anomalies=False (no alarm was given live)."
+        )
     else:
-        print("Thresholds: the run's own warn_* values.")
-    print(_draw(history, args.output or os.path.join(args.run_dir, "report.png"), args.run_dir, health.episodes))
-    print("\nHealth, one line per signal (what to watch: the metrics of docs/diagnostics.md):")
-    for line in health.lines():
-        print(f"  {line}")
-    problems = health.problem_lines()
-    if problems:
-        alarms = f"{len(health.alarms)} alarm(s) raised" if health.alarms else "no alarm raised"
-        print(f"\nProblems found ({alarms}), with what to change:")
-        for line in problems:
-            print(f"  {line}")
-    else:
-        print("\nNo alarm was raised and no health check failed.")
-    return 0
+        notes.append("Thresholds: the run's own warn_* values.")
+    unrecognised = unrecognised_keys(history)
+    if unrecognised:
+        notes.append(f"Keys not recognised (not judged): {', '.join(unrecognised)}")
+    report = Report(
+        run_dir=args.run_dir,
+        read=read,
+        source=found.source,
+        global_step=state.get("global_step"),
+        notes=notes,
+        image=_draw(history, args.output or os.path.join(args.run_dir, "report.png"), args.run_dir, health.episodes),
+        health=health,
+        forward=forward_summary(history),
+        unrecognised=unrecognised,
+    )
+    print(render(report, args.format))
+    if args.fail_on is not None and SEVERITIES.index(report.worst_severity()) >= SEVERITIES.index(args.fail_on):
+        return EXIT_FINDINGS
+    return EXIT_OK
 
 
 def _draw(history: list[dict], output: str, run_dir: str, episodes) -> str:

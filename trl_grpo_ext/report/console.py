@@ -40,6 +40,11 @@ def _format(value) -> str:
     return f"{value:.3g}"
 
 
+def _nonfinite_loss(key: str, value) -> bool:
+    is_loss = key in ("loss", "eval_loss") or key.startswith(("loss/", "eval_loss/"))
+    return is_loss and isinstance(value, float) and not math.isfinite(value)
+
+
 def format_log_line(
     logs: Mapping, step: int, max_steps: int | None = None, alarms: list[str] | tuple[str, ...] = ()
 ) -> str:
@@ -47,7 +52,7 @@ def format_log_line(
 
     A training entry (it has `loss`) gives the `CONSOLE_SIGNALS`, `-` for those not logged; an evaluation entry the
     same signals with TRL's `eval_` prefix; any other entry (the end-of-training summary, a held-out evaluation) its
-    numbers, each as `name value`.
+    numbers, each as `name value`. A `loss` or `loss/*` value that is NaN or infinite is appended (`| loss nan`).
 
     Args:
         logs: the entry, as `on_log` gets it.
@@ -69,6 +74,9 @@ def format_log_line(
             and not key.startswith("alarms/")
             and key not in ("epoch", "total_flos", "step")
         ]
+    nonfinite = [key for key, value in logs.items() if _nonfinite_loss(key, value)]
+    if nonfinite:  # not a dash: a loss that is NaN or infinite is the line's news
+        fields.append(" ".join(f"{key} {logs[key]}" for key in nonfinite))
     if alarms:
         fields.append("ALARM " + ", ".join(alarms))
     return " | ".join(fields)

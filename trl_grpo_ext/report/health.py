@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ..guardrails.alarms import HELDOUT_KEY
 from ..guardrails.anomaly import AnomalyMonitor, Episode
 
-__all__ = ["SIGNALS", "RunHealth", "Signal", "SignalHealth", "assess"]
+__all__ = ["SEVERITIES", "SIGNALS", "RunHealth", "Signal", "SignalHealth", "assess"]
 
 DIAGNOSTICS = "GRPOTrainerExt logs it with log_diagnostics; stock TRL does not"
 #: Why a metric may be missing from a history (shown when a signal was not logged).
@@ -43,7 +43,8 @@ class Signal:
         keys: the metrics shown, in order of preference (the first one logged is summarised).
         alarms: the alarms that judge it.
         kind: `"alarms"` (judged by its alarms), `"count"` (fine while the metric is 0 and no alarm fired: a count
-            of events, shown with the steps where it was not 0) or `"shown"` (never judged: the loss).
+            of events, shown with the steps where it was not 0) or `"shown"` (not judged: the loss, whose sign and
+            size say little; a NaN or infinite `loss` or `loss/*` value is a `FAIL` all the same).
     """
 
     name: str
@@ -74,6 +75,11 @@ SIGNALS = (
 )
 
 
+#: The severity tiers of the verdicts, lowest first (`--fail-on` of `report` takes the last three).
+SEVERITIES = ("ok", "note", "warning", "critical")
+_SEVERITY = {"FAIL": "critical", "ALARM": "warning", "note": "note"}
+
+
 @dataclass
 class SignalHealth:
     """The verdict on one signal.
@@ -85,12 +91,20 @@ class SignalHealth:
             gradient norm far above the run's), `"ok"`, `"shown"` (not judged) or `"missing"` (not logged).
         detail: what the values did, which alarms fired at which steps, or why nothing was logged.
         episodes: the alarm episodes concerned.
+        onset: the first step the verdict is about (the first alarm episode's, the first non-finite value's, the
+            first count above 0), `None` where there is none or it is not known.
     """
 
     signal: Signal
     verdict: str
     detail: str
     episodes: list[Episode] = field(default_factory=list)
+    onset: int | None = None
+
+    @property
+    def severity(self) -> str:
+        """The verdict's tier of `SEVERITIES`: `FAIL` is critical, `ALARM` a warning, `note` a note, others ok."""
+        return _SEVERITY.get(self.verdict, "ok")
 
     def line(self) -> str:
         return f"{self.verdict:<7} {self.signal.name:<25} {self.detail}"
@@ -147,6 +161,20 @@ def _values(log_history: list[dict], key: str) -> list[tuple[int | None, float]]
     return pairs
 
 
+def _nonfinite_losses(log_history: list[dict]) -> dict[str, list[int | None]]:
+    """The steps at which `loss` or a `loss/*` value was logged as NaN or infinite, per key (first seen first)."""
+    steps: dict[str, list[int | None]] = {}
+    for entry in log_history:
+        for key, value in entry.items():
+            if (key == "loss" or key.startswith("loss/")) and isinstance(value, float) and not math.isfinite(value):
+                steps.setdefault(key, []).append(entry.get("step"))
+    return steps
+
+
+def _first_step(steps: list) -> int | None:
+    return next((step for step in steps if step is not None), None)
+
+
 def _heldout_keys(log_history: list[dict]) -> list[str]:
     return sorted({key for entry in log_history for key in entry if HELDOUT_KEY.match(key)})
 
@@ -177,7 +205,12 @@ def _failure(signal: Signal, key: str, pairs: list[tuple[int | None, float]]) ->
     infinite reward, say), `grad_norm` 0 at every step, or a last `grad_norm` far above the run's median."""
     infinite = [step for step, value in pairs if math.isinf(value)]
     if infinite:
-        return SignalHealth(signal, "FAIL", f"{key} is not finite at {_span(infinite)}: {_summary(key, pairs)}")
+        return SignalHealth(
+            signal,
+            "FAIL",
+            f"{key} is not finite at {_span(infinite)}: {_summary(key, pairs)}",
+            onset=_first_step(infinite),
+        )
     if key != "grad_norm":
         return None
     values = [value for _, value in pairs]
@@ -192,6 +225,7 @@ def _failure(signal: Signal, key: str, pairs: list[tuple[int | None, float]]) ->
             "note",
             f"the last grad_norm ({values[-1]:.3g}, {_span([pairs[-1][0]])}) is {values[-1] / median:.1f}x the "
             f"run's median ({median:.3g}): the run may have been diverging at its end | {_summary(key, pairs)}",
+            onset=pairs[-1][0],
         )
     return None
 
@@ -214,8 +248,25 @@ def _judge(signal: Signal, log_history: list[dict], monitor: AnomalyMonitor) -> 
         nonzero = [step for step, value in pairs if value > 0]
         if not nonzero:
             return SignalHealth(signal, "ok", f"{key} always 0, {_span([step for step, _ in pairs])}")
-        return SignalHealth(signal, "note", f"{key} up to {max(v for _, v in pairs):.3g}, not 0 at {_span(nonzero)}")
+        return SignalHealth(
+            signal,
+            "note",
+            f"{key} up to {max(v for _, v in pairs):.3g}, not 0 at {_span(nonzero)}",
+            onset=_first_step(nonzero),
+        )
     if signal.kind == "shown":
+        # A loss that is NaN or infinite is the one thing its values do say: the run stopped training there.
+        nonfinite = _nonfinite_losses(log_history)
+        if nonfinite:
+            onset = min((s for steps in nonfinite.values() for s in steps if s is not None), default=None)
+            where = "; ".join(f"{key} at {_span(steps)}" for key, steps in nonfinite.items())
+            return SignalHealth(
+                signal,
+                "FAIL",
+                f"not finite (NaN or inf) from step {onset if onset is not None else '?'}: {where}"
+                + (f" | finite values: {shown}" if shown else ""),
+                onset=onset,
+            )
         return SignalHealth(signal, "shown", (shown or _missing(signal.keys[0])) + " (its sign and size say little)")
     if episodes:
         raised = "; ".join(
@@ -224,7 +275,11 @@ def _judge(signal: Signal, log_history: list[dict], monitor: AnomalyMonitor) -> 
             if (group := [episode for episode in episodes if episode.name == name])
         )
         return SignalHealth(
-            signal, "ALARM", f"{raised} | {shown or _missing(keys[0] if keys else signal.keys[0])}", episodes
+            signal,
+            "ALARM",
+            f"{raised} | {shown or _missing(keys[0] if keys else signal.keys[0])}",
+            episodes,
+            onset=min((e.start for e in episodes if e.start is not None), default=None),
         )
     if not logged and not judged:
         return SignalHealth(signal, "missing", _missing(keys[0] if keys else signal.keys[0]))

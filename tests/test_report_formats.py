@@ -1,0 +1,149 @@
+"""`report --format text|markdown|json` (one set of findings written three ways) and `--fail-on` exit codes."""
+
+import json
+import math
+
+import pytest
+from test_report_command import report, write_state
+
+from trl_grpo_ext.report.formats import forward_summary, unrecognised_keys
+from trl_grpo_ext.report.health import SIGNALS
+
+
+def healthy_history(steps: int = 12) -> list[dict]:
+    return [
+        {"loss": 0.1, "reward": 0.2 + step / 100, "grad_norm": 1.0, "entropy": 1.5, "step": step}
+        for step in range(1, steps + 1)
+    ]
+
+
+def nan_loss_history(first_nan_step: int = 6, steps: int = 12) -> list[dict]:
+    history = healthy_history(steps)
+    for entry in history[first_nan_step - 1 :]:
+        entry["loss"] = math.nan
+    return history
+
+
+def unscored_history() -> list[dict]:
+    """A run whose only finding is a note: one completion went unscored at step 3."""
+    history = healthy_history()
+    for entry in history:
+        entry["frac_reward_unscored"] = 0.25 if entry["step"] == 3 else 0.0
+    return history
+
+
+def test_a_nan_loss_trace_is_not_called_healthy(tmp_path, capsys):
+    write_state(tmp_path, 12, nan_loss_history())
+    status, out, _ = report(tmp_path, capsys)
+    assert status == 0  # findings change the status only with --fail-on
+    assert "FAIL    loss split" in out and "not finite (NaN or inf) from step 6" in out
+    assert "No alarm was raised and no health check failed" not in out
+    write_state(tmp_path, 12, healthy_history())
+    _, out, _ = report(tmp_path, capsys)
+    assert "FAIL" not in out and "No alarm was raised and no health check failed." in out
+
+
+def test_json_holds_every_finding_with_verdict_severity_and_onset(tmp_path, capsys):
+    write_state(tmp_path, 12, nan_loss_history())
+    status, out, _ = report(tmp_path, capsys, "--format", "json")
+    assert status == 0
+    document = json.loads(out)  # stdout is the JSON document and nothing else
+    findings = {finding["name"]: finding for finding in document["findings"]}
+    assert list(findings) == [signal.name for signal in SIGNALS]
+    assert findings["loss split"]["verdict"] == "FAIL" and findings["loss split"]["severity"] == "critical"
+    assert findings["loss split"]["onset_step"] == 6 and "from step 6" in findings["loss split"]["message"]
+    assert findings["reward"]["severity"] == "ok" and findings["reward"]["onset_step"] is None
+    assert document["severity"] == "critical" and document["global_step"] == 12 and document["alarms"] == []
+    assert document["training_entries"] == 12 and document["read"] == "trainer_state.json"
+    assert document["source"] == "trainer_state"
+
+
+def test_json_lists_each_alarm_with_its_onset_step(tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, capsys):
+    from test_report_command import truncated_run
+
+    truncated_run(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset)
+    status, out, _ = report(tmp_path, capsys, "--format", "json", "--fail-on", "warning")
+    assert status == 2
+    document = json.loads(out)
+    truncation = next(alarm for alarm in document["alarms"] if alarm["name"] == "truncation")
+    assert truncation["onset_step"] == 1 and truncation["steps"] == "steps 1-4" and truncation["severity"] == "warning"
+    assert "Raise max_completion_length" in truncation["message"]
+    length = next(finding for finding in document["findings"] if finding["name"] == "completion length")
+    assert length["verdict"] == "ALARM" and length["onset_step"] == 1
+
+
+def test_markdown_is_a_table_of_the_same_findings(tmp_path, capsys):
+    write_state(tmp_path, 12, nan_loss_history())
+    _, text, _ = report(tmp_path, capsys)
+    status, out, _ = report(tmp_path, capsys, "--format", "markdown")
+    assert status == 0 and out.startswith(f"### Training health: `{tmp_path}`")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| signal")]
+    assert len(rows) == len(SIGNALS) + 1  # the separator row, then one row per signal
+    loss_row = next(row for row in rows if row.startswith("| loss split |"))
+    assert loss_row.startswith("| loss split | FAIL | critical | 6 | not finite (NaN or inf) from step 6")
+    assert "No alarm was raised" not in out and "Health, one line per signal" not in out
+    assert "Health, one line per signal" in text  # the default is today's text
+
+
+@pytest.mark.parametrize(
+    ("history", "fail_on", "status"),
+    [
+        (nan_loss_history(), None, 0),
+        (nan_loss_history(), "critical", 2),
+        (nan_loss_history(), "note", 2),
+        (unscored_history(), "note", 2),
+        (unscored_history(), "warning", 0),
+        (healthy_history(), "note", 0),
+    ],
+)
+def test_fail_on_exits_2_at_or_above_its_tier(tmp_path, capsys, history, fail_on, status):
+    write_state(tmp_path, 12, history)
+    assert report(tmp_path, capsys, *(["--fail-on", fail_on] if fail_on else []))[0] == status
+
+
+def test_an_unreadable_folder_exits_1_whatever_fail_on_says(tmp_path, capsys):
+    status, out, err = report(tmp_path / "nowhere", capsys, "--fail-on", "critical", "--format", "json")
+    assert status == 1 and out == "" and "is not a folder" in err
+
+
+def test_the_help_names_the_formats_and_the_exit_codes(capsys):
+    from trl_grpo_ext import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["report", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--format {text,markdown,json}" in text and "--fail-on {note,warning,critical}" in text
+    assert "1 it could not be read" in text and "2 a finding or alarm at or above the --fail-on tier" in text
+
+
+def forward_history(padding: float, repeated: float, per_distinct: float) -> list[dict]:
+    return [
+        {
+            **entry,
+            "forward/padding_fraction": padding,
+            "forward/repeated_prompt_fraction": repeated,
+            "forward/tokens_per_distinct": per_distinct,
+        }
+        for entry in healthy_history(4)
+    ]
+
+
+def test_the_summary_says_what_the_forward_wastes_and_what_packing_saves(tmp_path, capsys):
+    write_state(tmp_path, 4, forward_history(0.22, 0.15, 1.63))
+    _, out, _ = report(tmp_path, capsys)
+    line = next(line for line in out.splitlines() if line.strip().startswith("forward:"))
+    assert "forward: 1.63 tokens forwarded per distinct token (padding 22%, repeated prompt 15%)" in line
+    assert "padding_free=True" in line and "1.27 per distinct token, 22% fewer tokens" in line
+    assert json.loads(report(tmp_path, capsys, "--format", "json")[1])["forward"]["tokens_per_distinct"] == 1.63
+
+
+def test_a_forward_without_padding_is_not_told_to_pack_and_a_stock_run_has_no_forward_line():
+    unpadded = forward_summary(forward_history(0.0, 0.1, 1.11))
+    assert unpadded["message"] == "forward: 1.11 tokens forwarded per distinct token (padding 0%, repeated prompt 10%)"
+    assert forward_summary(healthy_history()) is None
+
+
+def test_keys_the_report_does_not_know_are_named():
+    history = [{"loss": 0.1, "step": 1, "eval_reward": 0.2, "rewards/acc/mean": 1.0, "my_custom": 3, "Loss": 1.0}]
+    assert unrecognised_keys(history) == ["Loss", "my_custom"]
+    assert unrecognised_keys(healthy_history()) == []

@@ -1,0 +1,215 @@
+"""The health summary of `report`, from one set of findings, written three ways: `text` (for a person at a terminal),
+`markdown` (a GitHub Actions step summary: `>> "$GITHUB_STEP_SUMMARY"`) and `json` (for a script).
+
+`Report` holds what the command found (the verdict on every signal, the alarms, the lines about the run); each
+writer only lays it out, so the three agree by construction.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from .health import SEVERITIES, RunHealth, SignalHealth, _episode_steps, _values
+
+__all__ = [
+    "FORMATS",
+    "FORWARD_KEYS",
+    "Report",
+    "forward_summary",
+    "render",
+    "unrecognised_keys",
+]
+
+FORMATS = ("text", "markdown", "json")
+#: The log-prob forward's waste metrics (`forward.layout.FORWARD_METRICS`), as `report` names them.
+FORWARD_KEYS = ("forward/padding_fraction", "forward/repeated_prompt_fraction", "forward/tokens_per_distinct")
+#: Below this many tokens forwarded per distinct token, the padded forward wastes too little to mention packing.
+PACKING_WORTH_MENTIONING = 1.05
+
+#: Metric families that the report reads or knows to be TRL's or this package's (the metric table of
+#: docs/diagnostics.md); a logged key outside them is named as not recognised. `eval_` keys are their training key's.
+KNOWN_KEYS = frozenset(
+    {
+        "step", "epoch", "learning_rate", "grad_norm", "total_flos", "num_tokens", "loss", "reward", "reward_std",
+        "kl", "entropy", "frac_reward_zero_std", "frac_reward_unscored", "clip_ratio", "cispo_clip_ratio",
+        "train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss",
+        "eval_runtime", "eval_samples_per_second", "eval_steps_per_second",
+    }
+)  # fmt: skip
+KNOWN_FAMILIES = (
+    "alarms/", "clip_ratio/", "completions/", "dynamic_sampling/", "forward/", "heldout/", "loss/", "mismatch/",
+    "nonfinite/", "ratio/", "reward_length_corr/", "reward_std/", "rewards/", "sampling/", "skipped_rows/",
+)  # fmt: skip
+
+
+def unrecognised_keys(log_history: list[dict]) -> list[str]:
+    """The keys of `log_history` that are no metric the report knows (see `KNOWN_FAMILIES`), sorted."""
+    keys = {key for entry in log_history for key in entry}
+    return sorted(
+        key
+        for key in keys
+        if (name := key.removeprefix("eval_")) not in KNOWN_KEYS
+        and key not in KNOWN_KEYS
+        and not name.startswith(KNOWN_FAMILIES)
+    )
+
+
+def forward_summary(log_history: list[dict]) -> dict | None:
+    """The log-prob forward's waste over the run (the mean of each `forward/*` metric logged), with its line.
+
+    Returns:
+        `None` when the run logged none of `FORWARD_KEYS`, else a dict with `padding_fraction`,
+        `repeated_prompt_fraction`, `tokens_per_distinct` (each `None` if not logged) and `message`:
+        `forward: 1.63 tokens forwarded per distinct token (padding 22%, repeated prompt 15%)`, and where the padded
+        layout forwarded padding, what `padding_free=True` (which forwards no padding) would forward instead.
+    """
+    means = {}
+    for key in FORWARD_KEYS:
+        values = [value for _, value in _values(log_history, key) if math.isfinite(value)]
+        means[key.removeprefix("forward/")] = sum(values) / len(values) if values else None
+    if all(value is None for value in means.values()):
+        return None
+    per_distinct, padding, repeated = (
+        means["tokens_per_distinct"],
+        means["padding_fraction"],
+        means["repeated_prompt_fraction"],
+    )
+    parts = [f"padding {padding:.0%}" if padding is not None else None]
+    parts.append(f"repeated prompt {repeated:.0%}" if repeated is not None else None)
+    shares = ", ".join(part for part in parts if part)
+    if per_distinct is not None:
+        message = f"forward: {per_distinct:.3g} tokens forwarded per distinct token" + (
+            f" ({shares})" if shares else ""
+        )
+    else:
+        message = f"forward: {shares}"
+    if per_distinct is not None and padding and per_distinct > PACKING_WORTH_MENTIONING:
+        message += (
+            f"; with padding_free=True (GRPOConfigExt's default; the metrics count TRL's padded layout either way) "
+            f"the padding is not forwarded: {per_distinct * (1 - padding):.3g} per distinct token, {padding:.0%} "
+            "fewer tokens"
+        )
+    return {**means, "message": message}
+
+
+@dataclass
+class Report:
+    """What `report` found about a run, for the writers of `render`.
+
+    Attributes:
+        run_dir: the folder given.
+        read: what was read, relative to `run_dir`: a `trainer_state.json`, or the folder of TensorBoard event files.
+        source: `"trainer_state"` or `"tensorboard"`.
+        global_step: the run's step.
+        notes: the lines about the run before the health summary (what was read, the thresholds, other runs).
+        image: the line about `report.png`.
+        health: the verdicts.
+        forward: `forward_summary` of the history.
+        unrecognised: `unrecognised_keys` of the history.
+    """
+
+    run_dir: str
+    read: str
+    source: str
+    global_step: int | None
+    notes: list[str]
+    image: str
+    health: RunHealth
+    forward: dict | None = None
+    unrecognised: list[str] = field(default_factory=list)
+
+    def findings(self) -> list[dict]:
+        """One record per signal: `name`, `verdict`, `severity` (of `SEVERITIES`), `onset_step`, `message`."""
+        return [_finding(signal) for signal in self.health.signals]
+
+    def alarms(self) -> list[dict]:
+        """One record per alarm raised: `name`, `severity`, `onset_step`, `steps`, `message` (what to change)."""
+        records = []
+        for name in self.health.alarms:
+            episodes = [episode for episode in self.health.episodes if episode.name == name]
+            records.append(
+                {
+                    "name": name,
+                    "severity": "warning",
+                    "onset_step": episodes[0].start,
+                    "steps": _episode_steps(episodes),
+                    "message": episodes[0].message,
+                }
+            )
+        return records
+
+    def worst_severity(self) -> str:
+        """The highest tier of the findings and alarms (`"ok"` for none)."""
+        tiers = [finding["severity"] for finding in self.findings()] + [alarm["severity"] for alarm in self.alarms()]
+        return max(tiers, key=SEVERITIES.index, default="ok")
+
+
+def _finding(signal: SignalHealth) -> dict:
+    return {
+        "name": signal.signal.name,
+        "verdict": signal.verdict,
+        "severity": signal.severity,
+        "onset_step": signal.onset,
+        "message": signal.detail,
+    }
+
+
+def render(report: Report, form: str = "text") -> str:
+    """`report` written as `form` (one of `FORMATS`)."""
+    return {"text": _text, "markdown": _markdown, "json": _json}[form](report)
+
+
+def _text(report: Report) -> str:
+    lines = [*report.notes, report.image, "", "Health, one line per signal (what to watch: the metrics of "]
+    lines[-1] += "docs/diagnostics.md):"
+    lines += [f"  {line}" for line in report.health.lines()]
+    if report.forward is not None:
+        lines.append(f"  {report.forward['message']}")
+    problems = report.health.problem_lines()
+    if problems:
+        alarms = f"{len(report.health.alarms)} alarm(s) raised" if report.health.alarms else "no alarm raised"
+        lines += ["", f"Problems found ({alarms}), with what to change:"] + [f"  {line}" for line in problems]
+    else:
+        lines += ["", "No alarm was raised and no health check failed."]
+    return "\n".join(lines)
+
+
+def _cell(text) -> str:
+    return "" if text is None else str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _markdown(report: Report) -> str:
+    lines = [f"### Training health: `{report.run_dir}`", "", "  \n".join([*report.notes, report.image]), ""]
+    lines += ["| signal | verdict | severity | onset step | details |", "| --- | --- | --- | --- | --- |"]
+    for finding in report.findings():
+        row = (finding["name"], finding["verdict"], finding["severity"], finding["onset_step"], finding["message"])
+        lines.append("| " + " | ".join(_cell(value) for value in row) + " |")
+    if report.forward is not None:
+        lines += ["", _cell(report.forward["message"])]
+    alarms = report.alarms()
+    if alarms:
+        lines += ["", f"**{len(alarms)} alarm(s) raised**, with what to change:", ""]
+        lines += [f"- `{alarm['name']}` ({alarm['steps']}): {_cell(alarm['message'])}" for alarm in alarms]
+    elif report.health.ok:
+        lines += ["", "No alarm was raised and no health check failed."]
+    return "\n".join(lines)
+
+
+def _json(report: Report) -> str:
+    document = {
+        "run_dir": report.run_dir,
+        "read": report.read,
+        "source": report.source,
+        "global_step": report.global_step,
+        "training_entries": report.health.training_entries,
+        "notes": report.notes,
+        "report_png": report.image,
+        "severity": report.worst_severity(),
+        "findings": report.findings(),
+        "alarms": report.alarms(),
+        "forward": report.forward,
+        "unrecognised_keys": report.unrecognised,
+    }
+    return json.dumps(document, indent=2, allow_nan=False)
