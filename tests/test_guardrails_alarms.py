@@ -55,6 +55,7 @@ STREAMS = {
     "ratio_p95": ([{"ratio/p95": v} for v in (2.0, 2.0, 1.1, float("inf"))], [0, 3]),
     "ratio_max": ([{"ratio/max": v} for v in (500.0, 500.0, 2.0, float("nan"))], [0, 3]),
     "kl_jump": ([{"kl": v} for v in (0.01, 0.01, 0.01, 0.01, 0.01, 0.5, 0.6, 0.01, 0.5)], [5, 8]),
+    "kl_high": ([{"kl": v} for v in (6.7, 3.1, 0.4, {}, 1.5, float("nan"))], [0, 4]),
     "entropy_collapse": ([{"entropy": v} for v in (2.0, 2.0, 2.0, 1.5, 0.1, 0.1, 1.0, 0.1)], [4, 7]),
     "grad_norm_spike": ([{"grad_norm": v} for v in (1.0, 1.0, 1.0, 1.0, 1.0, 50.0, 60.0, 1.0, 50.0)], [5, 8]),
     "length_drift": (

@@ -349,6 +349,7 @@ class GRPOConfigExt(GRPOConfig):
     warn_ratio_p95: float | None = ALARMS["ratio_p95"].config_field()
     warn_ratio_max: float | None = ALARMS["ratio_max"].config_field()
     warn_kl_jump: float | None = ALARMS["kl_jump"].config_field()
+    warn_kl_max: float | None = ALARMS["kl_high"].config_field()
     warn_entropy_collapse: float | None = ALARMS["entropy_collapse"].config_field()
     warn_grad_norm_spike: float | None = ALARMS["grad_norm_spike"].config_field()
     warn_length_drift_corr: float | None = ALARMS["length_drift"].config_field()

@@ -253,6 +253,23 @@ class KLJumpRule(Rule):
         )
 
 
+class KLHighRule(Rule):
+    """`kl` above its threshold, or not finite: a level, where `KLJumpRule` needs a history to compare with."""
+
+    keys = ("kl",)
+
+    def judge(self, entry):
+        value = entry.get("kl")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        if math.isfinite(value) and value <= self.threshold:
+            return False
+        return (
+            f"kl = {value:.3g} exceeds {self.threshold:g}: the policy is far from the reference (a KL blow-up). Lower "
+            "the learning_rate, raise beta, or check the rewards for hacking."
+        )
+
+
 class TruncationRule(Rule):
     keys = ("completions/clipped_ratio",)
 
@@ -665,6 +682,19 @@ ALARMS: dict[str, Alarm] = {
             False,
             "Alarm kl_jump: kl exceeds this factor times the median of its previous 10 logged values (judged once "
             "5 are there; a median below 0.01 counts as 0.01).",
+        ),
+        Alarm(
+            "kl_high",
+            KLHighRule,
+            "warn_kl_max",
+            # Healthy demo runs stay below 0.45 (docs/diagnostics.md's example); a learning rate 10x too high reaches
+            # 3 within 10 steps, 100x too high 6.7 at step 2, before `kl_jump` has the 5 values it compares with.
+            1.0,
+            0.0,
+            math.inf,
+            False,
+            False,
+            "Alarm kl_high: kl (mean per token) exceeds this, or is not finite.",
         ),
         Alarm(
             "entropy_collapse",

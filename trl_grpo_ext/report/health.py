@@ -58,7 +58,7 @@ SIGNALS = (
     Signal("reward spread in groups", ("reward_std/group_mean",), ("no_spread",)),
     Signal("groups without spread", ("reward_std/frac_zero_groups", "frac_reward_zero_std"), ("zero_std",)),
     Signal("unscored completions", ("frac_reward_unscored",), ("unscored",), kind="count"),
-    Signal("KL to the reference", ("kl",), ("kl_jump",)),
+    Signal("KL to the reference", ("kl",), ("kl_jump", "kl_high")),
     Signal("loss split", ("loss/policy", "loss"), kind="shown"),
     Signal("clip fraction", ("clip_ratio/region_mean",), ("clip_fraction",)),
     Signal("importance ratio", ("ratio/p95",), ("ratio_p95", "ratio_max")),
