@@ -35,11 +35,18 @@ def quick_start_lines(
     prompt = "<your prompt>" if prompt is None else prompt
     lines = ["## Quick start", "", "```python"]
     if is_adapter:
+        # PEFT (0.21, the newest release) reads transformers' deprecated `is_gradient_checkpointing` when it wraps
+        # the base model, which prints a FutureWarning; no other loader of an adapter avoids it (transformers' own,
+        # `from_pretrained` of the adapter's folder, needs PEFT 0.22), so the card ignores that one warning.
         lines += [
+            "import warnings",
+            "",
             "from peft import AutoPeftModelForCausalLM",
             "from transformers import AutoTokenizer",
             "",
-            f'model = AutoPeftModelForCausalLM.from_pretrained("{repo}")',
+            "with warnings.catch_warnings():  # PEFT <= 0.21 reads transformers' deprecated is_gradient_checkpointing",
+            '    warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)',
+            f'    model = AutoPeftModelForCausalLM.from_pretrained("{repo}")',
             f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
         ]
     else:
