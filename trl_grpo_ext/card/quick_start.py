@@ -13,12 +13,28 @@ import re
 from datasets import Dataset
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
-__all__ = ["WEIGHT_FILES", "first_training_prompt", "is_hub_id", "quick_start_lines", "weights_folder"]
+__all__ = [
+    "WEIGHT_FILES",
+    "first_training_prompt",
+    "is_hub_dataset_id",
+    "is_hub_id",
+    "quick_start_lines",
+    "weights_folder",
+]
+
+# A Hub repository id: `name` or `owner/name`, each part letters, digits, `-`, `_` and `.` (not leading).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
 def is_hub_id(name: str | None) -> bool:
     """`owner/name` that is not a local path."""
     return bool(name) and name.count("/") == 1 and not os.path.exists(name)
+
+
+def is_hub_dataset_id(name: str | None) -> bool:
+    """Whether `name` is shaped as a Hub dataset id (`owner/name`, or a bare `name` such as `gsm8k`) and is not an
+    existing local path: what the card's front matter may hold in `datasets`."""
+    return bool(name) and _HUB_ID.fullmatch(name) is not None and ".." not in name and not os.path.exists(name)
 
 
 def quick_start_lines(
