@@ -52,7 +52,9 @@ def test_the_adapter_quick_start_runs_without_a_future_warning(tiny_model_path, 
     from transformers import AutoModelForCausalLM
 
     adapter = tmp_path / "adapter"
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path), LoraConfig(r=2, target_modules="all-linear"))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_path), LoraConfig(r=2, target_modules="all-linear")
+    )
     model.save_pretrained(adapter)
     AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(adapter)
     code = quick_start(card(model_path=str(adapter), prompt="abc=")).replace("max_new_tokens=64", "max_new_tokens=2")
