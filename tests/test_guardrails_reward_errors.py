@@ -117,3 +117,10 @@ class TestRewardSignatures:
             "with_kwargs",
             "some/reward-model",
         ]
+
+    def test_only_the_logging_hooks_the_installed_trl_has_are_expected(self, monkeypatch):
+        import trl
+
+        assert {"log_extra", "log_metric"} <= set(reward_kwarg_names())
+        monkeypatch.delattr(trl.GRPOTrainer, "_log_metric")
+        assert "log_metric" not in reward_kwarg_names() and "log_extra" in reward_kwarg_names()

@@ -26,6 +26,8 @@ __all__ = [
 
 #: The keyword arguments `GRPOTrainer._calculate_rewards` passes every reward function, besides the dataset's columns.
 _TRL_REWARD_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+#: The `GRPOTrainer` methods passed as `log_extra` and `log_metric`: passed where the installed TRL has them.
+_TRL_LOGGING_KWARGS = {"log_extra": "_log_completion_extra", "log_metric": "_log_metric"}
 #: The dataset columns TRL does not pass on (`_calculate_rewards`).
 _COLUMNS_NOT_PASSED = ("prompt", "completion", "completion_ids")
 
@@ -139,7 +141,7 @@ class GuardedAsyncReward(GuardedReward):
 
 
 def reward_kwarg_names(train_dataset=None, environments: bool = False) -> list[str]:
-    """The keyword arguments TRL passes a reward function in a run on `train_dataset`.
+    """The keyword arguments the installed TRL passes a reward function in a run on `train_dataset`.
 
     Args:
         train_dataset (`datasets.Dataset`, *optional*): the training set; its columns other than `prompt`,
@@ -150,7 +152,14 @@ def reward_kwarg_names(train_dataset=None, environments: bool = False) -> list[s
     Returns:
         `list[str]`: the names, TRL's own first.
     """
-    names = list(_TRL_REWARD_KWARGS) + (["environments"] if environments else [])
+    from trl import GRPOTrainer
+
+    names = [
+        name
+        for name in _TRL_REWARD_KWARGS
+        if name not in _TRL_LOGGING_KWARGS or hasattr(GRPOTrainer, _TRL_LOGGING_KWARGS[name])
+    ]
+    names += ["environments"] if environments else []
     columns = getattr(train_dataset, "column_names", None) or []
     if isinstance(columns, dict):  # a DatasetDict: the columns of each split
         columns = [column for split in columns.values() for column in split]
