@@ -249,11 +249,29 @@ def test_model_name_and_dataset_are_written_as_trl_writes_them(tmp_path, local):
     text = card(model_name="tiny-grpo", dataset_name=dataset_name)
     ours, trl_front = front_matter(text), trl_front_matter("tiny-grpo", dataset_name)
     assert ours["model_name"] == trl_front["model_name"] == "tiny-grpo"
-    assert ours["datasets"] == trl_front["datasets"] == dataset_name
-    if local:  # named, not linked to a Hub page that does not exist
+    if local:  # named in the text only: not a dataset id in the front matter, nor linked to a Hub page
+        assert "datasets" not in ours and trl_front["datasets"] == dataset_name
         assert f"on the `{dataset_name}` dataset" in text and "huggingface.co/datasets" not in text
     else:
+        assert ours["datasets"] == trl_front["datasets"] == dataset_name
         assert "on the [openai/gsm8k](https://huggingface.co/datasets/openai/gsm8k) dataset" in text
+
+
+@pytest.mark.parametrize(
+    ("dataset_name", "written"),
+    [
+        ("gsm8k", "gsm8k"),  # a bare Hub id
+        ("data/prompts.jsonl", None),  # a local file, existing below
+        ("../prompts", None),
+        ("/abs/prompts.jsonl", None),
+        (["openai/gsm8k", "data/prompts.jsonl"], ["openai/gsm8k"]),
+    ],
+)
+def test_the_front_matter_lists_only_hub_dataset_ids(dataset_name, written, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "prompts.jsonl").write_text("{}\n")
+    assert front_matter(card(dataset_name=dataset_name)).get("datasets") == written
 
 
 WANDB_URL = "https://wandb.ai/me/grpo/runs/abc123"
@@ -304,7 +322,9 @@ def test_a_trainer_with_trl_defaults_writes_its_objective_name_dataset_and_run_l
     objective = objective_section(text)
     assert "loss = -(1/D) * sum_i sum_t S_it," in objective and "K_it" not in objective
     front = front_matter(text)
-    assert front["model_name"] == "tiny-grpo" and front["datasets"] == local_dataset
+    assert (
+        front["model_name"] == "tiny-grpo" and "datasets" not in front and f"on the `{local_dataset}` dataset" in text
+    )
     assert {"trl", "grpo", "trl_grpo_ext", f"trackio:{TRACKIO_URL}"} <= set(front["tags"])
     assert f"]({WANDB_URL})" in section(text, "## Training procedure")
     assert f"]({TRACKIO_URL})" in section(text, "## Training procedure")

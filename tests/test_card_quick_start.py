@@ -9,6 +9,7 @@ import sys
 
 import pytest
 from helpers import REPO, count_a_reward, make_trainer, tiny_grpo_args
+from transformers import AutoTokenizer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.card.builder import build_model_card
@@ -42,6 +43,25 @@ def test_after_a_push_the_quick_start_loads_the_hub_id():
     assert 'from_pretrained("me/tiny-demo")' in code and "/somewhere" not in code
     assert "<your prompt>" in code  # no training prompt given
     assert "local folder" not in text  # a Hub base model loads anywhere
+
+
+def test_the_adapter_quick_start_runs_without_a_future_warning(tiny_model_path, tmp_path):
+    """PEFT 0.21 wrapping the base model reads transformers' deprecated `is_gradient_checkpointing`: the quick start,
+    run with FutureWarnings as errors, loads the adapter and generates all the same."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    adapter = tmp_path / "adapter"
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_path), LoraConfig(r=2, target_modules="all-linear")
+    )
+    model.save_pretrained(adapter)
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(adapter)
+    code = quick_start(card(model_path=str(adapter), prompt="abc=")).replace("max_new_tokens=64", "max_new_tokens=2")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    command = [sys.executable, "-W", "error::FutureWarning", "-c", code]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
 
 
 def test_a_full_model_is_loaded_with_transformers():

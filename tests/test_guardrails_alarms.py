@@ -395,3 +395,30 @@ def test_the_length_alarm_fires_however_many_groups_are_flat(
     assert any(entry["reward_std/frac_zero_groups"] >= 0.5 for entry in entries)
     assert all(value == pytest.approx(1.0) for value in correlations if value is not None) and any(correlations)
     assert monitor_of(trainer).counts["length_in_group"] == 1
+
+
+@pytest.mark.parametrize("with_bar", [True, False])
+def test_in_a_redirected_log_a_warning_starts_its_own_line_after_the_progress_bar(with_bar, monkeypatch):
+    import io
+    import logging
+    import sys
+
+    from tqdm import tqdm
+
+    log = io.StringIO()  # stderr redirected to a file: the bar and the warnings in one stream, not a terminal
+    monkeypatch.setattr(sys, "stderr", log)
+    handler = logging.StreamHandler(log)
+    anomaly_logger = logging.getLogger("trl_grpo_ext.guardrails.anomaly")
+    anomaly_logger.addHandler(handler)
+    bar = tqdm(total=10, file=log, disable=not with_bar, mininterval=0)
+    try:
+        bar.update(3)
+        (message,) = AnomalyMonitor().check({"completions/clipped_ratio": 0.9}, step=3)
+    finally:
+        bar.close()
+        anomaly_logger.removeHandler(handler)
+    before, _, _ = log.getvalue().partition(message)
+    if with_bar:
+        assert "3/10" in before and before.endswith("\n") and not before.endswith("\n\n")
+    else:
+        assert before == ""

@@ -6,11 +6,13 @@ import os
 
 import pytest
 import torch
+from datasets import Dataset
 from helpers import WeightRecorder, make_trainer
 from safetensors.torch import load_file
 
 from trl_grpo_ext import GRPOTrainerExt
 from trl_grpo_ext.guardrails import RewardFunctionError
+from trl_grpo_ext.guardrails.reward_errors import guard_reward_funcs, reward_kwarg_names
 
 
 class TestRewardFunctions:
@@ -71,3 +73,54 @@ class TestRewardFunctions:
         assert {entry["frac_reward_unscored"] for entry in logs} == {0.25}
         # Unscored rows carry advantage 0 (TRL shuffles the rows before the loss, so count them).
         assert all((advantages == 0).sum() >= 4 for advantages in seen)
+
+
+class TestRewardSignatures:
+    def test_a_reward_without_kwargs_is_refused_when_the_trainer_is_built_naming_what_it_lacks(
+        self, tiny_model_path, tiny_tokenizer, tmp_path
+    ):
+        dataset = Dataset.from_dict({"prompt": ["abc=", "xyz="] * 8, "solution": ["a", "b"] * 8})
+
+        def strict_reward(completions, solution):
+            return [float(c == s) for c, s in zip(completions, solution, strict=True)]
+
+        with pytest.raises(TypeError) as error:
+            make_trainer(tmp_path, tiny_model_path, tiny_tokenizer, dataset, reward_funcs=[strict_reward])
+        message = str(error.value)
+        assert "\n" not in message and message.startswith("Reward function 'strict_reward' does not take")
+        assert "(prompts, completion_ids, trainer_state, log_extra, log_metric)" in message
+        assert "add `**kwargs`" in message and "solution" not in message.split("):")[0]
+
+    def test_the_dataset_columns_are_among_the_arguments_checked(self):
+        kwarg_names = reward_kwarg_names(Dataset.from_dict({"prompt": ["a"], "solution": ["b"], "completion": ["c"]}))
+        assert kwarg_names[-1] == "solution" and "completion" not in kwarg_names and "prompt" not in kwarg_names
+
+        def no_solution(prompts, completions, completion_ids, trainer_state, log_extra, log_metric):
+            return [0.0] * len(completions)
+
+        with pytest.raises(
+            TypeError, match=r"'no_solution' does not take the keyword arguments TRL passes it \(solution\)"
+        ):
+            guard_reward_funcs([no_solution], kwarg_names)
+
+    def test_rewards_that_take_every_argument_or_kwargs_are_kept(self):
+        def explicit(prompts, completions, completion_ids, trainer_state, log_extra, log_metric, *, solution):
+            return [0.0] * len(completions)
+
+        async def with_kwargs(completions, **kwargs):
+            return [0.0] * len(completions)
+
+        kwarg_names = reward_kwarg_names(Dataset.from_dict({"prompt": ["a"], "solution": ["b"]}))
+        guarded = guard_reward_funcs([explicit, with_kwargs, "some/reward-model"], kwarg_names)
+        assert [getattr(func, "__name__", func) for func in guarded] == [
+            "explicit",
+            "with_kwargs",
+            "some/reward-model",
+        ]
+
+    def test_only_the_logging_hooks_the_installed_trl_has_are_expected(self, monkeypatch):
+        import trl
+
+        assert {"log_extra", "log_metric"} <= set(reward_kwarg_names())
+        monkeypatch.delattr(trl.GRPOTrainer, "_log_metric")
+        assert "log_metric" not in reward_kwarg_names() and "log_extra" in reward_kwarg_names()

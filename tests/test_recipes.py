@@ -363,6 +363,25 @@ def test_a_wrong_kind_of_value_or_an_unknown_loss_type_is_one_line_with_exit_sta
     assert err.startswith(f"grpo: error: {message}") and err.count("\n") == 1
 
 
+def test_a_pass_at_1_equal_to_the_mean_at_1_is_printed_once():
+    before = {"heldout/exact_match/mean@1": 0.2, "heldout/exact_match/pass@1": 0.2, "heldout/graded/mean@1": 0.5}
+    after = {"heldout/exact_match/mean@1": 0.75, "heldout/exact_match/pass@1": 0.75, "heldout/graded/mean@1": 0.25}
+    before["heldout/graded/pass@1"], after["heldout/graded/pass@1"] = 0.0, 0.0  # scores below the pass threshold
+    assert recipe.heldout_lines(before, after) == [
+        "  exact_match mean@1: 0.200 before GRPO -> 0.750 after",
+        "  graded mean@1: 0.500 before GRPO -> 0.250 after",
+        "  graded pass@1: 0.000 before GRPO -> 0.000 after",
+    ]
+
+
+def test_pass_at_k_of_several_completions_and_a_run_resumed_without_scores_before_are_printed():
+    after = {"heldout/m/mean@4": 0.5, "heldout/m/pass@1": 0.5, "heldout/m/pass@4": 0.9}
+    assert recipe.heldout_lines({}, after) == [
+        f"  m {statistic}: {value:.3f} after (no evaluation before GRPO in the run resumed)"
+        for statistic, value in (("mean@4", 0.5), ("pass@1", 0.5), ("pass@4", 0.9))
+    ]
+
+
 @pytest.mark.slow
 def test_a_resumed_run_reports_what_the_uninterrupted_run_reports(tmp_path, capsys):
     """Its score before GRPO is the base model's (from the resumed state's history, not a new evaluation of the

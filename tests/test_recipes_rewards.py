@@ -169,6 +169,20 @@ def test_resolve_errors_name_the_function(names, message):
         resolve_reward_funcs(names)
 
 
+@pytest.mark.parametrize(("name", "closest"), [("exact_mach", "exact_match"), ("think_format", "think_format_reward")])
+def test_a_misspelled_name_is_told_the_closest_known_one(name, closest):
+    with pytest.raises(
+        ValueError, match=f"Unknown reward function '{name}' \\(did you mean '{closest}'\\?\\): use one of"
+    ):
+        resolve_reward_funcs([name])
+
+
+def test_a_name_close_to_none_gets_no_suggestion():
+    with pytest.raises(ValueError) as error:
+        resolve_reward_funcs(["bleu"])
+    assert "did you mean" not in str(error.value)
+
+
 def test_unknown_names_list_this_packages_and_trls_rewards():
     with pytest.raises(ValueError) as error:
         resolve_reward_funcs(["accuracy"])

@@ -124,7 +124,7 @@ def test_report_on_a_stock_trl_run_says_what_is_missing(
 
 
 def test_the_command_is_listed_and_has_help(capsys):
-    assert cli.main([]) == 0 and "report" in capsys.readouterr().out
+    assert cli.main([]) == 2 and "report" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["report", "--help"])
     text = " ".join(capsys.readouterr().out.split())

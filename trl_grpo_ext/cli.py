@@ -46,12 +46,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run `trl-grpo-ext <command> [arguments]`; returns the exit status. With no command, prints the help."""
+    """Run `trl-grpo-ext <command> [arguments]`; returns the exit status.
+
+    With no command, prints the help (the commands) to stderr and returns 2, argparse's status for a usage error.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     args = parser.parse_args(argv[:1])  # the command only: `-h` and unknown commands end here
     if args.command is None:
-        parser.print_help()
-        return 0
+        parser.print_help(sys.stderr)
+        return 2
     module = importlib.import_module(f".{COMMANDS[args.command][0]}", package=__package__)
     return module.run(argv[1:], prog=f"trl-grpo-ext {args.command}")

@@ -45,7 +45,7 @@ from .forward import FORWARD_METRICS, PackedLogProbs, forward_counts
 from .guardrails import AnomalyMonitor, NonFiniteGuard, NonFiniteStepGuard
 from .guardrails.anomaly import AlarmSettings
 from .guardrails.launch import check_launch
-from .guardrails.reward_errors import guard_reward_funcs
+from .guardrails.reward_errors import guard_reward_funcs, reward_kwarg_names
 from .objective_inputs import entropy_bonus, gather_objective_inputs
 from .ops import LOSS_TYPES, policy_objective
 from .report.alerts import TrackerAlerts
@@ -106,6 +106,8 @@ class GRPOTrainerExt(GRPOTrainer):
         ValueError: at construction, for an invalid configuration (`config.config_problems`: `epsilon`,
             `epsilon_high`, `beta`, a `loss_implementation` that cannot compute the configured objective, ...), an
             option the installed TRL lacks, an empty training set, or one without a `prompt` column.
+        TypeError: at construction, for a reward function without `**kwargs` that lacks a keyword argument TRL will
+            pass it (`guardrails.reward_errors.check_reward_signature`).
     """
 
     _tag_names = ["trl", "grpo", "trl_grpo_ext"]
@@ -146,7 +148,8 @@ class GRPOTrainerExt(GRPOTrainer):
         seed_before_model_init(args)
         # For the model card, before PEFT expands `target_modules="all-linear"` in the config it is given.
         self._user_lora_settings = user_lora_settings(kwargs.get("peft_config"))
-        super().__init__(model, guard_reward_funcs(reward_funcs), args=args, **kwargs)
+        reward_kwargs = reward_kwarg_names(kwargs.get("train_dataset"), kwargs.get("environment_factory") is not None)
+        super().__init__(model, guard_reward_funcs(reward_funcs, reward_kwargs), args=args, **kwargs)
         check_launch(self.accelerator)  # processes that a launcher started but accelerate runs apart
 
         self._loss_type = LOSS_TYPES[self.loss_type]

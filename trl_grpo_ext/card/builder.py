@@ -28,7 +28,7 @@ from .objective import (
     objective_options,
     resolve_options,
 )
-from .quick_start import first_training_prompt, is_hub_id, quick_start_lines, weights_folder
+from .quick_start import first_training_prompt, is_hub_dataset_id, is_hub_id, quick_start_lines, weights_folder
 from .stock import TRL_TAGS, trl_card_sections, trl_card_tags
 
 __all__ = [
@@ -157,8 +157,9 @@ def build_model_card(
         extra_metrics: more rows for the metrics table, e.g. held-out accuracy before and after training.
         tags: tags after TRL's and this package's (`trl_card_tags` adds the run's).
         hub_model_id: the Hub repository of the model (a run pushed to the Hub), for the quick start.
-        dataset_name: the training set, written to the front matter's `datasets` as TRL writes it (a Hub id or not);
-            linked to the Hub when it is a Hub id.
+        dataset_name: the training set (one name or a list), written to the front matter's `datasets` as TRL writes
+            it where it is shaped as a Hub dataset id (`is_hub_dataset_id`), left out there otherwise (a local file
+            or folder); named in the text, linked to the Hub when it is an `owner/name` id.
         report_image: relative path of the training report image, or `None`.
         lora: LoRA settings to list (rank, alpha, target modules), as the user set them (`user_lora_settings`).
         objective: the options of the objective that ran (`objective_options(args)`, see `objective_formula`); by
@@ -186,16 +187,20 @@ def build_model_card(
         loss = f"the `{objective['loss_type']}` objective of TRL (below)"
     all_tags = [*TRL_TAGS, "trl_grpo_ext"] + (["lora"] if is_adapter else []) + list(tags or [])
     all_tags = list(dict.fromkeys(all_tags))
+    datasets = [dataset_name] if isinstance(dataset_name, str) else list(dataset_name or [])
+    # The Hub reads `datasets` as dataset ids; a local file or folder is named in the text only.
+    hub_datasets = [name for name in datasets if is_hub_dataset_id(name)]
+    if isinstance(dataset_name, str) and hub_datasets:
+        hub_datasets = hub_datasets[0]  # one name is written as TRL writes it: a string, not a list
     data = ModelCardData(
         library_name="peft" if is_adapter else "transformers",
         base_model=base_model,
         tags=all_tags,
-        datasets=dataset_name,
+        datasets=hub_datasets or None,
         licence="license",  # the key (and value) stock TRL's card writes
         model_name=model_name,
         pipeline_tag="text-generation",
     )
-    datasets = [dataset_name] if isinstance(dataset_name, str) else list(dataset_name or [])
     names = [
         f"[{name}](https://huggingface.co/datasets/{name})" if is_hub_id(name) else f"`{name}`" for name in datasets
     ]

@@ -13,12 +13,28 @@ import re
 from datasets import Dataset
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
-__all__ = ["WEIGHT_FILES", "first_training_prompt", "is_hub_id", "quick_start_lines", "weights_folder"]
+__all__ = [
+    "WEIGHT_FILES",
+    "first_training_prompt",
+    "is_hub_dataset_id",
+    "is_hub_id",
+    "quick_start_lines",
+    "weights_folder",
+]
+
+# A Hub repository id: `name` or `owner/name`, each part letters, digits, `-`, `_` and `.` (not leading).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
 def is_hub_id(name: str | None) -> bool:
     """`owner/name` that is not a local path."""
     return bool(name) and name.count("/") == 1 and not os.path.exists(name)
+
+
+def is_hub_dataset_id(name: str | None) -> bool:
+    """Whether `name` is shaped as a Hub dataset id (`owner/name`, or a bare `name` such as `gsm8k`) and is not an
+    existing local path: what the card's front matter may hold in `datasets`."""
+    return bool(name) and _HUB_ID.fullmatch(name) is not None and ".." not in name and not os.path.exists(name)
 
 
 def quick_start_lines(
@@ -35,11 +51,18 @@ def quick_start_lines(
     prompt = "<your prompt>" if prompt is None else prompt
     lines = ["## Quick start", "", "```python"]
     if is_adapter:
+        # PEFT (0.21, the newest release) reads transformers' deprecated `is_gradient_checkpointing` when it wraps
+        # the base model, which prints a FutureWarning; no other loader of an adapter avoids it (transformers' own,
+        # `from_pretrained` of the adapter's folder, needs PEFT 0.22), so the card ignores that one warning.
         lines += [
+            "import warnings",
+            "",
             "from peft import AutoPeftModelForCausalLM",
             "from transformers import AutoTokenizer",
             "",
-            f'model = AutoPeftModelForCausalLM.from_pretrained("{repo}")',
+            "with warnings.catch_warnings():  # PEFT <= 0.21 reads transformers' deprecated is_gradient_checkpointing",
+            '    warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)',
+            f'    model = AutoPeftModelForCausalLM.from_pretrained("{repo}")',
             f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
         ]
     else:

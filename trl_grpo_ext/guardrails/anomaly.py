@@ -9,6 +9,7 @@ run through the same ones, with the run's own thresholds: `AlarmSettings` keeps 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -21,6 +22,21 @@ from .alarms import ALARMS, Rule, build_rules
 __all__ = ["AlarmSettings", "AnomalyMonitor", "Episode"]
 
 logger = logging.get_logger(__name__)
+
+
+def _warn_apart_from_progress_bars(message: str) -> None:
+    """Log `message` as a warning on a line of its own while a tqdm bar (Trainer's, on stderr) holds the end of the
+    current line: on a terminal the bar is cleared and drawn again below it; in a redirected log, where the bar's
+    `\r` updates never end their line, the warning starts on a new one."""
+    from tqdm import tqdm
+
+    if not any(not bar.disable for bar in list(getattr(tqdm, "_instances", ()))):
+        logger.warning(message)
+    elif sys.stderr.isatty():
+        with tqdm.external_write_mode(file=sys.stderr):
+            logger.warning(message)
+    else:
+        logger.warning("\n" + message)
 
 
 @dataclass
@@ -124,7 +140,7 @@ class AnomalyMonitor(TrainerCallback):
             self.counts[rule.name] = self.counts.get(rule.name, 0) + 1
             started.append(message)
             if warn:
-                logger.warning(message)
+                _warn_apart_from_progress_bars(message)
                 self.warnings.append(message)
         return started
 

@@ -4,6 +4,8 @@ A reward function returns one reward per completion: a finite number, or `None` 
 score (TRL leaves such completions out of the advantages). Anything else is bad input and raises
 `RewardFunctionError` at once, naming the function, the value and the completion: an infinite reward (which would
 train a step with `reward inf` and advantages of 0 or NaN), a scalar instead of a list, a list of another length.
+A function that cannot take every keyword argument TRL passes it (no `**kwargs`) is refused when the trainer is built,
+not at its first step with a `TypeError` from deep inside TRL.
 """
 
 from __future__ import annotations
@@ -12,7 +14,22 @@ import inspect
 import math
 from collections.abc import Callable
 
-__all__ = ["GuardedAsyncReward", "GuardedReward", "RewardFunctionError", "check_rewards", "guard_reward_funcs"]
+__all__ = [
+    "GuardedAsyncReward",
+    "GuardedReward",
+    "RewardFunctionError",
+    "check_reward_signature",
+    "check_rewards",
+    "guard_reward_funcs",
+    "reward_kwarg_names",
+]
+
+#: The keyword arguments `GRPOTrainer._calculate_rewards` passes every reward function, besides the dataset's columns.
+_TRL_REWARD_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+#: The `GRPOTrainer` methods passed as `log_extra` and `log_metric`: passed where the installed TRL has them.
+_TRL_LOGGING_KWARGS = {"log_extra": "_log_completion_extra", "log_metric": "_log_metric"}
+#: The dataset columns TRL does not pass on (`_calculate_rewards`).
+_COLUMNS_NOT_PASSED = ("prompt", "completion", "completion_ids")
 
 
 class RewardFunctionError(RuntimeError):
@@ -123,20 +140,88 @@ class GuardedAsyncReward(GuardedReward):
         return rewards
 
 
-def guard_reward_funcs(reward_funcs):
+def reward_kwarg_names(train_dataset=None, environments: bool = False) -> list[str]:
+    """The keyword arguments the installed TRL passes a reward function in a run on `train_dataset`.
+
+    Args:
+        train_dataset (`datasets.Dataset`, *optional*): the training set; its columns other than `prompt`,
+            `completion` and `completion_ids` are passed, one list each. A dataset without `column_names` (an
+            `IterableDataset` whose features are unknown) adds none.
+        environments (`bool`): whether the run has an `environment_factory` (TRL then passes `environments`).
+
+    Returns:
+        `list[str]`: the names, TRL's own first.
+    """
+    from trl import GRPOTrainer
+
+    names = [
+        name
+        for name in _TRL_REWARD_KWARGS
+        if name not in _TRL_LOGGING_KWARGS or hasattr(GRPOTrainer, _TRL_LOGGING_KWARGS[name])
+    ]
+    names += ["environments"] if environments else []
+    columns = getattr(train_dataset, "column_names", None) or []
+    if isinstance(columns, dict):  # a DatasetDict: the columns of each split
+        columns = [column for split in columns.values() for column in split]
+    names += [column for column in columns if column not in _COLUMNS_NOT_PASSED and column not in names]
+    return names
+
+
+def check_reward_signature(func: Callable, name: str, kwarg_names: list[str]) -> None:
+    """Raise `TypeError` if `func` cannot be called with the keyword arguments `kwarg_names`, in one line that says
+    which ones it lacks and to add `**kwargs`. A function with `**kwargs`, or whose signature cannot be read, passes.
+
+    Args:
+        func (`Callable`): the reward function.
+        name (`str`): its name, as TRL logs it.
+        kwarg_names (`list[str]`): what TRL will pass it (`reward_kwarg_names`).
+    """
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # a builtin or an extension type: nothing to read
+        return
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        return
+    accepted = {
+        parameter.name
+        for parameter in parameters
+        if parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    missing = [kwarg for kwarg in kwarg_names if kwarg not in accepted]
+    if missing:
+        raise TypeError(
+            f"Reward function '{name}' does not take the keyword arguments TRL passes it ({', '.join(missing)}): add "
+            f"`**kwargs` to its parameters, e.g. `def {name}(completions, **kwargs)`."
+        )
+
+
+def guard_reward_funcs(reward_funcs, kwarg_names: list[str] | None = None):
     """`reward_funcs` (as `GRPOTrainer` takes them) with every plain or async callable wrapped, so that its errors
-    name the function and the failing completion; model ids, models and already guarded functions are kept."""
+    name the function and the failing completion; model ids, models and already guarded functions are kept.
+
+    Args:
+        reward_funcs: a reward function, model id or model, or a list of them; `None` is returned as it is.
+        kwarg_names (`list[str]`, *optional*): the keyword arguments TRL will pass (`reward_kwarg_names`); each
+            callable is checked to take them (`check_reward_signature`). Default: TRL's own, without the dataset's
+            columns.
+
+    Raises:
+        TypeError: for a callable without `**kwargs` that lacks a keyword argument TRL will pass.
+    """
     import torch
     from trl.trainer.utils import get_callable_name, is_async_callable
 
     if reward_funcs is None:
         return None
+    kwarg_names = reward_kwarg_names() if kwarg_names is None else kwarg_names
     funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
     guarded = []
     for func in funcs:
         if isinstance(func, (str, torch.nn.Module)) or not callable(func) or isinstance(func, GuardedReward):
             guarded.append(func)
-        elif is_async_callable(func):
+            continue
+        check_reward_signature(func, get_callable_name(func), kwarg_names)
+        if is_async_callable(func):
             guarded.append(GuardedAsyncReward(func, get_callable_name(func)))
         else:
             guarded.append(GuardedReward(func, get_callable_name(func)))

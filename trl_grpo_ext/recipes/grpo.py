@@ -29,7 +29,7 @@ from .arguments import parse_args as _parse_args
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-__all__ = ["GRPOScriptArguments", "main", "output_summary", "parse_args", "run"]
+__all__ = ["GRPOScriptArguments", "heldout_lines", "main", "output_summary", "parse_args", "run"]
 
 
 @dataclass
@@ -176,12 +176,7 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
             k = training_args.heldout_num_generations
             each = "one sampled completion each" if k == 1 else f"{k} sampled completions each"
             print(f"\nHeld-out evaluation on {len(heldout)} test prompts, {each}:")
-            for name in after:
-                label = name.removeprefix("heldout/").replace("/", " ")
-                if name in before:
-                    print(f"  {label}: {before[name]:.3f} before GRPO -> {after[name]:.3f} after")
-                else:  # resumed from a checkpoint of a run that did not evaluate before training
-                    print(f"  {label}: {after[name]:.3f} after (no evaluation before GRPO in the run resumed)")
+            print("\n".join(heldout_lines(before, after)))
         logged = any("loss" in entry for entry in trainer.state.log_history)
         print(output_summary(training_args.output_dir, started, logged, training_args.logging_steps))
     _end_training(trainer)
@@ -235,6 +230,35 @@ def _heldout_at_last_step(trainer) -> dict[str, float]:
         if values:
             return values
     return trainer.evaluate_heldout(log=True)
+
+
+def heldout_lines(before: dict[str, float], after: dict[str, float]) -> list[str]:
+    """The console lines of the held-out scores, one per logged metric, before and after training.
+
+    A `pass@k` whose values are its metric's `mean@k` (one completion per prompt and 0/1 scores make them equal) is
+    not printed again.
+
+    Args:
+        before (`dict[str, float]`): `heldout/<metric>/mean@<k>` and `.../pass@<k>` before training; a name missing
+            here (a resumed run that did not evaluate before training) is printed with its value after only.
+        after (`dict[str, float]`): the same names after training.
+
+    Returns:
+        `list[str]`: one indented line per metric, in the order of `after`.
+    """
+    lines = []
+    for name in after:
+        metric, _, statistic = name.rpartition("/")
+        mean = f"{metric}/mean@{statistic.removeprefix('pass@')}"
+        if statistic.startswith("pass@") and mean in after:
+            if after[mean] == after[name] and before.get(mean) == before.get(name):
+                continue
+        label = name.removeprefix("heldout/").replace("/", " ")
+        if name in before:
+            lines.append(f"  {label}: {before[name]:.3f} before GRPO -> {after[name]:.3f} after")
+        else:  # resumed from a checkpoint of a run that did not evaluate before training
+            lines.append(f"  {label}: {after[name]:.3f} after (no evaluation before GRPO in the run resumed)")
+    return lines
 
 
 def output_summary(output_dir: str, since: float, logged: bool, logging_steps: float) -> str:

@@ -8,6 +8,7 @@ function by import path.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import os
@@ -245,8 +246,8 @@ def resolve_reward_funcs(names: list[str], max_completion_length: int | None = N
         max_completion_length: the run's completion limit, for `get_soft_overlong_punishment`.
 
     Raises:
-        ValueError: for an empty list, or a name that is none of these (listing the known names), or one that is
-            not importable.
+        ValueError: for an empty list, or a name that is none of these (listing the known names, and the closest one
+            for a misspelling), or one that is not importable.
     """
     known = f"one of {sorted(REWARD_FUNCS)}, one of TRL's {list(TRL_REWARD_FUNCS)}, or an import path"
     if not names:
@@ -261,7 +262,9 @@ def resolve_reward_funcs(names: list[str], max_completion_length: int | None = N
             continue
         module_path, separator, attribute = name.rpartition(":") if ":" in name else name.rpartition(".")
         if not separator or not module_path:
-            raise ValueError(f"Unknown reward function {name!r}: use {known} (my_module.my_reward).")
+            close = difflib.get_close_matches(name, [*REWARD_FUNCS, *TRL_REWARD_FUNCS], n=1)
+            suggestion = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"Unknown reward function {name!r}{suggestion}: use {known} (my_module.my_reward).")
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
         try:
