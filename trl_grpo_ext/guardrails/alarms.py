@@ -209,7 +209,7 @@ class ClipFractionRule(Rule):
 
 
 class RatioRule(Rule):
-    """`ratio/p95` or `ratio/max` above its threshold, or not finite."""
+    """A logged value (`ratio/p95`, `ratio/max`) above its threshold, or not finite; `message` says what it means."""
 
     def __init__(self, threshold: float, key: str):
         super().__init__(threshold)
@@ -222,6 +222,9 @@ class RatioRule(Rule):
             return None
         if math.isfinite(value) and value <= self.threshold:
             return False
+        return self.message(value)
+
+    def message(self, value: float) -> str:
         return (
             f"{self.key} = {value:.3g} exceeds {self.threshold:g}: the policy moved far from the one that sampled the "
             "completions. Lower the learning_rate or num_iterations; with vLLM, check that it samples with the same "
@@ -253,17 +256,15 @@ class KLJumpRule(Rule):
         )
 
 
-class KLHighRule(Rule):
+class KLHighRule(RatioRule):
     """`kl` above its threshold, or not finite: a level, where `KLJumpRule` needs a history to compare with."""
 
     keys = ("kl",)
 
-    def judge(self, entry):
-        value = entry.get("kl")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return None
-        if math.isfinite(value) and value <= self.threshold:
-            return False
+    def __init__(self, threshold: float):
+        super().__init__(threshold, key="kl")
+
+    def message(self, value: float) -> str:
         return (
             f"kl = {value:.3g} exceeds {self.threshold:g}: the policy is far from the reference (a KL blow-up). Lower "
             "the learning_rate, raise beta, or check the rewards for hacking."
