@@ -1,4 +1,4 @@
-"""The training forward on realistic shapes: TRL's padded log-prob forward against the padding-free one.
+"""The training forward on realistic shapes: TRL's padded log-prob forward against the padding-free ones.
 
 A Qwen3-architecture model built locally with random weights (about 25M parameters at the default sizes, sdpa
 attention), one micro-batch of `groups` groups of `G = 8` completions: prompts of 100-400 tokens, completion lengths
@@ -6,12 +6,13 @@ log-normal (mean about 300) with one completion per group cut at `max_completion
 fixed seed; generation plays no part (the rows are given). Per step each side runs what a GRPO step runs through
 `_get_per_token_logps_and_entropies`: the reference forward (no gradient) and the policy forward with entropies,
 followed by the backward of the summed completion log-probs. Sides (`trl`: stock TRL's padded hook, `ext`: the
-padding-free one of `GRPOTrainerExt`) alternate, step by step, in one process.
+padding-free one of `GRPOTrainerExt` without shared prompts, `shared`: with them, `shared_prompt_forward=True`, the
+default) alternate, step by step, in one process.
 
 Reported per side: the step time (median of `steps` after one warm-up, seconds), the activation memory of the
 policy forward (bytes of the tensors autograd saves for the backward, counted by `saved_tensors_hooks`: deterministic,
-unlike a CPU's resident memory), and the tokens forwarded per distinct token (`forward/tokens_per_distinct`).
-Goals (issue: faster than TRL): time and activation memory of `ext` <= 0.5x and <= 0.6x `trl`'s.
+unlike a CPU's resident memory), and the tokens forwarded per distinct token (each packed row's tail included).
+Goals (issue: faster than TRL): time and activation memory of the default (`shared`) <= 0.5x and <= 0.6x `trl`'s.
 """
 
 from __future__ import annotations
@@ -132,40 +133,48 @@ def run(
 ) -> dict:
     """Both sides on the drawn micro-batch (module docstring); `device` `"cuda"` runs in bfloat16 and also reports
     each side's peak allocated memory (`peak_bytes`, `None` on the CPU)."""
-    from trl_grpo_ext.forward import forward_counts
+    from trl_grpo_ext.forward import forward_counts, pack_rows
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer, vocab, parameters = _trainer(quick, tmp, device, attn_implementation)
         ids, mask, width = draw_rows(groups, 8, seed, vocab, quick)
         counts = forward_counts(ids[:, :-width], mask[:, :-width], mask[:, -width:])
         ids, mask = ids.to(trainer.accelerator.device), mask.to(trainer.accelerator.device)
-        sides = {"trl": trainer._stock_logps_and_entropies, "ext": trainer._get_per_token_logps_and_entropies}
+        packed = trainer._get_per_token_logps_and_entropies
+        sides = {"trl": (trainer._stock_logps_and_entropies, False), "ext": (packed, False), "shared": (packed, True)}
         times, memory, peaks = {side: [] for side in sides}, {}, {}
         for step in range(steps + 1):
-            for side, hook in sides.items():
+            for side, (hook, shared) in sides.items():
+                trainer._packed_forward.shared_prompts = shared
                 seconds, saved, peaks[side] = _step(trainer, hook, ids, mask, width)
                 memory[side] = saved
                 if step:  # the first is a warm-up
                     times[side].append(seconds)
         check = trainer._packed_forward.self_check
-    packed_tokens = int(mask.sum())
+        shared = trainer._packed_forward._share(trainer.model, compute_aux_loss=False)
+    # What each side forwards: TRL's padded rows, the packed rows (their tails included) at the default row budget.
+    forwarded = {
+        "trl": int(counts.forwarded),
+        "ext": pack_rows(ids, mask, width, ids.size(1)).input_ids.numel(),
+        "shared": pack_rows(ids, mask, width, ids.size(1), shared_prompts=shared).input_ids.numel(),
+    }
     config = {"steps": steps, "groups": groups, "generations": 8, "quick": quick, "parameters": parameters}
     return {
         "config": {**config, "device": device, "attn_implementation": attn_implementation},
         "shape": {"rows": ids.size(0), "width": ids.size(1), "completion_width": width},
-        "tokens": {
-            "trl": int(counts.forwarded),
-            "ext": packed_tokens,
-            "distinct": int(counts.distinct),
+        "tokens": {**forwarded, "distinct": int(counts.distinct)},
+        "self_check": {
+            "passed": check.passed,
+            "difference": check.difference,
+            "shared_passed": check.shared_passed,
+            "shared_difference": check.shared_difference,
         },
-        "self_check": {"passed": check.passed, "difference": check.difference},
         "sides": {
             side: {
                 "step_seconds": statistics.median(times[side]),
                 "activation_bytes": memory[side],
                 "peak_bytes": peaks[side],
-                "tokens_per_distinct": (int(counts.forwarded) if side == "trl" else packed_tokens)
-                / int(counts.distinct),
+                "tokens_per_distinct": forwarded[side] / int(counts.distinct),
             }
             for side in sides
         },

@@ -1,5 +1,5 @@
-"""The padding-free log-prob forward (`trl_grpo_ext.forward`): its layout, the token counts, equality with TRL's padded
-forward in the trainer, the self-check and the fallbacks."""
+"""The padding-free log-prob forward (`trl_grpo_ext.forward`): its layouts (packed, shared-prompt), the token counts,
+equality with TRL's padded forward in the trainer, the self-check and the fallbacks."""
 
 import logging
 
@@ -7,23 +7,33 @@ import pytest
 import torch
 from helpers import make_trainer
 
-from trl_grpo_ext.forward import forward_counts, pack_rows, row_spans, run_fallback_reason, unpackable_reason
-from trl_grpo_ext.forward.layout import first_of_prompt
+from trl_grpo_ext.forward import forward_counts, logprobs, pack_rows, row_spans, run_fallback_reason, unpackable_reason
+from trl_grpo_ext.forward.layout import first_of_prompt, prompt_leaders
+from trl_grpo_ext.forward.logprobs import shared_fallback_reason
 
 P, C = 7, 9
 PROMPT_LENGTHS = [7, 3, 5, 7, 2, 4]
 COMPLETION_LENGTHS = [9, 1, 4, 0, 9, 6]
 
 
-def padded_rows(seed: int = 0):
-    """Rows as TRL builds them: prompts left-padded to P, completions right-padded to C (one has no completion)."""
+def padded_rows(seed: int = 0, shared: bool = False):
+    """Rows as TRL builds them: prompts left-padded to P, completions right-padded to C (one has no completion).
+    `shared`: rows 0, 3 and 5 have one prompt, rows 1 and 4 another (out of TRL's order, as after a shuffle)."""
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 20, (len(PROMPT_LENGTHS), P + C), generator=generator)
+    lengths = list(PROMPT_LENGTHS)
+    if shared:
+        for row, leader in SHARED_LEADERS.items():
+            ids[row, :P], lengths[row] = ids[leader, :P], lengths[leader]
     mask = torch.ones_like(ids)
-    for i, (prompt, completion) in enumerate(zip(PROMPT_LENGTHS, COMPLETION_LENGTHS, strict=True)):
+    for i, (prompt, completion) in enumerate(zip(lengths, COMPLETION_LENGTHS, strict=True)):
         mask[i, : P - prompt] = 0
         mask[i, P + completion :] = 0
     return ids * mask, mask
+
+
+#: `padded_rows(shared=True)`: the rows that repeat an earlier row's prompt, and that row.
+SHARED_LEADERS = {3: 0, 5: 0, 4: 1}
 
 
 @pytest.mark.parametrize("row_tokens", [None, 10, 1])
@@ -50,6 +60,46 @@ def test_packing_keeps_each_sequence_s_tokens_positions_and_scored_tokens(row_to
     keep_next = torch.zeros_like(layout.keep)
     keep_next[:, 1:] = layout.keep[:, :-1]
     assert torch.equal(layout.input_ids[keep_next], layout.targets)
+
+
+@pytest.mark.parametrize("row_tokens", [None, 16, 1])
+def test_the_shared_prompt_layout_forwards_each_prompt_once_and_each_completion_after_it(row_tokens):
+    ids, mask = padded_rows(shared=True)
+    layout = pack_rows(ids, mask, C, row_tokens, shared_prompts=True)
+    leaders = [SHARED_LEADERS.get(i, i) for i in range(6)]
+    assert prompt_leaders(ids[:, :P], mask[:, :P]).tolist() == leaders
+    assert [span.leader for span in row_spans(mask, C, ids)] == leaders
+    unit, branch = layout.branches
+    real = layout.input_ids != 0
+    prompts = {i: ids[i, :P][mask[i, :P].bool()] for i in set(leaders)}
+    if row_tokens is None:  # each prompt but its last token once, then per row its last prompt token and completion
+        distinct = sum(len(prompt) - 1 for prompt in prompts.values()) + sum(1 + c for c in COMPLETION_LENGTHS)
+        assert int(real.sum()) == distinct
+    # Each branch is its row's last prompt token and completion, at the positions its padded row gives them.
+    pairs = {(int(u), int(b)) for u, b in zip(unit.flatten(), branch.flatten(), strict=True) if b > 0}
+    branches = [
+        (layout.input_ids[(unit == u) & (branch == b)], layout.position_ids[(unit == u) & (branch == b)])
+        for u, b in pairs
+    ]
+    assert len(branches) == 6
+    for i in range(6):
+        prompt, completion = prompts[leaders[i]], ids[i, P:][mask[i, P:].bool()]
+        tokens = torch.cat([prompt[-1:], completion])
+        positions = torch.arange(len(prompt) - 1, len(prompt) + len(completion))
+        assert any(torch.equal(t, tokens) and torch.equal(pos, positions) for t, pos in branches), f"row {i}"
+    # A branch sees its unit's shared prompt and itself, never another branch or another unit.
+    attention = layout.attention()[:, 0]
+    for row in range(attention.size(0)):
+        q, k = torch.nonzero(attention[row], as_tuple=True)
+        assert (k <= q).all() and (unit[row][q] == unit[row][k]).all()
+        assert ((branch[row][k] == 0) | (branch[row][k] == branch[row][q])).all()
+    completion = mask[:, P:].bool()
+    assert torch.equal(layout.unpack(layout.targets, (6, C)), ids[:, P:] * completion)
+    keep_next = torch.zeros_like(layout.keep)
+    keep_next[:, 1:] = layout.keep[:, :-1]
+    assert torch.equal(layout.input_ids[keep_next], layout.targets)
+    if row_tokens is not None:
+        assert all(int(r.sum()) <= max(row_tokens, len(prompts[0]) + 1 + C) for r in real)
 
 
 def test_rows_that_cannot_pack_are_named():
@@ -89,22 +139,27 @@ def trainer(tmp_path, tiny_model_path, prompt_dataset):
     return make_trainer(tmp_path, tiny_model_path, None, prompt_dataset)
 
 
-@pytest.mark.parametrize("batch_size,row_tokens", [(None, 2048), (4, 2048), (None, 10)])
-def test_the_packed_forward_is_trl_s_padded_forward_to_rounding(trainer, batch_size, row_tokens):
-    ids, mask = padded_rows(1)
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "packed"])
+@pytest.mark.parametrize("batch_size,row_tokens", [(None, 2048), (4, None), (None, 10)])
+def test_the_packed_forward_is_trl_s_padded_forward_to_rounding(trainer, batch_size, row_tokens, shared):
+    ids, mask = padded_rows(1, shared=True)
     trainer._packed_forward.row_tokens = row_tokens
+    trainer._packed_forward.shared_prompts = shared
     model = trainer.model
     logps, entropies, _ = trainer._stock_logps_and_entropies(model, ids, mask, C, batch_size, compute_entropy=True)
     packed = trainer._get_per_token_logps_and_entropies(model, ids, mask, C, batch_size, compute_entropy=True)
-    assert trainer._packed_forward.self_check.passed
+    check = trainer._packed_forward.self_check
+    assert check.passed and check.shared_passed is (True if shared else None)
     completion = mask[:, P:].bool()
     torch.testing.assert_close(packed[0][completion], logps[completion], rtol=0, atol=1e-5)
     torch.testing.assert_close(packed[1][completion], entropies[completion], rtol=0, atol=1e-5)
     assert packed[0].shape == logps.shape and not packed[0][~completion].any()
 
 
-def test_the_gradient_of_the_packed_forward_is_the_padded_one(trainer):
-    ids, mask = padded_rows(2)
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "packed"])
+def test_the_gradient_of_the_packed_forward_is_the_padded_one(trainer, shared):
+    ids, mask = padded_rows(2, shared=True)
+    trainer._packed_forward.shared_prompts = shared
     model = trainer.model
     completion = mask[:, P:].float()
 
@@ -136,6 +191,50 @@ def test_a_model_that_does_not_pack_falls_back_with_a_warning_that_names_it(trai
     monkeypatch.setattr(trainer.model, "forward", forward)
     padded, _, _ = trainer._stock_logps_and_entropies(trainer.model, ids, mask, C)
     torch.testing.assert_close(out[0], padded)  # the fallback is TRL's padded forward
+
+
+def test_a_model_that_ignores_the_4d_mask_packs_without_sharing_with_a_warning(trainer, monkeypatch, caplog):
+    """Stand-in: a 4-D attention mask is dropped before the model, which then attends causally over the whole row."""
+    forward = trainer.model.forward
+
+    def ignores_mask(*args, attention_mask=None, **kwargs):
+        if attention_mask is not None and attention_mask.dim() == 2:  # TRL's padded forward keeps its mask
+            kwargs["attention_mask"] = attention_mask
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.model, "forward", ignores_mask)
+    ids, mask = padded_rows(3, shared=True)
+    with caplog.at_level(logging.WARNING):
+        out = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
+    check = trainer._packed_forward.self_check
+    assert check.passed and check.shared_passed is False and check.shared_difference > 1e-3
+    assert "ignores the 4-D attention mask" in caplog.text
+    monkeypatch.setattr(trainer.model, "forward", forward)
+    padded, _, _ = trainer._stock_logps_and_entropies(trainer.model, ids, mask, C)
+    completion = mask[:, P:].bool()
+    torch.testing.assert_close(out[0][completion], padded[completion], rtol=0, atol=1e-5)  # packed, not shared
+
+
+def test_what_cannot_share_a_prompt_is_named_and_said_once(trainer, monkeypatch, caplog):
+    config = trainer.model.config
+    assert shared_fallback_reason(config, compute_aux_loss=False) is None
+    assert "router loss" in shared_fallback_reason(config, compute_aux_loss=True)
+    monkeypatch.setattr(config, "_attn_implementation", "flash_attention_2")
+    assert "flash_attention_2" in shared_fallback_reason(config, compute_aux_loss=False)
+    monkeypatch.setattr(config, "_attn_implementation", "sdpa")
+    monkeypatch.setattr(config, "layer_types", ["full_attention", "sliding_attention"])
+    assert "sliding-window" in shared_fallback_reason(config, compute_aux_loss=False)
+    monkeypatch.undo()
+    # A reason the model gives (here, one stood in for the run's config): the forward packs without sharing.
+    monkeypatch.setattr(logprobs, "shared_fallback_reason", lambda config, compute_aux_loss: "the stand-in reason")
+    ids, mask = padded_rows(shared=True)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            out = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
+    assert caplog.text.count("packs without sharing prompts: the stand-in reason") == 1
+    padded, _, _ = trainer._stock_logps_and_entropies(trainer.model, ids, mask, C)
+    completion = mask[:, P:].bool()
+    torch.testing.assert_close(out[0][completion], padded[completion], rtol=0, atol=1e-5)
 
 
 def test_options_that_cannot_pack_fall_back_with_one_line(trainer, caplog):

@@ -130,12 +130,24 @@ class GRPOConfigExt(GRPOConfig):
             "padding and repeated prompts cost, with the option on or off."
         },
     )
-    padding_free_row_tokens: int = field(
-        default=2048,
+    padding_free_row_tokens: int | None = field(
+        default=None,
         metadata={
             "help": "With padding_free: the most tokens in one packed row (a longer sequence has a row of its own). "
-            "Attention without varlen kernels (sdpa, eager) costs the square of a row's length: rows of a few "
-            "thousand tokens keep that small; with flash-attention a larger budget costs nothing."
+            "Default: each chunk's padded width, so that no packed row is longer than TRL's padded rows: attention "
+            "without varlen kernels (sdpa, eager) costs the square of a row's length, and a few long rows can cost "
+            "more than many short ones. With flash-attention a larger budget costs nothing."
+        },
+    )
+    shared_prompt_forward: bool = field(
+        default=True,
+        metadata={
+            "help": "A layout of the padding-free forward (padding_free=False forwards padded, as TRL does, whatever "
+            "this says): forward each prompt once for the completions of it in a chunk (the rows "
+            "whose prompt tokens are equal), each completion attending to the prompt and to itself only through a "
+            "4-D attention mask; log-probs, entropies and gradients are the padded forward's to rounding. sdpa and "
+            "eager attention only: flash or flex attention, sliding-window layers and the MoE router loss pack "
+            "without sharing, with one line saying why (forward.logprobs)."
         },
     )
 
@@ -389,7 +401,7 @@ _DEFAULTS = {
 
 #: The fields whose value for a configuration without them (a plain `trl.GRPOConfig`) is not `GRPOConfigExt`'s default
 #: but the one that keeps stock TRL's behaviour: a plain config then trains as stock TRL does.
-TRL_BEHAVIOUR = {"match_sampler_truncation": False, "padding_free": False}
+TRL_BEHAVIOUR = {"match_sampler_truncation": False, "padding_free": False, "shared_prompt_forward": False}
 
 
 def option(args, name: str):
@@ -426,7 +438,7 @@ def _list_problem(args, name: str, kind: str) -> str | None:
 
 def _at_least(args, name: str, minimum: int) -> str | None:
     value = option(args, name)
-    return f"`{name}` must be >= {minimum}, got {value}." if value < minimum else None
+    return f"`{name}` must be >= {minimum}, got {value}." if value is not None and value < minimum else None
 
 
 def config_problems(args, *, only_after_trl: bool = False) -> list[str]:

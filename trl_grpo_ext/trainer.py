@@ -155,7 +155,10 @@ class GRPOTrainerExt(GRPOTrainer):
         self._loss_type = LOSS_TYPES[self.loss_type]
         self._loss_implementation = option(args, "loss_implementation")
         self._packed_forward = PackedLogProbs(
-            self, option(args, "padding_free"), option(args, "padding_free_row_tokens")
+            self,
+            option(args, "padding_free"),
+            option(args, "padding_free_row_tokens"),
+            option(args, "shared_prompt_forward"),
         )
         self._row_skipping = self._build_row_skipping(option(args, "skip_zero_advantage_rows"))
         self._diagnostics = {mode: self._build_diagnostics(mode) for mode in ("train", "eval")}

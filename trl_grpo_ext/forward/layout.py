@@ -18,11 +18,23 @@ mask it derives from `position_ids` for sdpa, eager and flex attention, varlen k
 The logit that scores completion token `j` of row `i` (padded column `P + j`) is the one at the token before it,
 padded column `P + j - 1`, packed position `o_i + P + j - 1 - s_i` in packed row `r_i`: `PackedLayout.keep` marks
 these positions, in the order of the flattened `(i, j)` pairs of the completion tokens.
+
+With `shared_prompts`, the rows whose prompt tokens are equal (`prompt_leaders`) share one copy of the prompt. A
+prompt of `p` tokens and its completions `c_1, c_2, ...` are laid out as one unit:
+
+    prompt[0 : p-1] | prompt[p-1] c_1 | prompt[p-1] c_2 | ...        positions 0 .. p-2 | p-1 .. p-1+|c_k| per branch
+
+each branch attending to the shared part and to itself only (`PackedLayout.attention`, a 4-D mask), so that every
+branch token sees exactly what it sees in its padded row, at the same relative positions. The prompt's last token is
+repeated once per branch (one token per completion): its logit scores the branch's first completion token, and each
+branch is scored as in the padding-free layout. Gradients reach the shared prompt tokens once, summed over the
+branches, as the padded rows' copies of them would sum.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -30,8 +42,10 @@ __all__ = [
     "FORWARD_METRICS",
     "ForwardCounts",
     "PackedLayout",
+    "RowSpan",
     "forward_counts",
     "pack_rows",
+    "prompt_leaders",
     "row_spans",
     "unpackable_reason",
 ]
@@ -59,16 +73,20 @@ class ForwardCounts:
 FORWARD_METRICS = ("forward/padding_fraction", "forward/repeated_prompt_fraction", "forward/tokens_per_distinct")
 
 
-def first_of_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-    """`(N,)` bool: row `i` is the first of the rows with its prompt (its tokens compared, not its place).
+def prompt_leaders(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+    """`(N,)`: for each row, the first row whose prompt tokens are the same (the tokens compared, not the places).
 
     Args:
         prompt_ids (`torch.Tensor` of shape `(N, P)`), prompt_mask (`torch.Tensor` of shape `(N, P)`): left-padded.
     """
     tokens = prompt_ids.masked_fill(prompt_mask == 0, -1)
-    same = (tokens[:, None, :] == tokens[None, :, :]).all(-1)  # (N, N)
-    earlier = torch.ones_like(same).tril(-1)
-    return ~(same & earlier).any(-1)
+    same = (tokens[:, None, :] == tokens[None, :, :]).all(-1)  # (N, N), true on the diagonal
+    return same.int().argmax(-1)  # the first true column
+
+
+def first_of_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+    """`(N,)` bool: row `i` is the first of the rows with its prompt (`prompt_leaders`)."""
+    return prompt_leaders(prompt_ids, prompt_mask) == torch.arange(prompt_ids.size(0), device=prompt_ids.device)
 
 
 def forward_counts(
@@ -92,23 +110,41 @@ def forward_counts(
     )
 
 
-def row_spans(attention_mask: torch.Tensor, logits_to_keep: int) -> list[tuple[int, int, int, int]]:
-    """Each row's `(first real column, real tokens, completion tokens, last real column)`, read from the device in
-    one host synchronisation (the only one of a packed forward's layout).
+class RowSpan(NamedTuple):
+    """Where a padded row's real tokens are (`row_spans`)."""
+
+    first: int  #: its first real column
+    tokens: int  #: its real tokens
+    completion: int  #: of which completion tokens
+    last: int  #: its last real column
+    leader: int  #: the first row of the chunk with the same prompt tokens (itself when it is the first)
+
+
+def row_spans(
+    attention_mask: torch.Tensor, logits_to_keep: int, input_ids: torch.Tensor | None = None
+) -> list[RowSpan]:
+    """Each row's `RowSpan`, read from the device in one host synchronisation (the only one of a packed forward's
+    layout). Without `input_ids` each row is its own leader.
 
     Args:
         attention_mask (`torch.Tensor` of shape `(N, P + C)`), logits_to_keep (`int`): `C`.
+        input_ids (`torch.Tensor` of shape `(N, P + C)`, *optional*): to find the rows that share a prompt.
     """
     mask = attention_mask.bool()
     width = mask.size(1)
     columns = torch.arange(width, device=mask.device)
     first = torch.where(mask, columns, width).amin(-1)
     last = torch.where(mask, columns, -1).amax(-1)
-    spans = torch.stack([first, mask.sum(-1), mask[:, width - logits_to_keep :].sum(-1), last], dim=-1)
-    return [tuple(span) for span in spans.tolist()]
+    if input_ids is None:
+        leader = torch.arange(mask.size(0), device=mask.device)
+    else:
+        prompt_width = width - logits_to_keep
+        leader = prompt_leaders(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
+    spans = torch.stack([first, mask.sum(-1), mask[:, width - logits_to_keep :].sum(-1), last, leader], dim=-1)
+    return [RowSpan(*span) for span in spans.tolist()]
 
 
-def unpackable_reason(spans: list[tuple[int, int, int, int]], prompt_width: int) -> str | None:
+def unpackable_reason(spans: list[RowSpan], prompt_width: int) -> str | None:
     """Why rows with these `row_spans` cannot be packed exactly, `None` when they can.
 
     A row packs when its real tokens (mask 1) are one contiguous span that holds at least one prompt token: a gap
@@ -118,29 +154,41 @@ def unpackable_reason(spans: list[tuple[int, int, int, int]], prompt_width: int)
     Args:
         spans: `row_spans(attention_mask, C)`; prompt_width (`int`): `P`.
     """
-    if any(count > 0 and last - first + 1 != count for first, count, _, last in spans):
+    if any(span.tokens > 0 and span.last - span.first + 1 != span.tokens for span in spans):
         return "a row's attention mask has a gap between real tokens"
-    if any(first >= prompt_width for first, _, _, _ in spans):
+    if any(span.first >= prompt_width for span in spans):
         return "a row has no prompt token"
     return None
 
 
 @dataclass(frozen=True)
 class PackedLayout:
-    """The padding-free layout of `N` padded rows (`pack_rows`); index tensors live on the rows' device."""
+    """The packed layout of `N` padded rows (`pack_rows`); index tensors live on the rows' device."""
 
-    input_ids: torch.Tensor  #: `(B, L)` the real tokens end to end, 0 after the last sequence of a packed row
-    position_ids: torch.Tensor  #: `(B, L)` restarting at 0 for each sequence (and for the tail after the last)
+    input_ids: torch.Tensor  #: `(B, L)` the forwarded tokens end to end, 0 after the last unit of a packed row
+    position_ids: torch.Tensor  #: `(B, L)` each token's position in its own sequence
     keep: torch.Tensor  #: `(B, L)` bool: the positions whose logits score a completion token
     targets: torch.Tensor  #: `(K,)` the completion tokens these logits score, in `keep`'s row-major order
     rows: torch.Tensor  #: `(K,)` the padded row of each scored token
     columns: torch.Tensor  #: `(K,)` its column in the completion, `0 <= j < C`
     num_sequences: int  #: `N`
+    #: `(B, L)` each token's unit and branch (0: the unit's shared prompt), for a shared-prompt layout; else `None`
+    branches: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def unpack(self, values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         """`values` `(K,)` placed at their `(row, column)` in a zero tensor of `shape` `(N, C)`."""
         out = values.new_zeros(shape)
         return out.index_put((self.rows, self.columns), values)
+
+    def attention(self) -> torch.Tensor:
+        """`(B, 1, L, L)` bool, true where query `q` attends to key `k` (shared-prompt layouts only): `k <= q`, both
+        of one unit, and `k` in the unit's shared prompt or in the branch of `q`."""
+        unit, branch = self.branches
+        length = unit.size(1)
+        causal = torch.ones(length, length, dtype=torch.bool, device=unit.device).tril()
+        same_unit = unit[:, :, None] == unit[:, None, :]
+        visible = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
+        return (causal & same_unit & visible)[:, None]
 
 
 def pack_rows(
@@ -148,11 +196,17 @@ def pack_rows(
     attention_mask: torch.Tensor,
     logits_to_keep: int,
     row_tokens: int | None,
-    spans: list[tuple[int, int, int, int]] | None = None,
+    spans: list[RowSpan] | None = None,
+    shared_prompts: bool = False,
 ) -> PackedLayout:
-    """Lay the real tokens of padded rows end to end (module docstring), in order, a new packed row whenever the
-    next sequence would take one past `row_tokens` tokens (`None`: one packed row). A sequence longer than
-    `row_tokens` gets a row of its own. Rows must pack (`unpackable_reason` is `None`).
+    """Lay padded rows end to end (module docstring) in units, in order, a new packed row whenever the next unit would
+    take one past `row_tokens` tokens (`None`: one packed row); a unit longer than that gets a row of its own. Rows
+    must pack (`unpackable_reason` is `None`).
+
+    Without `shared_prompts` a unit is one row's real tokens. With it, a unit is a prompt's tokens but its last, then
+    one branch per completion of that prompt (its rows found by `RowSpan.leader`): the prompt's last token and the
+    completion; a prompt's completions that do not fit in `row_tokens` together go to further units, each with the
+    prompt again.
 
     One host synchronisation (`row_spans`, unless `spans` are given): the index tensors are built from them.
 
@@ -161,54 +215,96 @@ def pack_rows(
             prompts left-padded, completions right-padded, as TRL builds them.
         logits_to_keep (`int`): `C`, the completion width.
         row_tokens (`int` or `None`): the token budget of a packed row.
-        spans: `row_spans(attention_mask, logits_to_keep)`, when already read.
+        spans: `row_spans(attention_mask, logits_to_keep, input_ids)`, when already read.
+        shared_prompts (`bool`): forward each prompt once per unit.
     """
     device = input_ids.device
     width = attention_mask.size(1)
     prompt_width = width - logits_to_keep
-    spans = row_spans(attention_mask, logits_to_keep) if spans is None else spans
+    if spans is None:
+        spans = row_spans(attention_mask, logits_to_keep, input_ids if shared_prompts else None)
 
-    placements = []  # (packed row, offset) of each sequence
+    # A unit: (prefix, branches); the prefix (leader row, first column, length) is forwarded once, then each branch
+    # (row, first column, length, first scored offset in the branch) continues it.
+    units = []
+    if shared_prompts:
+        groups: dict[int, list[int]] = {}
+        for i, span in enumerate(spans):
+            groups.setdefault(span.leader, []).append(i)
+        for leader, members in groups.items():
+            prefix = (leader, spans[leader].first, prompt_width - 1 - spans[leader].first)
+            branches, used = [], prefix[2]
+            for i in members:
+                branch = (i, prompt_width - 1, 1 + spans[i].completion, 0)
+                if branches and row_tokens is not None and used + branch[2] > row_tokens:
+                    units.append((prefix, branches))
+                    branches, used = [], prefix[2]
+                branches.append(branch)
+                used += branch[2]
+            units.append((prefix, branches))
+    else:
+        units = [(None, [(i, span.first, span.tokens, prompt_width - 1 - span.first)]) for i, span in enumerate(spans)]
+    sizes = [(prefix[2] if prefix else 0) + sum(branch[2] for branch in branches) for prefix, branches in units]
+
+    placements = []  # (packed row, offset) of each unit
     row, used = 0, 0
-    for _, length, _, _ in spans:
-        if used and row_tokens is not None and used + length > row_tokens:
+    for size in sizes:
+        if used and row_tokens is not None and used + size > row_tokens:
             row, used = row + 1, 0
         placements.append((row, used))
-        used += length
+        used += size
     num_rows = row + 1
-    row_length = max(offset + span[1] for (_, offset), span in zip(placements, spans, strict=True))
+    row_length = max(offset + size for (_, offset), size in zip(placements, sizes, strict=True))
 
-    src, dst, positions, keep_dst, rows, cols = [], [], [], [], [], []
-    for i, ((start, length, completion, _), (packed_row, offset)) in enumerate(zip(spans, placements, strict=True)):
-        base = packed_row * row_length + offset
-        src.append(torch.arange(i * width + start, i * width + start + length))
-        dst.append(torch.arange(base, base + length))
-        positions.append(torch.arange(length))
-        # Completion token j sits at padded column prompt_width + j; its logit at the column before it.
-        keep_dst.append(torch.arange(base + prompt_width - 1 - start, base + prompt_width - 1 - start + completion))
-        rows.append(torch.full((completion,), i))
-        cols.append(torch.arange(completion))
+    src, dst, positions, unit_ids, branch_ids, keep_dst, rows, cols = [], [], [], [], [], [], [], []
+
+    def place(row_index: int, column: int, length: int, at: int, start_position: int, unit: int, branch: int):
+        src.append(torch.arange(row_index * width + column, row_index * width + column + length))
+        dst.append(torch.arange(at, at + length))
+        positions.append(torch.arange(start_position, start_position + length))
+        unit_ids.append(torch.full((length,), unit))
+        branch_ids.append(torch.full((length,), branch))
+
+    for unit, ((prefix, branches), (packed_row, offset)) in enumerate(zip(units, placements, strict=True)):
+        at, start_position = packed_row * row_length + offset, 0
+        if prefix is not None:
+            place(*prefix, at, 0, unit, 0)
+            at, start_position = at + prefix[2], prefix[2]
+        for number, (i, column, length, scored) in enumerate(branches, start=1):
+            place(i, column, length, at, start_position, unit, number)
+            # Completion token j sits at padded column prompt_width + j; its logit at the column before it.
+            keep_dst.append(torch.arange(at + scored, at + scored + spans[i].completion))
+            rows.append(torch.full((spans[i].completion,), i))
+            cols.append(torch.arange(spans[i].completion))
+            at += length
     src, dst = torch.cat(src).to(device), torch.cat(dst).to(device)
     keep_dst = torch.cat(keep_dst).to(device)
 
     flat_ids = input_ids.new_zeros(num_rows * row_length)
     flat_ids[dst] = input_ids.reshape(-1)[src]
-    # The tail of a packed row counts from 0 as a sequence of its own: it attends to nothing real.
+    # The tail of a packed row counts from 0 as a sequence (and a unit) of its own: it attends to nothing real.
     ends = [0] * num_rows
-    for (packed_row, offset), span in zip(placements, spans, strict=True):
-        ends[packed_row] = max(ends[packed_row], offset + span[1])
+    for (packed_row, offset), size in zip(placements, sizes, strict=True):
+        ends[packed_row] = max(ends[packed_row], offset + size)
     tail = torch.arange(row_length, device=device)[None, :] - torch.tensor(ends, device=device)[:, None]
     flat_positions = tail.clamp(min=0).reshape(-1)
     flat_positions[dst] = torch.cat(positions).to(device)
     keep = torch.zeros(num_rows * row_length, dtype=torch.bool, device=device)
     keep[keep_dst] = True
-    targets = flat_ids[keep_dst + 1]  # the token after each kept position: the completion token it scores
+    branches = None
+    if shared_prompts:
+        flat_units = torch.arange(num_rows, device=device).repeat_interleave(row_length) + len(units)
+        flat_units[dst] = torch.cat(unit_ids).to(device)
+        flat_branches = torch.zeros(num_rows * row_length, dtype=torch.long, device=device)
+        flat_branches[dst] = torch.cat(branch_ids).to(device)
+        branches = (flat_units.view(num_rows, row_length), flat_branches.view(num_rows, row_length))
     return PackedLayout(
         input_ids=flat_ids.view(num_rows, row_length),
         position_ids=flat_positions.view(num_rows, row_length),
         keep=keep.view(num_rows, row_length),
-        targets=targets,
+        targets=flat_ids[keep_dst + 1],  # the token after each kept position: the completion token it scores
         rows=torch.cat(rows).to(device),
         columns=torch.cat(cols).to(device),
         num_sequences=len(spans),
+        branches=branches,
     )

@@ -18,7 +18,14 @@ shapes asked for), TRL before 1.15 (no fused LM head), a row whose mask has a ga
 
 With the router loss on, a chunk is one packed row (the loss counts every token of the forward, so no tail padding
 may enter it); otherwise a packed row holds at most `padding_free_row_tokens` tokens (a sequence longer than that
-has a row of its own): attention without varlen kernels costs the square of a row's length.
+has a row of its own), by default the chunk's padded width: attention without varlen kernels (sdpa, eager) costs the
+square of a row's length, and rows no longer than TRL's padded ones, fewer of them, never cost more than those.
+
+With `shared_prompt_forward` the rows of a chunk that share a prompt forward it once (`layout.pack_rows`,
+`shared_prompts`), through a 4-D attention mask that keeps each completion to the prompt and itself. Where that mask
+cannot be passed (`shared_fallback_reason`: flash or flex attention, sliding-window layers, the router loss, which
+counts every forwarded token) the chunk packs without sharing, with one line saying why. The self-check covers the
+shared layout too: a model whose attention ignores the 4-D mask packs without sharing.
 """
 
 from __future__ import annotations
@@ -34,7 +41,11 @@ from .layout import PackedLayout, pack_rows, row_spans, unpackable_reason
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["PackedLogProbs", "SelfCheck", "run_fallback_reason"]
+__all__ = ["PackedLogProbs", "SelfCheck", "run_fallback_reason", "shared_fallback_reason"]
+
+#: The attention implementations that take a prepared 4-D mask as transformers passes it (bool for sdpa, additive for
+#: eager): the shared-prompt layout needs one.
+MASKED_ATTENTION = ("sdpa", "eager")
 
 
 def run_fallback_reason(trainer, forward_inputs: dict[str, Any]) -> str | None:
@@ -48,6 +59,21 @@ def run_fallback_reason(trainer, forward_inputs: dict[str, Any]) -> str | None:
         return "vision-language inputs are forwarded per row"
     if not trl_has_fused_lm_head():
         return "the installed TRL has no fused LM head (TRL 1.15 or newer packs)"
+    return None
+
+
+def shared_fallback_reason(config, compute_aux_loss: bool) -> str | None:
+    """Why a forward of a model with this `config` cannot share prompts (it packs without), `None` when it can."""
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in MASKED_ATTENTION:
+        return f"attn_implementation={implementation!r} takes no 4-D attention mask (sdpa and eager do)"
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
+        return "the model has sliding-window or other non-full attention layers"
+    if layer_types is None and getattr(config, "sliding_window", None) is not None:
+        return "the model has a sliding attention window"
+    if compute_aux_loss:
+        return "the router loss counts every forwarded token, a shared prompt once instead of once per completion"
     return None
 
 
@@ -65,6 +91,9 @@ class SelfCheck:
     done: bool = False
     passed: bool = True
     difference: float = 0.0
+    #: the shared-prompt layout's check (its rows add a completion of the first prompt): `None` when not checked
+    shared_passed: bool | None = None
+    shared_difference: float = 0.0
 
     @staticmethod
     def tolerance(dtype: torch.dtype) -> float:
@@ -72,8 +101,9 @@ class SelfCheck:
 
     def check_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, pad_id: int):
         """`(input_ids, attention_mask, logits_to_keep)` of the check: each of the first `rows` rows' real tokens, the
-        first as a prompt and the rest as a completion (at least one token each), left-padded by three more columns
-        than needed."""
+        first as a prompt and the rest as a completion (at least one token each), then the first row's prompt with the
+        last row's completion (so that a shared prompt has two completions), left-padded by three more columns than
+        needed."""
         prompt_width = attention_mask.size(1) - logits_to_keep
         sequences = []
         for i in range(min(self.rows, input_ids.size(0))):
@@ -84,6 +114,7 @@ class SelfCheck:
                 sequences.append((real[:prompt], real[prompt:]))
         if not sequences:  # rows of fewer than 2 real tokens: any two tokens still tell packing from padding
             sequences = [(input_ids.new_tensor([pad_id]), input_ids.new_tensor([pad_id]))]
+        sequences.append((sequences[0][0], sequences[-1][1]))
         prompt_width = max(len(p) for p, _ in sequences) + 3
         completion_width = max(len(c) for _, c in sequences)
         ids = input_ids.new_full((len(sequences), prompt_width + completion_width), pad_id)
@@ -101,13 +132,15 @@ class PackedLogProbs:
     Args:
         trainer (`GRPOTrainerExt`): the trainer whose forwards this computes (its model, accelerator, TRL hook).
         enabled (`bool`): `padding_free`.
-        row_tokens (`int`): `padding_free_row_tokens`.
+        row_tokens (`int` or `None`): `padding_free_row_tokens` (`None`: each chunk's padded width).
+        shared_prompts (`bool`): `shared_prompt_forward`.
     """
 
-    def __init__(self, trainer, enabled: bool, row_tokens: int):
+    def __init__(self, trainer, enabled: bool, row_tokens: int | None, shared_prompts: bool = False):
         self.trainer = trainer
         self.enabled = enabled
         self.row_tokens = row_tokens
+        self.shared_prompts = shared_prompts
         self.self_check = SelfCheck()
         self._said: set[str] = set()
 
@@ -117,6 +150,21 @@ class PackedLogProbs:
             # The installed TRL is no mistake of the user's: said at info level; every other reason is a warning.
             say = logger.info if "installed TRL" in reason else logger.warning
             say(f"padding_free=True: this forward runs padded, as TRL runs it, because {reason}.")
+
+    def _share(self, model, compute_aux_loss: bool) -> bool:
+        """Whether this forward shares prompts (`shared_prompt_forward`, where the model allows it: said once)."""
+        if not self.shared_prompts:
+            return False
+        config = getattr(self.trainer.accelerator.unwrap_model(model), "config", None)
+        reason = shared_fallback_reason(config, compute_aux_loss)
+        if reason is None and self.self_check.shared_passed is False:
+            return False  # warned once by the self-check
+        if reason is not None:
+            if reason not in self._said:
+                self._said.add(reason)
+                logger.warning(f"shared_prompt_forward=True: this forward packs without sharing prompts: {reason}.")
+            return False
+        return True
 
     def __call__(
         self,
@@ -138,11 +186,13 @@ class PackedLogProbs:
             self._run_self_check(model, input_ids, attention_mask, logits_to_keep)
         if reason is None and not self.self_check.passed:
             return None  # warned once by the self-check
+        share = reason is None and self._share(model, compute_aux_loss)
         batch_size = batch_size or input_ids.size(0)
         chunks = []
         for start in range(0, input_ids.size(0), batch_size):
             chunk = slice(start, start + batch_size)
-            spans = row_spans(attention_mask[chunk], logits_to_keep)  # one host synchronisation per chunk
+            # One host synchronisation per chunk.
+            spans = row_spans(attention_mask[chunk], logits_to_keep, input_ids[chunk] if share else None)
             reason = reason or unpackable_reason(spans, attention_mask.size(1) - logits_to_keep)
             chunks.append((chunk, spans))
         if reason is not None:
@@ -158,6 +208,7 @@ class PackedLogProbs:
                 compute_entropy,
                 compute_aux_loss,
                 spans,
+                share,
             )
             logps.append(out[0])
             entropies.append(out[1])
@@ -169,10 +220,12 @@ class PackedLogProbs:
         )
 
     def _forward_chunk(
-        self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, compute_aux_loss, spans
+        self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, compute_aux_loss, spans, share
     ):
-        row_tokens = None if compute_aux_loss else self.row_tokens
-        layout = pack_rows(input_ids, attention_mask, logits_to_keep, row_tokens, spans)
+        row_tokens = self.row_tokens if self.row_tokens is not None else input_ids.size(1)
+        if compute_aux_loss:
+            row_tokens = None
+        layout = pack_rows(input_ids, attention_mask, logits_to_keep, row_tokens, spans, shared_prompts=share)
         outputs = self._model_forward(model, layout, compute_aux_loss)
         scored = layout.keep[:, :-1]  # the fused head scores token t + 1 at position t: (B, L - 1)
         shape = (input_ids.size(0), logits_to_keep)
@@ -186,10 +239,23 @@ class PackedLogProbs:
         labels = torch.full_like(layout.input_ids, -100)
         labels[:, 1:][layout.keep[:, :-1]] = layout.targets
         inputs = {"input_ids": layout.input_ids, "position_ids": layout.position_ids, "use_cache": False}
+        if layout.branches is not None:
+            inputs["attention_mask"] = self._attention_mask(model, layout)
         if compute_aux_loss:
             inputs["output_router_logits"] = True
         with self.trainer.accelerator.autocast():
             return model(**inputs, labels=labels, fused_lm_head=True)
+
+    def _attention_mask(self, model, layout: PackedLayout) -> torch.Tensor:
+        """`layout.attention()` as the model's attention takes a prepared 4-D mask: bool for sdpa; for eager, additive
+        in the dtype of its embeddings (0 where attended, the dtype's lowest value elsewhere), as transformers builds
+        its own."""
+        mask = layout.attention()
+        unwrapped = self.trainer.accelerator.unwrap_model(model)
+        if unwrapped.config._attn_implementation == "sdpa":
+            return mask
+        dtype = unwrapped.get_input_embeddings().weight.dtype
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
     def _run_self_check(self, model, input_ids, attention_mask, logits_to_keep) -> None:
         check = self.self_check
@@ -202,24 +268,45 @@ class PackedLogProbs:
         try:
             with torch.no_grad():
                 padded, _, _ = self.trainer._stock_logps_and_entropies(model, ids, mask, width)
-                layout = pack_rows(ids, mask, width, row_tokens=None)
-                outputs = self._model_forward(model, layout, compute_aux_loss=False)
-                packed = layout.unpack(outputs.log_probs[layout.keep[:, :-1]], padded.shape)
+
+                def difference(shared_prompts: bool) -> float:
+                    layout = pack_rows(ids, mask, width, row_tokens=None, shared_prompts=shared_prompts)
+                    outputs = self._model_forward(model, layout, compute_aux_loss=False)
+                    packed = layout.unpack(outputs.log_probs[layout.keep[:, :-1]], padded.shape)
+                    largest = (packed - padded).abs().masked_fill(~mask[:, -width:].bool(), 0).amax().float()
+                    return float(largest) if torch.isfinite(largest) else float("inf")
+
+                check.difference = difference(shared_prompts=False)
+                share = (
+                    self.shared_prompts
+                    and shared_fallback_reason(
+                        getattr(self.trainer.accelerator.unwrap_model(model), "config", None), compute_aux_loss=False
+                    )
+                    is None
+                )
+                if share:
+                    check.shared_difference = difference(shared_prompts=True)
         finally:
             model.train(was_training)
-        completion = mask[:, -width:].bool()
-        difference = (packed - padded).abs().masked_fill(~completion, 0).amax().float()
-        # Each process decides on its own rows, without a collective: either way its log-probs are exact, and both
-        # paths run one model forward per chunk, so that sharded engines gather their parameters alike.
-        check.difference = float(difference)
+        # Each process decides on its own rows, without a collective: either way its log-probs are exact, and every
+        # path runs one model forward per chunk, so that sharded engines gather their parameters alike.
         dtype = getattr(self.trainer.model, "dtype", torch.float32)
-        check.passed = check.difference <= SelfCheck.tolerance(dtype) and torch.isfinite(difference).item()
+        tolerance = SelfCheck.tolerance(dtype)
+        check.passed = check.difference <= tolerance
         name = getattr(getattr(self.trainer.model, "config", None), "_name_or_path", "") or type(model).__name__
+        if share and check.passed:
+            check.shared_passed = check.shared_difference <= tolerance
+            if not check.shared_passed:
+                logger.warning(
+                    f"shared_prompt_forward=True: the shared-prompt forward of {name} differs from the padded one by "
+                    f"{check.shared_difference:.3g} in log-prob (tolerance {tolerance:g}); its attention probably "
+                    "ignores the 4-D attention mask. This run packs without sharing prompts."
+                )
         if check.passed:
             logger.info(f"padding_free=True: packed log-probs match the padded ones (to {check.difference:.2e}).")
         else:
             logger.warning(
                 f"padding_free=True: the packed forward of {name} differs from the padded one by "
-                f"{check.difference:.3g} in log-prob (tolerance {SelfCheck.tolerance(dtype):g}); its attention "
+                f"{check.difference:.3g} in log-prob (tolerance {tolerance:g}); its attention "
                 "probably ignores position_ids or the packed-sequence mask. This run forwards padded, as TRL does."
             )
