@@ -10,12 +10,15 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import sys
 
 from trl import TrlParser
 
 __all__ = [
     "CHECKED_LOGGERS",
+    "USUAL_MODEL_FIELDS",
+    "USUAL_TRAINING_FIELDS",
     "ConfigError",
     "RecipeParser",
     "check_loggers_installed",
@@ -28,6 +31,48 @@ __all__ = [
 
 #: The loggers of `report_to` that transformers refuses only once the model is loaded when they are missing.
 CHECKED_LOGGERS = ("tensorboard", "trackio", "wandb")
+
+#: The fields of TRL's `GRPOConfig` and transformers' `TrainingArguments` that a GRPO run usually sets, and those of
+#: `trl.ModelConfig`: `--help` lists them after the recipe's and this package's own fields (`--help-all`: every field).
+USUAL_TRAINING_FIELDS = (
+    "output_dir",
+    "learning_rate",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "num_train_epochs",
+    "max_steps",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "activation_checkpointing",
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "num_iterations",
+    "epsilon_high",
+    "scale_rewards",
+    "reward_weights",
+    "use_vllm",
+    "vllm_mode",
+    "logging_steps",
+    "log_completions",
+    "report_to",
+    "save_strategy",
+    "save_steps",
+    "eval_strategy",
+    "resume_from_checkpoint",
+    "seed",
+    "push_to_hub",
+    "hub_model_id",
+)
+USUAL_MODEL_FIELDS = (
+    "model_name_or_path",
+    "dtype",
+    "attn_implementation",
+    "use_peft",
+    "lora_r",
+    "lora_alpha",
+    "lora_target_modules",
+)
 
 
 class ConfigError(ValueError):
@@ -59,6 +104,49 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return f"{action.option_strings[0]} {metavar}"
 
 
+#: The end of a help text's first sentence: a period after a word, then a capital (not "e.g. 'main'").
+_SENTENCE_END = re.compile(r"(?<=[\w)`'\]])\.\s+(?=[A-Z])")
+
+
+class _ShortHelpFormatter(_HelpFormatter):
+    """`--help`'s: a field on one line when it fits, else on two (the flag, then its help indented); its help text cut
+    to its first sentence (and to the line), then its default. `--help-all` shows every help text whole."""
+
+    def _format_action_invocation(self, action) -> str:
+        if not action.option_strings or action.dest == "help":
+            return super()._format_action_invocation(action)
+        flag = action.option_strings[0]
+        choices = f" {{{','.join(map(str, action.choices))}}}" if action.choices else ""
+        return flag + choices if self._current_indent + len(flag + choices) <= self._width else flag
+
+    def _format_action(self, action) -> str:
+        indent = " " * self._current_indent
+        flag, summary = self._format_action_invocation(action), self._summary(action)
+        if len(f"{indent}{flag}  {summary}") <= self._width:
+            return f"{indent}{flag}  {summary}\n"
+        return f"{indent}{flag}\n{indent}    {self._summary(action, self._width - len(indent) - 4)}\n"
+
+    def _summary(self, action, width: int | None = None) -> str:
+        text, default = self._expand_help(action), f" (default: {action.default})"
+        text, default = (text.removesuffix(default), default) if text.endswith(default) else (text, "")
+        sentences = _SENTENCE_END.split(text, maxsplit=1)
+        summary = sentences[0] + ("." if len(sentences) > 1 else "")
+        if width is not None and len(summary) + len(default) > width:
+            summary = summary[: max(width - len(default) - 3, 0)].rsplit(" ", 1)[0] + "..."
+        return summary + default
+
+
+class _HelpAllAction(argparse.Action):
+    """`--help-all`: print the help of every field, in full, and exit."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stdout.write(parser.format_help(full=True))
+        parser.exit()
+
+
 class RecipeParser(TrlParser):
     """`trl.TrlParser` (every dataclass field a flag, `--config <yaml>` for their values) for a person at a terminal:
 
@@ -66,22 +154,62 @@ class RecipeParser(TrlParser):
     - every mistake is a `ConfigError` of one line: an unknown config key or flag names the nearest valid one, a
       value of the wrong type names its field, a dataclass that refuses its values says why (the recipe's command
       prints it and exits with status 2);
-    - `--help` lists the fields in `help_groups`, in that order: this package's before TRL's.
+    - `--help` lists the fields in `help_groups`, in that order: this package's before TRL's; of those, only the
+      fields in `short_help`, each once (not a boolean's `--no_<field>` too), by its help text's first sentence, and
+      ends saying so; `--help-all` lists every flag with its whole help text.
 
     Args:
         dataclass_types: as `TrlParser` takes them.
         help_groups: `(title, field names)` per `--help` section; fields in none stay in the first, untitled one.
+        short_help: the fields that `--help` lists (default: every field).
         kwargs: `prog`, `description`, `usage` (argparse's).
     """
 
-    def __init__(self, dataclass_types, help_groups: list[tuple[str, set[str]]] = (), **kwargs):
+    def __init__(
+        self,
+        dataclass_types,
+        help_groups: list[tuple[str, set[str]]] = (),
+        short_help: set[str] | None = None,
+        **kwargs,
+    ):
         kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(dataclass_types, allow_abbrev=False, **kwargs)
+        self.short_help = self.known_keys() if short_help is None else set(short_help)
+        self.add_argument(
+            "--help-all", action=_HelpAllAction, dest=argparse.SUPPRESS, help="show every flag, in full, and exit"
+        )
         for title, names in help_groups:
             group = self.add_argument_group(title)
             for action in [action for action in self._optionals._group_actions if action.dest in names]:
                 self._optionals._group_actions.remove(action)
                 group._group_actions.append(action)
+
+    def format_help(self, full: bool = False) -> str:
+        """The text of `--help`, or of `--help-all` when `full`: every flag, each help text whole."""
+        if full:
+            return super().format_help()
+        fields = self.known_keys()
+
+        def shown(action) -> bool:  # `-h` and `--help-all`, or a field of `short_help` by its own name
+            return action.dest not in fields or (
+                action.dest in self.short_help and action.option_strings[0] == f"--{action.dest}"
+            )
+
+        formatter = _ShortHelpFormatter(self.prog)
+        formatter.add_usage(self.usage, [action for action in self._actions if shown(action)], [])
+        formatter.add_text(self.description)
+        for group in self._action_groups:
+            actions = [action for action in group._group_actions if shown(action)]
+            if actions:
+                formatter.start_section(group.title)
+                formatter.add_arguments(actions)
+                formatter.end_section()
+        formatter.add_text(
+            f"These are {len(fields & self.short_help)} of the {len(fields)} fields, each help text cut to its first "
+            "sentence."
+        )
+        formatter.add_text("Every field, in full: %(prog)s --help-all")
+        return formatter.format_help()
 
     def error(self, message: str):
         raise ConfigError(_one_line(message))
@@ -170,7 +298,8 @@ def help_groups(script_arguments) -> list[tuple[str, set[str]]]:
 
 def make_parser(script_arguments, prog: str | None = None, description: str | None = None, usage: str | None = None):
     """`RecipeParser` over (`script_arguments`, `GRPOConfigExt`, `trl.ModelConfig`): every field is a YAML key and a
-    flag; `--help` lists the recipe's and this package's fields first.
+    flag; `--help` lists the recipe's and this package's fields first, then the `USUAL_TRAINING_FIELDS` and
+    `USUAL_MODEL_FIELDS` (`--help-all`: every field).
 
     Args:
         script_arguments (`type`): the recipe's own dataclass.
@@ -180,9 +309,12 @@ def make_parser(script_arguments, prog: str | None = None, description: str | No
 
     from trl_grpo_ext import GRPOConfigExt
 
+    groups = help_groups(script_arguments)
+    (_, recipe_fields), (_, own_fields) = groups[:2]
     return RecipeParser(
         (script_arguments, GRPOConfigExt, ModelConfig),
-        help_groups=help_groups(script_arguments),
+        help_groups=groups,
+        short_help=recipe_fields | own_fields | set(USUAL_TRAINING_FIELDS) | set(USUAL_MODEL_FIELDS),
         prog=prog,
         description=description,
         usage=usage,

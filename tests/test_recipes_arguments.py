@@ -1,0 +1,73 @@
+"""The recipe's `--help`: short (the recipe's and this package's fields, the usual ones of TRL, transformers and the
+model, each once), ending with how to see everything; `--help-all`: every flag in full; parsing the same for all."""
+
+import re
+from dataclasses import fields
+
+import pytest
+from trl import ModelConfig
+
+from trl_grpo_ext import GRPOConfigExt, cli
+from trl_grpo_ext.recipes import grpo
+from trl_grpo_ext.recipes.arguments import USUAL_MODEL_FIELDS, USUAL_TRAINING_FIELDS, make_parser
+
+#: The fields declared by GRPOConfigExt itself (its own, and TRL's whose default it changes).
+OWN_FIELDS = set(vars(GRPOConfigExt)["__annotations__"])
+RECIPE_FIELDS = {field.name for field in fields(grpo.GRPOScriptArguments)}
+
+
+@pytest.fixture(autouse=True)
+def terminal_80_columns(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")  # argparse wraps at the terminal's width
+
+
+def listed_flags(text: str) -> list[str]:
+    """The flags a help text lists, in order: those that begin a line."""
+    return re.findall(r"^ +(--[\w-]+)", text, flags=re.MULTILINE)
+
+
+def help_of(command: str, flag: str, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, flag])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_each_usual_field_is_a_field_of_its_config_once():
+    assert set(USUAL_TRAINING_FIELDS) <= {field.name for field in fields(GRPOConfigExt)}
+    assert set(USUAL_MODEL_FIELDS) <= {field.name for field in fields(ModelConfig)}
+    assert len(set(USUAL_TRAINING_FIELDS)) == len(USUAL_TRAINING_FIELDS)
+    assert len(set(USUAL_MODEL_FIELDS)) == len(USUAL_MODEL_FIELDS)
+
+
+@pytest.mark.parametrize("command", ["grpo", "demo"])
+def test_help_is_short_lists_the_recipe_this_package_and_the_usual_fields_once_and_ends_with_help_all(command, capsys):
+    text = help_of(command, "--help", capsys)
+    assert len(text.splitlines()) < 200  # every flag, in full, is about 1,400 lines
+    flags = listed_flags(text)
+    assert len(flags) == len(set(flags))
+    # Each field by its own name: a boolean is not listed again as --no_<field>.
+    expected = RECIPE_FIELDS | OWN_FIELDS | set(USUAL_TRAINING_FIELDS) | set(USUAL_MODEL_FIELDS)
+    assert set(flags) == {f"--{name}" for name in expected} | {"--help-all"}
+    assert text.splitlines()[-1] == f"Every field, in full: trl-grpo-ext {command} --help-all"
+
+
+def test_help_all_lists_every_flag_with_its_whole_help_text(capsys):
+    short = help_of("grpo", "--help", capsys)
+    text = help_of("grpo", "--help-all", capsys)
+    parser = make_parser(grpo.GRPOScriptArguments)
+    every_flag = {action.option_strings[0] for action in parser._actions if action.option_strings} - {"-h"}
+    assert set(listed_flags(text)) == every_flag and len(text.splitlines()) > 1000
+    assert {"--no_padding_free", "--weight_decay", "--lora_dropout"} <= every_flag - set(listed_flags(short))
+    whole = next(field for field in fields(GRPOConfigExt) if field.name == "console").metadata["help"]
+    assert " ".join(whole.split()) in " ".join(text.split())
+    assert " ".join(whole.split()) not in " ".join(short.split())
+
+
+def test_a_flag_left_out_of_help_still_parses_and_help_all_is_no_field():
+    script_args, training_args, model_args = grpo.parse_args(
+        ["--weight_decay", "0.1", "--no_padding_free", "--lora_dropout", "0.2", "--padding_free_row_tokens", "64"]
+    )
+    assert (training_args.weight_decay, training_args.padding_free, model_args.lora_dropout) == (0.1, False, 0.2)
+    assert training_args.padding_free_row_tokens == 64
+    assert "help_all" not in make_parser(grpo.GRPOScriptArguments).known_keys()
