@@ -142,12 +142,11 @@ class GRPOConfigExt(GRPOConfig):
     shared_prompt_forward: bool = field(
         default=True,
         metadata={
-            "help": "A layout of the padding-free forward (padding_free=False forwards padded, as TRL does, whatever "
-            "this says): forward each prompt once for the completions of it in a chunk (the rows "
-            "whose prompt tokens are equal), each completion attending to the prompt and to itself only through a "
-            "4-D attention mask; log-probs, entropies and gradients are the padded forward's to rounding. sdpa and "
-            "eager attention only: flash or flex attention, sliding-window layers and the MoE router loss pack "
-            "without sharing, with one line saying why (forward.logprobs)."
+            "help": "Forward each prompt once for its completions in a chunk (the rows whose prompt tokens are "
+            "equal), each completion attending to the prompt and to itself only through a 4-D attention mask; "
+            "log-probs, entropies and gradients are the padded forward's to rounding. A layout of the padding-free "
+            "forward: padding_free=False forwards padded, as TRL does, whatever this says. sdpa and eager attention "
+            "only: flash or flex attention, sliding-window layers and the MoE router loss pack without sharing, with one line saying why (forward.logprobs)."
         },
     )
 
