@@ -65,6 +65,12 @@ STREAMS = {
         + rising_length(8, 8, reward_from=0.8),
         [5, 22],
     ),
+    "length_growth": (
+        # the first 5 lengths are the start (10); the median of the last 5 is 50% above it from the 10th entry (the
+        # first judged), falls back to 10, and rises again
+        [{"completions/mean_length": v} for v in [10.0] * 5 + [12, 14, 16, 18, 20, 22, 24, 10, 10, 10, 30, 30, 30]],
+        [9, 17],
+    ),
     "length_in_group": ([{"reward_length_corr/within_group": v} for v in (0.9, 0.95, 0.1, 0.85)], [0, 3]),
     "reward_vs_heldout": (
         [
@@ -137,6 +143,44 @@ def test_length_drift_needs_a_rising_reward_and_a_real_change():
     small_change = [{"reward": 0.1 * i, "completions/mean_length": 10.0 + 0.1 * i} for i in range(8)]
     assert fired_at(falling_reward, "length_drift")[0] == []
     assert fired_at(small_change, "length_drift")[0] == []
+
+
+def slow_length_growth(steps: int = 60, start: float = 203.0, end: float = 707.0) -> list[dict]:
+    """A run whose mean completion length grows steadily from `start` to `end` tokens while the reward rises, with
+    a little noise at every log step: each 10-step window moves too little for `length_drift`."""
+    return [
+        {
+            "loss": 0.0,
+            "reward": 0.2 + 0.5 * i / (steps - 1) + 0.05 * (-1) ** i,
+            "completions/mean_length": start + (end - start) * i / (steps - 1) + 15.0 * (-1) ** (i // 2),
+            "step": 10 * (i + 1),
+        }
+        for i in range(steps)
+    ]
+
+
+def test_slow_length_growth_over_the_run_raises_length_growth_where_length_drift_sees_nothing():
+    history = slow_length_growth()
+    assert fired_at(history, "length_drift")[0] == []  # the 10-step window's gap
+    indices, messages, _ = fired_at(history, "length_growth")
+    # The median of the last 5 lengths first exceeds the median of the first 5 (218 tokens) by half at index 17.
+    assert indices == [17]
+    assert "completion length grew from 218 to 329 tokens (+51%) since the start of the run" in messages[0]
+    assert "[alarms/length_growth; warn_length_growth=0.5, None switches it off]" in messages[0]
+    health = assess(history)
+    (length,) = [signal for signal in health.signals if signal.signal.name == "completion length"]
+    assert length.verdict == "ALARM" and length.onset == 180 and length.severity == "warning"
+    assert "length_growth at steps 180-600" in length.detail and not health.ok
+
+
+def test_a_length_steady_around_its_start_raises_no_length_growth():
+    """The demo's lengths (5.6 to 6.1 tokens, logged every 10 steps over 400) and a run whose length falls."""
+    demo = [{"loss": 0.0, "completions/mean_length": 5.8 + 0.3 * (-1) ** i, "step": 10 * i} for i in range(1, 41)]
+    shrinking = [{"loss": 0.0, "completions/mean_length": 400.0 - 5 * i, "step": i} for i in range(1, 41)]
+    for history in (demo, shrinking):
+        assert fired_at(history, "length_growth")[0] == []
+        (length,) = [signal for signal in assess(history).signals if signal.signal.name == "completion length"]
+        assert length.verdict == "ok" and "length_growth" in length.detail
 
 
 def test_pearson_correlation():

@@ -353,6 +353,7 @@ class GRPOConfigExt(GRPOConfig):
     warn_entropy_collapse: float | None = ALARMS["entropy_collapse"].config_field()
     warn_grad_norm_spike: float | None = ALARMS["grad_norm_spike"].config_field()
     warn_length_drift_corr: float | None = ALARMS["length_drift"].config_field()
+    warn_length_growth: float | None = ALARMS["length_growth"].config_field()
     warn_length_group_corr: float | None = ALARMS["length_in_group"].config_field()
     warn_heldout_drop: float | None = ALARMS["reward_vs_heldout"].config_field()
     warn_patience: int = field(

@@ -438,6 +438,44 @@ class LengthDriftRule(Rule):
         )
 
 
+class LengthGrowthRule(Rule):
+    """Over the whole run: the mean completion length grew by at least `threshold` (a fraction) from the run's own
+    start. The start is the median of the first `BASELINE` logged lengths, now the median of the last `RECENT`
+    (judged once the two windows no longer overlap), so one long or short log step moves neither. A slow growth
+    moves `LengthDriftRule`'s 10-step window too little to count."""
+
+    keys = ("completions/mean_length",)
+    BASELINE = 5
+    RECENT = 5
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.first: list[float] = []
+        self.recent: list[float] = []
+        self.seen = 0  # lengths logged so far
+
+    def judge(self, entry):
+        _, length = _first_number(entry, LengthDriftRule.LENGTH_KEYS)
+        if length is None:
+            return None
+        if len(self.first) < self.BASELINE:
+            self.first.append(length)
+        self.recent = (self.recent + [length])[-self.RECENT :]
+        self.seen += 1
+        if self.seen < self.BASELINE + self.RECENT:
+            return False
+        start, now = statistics.median(self.first), statistics.median(self.recent)
+        if start <= 0 or now < (1 + self.threshold) * start:
+            return False
+        return (
+            f"completion length grew from {start:.3g} to {now:.3g} tokens ({now / start - 1:+.0%}) since the start "
+            f"of the run (median of its first {self.BASELINE} log steps, of its last {self.RECENT}): the reward may "
+            "pay for length rather than for the task, the completions run towards max_completion_length (watch "
+            "completions/clipped_ratio) and every step costs more. Check the reward on long and short completions; "
+            "cap or penalise length in the reward. Where the task rewards longer reasoning, raise the threshold."
+        )
+
+
 class LengthInGroupRule(Rule):
     """Inside groups: the longer completions of a prompt score higher (GRPOTrainerExt's pooled correlation)."""
 
@@ -732,6 +770,22 @@ ALARMS: dict[str, Alarm] = {
             "Alarm length_drift: over the last 10 log steps (judged from 6) the reward rose, "
             "completions/mean_length changed by at least a fifth, and the two correlate at least this much "
             "(absolute Pearson correlation).",
+        ),
+        Alarm(
+            "length_growth",
+            LengthGrowthRule,
+            "warn_length_growth",
+            # The demo's length stays within 6% of its start over 400 steps (5.75 to 6.17 tokens); a run whose length
+            # grows 203 -> 707 tokens over its course is flagged once it is half as long again as at its start. A
+            # task that rewards longer reasoning can raise it.
+            0.5,
+            0.0,
+            math.inf,
+            False,
+            False,
+            f"Alarm length_growth: the median completions/mean_length of the last {LengthGrowthRule.RECENT} log "
+            f"steps exceeds that of the run's first {LengthGrowthRule.BASELINE} by at least this fraction (1.0: it "
+            f"doubled; judged from the {LengthGrowthRule.BASELINE + LengthGrowthRule.RECENT}th log step).",
         ),
         Alarm(
             "length_in_group",

@@ -67,7 +67,7 @@ SIGNALS = (
     Signal(
         "completion length",
         ("completions/mean_length",),
-        ("truncation", "length_drift", "length_in_group"),
+        ("truncation", "length_drift", "length_growth", "length_in_group"),
     ),
     Signal("skipped non-finite steps", ("nonfinite/skipped_steps",), kind="count"),
     Signal("gradient norm", ("grad_norm",), ("grad_norm_spike", "no_gradient")),
