@@ -41,6 +41,11 @@ STREAMS = {
         [2, 7],
     ),
     "truncation": ([{"completions/clipped_ratio": v} for v in (0.6, 0.9, 0.1, 0.7)], [0, 3]),
+    "truncation_sustained": (
+        # 6% for 5 log steps (a note), 20% for 5 more (risen to a warning: a new episode), cleared, 30% for 5
+        [{"completions/clipped_ratio": v} for v in [0.06] * 5 + [0.2] * 5 + [0.01] + [0.3] * 5],
+        [4, 9, 15],
+    ),
     "unscored": (
         [
             {"rewards/parse/mean": float("nan"), "frac_reward_unscored": 1.0},  # the function scored nothing
@@ -136,6 +141,25 @@ def test_no_spread_says_whether_truncation_is_the_cause():
     assert "Truncation is the likely cause" in message(0.97) and "max_completion_length" in message(0.97)
     assert "Truncation is not the cause (10% of completions were cut)" in message(0.1)
     assert "Whether truncation is the cause is unknown" in message(None)
+
+
+def test_sustained_truncation_is_a_note_from_5_percent_and_a_warning_from_15_percent():
+    _, messages, monitor = fired_at(STREAMS["truncation_sustained"][0], "truncation_sustained")
+    assert [episode.severity for episode in monitor.episodes] == ["note", "warning", "warning"]
+    assert "6% or more of completions (6% now) reached max_completion_length" in messages[0]
+    assert "at each of the last 5 log steps (note; a warning from 15%)" in messages[0]
+    assert "(warning: 15% or more)" in messages[1] and "Raise max_completion_length" in messages[1]
+    assert "truncation" not in monitor.counts  # the alarm at once waits for half the completions
+
+
+def test_sustained_truncation_waits_for_5_log_steps_in_a_row():
+    """One batch with a few long completions, or 4 steps in a row, is no trend; the demo's share (at most 1.9%,
+    logged every 10 steps over 400) is none either."""
+    noisy = [{"completions/clipped_ratio": 0.4 if i % 4 == 0 else 0.01} for i in range(20)]
+    short = [{"completions/clipped_ratio": 0.3}] * 4 + [{"completions/clipped_ratio": 0.0}]
+    demo = [{"completions/clipped_ratio": 0.0125 - 0.011 * (i % 2)} for i in range(40)]
+    for stream in (noisy, short, demo):
+        assert fired_at(stream, "truncation_sustained")[0] == []
 
 
 def test_length_drift_needs_a_rising_reward_and_a_real_change():

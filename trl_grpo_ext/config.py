@@ -345,6 +345,7 @@ class GRPOConfigExt(GRPOConfig):
     warn_unscored_fraction: float | None = ALARMS["unscored"].config_field()
     warn_zero_grad_steps: int | None = ALARMS["no_gradient"].config_field()
     warn_truncated_fraction: float | None = ALARMS["truncation"].config_field()
+    warn_truncated_sustained: float | None = ALARMS["truncation_sustained"].config_field()
     warn_clip_fraction: float | None = ALARMS["clip_fraction"].config_field()
     warn_ratio_p95: float | None = ALARMS["ratio_p95"].config_field()
     warn_ratio_max: float | None = ALARMS["ratio_max"].config_field()

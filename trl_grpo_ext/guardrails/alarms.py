@@ -23,7 +23,20 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ALARMS", "ALARM_FIELDS", "DEFAULT_THRESHOLDS", "HELDOUT_KEY", "Alarm", "Rule", "build_rules", "pearson"]
+__all__ = [
+    "ALARMS",
+    "ALARM_FIELDS",
+    "DEFAULT_THRESHOLDS",
+    "HELDOUT_KEY",
+    "SEVERITIES",
+    "Alarm",
+    "Rule",
+    "build_rules",
+    "pearson",
+]
+
+#: The severity tiers of the alarms and of the report's verdicts, lowest first.
+SEVERITIES = ("ok", "note", "warning", "critical")
 
 #: A held-out metric's mean over k completions per prompt (`heldout/<metric>/mean@<k>`), also with `eval_` in front.
 HELDOUT_KEY = re.compile(r"^(?:eval_)?heldout/(?P<metric>.+)/mean@(?P<k>\d+)$")
@@ -80,6 +93,8 @@ class Rule:
     field: str = ""
     #: The logged metrics it reads (the report names them when none was logged).
     keys: tuple[str, ...] = ()
+    #: The tier of the verdict just given (of `SEVERITIES`): a rule with tiers sets it in `judge`.
+    severity: str = "warning"
 
     def __init__(self, threshold: float):
         self.threshold = threshold
@@ -284,6 +299,38 @@ class TruncationRule(Rule):
             f"{value:.0%} of completions reached max_completion_length without an end-of-sequence token: the "
             "rewards judge cut-off text, and when every completion is cut they are often all equal (no learning "
             "signal). Raise max_completion_length, or ask for shorter answers (a system prompt, a format reward)."
+        )
+
+
+class SustainedTruncationRule(Rule):
+    """A truncated share at or above `threshold` at each of `WINDOW` log steps in a row, in tiers: a note, and a
+    warning once every step of the streak is at `SEVERE` times the threshold. `TruncationRule` warns at once only
+    where most completions are cut."""
+
+    keys = ("completions/clipped_ratio",)
+    WINDOW = 5  # log steps in a row: one batch with a few long completions is no trend
+    SEVERE = 3.0  # the warning tier, a multiple of the threshold (0.15 by default)
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.shares: list[float] = []
+
+    def judge(self, entry):
+        _, value = _first_number(entry, TRUNCATION_KEYS)
+        if value is None:
+            return None
+        self.shares = (self.shares + [value])[-self.WINDOW :]
+        low = min(self.shares)
+        if len(self.shares) < self.WINDOW or low < self.threshold:
+            return False
+        severe = min(self.SEVERE * self.threshold, 1.0)
+        self.severity = "warning" if low >= severe else "note"
+        tier = f"warning: {severe:.0%} or more" if self.severity == "warning" else f"note; a warning from {severe:.0%}"
+        return (
+            f"{low:.0%} or more of completions ({value:.0%} now) reached max_completion_length without an "
+            f"end-of-sequence token at each of the last {self.WINDOW} log steps ({tier}): the rewards judge cut-off "
+            "text, and the longest answers are the ones cut. Raise max_completion_length, or ask for shorter answers "
+            "(a system prompt, a format reward)."
         )
 
 
@@ -674,6 +721,22 @@ ALARMS: dict[str, Alarm] = {
             True,
             "Alarm truncation: at least this share of completions reached max_completion_length without an "
             "end-of-sequence token (TRL's completions/clipped_ratio).",
+        ),
+        Alarm(
+            "truncation_sustained",
+            SustainedTruncationRule,
+            "warn_truncated_sustained",
+            # A note from 5% cut, a warning from 15%, as rl-doctor grades truncation, but over 5 log steps in a row:
+            # the demo stays below 2% (logged every 10 steps over 400); the quickstart's random model (87% to 93% cut
+            # over its 4 log steps) raises `truncation` at once and is too short for this one.
+            0.05,
+            0.0,
+            1.0,
+            False,
+            True,
+            "Alarm truncation_sustained: at least this share of completions was truncated (completions/clipped_ratio) "
+            f"at each of {SustainedTruncationRule.WINDOW} log steps in a row: a note, a warning from "
+            f"{SustainedTruncationRule.SEVERE:g} times this share.",
         ),
         Alarm(
             "clip_fraction",
