@@ -269,6 +269,8 @@ def test_a_resumed_run_keeps_its_counts_and_does_not_warn_again(tmp_path, caplog
         ("warn_entropy_collapse", 1.0),
         ("warn_grad_norm_spike", 1.0),
         ("warn_length_drift_corr", 1.2),
+        ("warn_length_growth", 0.0),
+        ("warn_truncated_sustained", 1.5),
         ("warn_length_group_corr", 0.0),
         ("warn_heldout_drop", -0.1),
         ("warn_ratio_p95", 0.9),
