@@ -41,6 +41,11 @@ STREAMS = {
         [2, 7],
     ),
     "truncation": ([{"completions/clipped_ratio": v} for v in (0.6, 0.9, 0.1, 0.7)], [0, 3]),
+    "truncation_sustained": (
+        # 6% for 5 log steps (a note), 20% for 5 more (risen to a warning: a new episode), cleared, 30% for 5
+        [{"completions/clipped_ratio": v} for v in [0.06] * 5 + [0.2] * 5 + [0.01] + [0.3] * 5],
+        [4, 9, 15],
+    ),
     "unscored": (
         [
             {"rewards/parse/mean": float("nan"), "frac_reward_unscored": 1.0},  # the function scored nothing
@@ -64,6 +69,12 @@ STREAMS = {
         + [{"reward": 0.7, "completions/mean_length": 24.0} for _ in range(10)]
         + rising_length(8, 8, reward_from=0.8),
         [5, 22],
+    ),
+    "length_growth": (
+        # the first 5 lengths are the start (10); the median of the last 5 is 50% above it from the 10th entry (the
+        # first judged), falls back to 10, and rises again
+        [{"completions/mean_length": v} for v in [10.0] * 5 + [12, 14, 16, 18, 20, 22, 24, 10, 10, 10, 30, 30, 30]],
+        [9, 17],
     ),
     "length_in_group": ([{"reward_length_corr/within_group": v} for v in (0.9, 0.95, 0.1, 0.85)], [0, 3]),
     "reward_vs_heldout": (
@@ -132,11 +143,68 @@ def test_no_spread_says_whether_truncation_is_the_cause():
     assert "Whether truncation is the cause is unknown" in message(None)
 
 
+def test_sustained_truncation_is_a_note_from_5_percent_and_a_warning_from_15_percent():
+    _, messages, monitor = fired_at(STREAMS["truncation_sustained"][0], "truncation_sustained")
+    assert [episode.severity for episode in monitor.episodes] == ["note", "warning", "warning"]
+    assert "6% or more of completions (6% now) reached max_completion_length" in messages[0]
+    assert "at each of the last 5 log steps (note; a warning from 15%)" in messages[0]
+    assert "(warning: 15% or more)" in messages[1] and "Raise max_completion_length" in messages[1]
+    assert "truncation" not in monitor.counts  # the alarm at once waits for half the completions
+
+
+def test_sustained_truncation_waits_for_5_log_steps_in_a_row():
+    """One batch with a few long completions, or 4 steps in a row, is no trend; the demo's share (at most 1.9%,
+    logged every 10 steps over 400) is none either."""
+    noisy = [{"completions/clipped_ratio": 0.4 if i % 4 == 0 else 0.01} for i in range(20)]
+    short = [{"completions/clipped_ratio": 0.3}] * 4 + [{"completions/clipped_ratio": 0.0}]
+    demo = [{"completions/clipped_ratio": 0.0125 - 0.011 * (i % 2)} for i in range(40)]
+    for stream in (noisy, short, demo):
+        assert fired_at(stream, "truncation_sustained")[0] == []
+
+
 def test_length_drift_needs_a_rising_reward_and_a_real_change():
     falling_reward = [{"reward": 1.0 - 0.1 * i, "completions/mean_length": 10.0 + 2 * i} for i in range(8)]
     small_change = [{"reward": 0.1 * i, "completions/mean_length": 10.0 + 0.1 * i} for i in range(8)]
     assert fired_at(falling_reward, "length_drift")[0] == []
     assert fired_at(small_change, "length_drift")[0] == []
+
+
+def slow_length_growth(steps: int = 60, start: float = 203.0, end: float = 707.0) -> list[dict]:
+    """A run whose mean completion length grows steadily from `start` to `end` tokens while the reward rises, with
+    a little noise at every log step: each 10-step window moves too little for `length_drift`."""
+    return [
+        {
+            "loss": 0.0,
+            "reward": 0.2 + 0.5 * i / (steps - 1) + 0.05 * (-1) ** i,
+            "completions/mean_length": start + (end - start) * i / (steps - 1) + 15.0 * (-1) ** (i // 2),
+            "step": 10 * (i + 1),
+        }
+        for i in range(steps)
+    ]
+
+
+def test_slow_length_growth_over_the_run_raises_length_growth_where_length_drift_sees_nothing():
+    history = slow_length_growth()
+    assert fired_at(history, "length_drift")[0] == []  # the 10-step window's gap
+    indices, messages, _ = fired_at(history, "length_growth")
+    # The median of the last 5 lengths first exceeds the median of the first 5 (218 tokens) by half at index 17.
+    assert indices == [17]
+    assert "completion length grew from 218 to 329 tokens (+51%) since the start of the run" in messages[0]
+    assert "[alarms/length_growth; warn_length_growth=0.5, None switches it off]" in messages[0]
+    health = assess(history)
+    (length,) = [signal for signal in health.signals if signal.signal.name == "completion length"]
+    assert length.verdict == "ALARM" and length.onset == 180 and length.severity == "warning"
+    assert "length_growth at steps 180-600" in length.detail and not health.ok
+
+
+def test_a_length_steady_around_its_start_raises_no_length_growth():
+    """The demo's lengths (5.6 to 6.1 tokens, logged every 10 steps over 400) and a run whose length falls."""
+    demo = [{"loss": 0.0, "completions/mean_length": 5.8 + 0.3 * (-1) ** i, "step": 10 * i} for i in range(1, 41)]
+    shrinking = [{"loss": 0.0, "completions/mean_length": 400.0 - 5 * i, "step": i} for i in range(1, 41)]
+    for history in (demo, shrinking):
+        assert fired_at(history, "length_growth")[0] == []
+        (length,) = [signal for signal in assess(history).signals if signal.signal.name == "completion length"]
+        assert length.verdict == "ok" and "length_growth" in length.detail
 
 
 def test_pearson_correlation():
@@ -201,6 +269,8 @@ def test_a_resumed_run_keeps_its_counts_and_does_not_warn_again(tmp_path, caplog
         ("warn_entropy_collapse", 1.0),
         ("warn_grad_norm_spike", 1.0),
         ("warn_length_drift_corr", 1.2),
+        ("warn_length_growth", 0.0),
+        ("warn_truncated_sustained", 1.5),
         ("warn_length_group_corr", 0.0),
         ("warn_heldout_drop", -0.1),
         ("warn_ratio_p95", 0.9),

@@ -32,6 +32,11 @@ def unscored_history() -> list[dict]:
     return history
 
 
+def truncated_history(share: float) -> list[dict]:
+    """A run with `share` of its completions cut at every log step."""
+    return [{**entry, "completions/clipped_ratio": share} for entry in healthy_history()]
+
+
 def test_a_nan_loss_trace_is_not_called_healthy(tmp_path, capsys):
     write_state(tmp_path, 12, nan_loss_history())
     status, out, _ = report(tmp_path, capsys)
@@ -72,6 +77,21 @@ def test_json_lists_each_alarm_with_its_onset_step(tiny_model_path, tiny_tokeniz
     assert length["verdict"] == "ALARM" and length["onset_step"] == 1
 
 
+@pytest.mark.parametrize(("share", "severity"), [(0.08, "note"), (0.2, "warning")])
+def test_sustained_truncation_is_reported_with_its_tier_and_onset(tmp_path, capsys, share, severity):
+    write_state(tmp_path, 12, truncated_history(share))
+    document = json.loads(report(tmp_path, capsys, "--format", "json")[1])
+    (alarm,) = document["alarms"]
+    assert alarm["name"] == "truncation_sustained" and alarm["severity"] == severity
+    assert alarm["onset_step"] == 5 and alarm["steps"] == "steps 5-12"  # the 5th log step in a row
+    length = next(finding for finding in document["findings"] if finding["name"] == "completion length")
+    assert length["verdict"] == "ALARM" and length["severity"] == severity and length["onset_step"] == 5
+    assert document["severity"] == severity
+    _, text, _ = report(tmp_path, capsys)
+    assert "ALARM   completion length         truncation_sustained at steps 5-12" in text
+    assert "No alarm was raised" not in text
+
+
 def test_markdown_is_a_table_of_the_same_findings(tmp_path, capsys):
     write_state(tmp_path, 12, nan_loss_history())
     _, text, _ = report(tmp_path, capsys)
@@ -94,6 +114,11 @@ def test_markdown_is_a_table_of_the_same_findings(tmp_path, capsys):
         (unscored_history(), "note", 2),
         (unscored_history(), "warning", 0),
         (healthy_history(), "note", 0),
+        (truncated_history(0.08), "note", 2),
+        (truncated_history(0.08), "warning", 0),
+        (truncated_history(0.2), "warning", 2),
+        (truncated_history(0.2), "critical", 0),
+        (truncated_history(0.02), "note", 0),
     ],
 )
 def test_fail_on_exits_2_at_or_above_its_tier(tmp_path, capsys, history, fail_on, status):

@@ -356,6 +356,7 @@ class GRPOConfigExt(GRPOConfig):
     warn_unscored_fraction: float | None = ALARMS["unscored"].config_field()
     warn_zero_grad_steps: int | None = ALARMS["no_gradient"].config_field()
     warn_truncated_fraction: float | None = ALARMS["truncation"].config_field()
+    warn_truncated_sustained: float | None = ALARMS["truncation_sustained"].config_field()
     warn_clip_fraction: float | None = ALARMS["clip_fraction"].config_field()
     warn_ratio_p95: float | None = ALARMS["ratio_p95"].config_field()
     warn_ratio_max: float | None = ALARMS["ratio_max"].config_field()
@@ -364,6 +365,7 @@ class GRPOConfigExt(GRPOConfig):
     warn_entropy_collapse: float | None = ALARMS["entropy_collapse"].config_field()
     warn_grad_norm_spike: float | None = ALARMS["grad_norm_spike"].config_field()
     warn_length_drift_corr: float | None = ALARMS["length_drift"].config_field()
+    warn_length_growth: float | None = ALARMS["length_growth"].config_field()
     warn_length_group_corr: float | None = ALARMS["length_in_group"].config_field()
     warn_heldout_drop: float | None = ALARMS["reward_vs_heldout"].config_field()
     warn_patience: int = field(

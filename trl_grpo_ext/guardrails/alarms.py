@@ -23,7 +23,20 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ALARMS", "ALARM_FIELDS", "DEFAULT_THRESHOLDS", "HELDOUT_KEY", "Alarm", "Rule", "build_rules", "pearson"]
+__all__ = [
+    "ALARMS",
+    "ALARM_FIELDS",
+    "DEFAULT_THRESHOLDS",
+    "HELDOUT_KEY",
+    "SEVERITIES",
+    "Alarm",
+    "Rule",
+    "build_rules",
+    "pearson",
+]
+
+#: The severity tiers of the alarms and of the report's verdicts, lowest first.
+SEVERITIES = ("ok", "note", "warning", "critical")
 
 #: A held-out metric's mean over k completions per prompt (`heldout/<metric>/mean@<k>`), also with `eval_` in front.
 HELDOUT_KEY = re.compile(r"^(?:eval_)?heldout/(?P<metric>.+)/mean@(?P<k>\d+)$")
@@ -80,6 +93,8 @@ class Rule:
     field: str = ""
     #: The logged metrics it reads (the report names them when none was logged).
     keys: tuple[str, ...] = ()
+    #: The tier of the verdict just given (of `SEVERITIES`): a rule with tiers sets it in `judge`.
+    severity: str = "warning"
 
     def __init__(self, threshold: float):
         self.threshold = threshold
@@ -287,6 +302,38 @@ class TruncationRule(Rule):
         )
 
 
+class SustainedTruncationRule(Rule):
+    """A truncated share at or above `threshold` at each of `WINDOW` log steps in a row, in tiers: a note, and a
+    warning once every step of the streak is at `SEVERE` times the threshold. `TruncationRule` warns at once only
+    where most completions are cut."""
+
+    keys = ("completions/clipped_ratio",)
+    WINDOW = 5  # log steps in a row: one batch with a few long completions is no trend
+    SEVERE = 3.0  # the warning tier, a multiple of the threshold (0.15 by default)
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.shares: list[float] = []
+
+    def judge(self, entry):
+        _, value = _first_number(entry, TRUNCATION_KEYS)
+        if value is None:
+            return None
+        self.shares = (self.shares + [value])[-self.WINDOW :]
+        low = min(self.shares)
+        if len(self.shares) < self.WINDOW or low < self.threshold:
+            return False
+        severe = min(self.SEVERE * self.threshold, 1.0)
+        self.severity = "warning" if low >= severe else "note"
+        tier = f"warning: {severe:.0%} or more" if self.severity == "warning" else f"note; a warning from {severe:.0%}"
+        return (
+            f"{low:.0%} or more of completions ({value:.0%} now) reached max_completion_length without an "
+            f"end-of-sequence token at each of the last {self.WINDOW} log steps ({tier}): the rewards judge cut-off "
+            "text, and the longest answers are the ones cut. Raise max_completion_length, or ask for shorter answers "
+            "(a system prompt, a format reward)."
+        )
+
+
 class NoSpreadRule(Rule):
     """No reward spread in any group for `threshold` log steps in a row; says whether truncation is the cause."""
 
@@ -435,6 +482,44 @@ class LengthDriftRule(Rule):
             f"last {len(self.pairs)} log steps, in step with the rising reward (correlation {correlation:+.2f}): the "
             "reward may pay for length rather than for the task. Check the reward on long and short completions; "
             "cap or penalise length in the reward, or lower max_completion_length."
+        )
+
+
+class LengthGrowthRule(Rule):
+    """Over the whole run: the mean completion length grew by at least `threshold` (a fraction) from the run's own
+    start. The start is the median of the first `BASELINE` logged lengths, now the median of the last `RECENT`
+    (judged once the two windows no longer overlap), so one long or short log step moves neither. A slow growth
+    moves `LengthDriftRule`'s 10-step window too little to count."""
+
+    keys = ("completions/mean_length",)
+    BASELINE = 5
+    RECENT = 5
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.first: list[float] = []
+        self.recent: list[float] = []
+        self.seen = 0  # lengths logged so far
+
+    def judge(self, entry):
+        _, length = _first_number(entry, LengthDriftRule.LENGTH_KEYS)
+        if length is None:
+            return None
+        if len(self.first) < self.BASELINE:
+            self.first.append(length)
+        self.recent = (self.recent + [length])[-self.RECENT :]
+        self.seen += 1
+        if self.seen < self.BASELINE + self.RECENT:
+            return False
+        start, now = statistics.median(self.first), statistics.median(self.recent)
+        if start <= 0 or now < (1 + self.threshold) * start:
+            return False
+        return (
+            f"completion length grew from {start:.3g} to {now:.3g} tokens ({now / start - 1:+.0%}) since the start "
+            f"of the run (median of its first {self.BASELINE} log steps, of its last {self.RECENT}): the reward may "
+            "pay for length rather than for the task, the completions run towards max_completion_length (watch "
+            "completions/clipped_ratio) and every step costs more. Check the reward on long and short completions; "
+            "cap or penalise length in the reward. Where the task rewards longer reasoning, raise the threshold."
         )
 
 
@@ -638,6 +723,22 @@ ALARMS: dict[str, Alarm] = {
             "end-of-sequence token (TRL's completions/clipped_ratio).",
         ),
         Alarm(
+            "truncation_sustained",
+            SustainedTruncationRule,
+            "warn_truncated_sustained",
+            # A note from 5% cut, a warning from 15%, as rl-doctor grades truncation, but over 5 log steps in a row:
+            # the demo stays below 2% (logged every 10 steps over 400); the quickstart's random model (87% to 93% cut
+            # over its 4 log steps) raises `truncation` at once and is too short for this one.
+            0.05,
+            0.0,
+            1.0,
+            False,
+            True,
+            "Alarm truncation_sustained: at least this share of completions was truncated (completions/clipped_ratio) "
+            f"at each of {SustainedTruncationRule.WINDOW} log steps in a row: a note, a warning from "
+            f"{SustainedTruncationRule.SEVERE:g} times this share.",
+        ),
+        Alarm(
             "clip_fraction",
             ClipFractionRule,
             "warn_clip_fraction",
@@ -732,6 +833,22 @@ ALARMS: dict[str, Alarm] = {
             "Alarm length_drift: over the last 10 log steps (judged from 6) the reward rose, "
             "completions/mean_length changed by at least a fifth, and the two correlate at least this much "
             "(absolute Pearson correlation).",
+        ),
+        Alarm(
+            "length_growth",
+            LengthGrowthRule,
+            "warn_length_growth",
+            # The demo's length stays within 6% of its start over 400 steps (5.75 to 6.17 tokens); a run whose length
+            # grows 203 -> 707 tokens over its course is flagged once it is half as long again as at its start. A
+            # task that rewards longer reasoning can raise it.
+            0.5,
+            0.0,
+            math.inf,
+            False,
+            False,
+            f"Alarm length_growth: the median completions/mean_length of the last {LengthGrowthRule.RECENT} log "
+            f"steps exceeds that of the run's first {LengthGrowthRule.BASELINE} by at least this fraction (1.0: it "
+            f"doubled; judged from the {LengthGrowthRule.BASELINE + LengthGrowthRule.RECENT}th log step).",
         ),
         Alarm(
             "length_in_group",

@@ -1,10 +1,11 @@
 """`AnomalyMonitor`: alarms, from the logged metrics, about the failure modes a GRPO practitioner watches for.
 
 It warns, once per episode and naming what to change, when most groups carry no learning signal, the rewards stay
-without spread, most completions are truncated, the clip fraction stays high, the importance-ratio tail explodes,
-the KL jumps, the entropy collapses, `grad_norm` spikes, the length follows the reward, or the training reward rises
-while a held-out metric falls. The rules themselves are in `alarms.py`; `trl_grpo_ext.report.health` replays a finished
-run through the same ones, with the run's own thresholds: `AlarmSettings` keeps them in the trainer state.
+without spread, most completions are truncated (or a few, step after step), the clip fraction stays high, the
+importance-ratio tail explodes, the KL jumps, the entropy collapses, `grad_norm` spikes, the length follows the reward
+or grows over the run, or the training reward rises while a held-out metric falls. The rules themselves are in
+`alarms.py`; `trl_grpo_ext.report.health` replays a finished run through the same ones, with the run's own
+thresholds: `AlarmSettings` keeps them in the trainer state.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
-from .alarms import ALARMS, Rule, build_rules
+from .alarms import ALARMS, SEVERITIES, Rule, build_rules
 
 __all__ = ["AlarmSettings", "AnomalyMonitor", "Episode"]
 
@@ -49,6 +50,7 @@ class Episode:
         end: the last step at which the condition held so far.
         message: the warning given.
         active: whether the condition still held at the last entry that told.
+        severity: its tier (of `alarms.SEVERITIES`): `"warning"` but for an alarm with tiers.
     """
 
     name: str
@@ -56,6 +58,7 @@ class Episode:
     end: int | None
     message: str
     active: bool = True
+    severity: str = "warning"
 
     def steps(self) -> str:
         """The steps as text: `"12"` or `"12-30"`."""
@@ -67,12 +70,13 @@ class Episode:
 class AnomalyMonitor(TrainerCallback):
     """Alarms about a GRPO run, from its logged metrics; each given once per episode and counted.
 
-    An alarm fires when its condition starts and again only after the condition has cleared for a log step, so a
-    long episode gives one warning, not one per log line. Each alarm given is counted in `alarms/<name>` (how many
-    times it was given so far), added to every training log entry from its first time on: to the `logs` that the
-    callbacks after this one see (the trainer puts it before the loggers: TensorBoard, W&B, trackio, the console)
-    and to the entry of `state.log_history`. On `on_train_begin` it replays the history already in the state, so a
-    resumed run keeps its counts and the rules their running medians.
+    An alarm fires when its condition starts and again only after the condition has cleared for a log step (or, for
+    an alarm with severity tiers, when it rises to a higher tier), so a long episode gives one warning, not one per
+    log line. Each alarm given is counted in `alarms/<name>` (how many times it was given so far), added to every
+    training log entry from its first time on: to the `logs` that the callbacks after this one see (the trainer puts
+    it before the loggers: TensorBoard, W&B, trackio, the console) and to the entry of `state.log_history`. On
+    `on_train_begin` it replays the history already in the state, so a resumed run keeps its counts and the rules
+    their running medians.
 
     Args:
         patience: log steps in a row a high clip fraction must last (`warn_patience`).
@@ -131,10 +135,12 @@ class AnomalyMonitor(TrainerCallback):
                     del self._open[rule.name]
                 continue
             if episode is not None:
-                episode.end = step
-                continue
+                if SEVERITIES.index(rule.severity) <= SEVERITIES.index(episode.severity):
+                    episode.end = step
+                    continue
+                episode.active = False  # risen to a higher tier: a new episode, warned again
             message = verdict + rule.tag()
-            episode = Episode(rule.name, step, step, message)
+            episode = Episode(rule.name, step, step, message, severity=rule.severity)
             self._open[rule.name] = episode
             self.episodes.append(episode)
             self.counts[rule.name] = self.counts.get(rule.name, 0) + 1

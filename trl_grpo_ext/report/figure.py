@@ -56,7 +56,7 @@ PANELS = (
     Panel(
         "completion length (tokens)",
         ("completions/mean_length", "completions/clipped_ratio"),
-        ("truncation", "length_drift", "length_in_group"),
+        ("truncation", "truncation_sustained", "length_drift", "length_growth", "length_in_group"),
         "tokens",
     ),
     Panel("gradient norm", ("grad_norm",), ("grad_norm_spike",), "gradient norm (before clipping)"),

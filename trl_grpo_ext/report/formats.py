@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from .health import SEVERITIES, RunHealth, SignalHealth, _episode_steps, _values
+from .health import RunHealth, SignalHealth, _episode_steps, _values, highest_severity
 
 __all__ = [
     "FORMATS",
@@ -132,7 +132,7 @@ class Report:
             records.append(
                 {
                     "name": name,
-                    "severity": "warning",
+                    "severity": highest_severity(episode.severity for episode in episodes),
                     "onset_step": episodes[0].start,
                     "steps": _episode_steps(episodes),
                     "message": episodes[0].message,
@@ -143,7 +143,7 @@ class Report:
     def worst_severity(self) -> str:
         """The highest tier of the findings and alarms (`"ok"` for none)."""
         tiers = [finding["severity"] for finding in self.findings()] + [alarm["severity"] for alarm in self.alarms()]
-        return max(tiers, key=SEVERITIES.index, default="ok")
+        return highest_severity(tiers)
 
 
 def _finding(signal: SignalHealth) -> dict:

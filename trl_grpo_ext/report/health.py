@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..guardrails.alarms import HELDOUT_KEY
+from ..guardrails.alarms import HELDOUT_KEY, SEVERITIES
 from ..guardrails.anomaly import AnomalyMonitor, Episode
 
-__all__ = ["SEVERITIES", "SIGNALS", "RunHealth", "Signal", "SignalHealth", "assess"]
+__all__ = ["SEVERITIES", "SIGNALS", "RunHealth", "Signal", "SignalHealth", "assess", "highest_severity"]
 
 DIAGNOSTICS = "GRPOTrainerExt logs it with log_diagnostics; stock TRL does not"
 #: Why a metric may be missing from a history (shown when a signal was not logged).
@@ -67,7 +68,7 @@ SIGNALS = (
     Signal(
         "completion length",
         ("completions/mean_length",),
-        ("truncation", "length_drift", "length_in_group"),
+        ("truncation", "truncation_sustained", "length_drift", "length_growth", "length_in_group"),
     ),
     Signal("skipped non-finite steps", ("nonfinite/skipped_steps",), kind="count"),
     Signal("gradient norm", ("grad_norm",), ("grad_norm_spike", "no_gradient")),
@@ -75,9 +76,8 @@ SIGNALS = (
 )
 
 
-#: The severity tiers of the verdicts, lowest first (`--fail-on` of `report` takes the last three).
-SEVERITIES = ("ok", "note", "warning", "critical")
-_SEVERITY = {"FAIL": "critical", "ALARM": "warning", "note": "note"}
+# `SEVERITIES` (the alarms' tiers) are the verdicts' too, lowest first; `--fail-on` of `report` takes the last three.
+_SEVERITY = {"FAIL": "critical", "note": "note"}
 
 
 @dataclass
@@ -103,7 +103,10 @@ class SignalHealth:
 
     @property
     def severity(self) -> str:
-        """The verdict's tier of `SEVERITIES`: `FAIL` is critical, `ALARM` a warning, `note` a note, others ok."""
+        """The verdict's tier of `SEVERITIES`: `FAIL` is critical, `ALARM` the highest tier of its episodes (a
+        warning but for an alarm with tiers), `note` a note, others ok."""
+        if self.verdict == "ALARM":
+            return highest_severity(episode.severity for episode in self.episodes)
         return _SEVERITY.get(self.verdict, "ok")
 
     def line(self) -> str:
@@ -149,6 +152,11 @@ class RunHealth:
             episodes = [episode for episode in self.episodes if episode.name == name]
             lines.append(f"{name} ({_episode_steps(episodes)}): {episodes[0].message}")
         return lines
+
+
+def highest_severity(tiers: Iterable[str]) -> str:
+    """The highest of `tiers` (of `SEVERITIES`), `"ok"` for none."""
+    return max(tiers, key=SEVERITIES.index, default="ok")
 
 
 def _values(log_history: list[dict], key: str) -> list[tuple[int | None, float]]:
