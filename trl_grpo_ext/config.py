@@ -146,7 +146,8 @@ class GRPOConfigExt(GRPOConfig):
             "equal), each completion attending to the prompt and to itself only through a 4-D attention mask; "
             "log-probs, entropies and gradients are the padded forward's to rounding. A layout of the padding-free "
             "forward: padding_free=False forwards padded, as TRL does, whatever this says. sdpa and eager attention "
-            "only: flash or flex attention, sliding-window layers and the MoE router loss pack without sharing, with one line saying why (forward.logprobs)."
+            "only: flash or flex attention, sliding-window layers and the MoE router loss pack without sharing, "
+            "with one line saying why (forward.logprobs)."
         },
     )
 
