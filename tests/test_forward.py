@@ -5,7 +5,7 @@ import logging
 
 import pytest
 import torch
-from helpers import make_trainer
+from helpers import make_trainer, tiny_lora
 
 from trl_grpo_ext.forward import forward_counts, logprobs, pack_rows, row_spans, run_fallback_reason, unpackable_reason
 from trl_grpo_ext.forward.layout import first_of_prompt, prompt_leaders
@@ -267,3 +267,48 @@ def test_training_logs_the_forward_metrics_and_matches_the_padded_run(tmp_path, 
         packed = torch.tensor([entry[key] for entry in runs[True]])
         padded = torch.tensor([entry[key] for entry in runs[False]])
         torch.testing.assert_close(packed, padded, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [{"loss_type": name} for name in ("bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")]
+    + [{"gradient_checkpointing": True}, {"lora": True}, {"beta": 0.04, "num_iterations": 2}],
+    ids=lambda setting: "-".join(f"{key}={value}" for key, value in setting.items()),
+)
+def test_a_shared_prompt_run_trains_as_its_padded_twin(
+    tmp_path, tiny_model_path, prompt_dataset, monkeypatch, setting
+):
+    """Every loss type, gradient checkpointing, LoRA (its reference the adapters-disabled model), the reference and
+    old-policy forwards: the shared-prompt run logs its padded twin's losses and gradient norms to rounding."""
+    branches = []  # the most completions after one copy of a prompt, per packed forward of the run
+
+    def recording(*args, **kwargs):
+        layout = pack_rows(*args, **kwargs)
+        branches.append(0 if layout.branches is None else int(layout.branches[1].max()))
+        return layout
+
+    monkeypatch.setattr(logprobs, "pack_rows", recording)
+    setting = dict(setting)
+    lora = setting.pop("lora", False)
+    runs = {}
+    for padding_free in (True, False):
+        trainer = make_trainer(
+            tmp_path / str(padding_free),
+            tiny_model_path,
+            None,
+            prompt_dataset,
+            peft_config=tiny_lora() if lora else None,
+            padding_free=padding_free,
+            max_steps=2,
+            **setting,
+        )
+        trainer.train()
+        if padding_free:
+            assert trainer._packed_forward.self_check.shared_passed
+            # The self-check (packed, then shared), then every forward of the run: each prompt's 4 completions share it.
+            assert branches[:2] == [0, 4] and set(branches[2:]) == {4}
+        runs[padding_free] = [entry for entry in trainer.state.log_history if "loss" in entry]
+    for key in ("loss", "grad_norm"):
+        shared = torch.tensor([entry[key] for entry in runs[True]])
+        padded = torch.tensor([entry[key] for entry in runs[False]])
+        torch.testing.assert_close(shared, padded, rtol=1e-4, atol=1e-6)

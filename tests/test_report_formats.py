@@ -158,13 +158,16 @@ def test_the_summary_says_what_the_forward_wastes_and_what_packing_saves(tmp_pat
     _, out, _ = report(tmp_path, capsys)
     line = next(line for line in out.splitlines() if line.strip().startswith("forward:"))
     assert "forward: 1.63 tokens forwarded per distinct token (padding 22%, repeated prompt 15%)" in line
-    assert "padding_free=True" in line and "1.27 per distinct token, 22% fewer tokens" in line
+    assert "padding_free=True and shared_prompt_forward=True" in line
+    assert "about 1.03 per distinct token, 37% fewer tokens" in line
     assert json.loads(report(tmp_path, capsys, "--format", "json")[1])["forward"]["tokens_per_distinct"] == 1.63
 
 
-def test_a_forward_without_padding_is_not_told_to_pack_and_a_stock_run_has_no_forward_line():
+def test_a_forward_with_nothing_to_save_is_not_told_to_pack_and_a_stock_run_has_no_forward_line():
     unpadded = forward_summary(forward_history(0.0, 0.1, 1.11))
-    assert unpadded["message"] == "forward: 1.11 tokens forwarded per distinct token (padding 0%, repeated prompt 10%)"
+    assert unpadded["message"].endswith("about 0.999 per distinct token, 10% fewer tokens")
+    nothing = forward_summary(forward_history(0.0, 0.0, 1.0))
+    assert nothing["message"] == "forward: 1 tokens forwarded per distinct token (padding 0%, repeated prompt 0%)"
     assert forward_summary(healthy_history()) is None
 
 

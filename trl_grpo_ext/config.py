@@ -134,9 +134,9 @@ class GRPOConfigExt(GRPOConfig):
         default=None,
         metadata={
             "help": "With padding_free: the most tokens in one packed row (a longer sequence has a row of its own). "
-            "Default: each chunk's padded width, so that no packed row is longer than TRL's padded rows: attention "
-            "without varlen kernels (sdpa, eager) costs the square of a row's length, and a few long rows can cost "
-            "more than many short ones. With flash-attention a larger budget costs nothing."
+            "Default: each chunk's padded width or 3 x the model's hidden size, the larger: attention without varlen "
+            "kernels (sdpa, eager) costs the square of a row's length, and up to there a token's attention costs "
+            "less than half its linear layers (forward.logprobs). With flash-attention a larger budget costs nothing."
         },
     )
     shared_prompt_forward: bool = field(

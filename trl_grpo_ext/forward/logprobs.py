@@ -18,8 +18,11 @@ shapes asked for), TRL before 1.15 (no fused LM head), a row whose mask has a ga
 
 With the router loss on, a chunk is one packed row (the loss counts every token of the forward, so no tail padding
 may enter it); otherwise a packed row holds at most `padding_free_row_tokens` tokens (a sequence longer than that
-has a row of its own), by default the chunk's padded width: attention without varlen kernels (sdpa, eager) costs the
-square of a row's length, and rows no longer than TRL's padded ones, fewer of them, never cost more than those.
+has a row of its own), by default the chunk's padded width or `ROW_TOKENS_PER_HIDDEN` times the model's hidden size,
+the larger (`row_budget`). Attention without varlen kernels (sdpa, eager) costs the square of a row's length: rows
+no longer than TRL's padded ones, fewer of them, never cost more than those, and up to 3 x hidden tokens a row the
+attention of a token (about 4 L d multiply-adds in a row of L) stays under half what the model's linear layers cost
+it (about 24 d^2), so that short rows can pack a prompt's completions together.
 
 With `shared_prompt_forward` the rows of a chunk that share a prompt forward it once (`layout.pack_rows`,
 `shared_prompts`), through a 4-D attention mask that keeps each completion to the prompt and itself. Where that mask
@@ -41,7 +44,10 @@ from .layout import PackedLayout, pack_rows, row_spans, unpackable_reason
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["PackedLogProbs", "SelfCheck", "run_fallback_reason", "shared_fallback_reason"]
+__all__ = ["PackedLogProbs", "SelfCheck", "row_budget", "run_fallback_reason", "shared_fallback_reason"]
+
+#: The packed rows' default token budget, per unit of the model's hidden size (module docstring).
+ROW_TOKENS_PER_HIDDEN = 3
 
 #: The attention implementations that take a prepared 4-D mask as transformers passes it (bool for sdpa, additive for
 #: eager): the shared-prompt layout needs one.
@@ -60,6 +66,13 @@ def run_fallback_reason(trainer, forward_inputs: dict[str, Any]) -> str | None:
     if not trl_has_fused_lm_head():
         return "the installed TRL has no fused LM head (TRL 1.15 or newer packs)"
     return None
+
+
+def row_budget(config, padded_width: int) -> int:
+    """The default token budget of a packed row for a model with this `config` (module docstring): the padded width
+    of the chunk, or `ROW_TOKENS_PER_HIDDEN` times the hidden size where that is larger."""
+    hidden = getattr(config, "hidden_size", None)
+    return max(padded_width, ROW_TOKENS_PER_HIDDEN * hidden) if isinstance(hidden, int) else padded_width
 
 
 def shared_fallback_reason(config, compute_aux_loss: bool) -> str | None:
@@ -222,7 +235,11 @@ class PackedLogProbs:
     def _forward_chunk(
         self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, compute_aux_loss, spans, share
     ):
-        row_tokens = self.row_tokens if self.row_tokens is not None else input_ids.size(1)
+        row_tokens = self.row_tokens
+        if row_tokens is None:
+            row_tokens = row_budget(
+                getattr(self.trainer.accelerator.unwrap_model(model), "config", None), input_ids.size(1)
+            )
         if compute_aux_loss:
             row_tokens = None
         layout = pack_rows(input_ids, attention_mask, logits_to_keep, row_tokens, spans, shared_prompts=share)

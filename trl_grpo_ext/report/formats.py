@@ -63,7 +63,8 @@ def forward_summary(log_history: list[dict]) -> dict | None:
         `None` when the run logged none of `FORWARD_KEYS`, else a dict with `padding_fraction`,
         `repeated_prompt_fraction`, `tokens_per_distinct` (each `None` if not logged) and `message`:
         `forward: 1.63 tokens forwarded per distinct token (padding 22%, repeated prompt 15%)`, and where the padded
-        layout forwarded padding, what `padding_free=True` (which forwards no padding) would forward instead.
+        layout forwarded padding or repeated prompts, what `padding_free=True` with `shared_prompt_forward=True`
+        (which forward neither) would forward instead.
     """
     means = {}
     for key in FORWARD_KEYS:
@@ -85,11 +86,12 @@ def forward_summary(log_history: list[dict]) -> dict | None:
         )
     else:
         message = f"forward: {shares}"
-    if per_distinct is not None and padding and per_distinct > PACKING_WORTH_MENTIONING:
+    waste = (padding or 0.0) + (repeated or 0.0)
+    if per_distinct is not None and waste and per_distinct > PACKING_WORTH_MENTIONING:
         message += (
-            f"; with padding_free=True (GRPOConfigExt's default; the metrics count TRL's padded layout either way) "
-            f"the padding is not forwarded: {per_distinct * (1 - padding):.3g} per distinct token, {padding:.0%} "
-            "fewer tokens"
+            "; with padding_free=True and shared_prompt_forward=True (GRPOConfigExt's defaults; the metrics count "
+            "TRL's padded layout either way) neither padding nor repeated prompts are forwarded: about "
+            f"{per_distinct * (1 - waste):.3g} per distinct token, {waste:.0%} fewer tokens"
         )
     return {**means, "message": message}
 
