@@ -272,14 +272,16 @@ def test_training_logs_the_forward_metrics_and_matches_the_padded_run(tmp_path, 
 @pytest.mark.parametrize(
     "setting",
     [{"loss_type": name} for name in ("bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")]
-    + [{"gradient_checkpointing": True}, {"lora": True}, {"beta": 0.04, "num_iterations": 2}],
+    + [{"gradient_checkpointing": True}, {"lora": True}, {"beta": 0.04, "num_iterations": 2}]
+    + [{"skip_zero_advantage_rows": True}, {"dynamic_sampling": True}, {"selective_rollouts": True}],
     ids=lambda setting: "-".join(f"{key}={value}" for key, value in setting.items()),
 )
 def test_a_shared_prompt_run_trains_as_its_padded_twin(
     tmp_path, tiny_model_path, prompt_dataset, monkeypatch, setting
 ):
     """Every loss type, gradient checkpointing, LoRA (its reference the adapters-disabled model), the reference and
-    old-policy forwards: the shared-prompt run logs its padded twin's losses and gradient norms to rounding."""
+    old-policy forwards, row skipping, dynamic sampling, selective rollouts: the shared-prompt run logs its padded
+    twin's losses and gradient norms to rounding."""
     branches = []  # the most completions after one copy of a prompt, per packed forward of the run
 
     def recording(*args, **kwargs):
@@ -305,7 +307,7 @@ def test_a_shared_prompt_run_trains_as_its_padded_twin(
         trainer.train()
         if padding_free:
             assert trainer._packed_forward.self_check.shared_passed
-            # The self-check (packed, then shared), then every forward of the run: each prompt's 4 completions share it.
+            # The self-check (packed, then shared), then each forward of the run: a prompt's 4 completions share it.
             assert branches[:2] == [0, 4] and set(branches[2:]) == {4}
         runs[padding_free] = [entry for entry in trainer.state.log_history if "loss" in entry]
     for key in ("loss", "grad_norm"):
