@@ -127,7 +127,7 @@ def test_the_spread_panel_reads_the_share_of_groups_without_spread_against_its_a
     # TRL's frac_reward_zero_std says the same here: not drawn a second time.
     assert not [line for ax in figure.axes for line in ax.get_lines() if "frac_reward_zero_std" in line.get_label()]
     reading = spread.get_legend().get_title().get_text()
-    assert reading.startswith("no spread (advantage 0): 70% at step 20, 51% on average; alarm zero_std at 80%")
+    assert reading.startswith("no spread: 70% of groups at step 20, 51% on average; zero_std alarm at 80%")
 
 
 def test_the_kl_panel_draws_the_kl_alone_with_its_alarm_threshold():

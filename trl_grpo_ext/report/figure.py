@@ -235,12 +235,12 @@ def _spread_panel(
         right_axes[ax] = right
         steps, values = _series(log_history, key)
         mean = sum(values) / len(values)
-        parts.append(f"no spread (advantage 0): {values[-1]:.0%} at step {steps[-1]}, {mean:.0%} on average")
+        parts.append(f"no spread: {values[-1]:.0%} of groups at step {steps[-1]}, {mean:.0%} on average")
         if zero_std_fraction is not None:
             right.axhline(
                 zero_std_fraction, color="tab:red", linestyle="--", linewidth=0.8, label="zero_std alarm (right)"
             )
-            parts[-1] += f"; alarm zero_std at {zero_std_fraction:.0%}"
+            parts[-1] += f"; zero_std alarm at {zero_std_fraction:.0%}"
     if fixed:
         parts.append(f"std of a group from {low[0]:.3g} to {high[0]:.3g} at every step (no band)")
     return "\n".join(parts) or None
@@ -281,7 +281,7 @@ def _legend_above(ax: Axes, right: Axes | None, reading: str | None) -> None:
         loc="lower left",
         bbox_to_anchor=(0, 1.01),
         borderaxespad=0,
-        ncol=min(3, len(handles)),
+        ncol=min(2, len(handles)),
         fontsize=7,
         frameon=False,
         title=reading,
