@@ -59,6 +59,8 @@ def test_the_report_says_which_panels_were_not_logged():
     assert by_title["reward"].has_data() and not by_title["reward"].texts
     # TRL's frac_reward_zero_std alone (a stock TRL run) is enough for the spread panel, drawn on its right axis.
     assert not by_title["reward spread: std inside each group"].texts
+    reading = by_title["reward spread: std inside each group"].get_legend().get_title().get_text()
+    assert reading.startswith("no spread: 50% of completions at step 1")  # TRL's share is of completions
     assert [title for title, _ in missing_panels([{"loss": 0.5, "reward": 1.0, "step": 1}])][:2] == [
         "reward spread: std inside each group",
         "KL to the reference",

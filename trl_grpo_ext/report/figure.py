@@ -235,7 +235,8 @@ def _spread_panel(
         right_axes[ax] = right
         steps, values = _series(log_history, key)
         mean = sum(values) / len(values)
-        parts.append(f"no spread: {values[-1]:.0%} of groups at step {steps[-1]}, {mean:.0%} on average")
+        unit = RIGHT_LABELS[key].removeprefix("share of ")
+        parts.append(f"no spread: {values[-1]:.0%} of {unit} at step {steps[-1]}, {mean:.0%} on average")
         if zero_std_fraction is not None:
             right.axhline(
                 zero_std_fraction, color="tab:red", linestyle="--", linewidth=0.8, label="zero_std alarm (right)"
