@@ -199,3 +199,21 @@ def test_the_report_judges_with_the_run_s_own_thresholds(
     status, out, _ = report(tmp_path / "quiet", capsys)
     assert status == 0 and "it ran with warn_on_anomalies=False" in out
     assert "truncation (steps 1-4): " in out  # judged all the same, with its thresholds
+
+
+def test_the_image_is_drawn_with_the_run_s_own_thresholds(tmp_path, capsys, monkeypatch):
+    from trl_grpo_ext.report import figure
+
+    drawn = []
+    monkeypatch.setattr(figure, "plot_training_report", lambda *args, **kwargs: drawn.append(kwargs) or args[1])
+    settings = {"args": {"enabled": True, "patience": 3, "thresholds": {"kl_max": 0.5}}, "attributes": {}}
+    state = {
+        "global_step": 1,
+        "log_history": [{"loss": 0.1, "kl": 0.4, "step": 1}],
+        "stateful_callbacks": {"AlarmSettings": settings},
+    }
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "trainer_state.json").write_text(json.dumps(state))
+    write_state(tmp_path / "stock", 1, state["log_history"])
+    assert report(tmp_path / "run", capsys)[0] == 0 and report(tmp_path / "stock", capsys)[0] == 0
+    assert [kwargs["thresholds"] for kwargs in drawn] == [{"kl_max": 0.5}, None]  # None: GRPOConfigExt's defaults

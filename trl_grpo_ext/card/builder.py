@@ -320,6 +320,7 @@ def write_model_card(
             title=name,
             clip_range=(trainer.epsilon_low, trainer.epsilon_high),
             episodes=health.episodes,
+            thresholds=settings.thresholds,
         )
     except ImportError:  # the card is written at every checkpoint: said once
         logger.warning_once("matplotlib is not installed: no report.png (pip install matplotlib).")

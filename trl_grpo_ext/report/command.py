@@ -225,7 +225,13 @@ def run(argv: list[str] | None = None, prog: str | None = None) -> int:
         source=found.source,
         global_step=state.get("global_step"),
         notes=notes,
-        image=_draw(history, args.output or os.path.join(args.run_dir, "report.png"), args.run_dir, health.episodes),
+        image=_draw(
+            history,
+            args.output or os.path.join(args.run_dir, "report.png"),
+            args.run_dir,
+            health.episodes,
+            settings.thresholds if settings is not None else None,
+        ),
         health=health,
         forward=forward_summary(history),
         unrecognised=unrecognised,
@@ -236,13 +242,18 @@ def run(argv: list[str] | None = None, prog: str | None = None) -> int:
     return EXIT_OK
 
 
-def _draw(history: list[dict], output: str, run_dir: str, episodes) -> str:
-    """Write the report image; one line saying what was written and which panels had nothing to draw."""
+def _draw(history: list[dict], output: str, run_dir: str, episodes, thresholds: dict | None) -> str:
+    """Write the report image (its alarm thresholds the run's, `None`: the defaults); one line saying what was written
+    and which panels had nothing to draw."""
     try:
         from .figure import missing_panels, plot_training_report
 
         written = plot_training_report(
-            history, output, title=os.path.basename(os.path.normpath(run_dir)), episodes=episodes
+            history,
+            output,
+            title=os.path.basename(os.path.normpath(run_dir)),
+            episodes=episodes,
+            thresholds=thresholds,
         )
     except ImportError:
         return "report.png: not written, matplotlib is not installed (pip install matplotlib)"

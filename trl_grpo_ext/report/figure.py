@@ -7,14 +7,16 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
     from ..guardrails.anomaly import Episode
 
-from ..guardrails.alarms import HELDOUT_KEY
+from ..guardrails.alarms import ALARMS, HELDOUT_KEY, ZERO_SPREAD_KEYS
 
 __all__ = ["PANELS", "Panel", "build_report_figure", "missing_panels", "plot_training_report"]
 
@@ -34,11 +36,11 @@ PANELS = (
     Panel("reward", ("reward", "rewards/*/mean", "heldout/*/mean@*"), ("reward_vs_heldout",), "reward"),
     Panel(
         "reward spread: std inside each group",
-        ("reward_std/group_mean", "frac_reward_zero_std"),
+        ("reward_std/group_mean", *ZERO_SPREAD_KEYS),
         ("zero_std", "no_spread"),
         "std of the rewards of a group",
     ),
-    Panel("KL to the reference", ("kl", "loss/kl_penalty"), ("kl_jump", "kl_high"), "KL (mean per token)"),
+    Panel("KL to the reference", ("kl",), ("kl_jump", "kl_high"), "KL (mean per token)"),
     Panel(
         "clip fraction (tokens in the flat region)",
         ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"),
@@ -62,7 +64,11 @@ PANELS = (
     Panel("gradient norm", ("grad_norm",), ("grad_norm_spike",), "gradient norm (before clipping)"),
 )
 #: The label of the right axis of a panel that draws a share there.
-RIGHT_LABELS = {"frac_reward_zero_std": "share of completions", "completions/clipped_ratio": "share truncated"}
+RIGHT_LABELS = {
+    "reward_std/frac_zero_groups": "share of groups",
+    "frac_reward_zero_std": "share of completions",
+    "completions/clipped_ratio": "share truncated",
+}
 
 
 def _logged(log_history: list[dict], pattern: str) -> bool:
@@ -101,15 +107,20 @@ def build_report_figure(
     title: str | None = None,
     clip_range: tuple[float, float] = (0.2, 0.2),
     episodes: list[Episode] | None = None,
+    thresholds: Mapping[str, float | None] | None = None,
 ) -> Figure | None:
     """The report as a matplotlib `Figure` of the nine `PANELS` over training steps: reward (total, per function,
-    held-out metrics); reward spread inside groups (`reward_std/group_mean`, its `group_min`-`group_max` band, and
-    `frac_reward_zero_std`, the share of completions whose group had no spread, on its own axis); KL; clip fraction;
-    ratio p05/p50/p95 band with min and max (or a note of their extremes when they leave the frame); the loss and its
-    split (`loss/policy`, `loss/kl_penalty`); entropy; completion length (mean, min-max band, and the truncated share
-    on its own axis); gradient norm. Each panel labels its y axis; a series equal to one already drawn on the reward
-    panel (`rewards/<f>/mean` of a single reward function is `reward`) is named in that line's label, not drawn
-    again. A panel whose metrics were not logged (a stock TRL run has no `ratio/*`) says so.
+    held-out metrics); reward spread inside groups (`reward_std/group_mean`, its `group_min`-`group_max` band where
+    that band changes over the run, and on its own axis the share of groups without spread,
+    `reward_std/frac_zero_groups` or else TRL's `frac_reward_zero_std`, with the `zero_std` alarm's threshold); KL
+    with the `kl_high` alarm's threshold (its penalty `beta * kl` is on the loss panel); clip fraction; ratio
+    p05/p50/p95 band with min and max (or a note of their extremes when they leave the frame); the loss and its split
+    (`loss/policy`, `loss/kl_penalty`); entropy; completion length (mean, min-max band, and the truncated share on its
+    own axis); gradient norm. Each panel labels its y axis and has one legend, above its axes and off the curves; the
+    spread and KL panels' legends are titled with their reading (the share of groups without spread; the KL's peak
+    against its alarm threshold). A series equal to one already drawn on the reward panel (`rewards/<f>/mean` of a
+    single reward function is `reward`) is named in that line's label, not drawn again. A panel whose metrics were
+    not logged (a stock TRL run has no `ratio/*`) says so.
 
     Args:
         log_history: `trainer.state.log_history`.
@@ -117,17 +128,24 @@ def build_report_figure(
         clip_range: `(epsilon_low, epsilon_high)`, drawn as dashed lines at `1 - epsilon_low` and `1 + epsilon_high`.
         episodes: alarm episodes (`AnomalyMonitor.episodes`, `health.assess(...).episodes`), shaded over their steps
             on the panel of `PANELS` that names the alarm.
+        thresholds: the run's alarm thresholds (`AlarmSettings.thresholds`: the `warn_*` fields without the prefix,
+            `None` for an alarm switched off); a threshold not given is `GRPOConfigExt`'s default.
 
     Returns:
         The figure, or `None` when the history holds no training metrics (a run shorter than `logging_steps`).
     """
     if not any("loss" in entry for entry in log_history):
         return None
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(15, 10))
+    thresholds = {alarm.keyword: alarm.default for alarm in ALARMS.values()} | dict(thresholds or {})
+    figure = Figure(figsize=(15, 11))
+    FigureCanvasAgg(figure)  # a renderer, to measure the legends that the titles sit above
     axes = figure.subplots(3, 3, sharex=True)
     (reward_ax, spread_ax, kl_ax), (clip_ax, ratio_ax, loss_ax), (entropy_ax, length_ax, grad_ax) = axes
+    right_axes: dict[Axes, Axes] = {}
+    readings: dict[Axes, str] = {}
 
     reward_keys = ["reward"] + sorted(
         {key for entry in log_history for key in entry if key.startswith("rewards/") and key.endswith("/mean")}
@@ -145,27 +163,14 @@ def build_report_figure(
         style = {"linewidth": 2 if key == "reward" else 1} if key in reward_keys else {"marker": "o", "markersize": 3}
         (line,) = reward_ax.plot(steps, values, "--" if key in heldout_keys else "-", label=key, **style)
         drawn.append((steps, values, line))
-    reward_ax.set_title("reward")
 
-    # No spread inside a group means zero advantage: that group teaches nothing but the KL term.
-    _band(spread_ax, log_history, "reward_std/group_min", "reward_std/group_max", "group min-max")
-    steps, values = _series(log_history, "reward_std/group_mean")
-    if steps:
-        spread_ax.plot(steps, values, label="group mean", linewidth=2)
-    _right_axis(spread_ax, log_history, "frac_reward_zero_std")
-    spread_ax.set_title("reward spread: std inside each group")
-
-    for key in ("kl", "loss/kl_penalty"):
-        steps, values = _series(log_history, key)
-        if steps:
-            kl_ax.plot(steps, values, label=key)
-    kl_ax.set_title("KL to the reference")
+    readings[spread_ax] = _spread_panel(spread_ax, log_history, thresholds["zero_std_fraction"], right_axes)
+    readings[kl_ax] = _kl_panel(kl_ax, log_history, thresholds["kl_max"])
 
     for key in ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"):
         steps, values = _series(log_history, key)
         if steps:
             clip_ax.plot(steps, values, label=key.split("/")[1].replace("_mean", ""))
-    clip_ax.set_title("clip fraction (tokens in the flat region)")
 
     _ratio_panel(ratio_ax, log_history, clip_range)
 
@@ -173,28 +178,24 @@ def build_report_figure(
         steps, values = _series(log_history, key)
         if steps:
             loss_ax.plot(steps, values, label=key, linewidth=2 if key == "loss" else 1)
-    loss_ax.set_title("loss = policy + kl_penalty")
 
     steps, values = _series(log_history, "entropy")
     if steps:
         entropy_ax.plot(steps, values, label="entropy")
-    entropy_ax.set_title("entropy")
 
     _band(length_ax, log_history, "completions/min_length", "completions/max_length", "min-max")
     steps, values = _series(log_history, "completions/mean_length")
     if steps:
         length_ax.plot(steps, values, label="mean", linewidth=2)
-    _right_axis(length_ax, log_history, "completions/clipped_ratio")
-    length_ax.set_title("completion length (tokens)")
+    right = _right_axis(length_ax, log_history, "completions/clipped_ratio")
+    if right is not None:
+        right_axes[length_ax] = right
 
     steps, values = _series(log_history, "grad_norm")
     if steps:
         grad_ax.plot(steps, values, label="grad_norm")
-    grad_ax.set_title("gradient norm")
 
     for ax, panel in zip(axes.flat, PANELS, strict=True):
-        if ax.has_data():
-            ax.legend(fontsize=8, loc="upper left")
         if not any(_logged(log_history, key) for key in panel.metrics):
             ax.text(
                 0.5, 0.5, f"not logged: {', '.join(panel.metrics)}", ha="center", va="center", transform=ax.transAxes
@@ -202,6 +203,8 @@ def build_report_figure(
         ax.set_ylabel(panel.ylabel)
         ax.grid(alpha=0.3)
         _shade_alarms(ax, [episode for episode in episodes or [] if episode.name in panel.alarms])
+        _legend_above(ax, right_axes.get(ax), readings.get(ax))
+        ax.set_title(panel.title, pad=_height_above(ax) + 8)
     for ax in axes[-1]:
         ax.set_xlabel("step")
     figure.suptitle(f"{title}: GRPO training report" if title else "GRPO training report")
@@ -209,19 +212,108 @@ def build_report_figure(
     return figure
 
 
+def _spread_panel(
+    ax: Axes, log_history: list[dict], zero_std_fraction: float | None, right_axes: dict[Axes, Axes]
+) -> str | None:
+    """The mean std of the groups; their min-max band only where it changes (a 0/1 reward with 8 completions per
+    prompt has groups with std 0 and 0.53 at every step: a constant rectangle); the share of groups without spread on
+    a right axis, with the `zero_std` alarm's threshold. Returns the reading: that share at the end of the run, and
+    the band's fixed edges where it was left out."""
+    # No spread inside a group means zero advantage: that group teaches nothing but the KL term.
+    low_steps, low = _series(log_history, "reward_std/group_min")
+    high_steps, high = _series(log_history, "reward_std/group_max")
+    fixed = bool(low_steps) and low_steps == high_steps and not (_varies(low) or _varies(high))
+    if not fixed:
+        _band(ax, log_history, "reward_std/group_min", "reward_std/group_max", "group min-max")
+    steps, values = _series(log_history, "reward_std/group_mean")
+    if steps:
+        ax.plot(steps, values, label="group mean", linewidth=2)
+    parts = []
+    key = next((key for key in ZERO_SPREAD_KEYS if _logged(log_history, key)), None)
+    if key is not None:
+        right = _right_axis(ax, log_history, key)
+        right_axes[ax] = right
+        steps, values = _series(log_history, key)
+        mean = sum(values) / len(values)
+        unit = RIGHT_LABELS[key].removeprefix("share of ")
+        parts.append(f"no spread: {values[-1]:.0%} of {unit} at step {steps[-1]}, {mean:.0%} on average")
+        if zero_std_fraction is not None:
+            right.axhline(
+                zero_std_fraction, color="tab:red", linestyle="--", linewidth=0.8, label="zero_std alarm (right)"
+            )
+            parts[-1] += f"; zero_std alarm at {zero_std_fraction:.0%}"
+    if fixed:
+        parts.append(f"std of a group from {low[0]:.3g} to {high[0]:.3g} at every step (no band)")
+    return "\n".join(parts) or None
+
+
+def _kl_panel(ax: Axes, log_history: list[dict], kl_max: float | None) -> str | None:
+    """The KL alone (its penalty `beta * kl` is on the loss panel), with the `kl_high` alarm's threshold where that is
+    within twice the KL's peak (further up it would flatten the curve). Returns the reading: the peak against that
+    threshold."""
+    steps, values = _series(log_history, "kl")
+    if not steps:
+        return None
+    ax.plot(steps, values, label="kl")
+    peak = max(range(len(values)), key=values.__getitem__)
+    reading = f"peak {values[peak]:.3g} at step {steps[peak]}"
+    if kl_max is None:
+        return reading + "; alarm kl_high off"
+    if kl_max <= 2 * values[peak]:
+        ax.axhline(kl_max, color="tab:red", linestyle="--", linewidth=0.8, label="kl_high alarm")
+    return reading + f", {values[peak] / kl_max:.0%} of the kl_high alarm's {kl_max:g}"
+
+
+def _varies(values: list[float]) -> bool:
+    return any(not math.isclose(value, values[0], rel_tol=1e-6, abs_tol=1e-9) for value in values)
+
+
+def _legend_above(ax: Axes, right: Axes | None, reading: str | None) -> None:
+    """One legend for `ax` and its right axis, above the axes (off the curves), titled with the panel's reading."""
+    handles, labels = ax.get_legend_handles_labels()
+    if right is not None:
+        more = right.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    if not handles:
+        return
+    ax.legend(
+        handles,
+        labels,
+        loc="lower left",
+        bbox_to_anchor=(0, 1.01),
+        borderaxespad=0,
+        ncol=min(2, len(handles)),
+        fontsize=7,
+        frameon=False,
+        title=reading,
+        title_fontsize=8,
+        alignment="left",
+    )
+
+
+def _height_above(ax: Axes) -> float:
+    """The height of `ax`'s legend, in points (0 without one): the title goes above it."""
+    legend = ax.get_legend()
+    if legend is None:
+        return 0.0
+    extent = legend.get_window_extent(ax.figure.canvas.get_renderer())
+    return extent.height * 72 / ax.figure.dpi
+
+
 def _close(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12) for x, y in zip(a, b, strict=True))
 
 
-def _right_axis(ax, log_history: list[dict], key: str) -> None:
-    """A share in [0, 1] on its own axis at the right of `ax`."""
+def _right_axis(ax: Axes, log_history: list[dict], key: str) -> Axes | None:
+    """A share in [0, 1] on its own axis at the right of `ax`; returns that axis, `None` where `key` was not logged."""
     steps, values = _series(log_history, key)
-    if steps:
-        right = ax.twinx()
-        right.plot(steps, values, ":", color="tab:red", label=f"{key} (right)")
-        right.set_ylim(-0.05, 1.05)
-        right.set_ylabel(RIGHT_LABELS.get(key, key))
-        right.legend(fontsize=8, loc="lower right")
+    if not steps:
+        return None
+    right = ax.twinx()
+    right.plot(steps, values, ":", color="tab:red", label=f"{key} (right)")
+    right.set_ylim(-0.05, 1.05)
+    right.set_ylabel(RIGHT_LABELS.get(key, key))
+    return right
 
 
 def _ratio_panel(ax, log_history: list[dict], clip_range: tuple[float, float]) -> None:
@@ -262,7 +354,6 @@ def _ratio_panel(ax, log_history: list[dict], clip_range: tuple[float, float]) -
             fontsize=8,
             transform=ax.transAxes,
         )
-    ax.set_title("importance ratio r = pi / pi_old")
 
 
 def _shade_alarms(ax, episodes: list[Episode]) -> None:
@@ -275,8 +366,6 @@ def _shade_alarms(ax, episodes: list[Episode]) -> None:
         label = None if episode.name in named else f"alarm {episode.name}"
         named.add(episode.name)
         ax.axvspan(episode.start - 0.5, end + 0.5, color="tab:red", alpha=0.12, label=label)
-    if named:
-        ax.legend(fontsize=8, loc="upper left")
 
 
 def plot_training_report(
@@ -285,13 +374,16 @@ def plot_training_report(
     title: str | None = None,
     clip_range: tuple[float, float] = (0.2, 0.2),
     episodes: list[Episode] | None = None,
+    thresholds: Mapping[str, float | None] | None = None,
 ) -> str | None:
     """Draw `build_report_figure` (see there for the arguments) into the PNG `path`.
 
     Returns:
         The path written, or `None` when the history holds no training metrics (nothing is written then).
     """
-    figure = build_report_figure(log_history, title=title, clip_range=clip_range, episodes=episodes)
+    figure = build_report_figure(
+        log_history, title=title, clip_range=clip_range, episodes=episodes, thresholds=thresholds
+    )
     if figure is None:
         return None
     path = os.fspath(path)
