@@ -32,6 +32,8 @@ __all__ = [
     "Alarm",
     "Rule",
     "build_rules",
+    "heldout_noise",
+    "heldout_size_key",
     "pearson",
 ]
 
@@ -541,16 +543,44 @@ class LengthInGroupRule(Rule):
         )
 
 
+def heldout_size_key(key: str) -> str | None:
+    """The key of the sample size logged next to a held-out mean (`heldout/<metric>/scored@<k>` for
+    `heldout/<metric>/mean@<k>`, with the same `eval_` prefix), `None` for a key that is no held-out mean."""
+    match = HELDOUT_KEY.match(key)
+    if match is None:
+        return None
+    return key[: match.start("metric")] + f"{match['metric']}/scored@{match['k']}"
+
+
+def heldout_noise(value: float, size: float | None) -> float | None:
+    """The variance of a held-out mean from its own sampling: `p (1 - p) / n` for a mean `p` over `n` scored
+    completions. For scores in [0, 1] this is the variance of an accuracy (0/1 scores) and at least that of any
+    graded metric with the same mean, so it never understates the noise. `None` when it is not known: no size logged
+    (a stock or older run), or a mean outside [0, 1] (a metric on another scale)."""
+    if size is None or size < 1 or not 0.0 <= value <= 1.0:
+        return None
+    return value * (1.0 - value) / size
+
+
 class RewardVsHeldoutRule(Rule):
-    """The training reward rises while a held-out metric (`heldout/<metric>/mean@<k>`) falls from its best."""
+    """The training reward rises while a held-out metric (`heldout/<metric>/mean@<k>`) falls from its best by more
+    than `threshold` of that best and, where the evaluation's sample size was logged (`heldout/<metric>/scored@<k>`),
+    by more than `NOISE_SE` standard errors of the difference: sqrt(p_best (1 - p_best) / n_best + p (1 - p) / n).
+
+    The best is the highest of every evaluation so far, so it carries the luck of the best draw: with 2 standard
+    errors a run whose held-out accuracy does not move fired in 40% (10 evaluations) to 80% (20) of simulated
+    runs, with 3 in 5% to 20%. 3 still flags 0.6 -> 0.3 over 50 completions (3.2 standard errors) and over 200
+    (6.3)."""
 
     keys = ("heldout/<metric>/mean@<k>", "reward")
     RECENT = 3  # training rewards averaged around a held-out evaluation
+    NOISE_SE = 3.0  # standard errors of the difference a drop must exceed, where the sample sizes are logged
 
     def __init__(self, threshold: float):
         super().__init__(threshold)
         self.rewards: list[float] = []
-        self.best: dict[str, tuple[float, float | None, int | None]] = {}  # key -> (value, reward then, step)
+        #: key -> (value, its noise variance or None, the reward then, step)
+        self.best: dict[str, tuple[float, float | None, float | None, int | None]] = {}
 
     def _recent_reward(self) -> float | None:
         return statistics.fmean(self.rewards[-self.RECENT :]) if self.rewards else None
@@ -565,19 +595,30 @@ class RewardVsHeldoutRule(Rule):
                 continue
             found = found or False
             value, now = _number(entry, key), self._recent_reward()
+            noise = heldout_noise(value, _number(entry, heldout_size_key(key)))
             best = self.best.get(key)
             if best is None or value >= best[0]:
-                self.best[key] = (value, now, entry.get("step"))
+                self.best[key] = (value, noise, now, entry.get("step"))
                 continue
-            best_value, reward_then, best_step = best
+            best_value, best_noise, reward_then, best_step = best
             if reward_then is None and self.rewards:  # the best came before any training reward (step 0)
                 reward_then = self.rewards[0]
-            fell = best_value - value >= self.threshold * max(abs(best_value), 1e-8)
+            drop = best_value - value
+            fell = drop >= self.threshold * max(abs(best_value), 1e-8)
+            allowance = None
+            if noise is not None and best_noise is not None:
+                allowance = self.NOISE_SE * math.sqrt(noise + best_noise)
+                fell = fell and drop > allowance
             if fell and reward_then is not None and now is not None and now > reward_then:
                 at = f" (step {best_step})" if best_step is not None else ""
+                beyond = (
+                    f", more than the evaluation's noise ({self.NOISE_SE:g} standard errors: {allowance:.3g})"
+                    if allowance is not None
+                    else ""
+                )
                 found = (
-                    f"{key} fell from its best {best_value:.3g}{at} to {value:.3g} while the training reward rose "
-                    f"from {reward_then:.3g} to {now:.3g}: the policy may be exploiting the reward rather than "
+                    f"{key} fell from its best {best_value:.3g}{at} to {value:.3g}{beyond} while the training reward "
+                    f"rose from {reward_then:.3g} to {now:.3g}: the policy may be exploiting the reward rather than "
                     "learning the task (reward hacking). Read completions for loopholes the reward pays for, raise "
                     f"beta, and keep the best checkpoint (metric_for_best_model='{key}', load_best_model_at_end=True)."
                 )
@@ -872,7 +913,10 @@ ALARMS: dict[str, Alarm] = {
             False,
             False,
             "Alarm reward_vs_heldout: a logged held-out metric (heldout/<metric>/mean@<k>) falls by this fraction "
-            "of its best value while the training reward is above its level at that best.",
+            "of its best value, and by more than "
+            f"{RewardVsHeldoutRule.NOISE_SE:g} standard errors of the difference where the evaluation's sample "
+            "size is logged (heldout/<metric>/scored@<k>), while the training reward is above its level at that "
+            "best.",
         ),
     )
 }
