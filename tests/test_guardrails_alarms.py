@@ -552,3 +552,27 @@ def test_a_run_that_learns_nothing_is_never_ok_however_noisy_its_held_out_metric
         entry.update({"grad_norm": 0.0, "reward_std/frac_zero_groups": 1.0})
     health = assess(history)
     assert not health.ok and {"no_spread", "no_gradient"} <= set(health.alarms)
+
+
+def test_a_nan_grad_norm_of_a_step_the_guard_skipped_is_no_spike():
+    nan = float("nan")
+    norms, skipped = [1.0, 1.1, 0.9, 1.0, 1.05, nan, 1.0, nan], [0, 0, 0, 0, 0, 1, 1, 2]
+    history = [
+        {"loss": 0.1, "step": step, "grad_norm": norm, "nonfinite/skipped_steps": count}
+        for step, (norm, count) in enumerate(zip(norms, skipped, strict=True), start=1)
+    ]
+    monitor = AnomalyMonitor()
+    monitor.replay(history)
+    assert not monitor.episodes
+    signals = {signal.signal.name: signal for signal in assess(history).signals}
+    gradient, skips = signals["gradient norm"], signals["skipped non-finite steps"]
+    assert gradient.verdict == "ok"
+    assert skips.verdict == "note" and skips.onset == 6  # the skips are reported by the guard's own count
+    # With the guard off (no count logged) the NaN norm was applied to the weights: an alarm, as before.
+    monitor.replay(
+        [{key: value for key, value in entry.items() if key != "nonfinite/skipped_steps"} for entry in history]
+    )
+    assert [(episode.name, episode.start) for episode in monitor.episodes] == [
+        ("grad_norm_spike", 6),
+        ("grad_norm_spike", 8),
+    ]

@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_THRESHOLDS",
     "HELDOUT_KEY",
     "SEVERITIES",
+    "SKIPPED_STEPS_KEY",
     "Alarm",
     "Rule",
     "build_rules",
@@ -409,10 +410,19 @@ class EntropyCollapseRule(Rule):
         )
 
 
+#: The non-finite guard's count of the optimizer steps it skipped so far (`GRPOTrainerExt` logs it with every
+#: training entry unless `nonfinite_policy="off"`).
+SKIPPED_STEPS_KEY = "nonfinite/skipped_steps"
+
+
 class GradNormSpikeRule(Rule):
-    """`grad_norm` far above its running median. Norms at or below `FLOOR` (steps without reward spread have next to
-    no gradient) say nothing about the usual scale: they stay out of the median, so the first real gradient after a
-    stretch of them is no spike."""
+    """`grad_norm` far above its running median, or not finite. Norms at or below `FLOOR` (steps without reward
+    spread have next to no gradient) say nothing about the usual scale: they stay out of the median, so the first
+    real gradient after a stretch of them is no spike.
+
+    A non-finite norm logged where the guard's count (`nonfinite/skipped_steps`) rose since the last entry is that of
+    a step the guard skipped: its update never reached the weights, the guard warned and counts it, so it is no
+    spike (the entry does not tell). With the guard off (no count logged) it is one: that update was applied."""
 
     keys = ("grad_norm",)
     FLOOR = 1e-3
@@ -422,12 +432,19 @@ class GradNormSpikeRule(Rule):
     def __init__(self, threshold: float):
         super().__init__(threshold)
         self.history: list[float] = []
+        self.skipped = 0.0  # the guard's count at the last entry that logged it
 
     def judge(self, entry):
+        skipped = _number(entry, SKIPPED_STEPS_KEY)
+        guard_skipped = skipped is not None and skipped > self.skipped
+        if skipped is not None:
+            self.skipped = skipped
         value = entry.get("grad_norm")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return None
         if not math.isfinite(value):
+            if guard_skipped:
+                return None
             return (
                 f"grad_norm is {value}: a loss or gradient was not finite. nonfinite_policy='skip' (the default) "
                 "keeps such updates off the weights; lower the learning_rate if it recurs."
@@ -860,7 +877,8 @@ ALARMS: dict[str, Alarm] = {
             False,
             False,
             "Alarm grad_norm_spike: grad_norm exceeds this factor times the median of its previous 20 logged values "
-            "(judged once 5 are there; a median below 1e-3 counts as 1e-3), or is not finite.",
+            "(judged once 5 are there; a median below 1e-3 counts as 1e-3), or is not finite (but at a step the "
+            "non-finite guard skipped, counted in nonfinite/skipped_steps).",
         ),
         Alarm(
             "length_drift",
