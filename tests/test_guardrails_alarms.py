@@ -542,6 +542,10 @@ def test_the_noise_allowance_is_3_standard_errors_of_the_difference():
     # 0.6 -> 0.45 over 200 completions each: se = sqrt(0.6 * 0.4 / 200 + 0.45 * 0.55 / 200) = 0.0494; 0.15 = 3.04 se
     assert [e.name for e in assess(heldout_run([0.6, 0.45], 200)).episodes] == ["reward_vs_heldout"]
     assert not assess(heldout_run([0.6, 0.46], 200)).episodes  # 2.83 se
+    evaluations = [
+        {key.replace("heldout/", "eval_heldout/"): v for key, v in e.items()} for e in heldout_run([0.6, 0.46], 200)
+    ]
+    assert not assess(evaluations).episodes  # an evaluate()'s entry: its eval_heldout/acc/scored@1 is read alike
     # A metric on another scale than [0, 1] has no known noise: the relative drop alone decides, as before.
     assert [e.name for e in assess(heldout_run([6.0, 4.0], 200)).episodes] == ["reward_vs_heldout"]
 

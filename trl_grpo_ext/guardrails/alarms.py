@@ -33,8 +33,6 @@ __all__ = [
     "Alarm",
     "Rule",
     "build_rules",
-    "heldout_noise",
-    "heldout_size_key",
     "pearson",
 ]
 
@@ -560,16 +558,14 @@ class LengthInGroupRule(Rule):
         )
 
 
-def heldout_size_key(key: str) -> str | None:
-    """The key of the sample size logged next to a held-out mean (`heldout/<metric>/scored@<k>` for
-    `heldout/<metric>/mean@<k>`, with the same `eval_` prefix), `None` for a key that is no held-out mean."""
-    match = HELDOUT_KEY.match(key)
-    if match is None:
-        return None
+def _heldout_size_key(match: re.Match) -> str:
+    """The key of the sample size logged next to the held-out mean `match` (of `HELDOUT_KEY`):
+    `heldout/<metric>/scored@<k>` for `heldout/<metric>/mean@<k>`, with the same `eval_` prefix."""
+    key = match.string
     return key[: match.start("metric")] + f"{match['metric']}/scored@{match['k']}"
 
 
-def heldout_noise(value: float, size: float | None) -> float | None:
+def _heldout_noise(value: float, size: float | None) -> float | None:
     """The variance of a held-out mean from its own sampling: `p (1 - p) / n` for a mean `p` over `n` scored
     completions. For scores in [0, 1] this is the variance of an accuracy (0/1 scores) and at least that of any
     graded metric with the same mean, so it never understates the noise. `None` when it is not known: no size logged
@@ -608,11 +604,12 @@ class RewardVsHeldoutRule(Rule):
             self.rewards.append(reward)
         found = None
         for key in sorted(entry):
-            if not HELDOUT_KEY.match(key) or _number(entry, key) is None:
+            match = HELDOUT_KEY.match(key)
+            if match is None or _number(entry, key) is None:
                 continue
             found = found or False
             value, now = _number(entry, key), self._recent_reward()
-            noise = heldout_noise(value, _number(entry, heldout_size_key(key)))
+            noise = _heldout_noise(value, _number(entry, _heldout_size_key(match)))
             best = self.best.get(key)
             if best is None or value >= best[0]:
                 self.best[key] = (value, noise, now, entry.get("step"))
