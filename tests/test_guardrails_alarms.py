@@ -492,3 +492,91 @@ def test_in_a_redirected_log_a_warning_starts_its_own_line_after_the_progress_ba
         assert "3/10" in before and before.endswith("\n") and not before.endswith("\n\n")
     else:
         assert before == ""
+
+
+def heldout_run(heldout: list[float], size: int | None, rewards: list[float] | None = None) -> list[dict]:
+    """A run evaluated every 50 steps: the training reward (rising by default) and, where `size` is given, the
+    number of completions behind each held-out mean (`heldout/acc/scored@1`)."""
+    rewards = rewards or [0.1 + 0.05 * index for index in range(len(heldout))]
+    entries = []
+    for index, (value, reward) in enumerate(zip(heldout, rewards, strict=True)):
+        entry = {"loss": 0.1, "step": 50 * index, "reward": reward, "grad_norm": 1.0, "heldout/acc/mean@1": value}
+        if size is not None:
+            entry["heldout/acc/scored@1"] = size
+        entries.append(entry)
+    return entries
+
+
+#: Held-out accuracies of rising runs that raised reward_vs_heldout on their evaluation's noise, with the number of
+#: completions each evaluation scored: GSM8K recipes (200 test prompts), the demo (eval_samples 50).
+NOISY_HELDOUT = {
+    "best 0.214 -> 0.183 over 200": ([0.15, 0.214, 0.2, 0.183, 0.205], 200),
+    "best 0.19 -> 0.154 over 200": ([0.12, 0.17, 0.19, 0.154, 0.18], 200),
+    "demo over 50": ([0.2, 0.26, 0.3, 0.34, 0.26, 0.3], 50),
+}
+
+
+@pytest.mark.parametrize("scenario", NOISY_HELDOUT)
+def test_a_held_out_drop_within_the_evaluation_s_noise_raises_no_alarm(scenario):
+    values, size = NOISY_HELDOUT[scenario]
+    monitor = AnomalyMonitor()
+    monitor.replay(heldout_run(values, size))
+    assert "reward_vs_heldout" in monitor.judged and not monitor.episodes
+    assert assess(heldout_run(values, size)).signals[-1].verdict == "ok"
+    # Without the sample size (a stock or older run's log) the rule judges as before: the relative drop alone.
+    monitor.replay(heldout_run(values, None))
+    assert [episode.name for episode in monitor.episodes] == ["reward_vs_heldout"]
+
+
+def test_a_held_out_drop_beyond_the_evaluation_s_noise_raises_the_alarm_live_and_in_the_report():
+    history = heldout_run([0.5, 0.6, 0.3], 200)  # 0.3 below the best: 6.3 standard errors of the difference
+    monitor = AnomalyMonitor()
+    started = [message for entry in history for message in monitor.check(entry, warn=False)]
+    assert len(started) == 1 and "heldout/acc/mean@1 fell from its best 0.6 (step 50) to 0.3" in started[0]
+    assert "more than the evaluation's noise (3 standard errors: 0.142)" in started[0]
+    held_out = assess(history).signals[-1]
+    assert held_out.verdict == "ALARM" and "reward_vs_heldout at step 100" in held_out.detail
+
+
+def test_the_noise_allowance_is_3_standard_errors_of_the_difference():
+    # 0.6 -> 0.45 over 200 completions each: se = sqrt(0.6 * 0.4 / 200 + 0.45 * 0.55 / 200) = 0.0494; 0.15 = 3.04 se
+    assert [e.name for e in assess(heldout_run([0.6, 0.45], 200)).episodes] == ["reward_vs_heldout"]
+    assert not assess(heldout_run([0.6, 0.46], 200)).episodes  # 2.83 se
+    evaluations = [
+        {key.replace("heldout/", "eval_heldout/"): v for key, v in e.items()} for e in heldout_run([0.6, 0.46], 200)
+    ]
+    assert not assess(evaluations).episodes  # an evaluate()'s entry: its eval_heldout/acc/scored@1 is read alike
+    # A metric on another scale than [0, 1] has no known noise: the relative drop alone decides, as before.
+    assert [e.name for e in assess(heldout_run([6.0, 4.0], 200)).episodes] == ["reward_vs_heldout"]
+
+
+def test_a_run_that_learns_nothing_is_never_ok_however_noisy_its_held_out_metric():
+    history = heldout_run([0.2, 0.22, 0.19, 0.21, 0.2], 50, rewards=[0.3] * 5)
+    for entry in history:
+        entry.update({"grad_norm": 0.0, "reward_std/frac_zero_groups": 1.0})
+    health = assess(history)
+    assert not health.ok and {"no_spread", "no_gradient"} <= set(health.alarms)
+
+
+def test_a_nan_grad_norm_of_a_step_the_guard_skipped_is_no_spike():
+    nan = float("nan")
+    norms, skipped = [1.0, 1.1, 0.9, 1.0, 1.05, nan, 1.0, nan], [0, 0, 0, 0, 0, 1, 1, 2]
+    history = [
+        {"loss": 0.1, "step": step, "grad_norm": norm, "nonfinite/skipped_steps": count}
+        for step, (norm, count) in enumerate(zip(norms, skipped, strict=True), start=1)
+    ]
+    monitor = AnomalyMonitor()
+    monitor.replay(history)
+    assert not monitor.episodes
+    signals = {signal.signal.name: signal for signal in assess(history).signals}
+    gradient, skips = signals["gradient norm"], signals["skipped non-finite steps"]
+    assert gradient.verdict == "ok"
+    assert skips.verdict == "note" and skips.onset == 6  # the skips are reported by the guard's own count
+    # With the guard off (no count logged) the NaN norm was applied to the weights: an alarm, as before.
+    monitor.replay(
+        [{key: value for key, value in entry.items() if key != "nonfinite/skipped_steps"} for entry in history]
+    )
+    assert [(episode.name, episode.start) for episode in monitor.episodes] == [
+        ("grad_norm_spike", 6),
+        ("grad_norm_spike", 8),
+    ]

@@ -57,6 +57,7 @@ class TestNonFiniteUpdates:
         logs = [entry for entry in trainer.state.log_history if "loss" in entry]
         assert [entry["nonfinite/skipped_steps"] for entry in logs] == [0, 1, 1, 1]
         assert math.isnan(logs[1]["grad_norm"])
+        assert not any("alarms/grad_norm_spike" in entry for entry in logs)  # a skipped step is no spike
 
     def test_stop_policy_checkpoints_the_last_good_state(
         self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path

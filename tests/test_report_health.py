@@ -125,6 +125,16 @@ def test_a_gradient_norm_of_0_throughout_is_never_ok():
         assert gradient.verdict in ("FAIL", "ALARM") and not health.ok, steps
 
 
+def test_a_gradient_norm_nan_throughout_is_never_ok():
+    stock = training_entries([math.nan] * 6)  # no guard: each NaN norm was applied, a grad_norm_spike
+    guarded = [{**entry, "nonfinite/skipped_steps": entry["step"]} for entry in stock]  # the guard skipped each step
+    for history, verdict in ((stock, "ALARM"), (guarded, "FAIL")):
+        health = assess(history)
+        gradient = next(signal for signal in health.signals if signal.signal.name == "gradient norm")
+        assert gradient.verdict == verdict and not health.ok, verdict
+    assert gradient.onset == 1 and "grad_norm NaN at every logged step (steps 1-6)" in gradient.detail
+
+
 def test_a_last_gradient_norm_far_above_the_run_s_median_is_never_ok():
     health = assess(training_entries([1.0, 1.1, 0.9, 1.0, 1.05, 6.0]))  # 6x: below the 10x of grad_norm_spike
     gradient = next(signal for signal in health.signals if signal.signal.name == "gradient norm")

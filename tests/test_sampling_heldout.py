@@ -55,6 +55,7 @@ def test_pooled_metrics_are_the_means_of_known_per_prompt_counts():
     for k in (1, 2, 4):
         expected = sum(1 - math.comb(4 - c, k) / math.comb(4, k) for c in (0, 4, 3)) / 3
         assert values[f"heldout/m/pass@{k}"] == pytest.approx(expected)
+    assert values["heldout/m/scored@4"] == 10  # the sample size of mean@4: the scored completions
 
 
 @pytest.fixture(scope="module")

@@ -461,7 +461,8 @@ class GRPOTrainerExt(GRPOTrainer):
             log (`bool`): also log the values as their own entry at the current step.
 
         Returns:
-            `dict`: `heldout/<metric>/mean@<n>` and `heldout/<metric>/pass@<k>`, the same on every process.
+            `dict`: `heldout/<metric>/mean@<n>`, `heldout/<metric>/pass@<k>` and `heldout/<metric>/scored@<n>` (the
+            number of completions scored), the same on every process.
         """
         return self._heldout.run(log)
 

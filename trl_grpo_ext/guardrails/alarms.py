@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_THRESHOLDS",
     "HELDOUT_KEY",
     "SEVERITIES",
+    "SKIPPED_STEPS_KEY",
     "Alarm",
     "Rule",
     "build_rules",
@@ -407,10 +408,19 @@ class EntropyCollapseRule(Rule):
         )
 
 
+#: The non-finite guard's count of the optimizer steps it skipped so far (`GRPOTrainerExt` logs it with every
+#: training entry unless `nonfinite_policy="off"`).
+SKIPPED_STEPS_KEY = "nonfinite/skipped_steps"
+
+
 class GradNormSpikeRule(Rule):
-    """`grad_norm` far above its running median. Norms at or below `FLOOR` (steps without reward spread have next to
-    no gradient) say nothing about the usual scale: they stay out of the median, so the first real gradient after a
-    stretch of them is no spike."""
+    """`grad_norm` far above its running median, or not finite. Norms at or below `FLOOR` (steps without reward
+    spread have next to no gradient) say nothing about the usual scale: they stay out of the median, so the first
+    real gradient after a stretch of them is no spike.
+
+    A non-finite norm logged where the guard's count (`nonfinite/skipped_steps`) rose since the last entry is that of
+    a step the guard skipped: its update never reached the weights, the guard warned and counts it, so it is no
+    spike (the entry does not tell). With the guard off (no count logged) it is one: that update was applied."""
 
     keys = ("grad_norm",)
     FLOOR = 1e-3
@@ -420,12 +430,19 @@ class GradNormSpikeRule(Rule):
     def __init__(self, threshold: float):
         super().__init__(threshold)
         self.history: list[float] = []
+        self.skipped = 0.0  # the guard's count at the last entry that logged it
 
     def judge(self, entry):
+        skipped = _number(entry, SKIPPED_STEPS_KEY)
+        guard_skipped = skipped is not None and skipped > self.skipped
+        if skipped is not None:
+            self.skipped = skipped
         value = entry.get("grad_norm")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return None
         if not math.isfinite(value):
+            if guard_skipped:
+                return None
             return (
                 f"grad_norm is {value}: a loss or gradient was not finite. nonfinite_policy='skip' (the default) "
                 "keeps such updates off the weights; lower the learning_rate if it recurs."
@@ -541,16 +558,42 @@ class LengthInGroupRule(Rule):
         )
 
 
+def _heldout_size_key(match: re.Match) -> str:
+    """The key of the sample size logged next to the held-out mean `match` (of `HELDOUT_KEY`):
+    `heldout/<metric>/scored@<k>` for `heldout/<metric>/mean@<k>`, with the same `eval_` prefix."""
+    key = match.string
+    return key[: match.start("metric")] + f"{match['metric']}/scored@{match['k']}"
+
+
+def _heldout_noise(value: float, size: float | None) -> float | None:
+    """The variance of a held-out mean from its own sampling: `p (1 - p) / n` for a mean `p` over `n` scored
+    completions. For scores in [0, 1] this is the variance of an accuracy (0/1 scores) and at least that of any
+    graded metric with the same mean, so it never understates the noise. `None` when it is not known: no size logged
+    (a stock or older run), or a mean outside [0, 1] (a metric on another scale)."""
+    if size is None or size < 1 or not 0.0 <= value <= 1.0:
+        return None
+    return value * (1.0 - value) / size
+
+
 class RewardVsHeldoutRule(Rule):
-    """The training reward rises while a held-out metric (`heldout/<metric>/mean@<k>`) falls from its best."""
+    """The training reward rises while a held-out metric (`heldout/<metric>/mean@<k>`) falls from its best by more
+    than `threshold` of that best and, where the evaluation's sample size was logged (`heldout/<metric>/scored@<k>`),
+    by more than `NOISE_SE` standard errors of the difference: sqrt(p_best (1 - p_best) / n_best + p (1 - p) / n).
+
+    The best is the highest of every evaluation so far, so it carries the luck of the best draw: with 2 standard
+    errors a run whose held-out accuracy does not move fired in 40% (10 evaluations) to 80% (20) of simulated
+    runs, with 3 in 5% to 20%. 3 still flags 0.6 -> 0.3 over 50 completions (3.2 standard errors) and over 200
+    (6.3)."""
 
     keys = ("heldout/<metric>/mean@<k>", "reward")
     RECENT = 3  # training rewards averaged around a held-out evaluation
+    NOISE_SE = 3.0  # standard errors of the difference a drop must exceed, where the sample sizes are logged
 
     def __init__(self, threshold: float):
         super().__init__(threshold)
         self.rewards: list[float] = []
-        self.best: dict[str, tuple[float, float | None, int | None]] = {}  # key -> (value, reward then, step)
+        #: key -> (value, its noise variance or None, the reward then, step)
+        self.best: dict[str, tuple[float, float | None, float | None, int | None]] = {}
 
     def _recent_reward(self) -> float | None:
         return statistics.fmean(self.rewards[-self.RECENT :]) if self.rewards else None
@@ -561,23 +604,35 @@ class RewardVsHeldoutRule(Rule):
             self.rewards.append(reward)
         found = None
         for key in sorted(entry):
-            if not HELDOUT_KEY.match(key) or _number(entry, key) is None:
+            match = HELDOUT_KEY.match(key)
+            if match is None or _number(entry, key) is None:
                 continue
             found = found or False
             value, now = _number(entry, key), self._recent_reward()
+            noise = _heldout_noise(value, _number(entry, _heldout_size_key(match)))
             best = self.best.get(key)
             if best is None or value >= best[0]:
-                self.best[key] = (value, now, entry.get("step"))
+                self.best[key] = (value, noise, now, entry.get("step"))
                 continue
-            best_value, reward_then, best_step = best
+            best_value, best_noise, reward_then, best_step = best
             if reward_then is None and self.rewards:  # the best came before any training reward (step 0)
                 reward_then = self.rewards[0]
-            fell = best_value - value >= self.threshold * max(abs(best_value), 1e-8)
+            drop = best_value - value
+            fell = drop >= self.threshold * max(abs(best_value), 1e-8)
+            allowance = None
+            if noise is not None and best_noise is not None:
+                allowance = self.NOISE_SE * math.sqrt(noise + best_noise)
+                fell = fell and drop > allowance
             if fell and reward_then is not None and now is not None and now > reward_then:
                 at = f" (step {best_step})" if best_step is not None else ""
+                beyond = (
+                    f", more than the evaluation's noise ({self.NOISE_SE:g} standard errors: {allowance:.3g})"
+                    if allowance is not None
+                    else ""
+                )
                 found = (
-                    f"{key} fell from its best {best_value:.3g}{at} to {value:.3g} while the training reward rose "
-                    f"from {reward_then:.3g} to {now:.3g}: the policy may be exploiting the reward rather than "
+                    f"{key} fell from its best {best_value:.3g}{at} to {value:.3g}{beyond} while the training reward "
+                    f"rose from {reward_then:.3g} to {now:.3g}: the policy may be exploiting the reward rather than "
                     "learning the task (reward hacking). Read completions for loopholes the reward pays for, raise "
                     f"beta, and keep the best checkpoint (metric_for_best_model='{key}', load_best_model_at_end=True)."
                 )
@@ -819,7 +874,8 @@ ALARMS: dict[str, Alarm] = {
             False,
             False,
             "Alarm grad_norm_spike: grad_norm exceeds this factor times the median of its previous 20 logged values "
-            "(judged once 5 are there; a median below 1e-3 counts as 1e-3), or is not finite.",
+            "(judged once 5 are there; a median below 1e-3 counts as 1e-3), or is not finite (but at a step the "
+            "non-finite guard skipped, counted in nonfinite/skipped_steps).",
         ),
         Alarm(
             "length_drift",
@@ -872,7 +928,10 @@ ALARMS: dict[str, Alarm] = {
             False,
             False,
             "Alarm reward_vs_heldout: a logged held-out metric (heldout/<metric>/mean@<k>) falls by this fraction "
-            "of its best value while the training reward is above its level at that best.",
+            "of its best value, and by more than "
+            f"{RewardVsHeldoutRule.NOISE_SE:g} standard errors of the difference where the evaluation's sample "
+            "size is logged (heldout/<metric>/scored@<k>), while the training reward is above its level at that "
+            "best.",
         ),
     )
 }

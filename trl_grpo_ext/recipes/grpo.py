@@ -83,7 +83,8 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
 
     Returns:
         `dict`: `{"before": ..., "after": ...}`, each the held-out metrics of `GRPOTrainerExt.evaluate_heldout`
-        (`heldout/<reward>/mean@<k>`, `heldout/<reward>/pass@<k>`), empty without `eval_samples`.
+        (`heldout/<reward>/mean@<k>`, `heldout/<reward>/pass@<k>`; not the sample sizes), empty without
+        `eval_samples`.
     """
     import torch
     from transformers import AutoTokenizer
@@ -212,11 +213,11 @@ class _EvaluateWhenTrainingBegins(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.global_step == 0:
-            self.values.update(self.trainer.evaluate_heldout(log=True))
+            self.values.update(_heldout_scores(self.trainer.evaluate_heldout(log=True)))
             return
         for entry in state.log_history:
             if entry.get("step") == 0 and any(key.startswith("heldout/") for key in entry):
-                self.values.update({key: value for key, value in entry.items() if key.startswith("heldout/")})
+                self.values.update(_heldout_scores(entry))
                 return
 
 
@@ -226,10 +227,16 @@ def _heldout_at_last_step(trainer) -> dict[str, float]:
     for entry in reversed(trainer.state.log_history):
         if entry.get("step") != trainer.state.global_step:
             break
-        values = {key: value for key, value in entry.items() if key.startswith("heldout/")}
+        values = _heldout_scores(entry)
         if values:
             return values
-    return trainer.evaluate_heldout(log=True)
+    return _heldout_scores(trainer.evaluate_heldout(log=True))
+
+
+def _heldout_scores(values: dict) -> dict[str, float]:
+    """The held-out scores among `values` (`heldout/<metric>/mean@<k>`, `.../pass@<k>`), without the sample sizes
+    (`.../scored@<k>`), which the card and the console do not show."""
+    return {key: value for key, value in values.items() if key.startswith("heldout/") and "/scored@" not in key}
 
 
 def heldout_lines(before: dict[str, float], after: dict[str, float]) -> list[str]:

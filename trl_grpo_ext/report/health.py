@@ -238,6 +238,27 @@ def _failure(signal: Signal, key: str, pairs: list[tuple[int | None, float]]) ->
     return None
 
 
+def _no_finite_gradient(signal: Signal, log_history: list[dict]) -> SignalHealth | None:
+    """`grad_norm` logged, and NaN at every step that logged it: no update reached the weights (the non-finite guard
+    skipped each one, which `grad_norm_spike` does not count as a spike) or every one was broken."""
+    if signal.keys != ("grad_norm",):
+        return None
+    steps = [
+        entry.get("step")
+        for entry in log_history
+        if isinstance(entry.get("grad_norm"), float) and math.isnan(entry["grad_norm"])
+    ]
+    if not steps or _values(log_history, "grad_norm"):
+        return None
+    return SignalHealth(
+        signal,
+        "FAIL",
+        f"grad_norm NaN at every logged step ({_span(steps)}): no update reached the weights, or every one was "
+        "broken (see nonfinite/skipped_steps)",
+        onset=_first_step(steps),
+    )
+
+
 def _judge(signal: Signal, log_history: list[dict], monitor: AnomalyMonitor) -> SignalHealth:
     keys = _heldout_keys(log_history) if signal.keys == ("heldout/<metric>/mean@<k>",) else list(signal.keys)
     logged = [(key, pairs) for key in keys if (pairs := _values(log_history, key))]
@@ -245,6 +266,7 @@ def _judge(signal: Signal, log_history: list[dict], monitor: AnomalyMonitor) -> 
     judged = [name for name in signal.alarms if name in monitor.judged]
     shown = _summary(*logged[0]) if logged else ""
     failure = _failure(signal, *logged[0]) if logged and signal.kind != "shown" else None
+    failure = failure or _no_finite_gradient(signal, log_history)
     if failure is not None and not episodes:
         return failure
     if signal.kind == "count" and not episodes:

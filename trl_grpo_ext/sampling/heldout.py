@@ -8,6 +8,8 @@ random state of training left untouched). Logged, per metric:
 
     heldout/<metric>/mean@<n>   mean score over all scored completions (None or NaN scores are left out)
     heldout/<metric>/pass@<k>   mean over prompts of the unbiased estimator 1 - C(n - c, k) / C(n, k)
+    heldout/<metric>/scored@<n> the number of completions mean@<n> averages: its sample size, from which the alarm
+                                `reward_vs_heldout` allows for the evaluation's own noise
 
 where `c` counts a prompt's completions with score >= `heldout_pass_threshold` (an unscored completion counts as
 not passing). Under DDP, FSDP2 and ZeRO the prompts are split over the processes, in chunks each sampled under its
@@ -219,8 +221,8 @@ def pool_heldout_records(
     Rows are put in prompt order and summed in that order, so the result does not depend on the number of processes.
 
     Returns:
-        `dict`: `heldout/<name>/mean@<n>` (NaN when no completion was scored) and `heldout/<name>/pass@<k>` for each
-        `k` of `pass_at`.
+        `dict`: `heldout/<name>/mean@<n>` (NaN when no completion was scored), `heldout/<name>/pass@<k>` for each
+        `k` of `pass_at`, and `heldout/<name>/scored@<n>` (the number of completions scored).
     """
     records = records.to(torch.float64).cpu()
     records = records[records[:, 0] >= 0]
@@ -237,6 +239,7 @@ def pool_heldout_records(
         values[f"heldout/{name}/mean@{num_generations}"] = score_sum / scored if scored else math.nan
         for k in pass_at:
             values[f"heldout/{name}/pass@{k}"] = passes[k] / len(records) if records else math.nan
+        values[f"heldout/{name}/scored@{num_generations}"] = scored
     return values
 
 
@@ -314,7 +317,8 @@ class HeldoutEvaluator:
             log (`bool`): also log the values as their own entry at the current step.
 
         Returns:
-            `dict`: `heldout/<metric>/mean@<n>` and `heldout/<metric>/pass@<k>`, the same on every process.
+            `dict`: `heldout/<metric>/mean@<n>`, `heldout/<metric>/pass@<k>` and `heldout/<metric>/scored@<n>`, the
+            same on every process.
         """
         if not self.metrics:
             raise ValueError("evaluate_heldout() needs heldout_metrics=[...] given to the trainer.")
