@@ -9,7 +9,7 @@ from helpers import make_trainer, tiny_lora
 
 from trl_grpo_ext.forward import forward_counts, logprobs, pack_rows, row_spans, run_fallback_reason, unpackable_reason
 from trl_grpo_ext.forward.layout import first_of_prompt, prompt_leaders
-from trl_grpo_ext.forward.logprobs import shared_fallback_reason
+from trl_grpo_ext.forward.logprobs import ATTENTION_SHARE, linear_parameters, row_budget, shared_fallback_reason
 
 P, C = 7, 9
 PROMPT_LENGTHS = [7, 3, 5, 7, 2, 4]
@@ -100,6 +100,25 @@ def test_the_shared_prompt_layout_forwards_each_prompt_once_and_each_completion_
     assert torch.equal(layout.input_ids[keep_next], layout.targets)
     if row_tokens is not None:
         assert all(int(r.sum()) <= max(row_tokens, len(prompts[0]) + 1 + C) for r in real)
+
+
+def test_the_default_row_budget_bounds_a_token_s_attention_by_its_linear_layers():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, head_dim=16
+    )
+    untied = Qwen3ForCausalLM(Qwen3Config(**{**config.to_dict(), "tie_word_embeddings": False}))
+    tied = Qwen3ForCausalLM(Qwen3Config(**{**config.to_dict(), "tie_word_embeddings": True}))
+    total = sum(parameter.numel() for parameter in untied.parameters())
+    assert linear_parameters(untied) == total - 1000 * 64  # the looked-up embeddings are no multiply-add
+    assert linear_parameters(tied) == sum(parameter.numel() for parameter in tied.parameters())  # the head counts
+    parameters = linear_parameters(untied)
+    budget = row_budget(untied.config, parameters, padded_width=8)
+    # At the budget a token's attention (2 L h n multiply-adds) is ATTENTION_SHARE of its linear layers' (P).
+    assert abs(2 * budget * 4 * 16 * 3 - ATTENTION_SHARE * parameters) <= 2 * 4 * 16 * 3
+    assert row_budget(untied.config, parameters, padded_width=10**6) == 10**6  # never shorter than the padded rows
+    assert row_budget(object(), parameters, padded_width=77) == 77  # a config that does not say its attention's size
 
 
 def test_rows_that_cannot_pack_are_named():

@@ -61,15 +61,23 @@ def test_flat_groups_raise_the_spread_alarms_whatever_the_reward_scaling(
     assert verdicts["groups without spread"] == verdicts["reward spread in groups"] == "ALARM"
 
 
+@pytest.mark.parametrize("padding_free", [False, True])
 def test_a_reward_that_scores_nothing_raises_an_alarm_naming_it_at_the_first_step(
-    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, caplog
+    tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, caplog, padding_free
 ):
-    _, trainer = train_logs(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, reward_funcs=never_parses)
+    _, trainer = train_logs(
+        tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, reward_funcs=never_parses, padding_free=padding_free
+    )
     first = next(entry for entry in trainer.state.log_history if "loss" in entry)
     assert first["alarms/unscored"] == 1
     assert "reward function 'never_parses' scored no completion" in caplog.text
     health = assess(trainer.state.log_history, AnomalyMonitor.from_config(trainer.args))
-    assert not health.ok and {"unscored", "no_gradient"} <= set(health.alarms)
+    # TRL's padded forward gives the reference and the policy bitwise equal log-probs at the first step, so that
+    # with no advantage the gradient is exactly 0. Packed forwards pack the reference's chunks and the shuffled
+    # micro-batches differently: their KL is rounding (about 1e-15), whose gradient Adam scales to a step. The run
+    # is still flagged, by the flat groups.
+    expected = {"unscored", "no_gradient"} if not padding_free else {"unscored", "zero_std"}
+    assert not health.ok and expected <= set(health.alarms)
     card = build_model_card(
         model_name="dead",
         base_model=None,

@@ -134,9 +134,10 @@ class GRPOConfigExt(GRPOConfig):
         default=None,
         metadata={
             "help": "With padding_free: the most tokens in one packed row (a longer sequence has a row of its own). "
-            "Default: each chunk's padded width or 3 x the model's hidden size, the larger: attention without varlen "
-            "kernels (sdpa, eager) costs the square of a row's length, and up to there a token's attention costs "
-            "less than half its linear layers (forward.logprobs). With flash-attention a larger budget costs nothing."
+            "Default: the longest row in which a token's attention costs at most half of what the model's linear "
+            "layers cost it (from the model's size: about 2,500 tokens for a 25M-parameter model, 9,000 for 1.5B), "
+            "and at least the chunk's padded width: attention without varlen kernels (sdpa, eager) costs the square "
+            "of a row's length (forward.logprobs). With flash-attention a larger budget costs nothing."
         },
     )
     shared_prompt_forward: bool = field(

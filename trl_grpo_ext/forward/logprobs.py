@@ -18,11 +18,13 @@ shapes asked for), TRL before 1.15 (no fused LM head), a row whose mask has a ga
 
 With the router loss on, a chunk is one packed row (the loss counts every token of the forward, so no tail padding
 may enter it); otherwise a packed row holds at most `padding_free_row_tokens` tokens (a sequence longer than that
-has a row of its own), by default the chunk's padded width or `ROW_TOKENS_PER_HIDDEN` times the model's hidden size,
-the larger (`row_budget`). Attention without varlen kernels (sdpa, eager) costs the square of a row's length: rows
-no longer than TRL's padded ones, fewer of them, never cost more than those, and up to 3 x hidden tokens a row the
-attention of a token (about 4 L d multiply-adds in a row of L) stays under half what the model's linear layers cost
-it (about 24 d^2), so that short rows can pack a prompt's completions together.
+has a row of its own), by default `row_budget`: attention without varlen kernels (sdpa, eager) costs the square of a
+row's length, so the budget is the longest row whose attention costs a token at most `ATTENTION_SHARE` of what the
+model's linear layers cost it, and never less than the chunk's padded width (rows no longer than TRL's padded ones,
+fewer of them, never cost more than those). A token's linear layers cost about one multiply-add per parameter
+(`P`, the input embeddings left out unless tied to the LM head); its attention in a row of `L` tokens about `2 L h n`
+(scores and values over `h = heads x head_dim` in each of `n` layers). Hence `L = ATTENTION_SHARE * P / (2 h n)`:
+about 2,500 tokens for the 23M-parameter model of `benchmarks/forward.py`, 9,000 for Qwen2.5-1.5B.
 
 With `shared_prompt_forward` the rows of a chunk that share a prompt forward it once (`layout.pack_rows`,
 `shared_prompts`), through a 4-D attention mask that keeps each completion to the prompt and itself. Where that mask
@@ -44,10 +46,17 @@ from .layout import PackedLayout, pack_rows, row_spans, unpackable_reason
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["PackedLogProbs", "SelfCheck", "row_budget", "run_fallback_reason", "shared_fallback_reason"]
+__all__ = [
+    "PackedLogProbs",
+    "SelfCheck",
+    "linear_parameters",
+    "row_budget",
+    "run_fallback_reason",
+    "shared_fallback_reason",
+]
 
-#: The packed rows' default token budget, per unit of the model's hidden size (module docstring).
-ROW_TOKENS_PER_HIDDEN = 3
+#: The share of a token's linear-layer cost its attention may take in a packed row of the default budget.
+ATTENTION_SHARE = 0.5
 
 #: The attention implementations that take a prepared 4-D mask as transformers passes it (bool for sdpa, additive for
 #: eager): the shared-prompt layout needs one.
@@ -68,11 +77,30 @@ def run_fallback_reason(trainer, forward_inputs: dict[str, Any]) -> str | None:
     return None
 
 
-def row_budget(config, padded_width: int) -> int:
-    """The default token budget of a packed row for a model with this `config` (module docstring): the padded width
-    of the chunk, or `ROW_TOKENS_PER_HIDDEN` times the hidden size where that is larger."""
+def linear_parameters(model) -> int:
+    """The parameters a token's forward multiplies by (module docstring): all but the input embeddings, which are
+    looked up (counted where the LM head shares them). ZeRO-3's partitioned parameters count whole (`ds_numel`)."""
+
+    def numel(parameter) -> int:
+        return getattr(parameter, "ds_numel", None) or parameter.numel()
+
+    total = sum(numel(parameter) for parameter in model.parameters())
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embeddings is not None and (head is None or head.weight is not embeddings.weight):
+        total -= numel(embeddings.weight)
+    return total
+
+
+def row_budget(config, parameters: int, padded_width: int) -> int:
+    """The default token budget of a packed row (module docstring) for a model with this `config` and `parameters`
+    (`linear_parameters`): `ATTENTION_SHARE * P / (2 h n)`, at least `padded_width`; `padded_width` where the
+    config does not say its attention's size."""
+    layers, heads = getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None)
     hidden = getattr(config, "hidden_size", None)
-    return max(padded_width, ROW_TOKENS_PER_HIDDEN * hidden) if isinstance(hidden, int) else padded_width
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    if not all(isinstance(value, int) and value > 0 for value in (layers, heads, head_dim)):
+        return padded_width
+    return max(padded_width, int(ATTENTION_SHARE * parameters / (2 * heads * head_dim * layers)))
 
 
 def shared_fallback_reason(config, compute_aux_loss: bool) -> str | None:
@@ -154,6 +182,7 @@ class PackedLogProbs:
         self.enabled = enabled
         self.row_tokens = row_tokens
         self.shared_prompts = shared_prompts
+        self._parameters: int | None = None  # linear_parameters of the model, for the default row budget
         self.self_check = SelfCheck()
         self._said: set[str] = set()
 
@@ -237,9 +266,10 @@ class PackedLogProbs:
     ):
         row_tokens = self.row_tokens
         if row_tokens is None:
-            row_tokens = row_budget(
-                getattr(self.trainer.accelerator.unwrap_model(model), "config", None), input_ids.size(1)
-            )
+            unwrapped = self.trainer.accelerator.unwrap_model(model)
+            if self._parameters is None:  # counted once: the model's size does not change
+                self._parameters = linear_parameters(unwrapped)
+            row_tokens = row_budget(getattr(unwrapped, "config", None), self._parameters, input_ids.size(1))
         if compute_aux_loss:
             row_tokens = None
         layout = pack_rows(input_ids, attention_mask, logits_to_keep, row_tokens, spans, shared_prompts=share)
