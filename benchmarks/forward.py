@@ -134,6 +134,7 @@ def run(
     """Both sides on the drawn micro-batch (module docstring); `device` `"cuda"` runs in bfloat16 and also reports
     each side's peak allocated memory (`peak_bytes`, `None` on the CPU)."""
     from trl_grpo_ext.forward import forward_counts, pack_rows
+    from trl_grpo_ext.forward.logprobs import linear_parameters, row_budget
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer, vocab, parameters = _trainer(quick, tmp, device, attn_implementation)
@@ -152,16 +153,17 @@ def run(
                     times[side].append(seconds)
         check = trainer._packed_forward.self_check
         shared = trainer._packed_forward._share(trainer.model, compute_aux_loss=False)
+        budget = row_budget(trainer.model.config, linear_parameters(trainer.model), ids.size(1))
     # What each side forwards: TRL's padded rows, the packed rows (their tails included) at the default row budget.
     forwarded = {
         "trl": int(counts.forwarded),
-        "ext": pack_rows(ids, mask, width, ids.size(1)).input_ids.numel(),
-        "shared": pack_rows(ids, mask, width, ids.size(1), shared_prompts=shared).input_ids.numel(),
+        "ext": pack_rows(ids, mask, width, budget).input_ids.numel(),
+        "shared": pack_rows(ids, mask, width, budget, shared_prompts=shared).input_ids.numel(),
     }
     config = {"steps": steps, "groups": groups, "generations": 8, "quick": quick, "parameters": parameters}
     return {
         "config": {**config, "device": device, "attn_implementation": attn_implementation},
-        "shape": {"rows": ids.size(0), "width": ids.size(1), "completion_width": width},
+        "shape": {"rows": ids.size(0), "width": ids.size(1), "completion_width": width, "row_tokens": budget},
         "tokens": {**forwarded, "distinct": int(counts.distinct)},
         "self_check": {
             "passed": check.passed,
