@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 
 from transformers import TrainerCallback
 
-from .arguments import ConfigError, check_loggers_installed, drop_tensorboard_if_missing, resume_checkpoint
+from .arguments import (
+    ConfigError,
+    check_loggers_installed,
+    check_model_is_local_or_hub,
+    drop_tensorboard_if_missing,
+    resume_checkpoint,
+)
 from .arguments import parse_args as _parse_args
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -99,6 +105,7 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
         torch.set_num_threads(script_args.num_threads)
     if model_args.model_name_or_path is None:
         raise ConfigError("Set `model_name_or_path` (a local folder or a Hub model id).")
+    check_model_is_local_or_hub(model_args.model_name_or_path)
     # Before anything loads, so that a wrong value fails at once.
     resume = resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     check_loggers_installed(training_args.report_to)
