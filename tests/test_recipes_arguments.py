@@ -114,10 +114,28 @@ def test_offline_a_name_neither_local_nor_cached_fails_at_once(tmp_path, monkeyp
         check_model_is_local_or_hub("tiny/base_model")
 
 
+def test_a_name_neither_local_nor_cached_fails_at_once_when_the_hub_cannot_be_reached(tmp_path, monkeypatch):
+    _no_hub(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
+    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+
+    def unreachable(*args, **kwargs):
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr("socket.create_connection", unreachable)
+    with pytest.raises(ConfigError, match=r"the Hub \(https://huggingface.co\) cannot be reached"):
+        check_model_is_local_or_hub("tiny/base_model")
+
+
 def test_a_hub_id_online_and_a_local_folder_pass_untouched(tmp_path, monkeypatch):
     _no_hub(monkeypatch)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("trl_grpo_ext.recipes.arguments._hub_reachable", lambda endpoint: True)
     check_model_is_local_or_hub("Qwen/Qwen2.5-0.5B-Instruct")
     (tmp_path / "models" / "mine").mkdir(parents=True)
     check_model_is_local_or_hub("models/mine")
