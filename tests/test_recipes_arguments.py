@@ -2,6 +2,7 @@
 model, each once), ending with how to see everything; `--help-all`: every flag in full; parsing the same for all;
 the check of `model_name_or_path` that fails before any Hub request."""
 
+import os
 import re
 from dataclasses import fields
 
@@ -142,10 +143,11 @@ def test_a_hub_id_online_and_a_local_folder_pass_untouched(tmp_path, monkeypatch
     check_model_is_local_or_hub("./models/mine")
 
 
-def test_the_recipe_refuses_a_missing_relative_model_path_before_loading_anything(tmp_path, monkeypatch, capsys):
+def test_the_recipe_refuses_a_missing_relative_model_path_before_transformers_loads_it(tmp_path, monkeypatch, capsys):
     _no_hub(monkeypatch)
     monkeypatch.chdir(tmp_path)
-    argv = ["--model_name_or_path", "trl_grpo_ext/recipes/tiny/base_model", "--dataset_name", "unused"]
+    data = os.path.join(os.path.dirname(grpo.__file__), "tiny", "data")
+    argv = ["--model_name_or_path", "trl_grpo_ext/recipes/tiny/base_model", "--dataset_name", data]
     argv += ["--output_dir", str(tmp_path / "out"), "--report_to", "none"]
     assert grpo.run(argv, prog="grpo") == 2
     err = capsys.readouterr().err

@@ -105,7 +105,6 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
         torch.set_num_threads(script_args.num_threads)
     if model_args.model_name_or_path is None:
         raise ConfigError("Set `model_name_or_path` (a local folder or a Hub model id).")
-    check_model_is_local_or_hub(model_args.model_name_or_path)
     # Before anything loads, so that a wrong value fails at once.
     resume = resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     check_loggers_installed(training_args.report_to)
@@ -138,6 +137,7 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
             )
         heldout = test_dataset.select(range(min(script_args.eval_samples, len(test_dataset))))
 
+    check_model_is_local_or_hub(model_args.model_name_or_path)  # before transformers asks the Hub for it
     training_args.model_init_kwargs = {
         "revision": model_args.model_revision,
         "trust_remote_code": training_args.trust_remote_code,
