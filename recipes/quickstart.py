@@ -10,7 +10,7 @@
 # [tool.uv.sources]
 # trl-grpo-ext = { path = "..", editable = true }
 # ///
-"""The smallest complete GRPO run with trl_grpo_ext: a tiny local model learns to write more letters 'a'.
+"""The smallest complete GRPO run with trl_grpo_ext: a tiny local model learns to answer 'aaa' and stop.
 
     python recipes/quickstart.py [--steps 20] [--output_dir runs/quickstart]
 
@@ -32,10 +32,17 @@ from transformers import AutoTokenizer  # noqa: E402
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt  # noqa: E402
 from trl_grpo_ext.testing import save_tiny  # noqa: E402
 
+ANSWER = "aaa"
+
 
 def letter_a_reward(completions: list[str], **kwargs) -> list[float]:
-    """One point per letter 'a' in the completion."""
-    return [float(completion.count("a")) for completion in completions]
+    """One point per letter 'a' up to three, one point off per other character: 'aaa' scores best, so the
+    answers get short and end well within max_completion_length."""
+    rewards = []
+    for completion in completions:
+        points = min(completion.count("a"), len(ANSWER))
+        rewards.append(points - (len(completion) - points))
+    return rewards
 
 
 def main() -> None:
@@ -45,16 +52,18 @@ def main() -> None:
     cli = parser.parse_args()
     torch.set_num_threads(1)  # fastest for a model this small
 
-    model_path = save_tiny(os.path.join(cli.output_dir, "base_model"), hidden_size=64)
+    # A small alphabet: the untrained model ends a completion (samples its end-of-sequence token) within a few tokens
+    # often enough, where with 50 tokens most completions would be cut at max_completion_length before it learns to.
+    model_path = save_tiny(os.path.join(cli.output_dir, "base_model"), alphabet="abcd=", hidden_size=64)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    dataset = Dataset.from_dict({"prompt": ["ab=", "cd=", "ef=", "gh="] * 64})
+    dataset = Dataset.from_dict({"prompt": ["ab=", "cd=", "ba=", "dc="] * 64})
 
     args = GRPOConfigExt(
         output_dir=cli.output_dir,
         max_steps=cli.steps,
         per_device_train_batch_size=32,  # 4 prompts x 8 completions
         num_generations=8,
-        max_completion_length=8,
+        max_completion_length=16,  # 'aaa' and the end-of-sequence token, with room for the untrained model's answers
         learning_rate=3e-3,
         logging_steps=5,
         save_strategy="no",

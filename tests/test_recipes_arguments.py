@@ -1,6 +1,8 @@
 """The recipe's `--help`: short (the recipe's and this package's fields, the usual ones of TRL, transformers and the
-model, each once), ending with how to see everything; `--help-all`: every flag in full; parsing the same for all."""
+model, each once), ending with how to see everything; `--help-all`: every flag in full; parsing the same for all;
+the check of `model_name_or_path` that fails before any Hub request."""
 
+import os
 import re
 from dataclasses import fields
 
@@ -9,7 +11,13 @@ from trl import ModelConfig
 
 from trl_grpo_ext import GRPOConfigExt, cli
 from trl_grpo_ext.recipes import grpo
-from trl_grpo_ext.recipes.arguments import USUAL_MODEL_FIELDS, USUAL_TRAINING_FIELDS, make_parser
+from trl_grpo_ext.recipes.arguments import (
+    USUAL_MODEL_FIELDS,
+    USUAL_TRAINING_FIELDS,
+    ConfigError,
+    check_model_is_local_or_hub,
+    make_parser,
+)
 
 #: The fields declared by GRPOConfigExt itself (its own, and TRL's whose default it changes).
 OWN_FIELDS = set(vars(GRPOConfigExt)["__annotations__"])
@@ -71,3 +79,76 @@ def test_a_flag_left_out_of_help_still_parses_and_help_all_is_no_field():
     assert (training_args.weight_decay, training_args.padding_free, model_args.lora_dropout) == (0.1, False, 0.2)
     assert training_args.padding_free_row_tokens == 64
     assert "help_all" not in make_parser(grpo.GRPOScriptArguments).known_keys()
+
+
+def _no_hub(monkeypatch):
+    """Make every Hub request fail the test: the checks below must decide without one."""
+    import huggingface_hub
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a Hub request was attempted")
+
+    for name in ("hf_hub_download", "snapshot_download", "model_info"):
+        monkeypatch.setattr(huggingface_hub, name, refuse)
+        monkeypatch.setattr(f"huggingface_hub.file_download.{name}", refuse, raising=False)
+        monkeypatch.setattr(f"transformers.utils.hub.{name}", refuse, raising=False)
+
+
+def test_a_relative_model_path_missing_from_the_working_folder_fails_at_once_naming_it(tmp_path, monkeypatch):
+    _no_hub(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    with pytest.raises(ConfigError) as error:
+        check_model_is_local_or_hub("trl_grpo_ext/recipes/tiny/base_model")
+    message = str(error.value)
+    assert "'trl_grpo_ext/recipes/tiny/base_model'" in message and f"resolved against {tmp_path}" in message
+    assert "absolute path" in message
+
+
+def test_offline_a_name_neither_local_nor_cached_fails_at_once(tmp_path, monkeypatch):
+    _no_hub(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match="HF_HUB_OFFLINE is set"):
+        check_model_is_local_or_hub("tiny/base_model")
+
+
+def test_a_name_neither_local_nor_cached_fails_at_once_when_the_hub_cannot_be_reached(tmp_path, monkeypatch):
+    _no_hub(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
+    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+
+    def unreachable(*args, **kwargs):
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr("socket.create_connection", unreachable)
+    with pytest.raises(ConfigError, match=r"the Hub \(https://huggingface.co\) cannot be reached"):
+        check_model_is_local_or_hub("tiny/base_model")
+
+
+def test_a_hub_id_online_and_a_local_folder_pass_untouched(tmp_path, monkeypatch):
+    _no_hub(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("trl_grpo_ext.recipes.arguments._hub_reachable", lambda endpoint: True)
+    check_model_is_local_or_hub("Qwen/Qwen2.5-0.5B-Instruct")
+    (tmp_path / "models" / "mine").mkdir(parents=True)
+    check_model_is_local_or_hub("models/mine")
+    check_model_is_local_or_hub("./models/mine")
+
+
+def test_the_recipe_refuses_a_missing_relative_model_path_before_transformers_loads_it(tmp_path, monkeypatch, capsys):
+    _no_hub(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    data = os.path.join(os.path.dirname(grpo.__file__), "tiny", "data")
+    argv = ["--model_name_or_path", "trl_grpo_ext/recipes/tiny/base_model", "--dataset_name", data]
+    argv += ["--output_dir", str(tmp_path / "out"), "--report_to", "none"]
+    assert grpo.run(argv, prog="grpo") == 2
+    err = capsys.readouterr().err
+    assert "No model folder at model_name_or_path='trl_grpo_ext/recipes/tiny/base_model'" in err

@@ -94,3 +94,15 @@ def test_the_quickstart_script_prints_the_compact_console(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     assert "step 5/5 | reward " in result.stdout and "'loss':" not in result.stdout
     assert "mean reward per logging window:" in result.stdout
+
+
+@pytest.mark.slow
+def test_the_quickstart_first_run_raises_no_alarm_and_its_reward_rises(tmp_path):
+    command = [sys.executable, os.path.join(REPO, "recipes", "quickstart.py"), "--output_dir", str(tmp_path / "qs")]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    output = result.stdout + result.stderr
+    assert "ALARM" not in output and "[alarms/" not in output, output[-4000:]
+    summary = next(line for line in result.stdout.splitlines() if line.startswith("mean reward per logging window:"))
+    rewards = [float(value) for value in summary.split(":")[1].split("->")]
+    assert rewards[-1] > rewards[0] + 0.5

@@ -782,8 +782,7 @@ ALARMS: dict[str, Alarm] = {
             SustainedTruncationRule,
             "warn_truncated_sustained",
             # A note from 5% cut, a warning from 15%, as rl-doctor grades truncation, but over 5 log steps in a row:
-            # the demo stays below 2% (logged every 10 steps over 400); the quickstart's random model (87% to 93% cut
-            # over its 4 log steps) raises `truncation` at once and is too short for this one.
+            # the demo stays below 2% (logged every 10 steps over 400), the quickstart below 4% (its 4 log steps).
             0.05,
             0.0,
             1.0,

@@ -11,7 +11,9 @@ import argparse
 import difflib
 import os
 import re
+import socket
 import sys
+import urllib.parse
 
 from trl import TrlParser
 
@@ -22,7 +24,9 @@ __all__ = [
     "ConfigError",
     "RecipeParser",
     "check_loggers_installed",
+    "check_model_is_local_or_hub",
     "drop_tensorboard_if_missing",
+    "looks_like_a_local_path",
     "make_parser",
     "nearest",
     "parse_args",
@@ -77,6 +81,59 @@ USUAL_MODEL_FIELDS = (
 
 class ConfigError(ValueError):
     """A mistake in the recipe's command line or config file, or a setting that cannot run; its message is one line."""
+
+
+def looks_like_a_local_path(name: str) -> bool:
+    """Whether `name` can only be a local path: a Hub id is `name` or `owner/name`."""
+    return os.path.isabs(name) or name.startswith(".") or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+def check_model_is_local_or_hub(name: str) -> None:
+    """Fail at once, before any Hub request, on a `model_name_or_path` that cannot load: a local path that does not
+    exist, or a name that is neither a local folder nor in the Hub cache while `HF_HUB_OFFLINE` is set or the Hub
+    cannot be reached.
+
+    Without this check transformers asks the Hub for such a name, and offline that costs tens of seconds of retries
+    before its error. A Hub id such as `Qwen/Qwen2.5-0.5B-Instruct` passes untouched when online.
+
+    Raises:
+        ConfigError: naming the path, the folder it was resolved against, and how to fix it.
+    """
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if os.path.isdir(name):
+        return
+    where = f"resolved against {os.getcwd()}: {os.path.abspath(name)}"
+    if looks_like_a_local_path(name):
+        raise ConfigError(
+            f"No model folder at model_name_or_path={name!r} ({where}). Relative paths in a config are resolved "
+            "from the folder the command runs in: run it from the folder the config expects, or give an absolute "
+            "path."
+        )
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else None
+    if why is None and not _hub_reachable(constants.ENDPOINT):
+        why = f"the Hub ({constants.ENDPOINT}) cannot be reached"
+    if why:
+        raise ConfigError(
+            f"No local model folder at model_name_or_path={name!r} ({where}), no copy in the Hub cache, and {why}: "
+            "give the path of a local model folder, or download the model first (`hf download <model id>` on a "
+            "machine with access)."
+        )
+
+
+def _hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to `endpoint` opens within `timeout` seconds (always true behind a proxy, which this
+    probe cannot go through): one connection, where transformers retries its requests for tens of seconds."""
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
+        return True
+    url = urllib.parse.urlparse(endpoint)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+    except OSError:
+        return False
+    return True
 
 
 def nearest(name: str, known, flag: bool = False) -> str:

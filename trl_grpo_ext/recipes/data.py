@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from datasets import DatasetDict, load_dataset
 
+from .arguments import looks_like_a_local_path
 from .rewards import gsm8k_solution
 
 __all__ = ["DATASET_FORMATS", "load_recipe_dataset"]
@@ -25,11 +26,6 @@ DATASET_FORMATS: dict[str, tuple[tuple[str, ...], Callable[[dict], dict] | None]
 }
 
 
-def _looks_like_a_path(name: str) -> bool:
-    """Whether `name` can only be a local path: a Hub id is `name` or `owner/name`."""
-    return os.path.isabs(name) or name.startswith(".") or name.count("/") > 1 or os.sep != "/" and os.sep in name
-
-
 def _load(name: str, config: str | None) -> DatasetDict:
     if os.path.isdir(name):
         loaded = load_dataset(name, name=config)
@@ -38,7 +34,7 @@ def _load(name: str, config: str | None) -> DatasetDict:
         if extension not in _FILE_BUILDERS:
             raise ValueError(f"Cannot read dataset file {name!r}: expected one of {sorted(_FILE_BUILDERS)}.")
         loaded = load_dataset(_FILE_BUILDERS[extension], data_files={"train": name})
-    elif _looks_like_a_path(name):  # not a Hub id ("name" or "owner/name"): a local path that does not exist
+    elif looks_like_a_local_path(name):  # not a Hub id ("name" or "owner/name"): a local path that does not exist
         raise ValueError(
             f"No dataset folder or file at {name!r} (resolved from the current folder: {os.path.abspath(name)}). "
             "Relative paths in a config are resolved from the folder the command runs in."

@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 
 from transformers import TrainerCallback
 
-from .arguments import ConfigError, check_loggers_installed, drop_tensorboard_if_missing, resume_checkpoint
+from .arguments import (
+    ConfigError,
+    check_loggers_installed,
+    check_model_is_local_or_hub,
+    drop_tensorboard_if_missing,
+    resume_checkpoint,
+)
 from .arguments import parse_args as _parse_args
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -131,6 +137,7 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
             )
         heldout = test_dataset.select(range(min(script_args.eval_samples, len(test_dataset))))
 
+    check_model_is_local_or_hub(model_args.model_name_or_path)  # before transformers asks the Hub for it
     training_args.model_init_kwargs = {
         "revision": model_args.model_revision,
         "trust_remote_code": training_args.trust_remote_code,
