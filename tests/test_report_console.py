@@ -42,6 +42,14 @@ def test_evaluation_and_summary_lines():
     assert format_log_line(evaluation, 10, 40).startswith("eval step 10/40 | reward 0.7 | spread - | kl 0.01")
     summary = {"train_runtime": 93.21, "train_loss": 0.0123, "epoch": 1.0, "total_flos": 0.0}
     assert format_log_line(summary, 40, 40) == "step 40/40 | train_runtime 93.2 | train_loss 0.0123"
+    heldout = {
+        "heldout/exact_match/mean@1": 0.77,
+        "heldout/exact_match/pass@1": 0.77,
+        "heldout/exact_match/scored@1": 500,
+    }
+    assert format_log_line(heldout, 400, 400) == "step 400/400 | heldout/exact_match/mean@1 0.77"
+    sampled = {"heldout/f/mean@4": 0.5, "heldout/f/pass@1": 0.5, "heldout/f/pass@4": 0.9, "heldout/f/scored@4": 80}
+    assert format_log_line(sampled, 4) == "step 4 | heldout/f/mean@4 0.5 | heldout/f/pass@1 0.5 | heldout/f/pass@4 0.9"
 
 
 def test_the_console_prints_one_line_per_log_with_the_alarms_that_start(tmp_path, capsys):

@@ -45,6 +45,14 @@ def _nonfinite_loss(key: str, value) -> bool:
     return is_loss and isinstance(value, float) and not math.isfinite(value)
 
 
+def _repeats_heldout(logs: Mapping, key: str) -> bool:
+    """Whether a held-out value says nothing the line does not already: its sample size (`.../scored@<n>`), or
+    `.../pass@1` equal to `.../mean@1` (one completion per prompt, a 0/1 score)."""
+    if "/scored@" in key:
+        return True
+    return key.endswith("/pass@1") and logs.get(key[: -len("pass@1")] + "mean@1") == logs[key]
+
+
 def format_log_line(
     logs: Mapping, step: int, max_steps: int | None = None, alarms: list[str] | tuple[str, ...] = ()
 ) -> str:
@@ -52,7 +60,8 @@ def format_log_line(
 
     A training entry (it has `loss`) gives the `CONSOLE_SIGNALS`, `-` for those not logged; an evaluation entry the
     same signals with TRL's `eval_` prefix; any other entry (the end-of-training summary, a held-out evaluation) its
-    numbers, each as `name value`. A `loss` or `loss/*` value that is NaN or infinite is appended (`| loss nan`).
+    numbers, each as `name value` (a held-out evaluation's sample size, and its `pass@1` where it equals `mean@1`,
+    left out). A `loss` or `loss/*` value that is NaN or infinite is appended (`| loss nan`).
 
     Args:
         logs: the entry, as `on_log` gets it.
@@ -73,6 +82,7 @@ def format_log_line(
             and not isinstance(value, bool)
             and not key.startswith("alarms/")
             and key not in ("epoch", "total_flos", "step")
+            and not _repeats_heldout(logs, key)
         ]
     nonfinite = [key for key, value in logs.items() if _nonfinite_loss(key, value)]
     if nonfinite:  # not a dash: a loss that is NaN or infinite is the line's news
