@@ -150,7 +150,9 @@ def test_deepseekmath_s_objective_trains_like_stock_trl_under_vllm(reversal_data
     stock = train(GRPOTrainer, GRPOConfig(**config), reversal_dataset, demo_tokenizer)
     ours = train(GRPOTrainerExt, GRPOConfig(**config), reversal_dataset, demo_tokenizer)
     assert_same_batches(ours, stock)
-    assert_same_logs(ours, stock, COMPARED + TRL_SAMPLING + ("kl",))
+    # 1e-4: the engine's side of the sampling metrics carries the rounding of the synced weights (ENGINE_LOGP_ATOL;
+    # measured 2e-5 relative on sampling_logp_difference/max at the third step on a CPU without AVX-512).
+    assert_same_logs(ours, stock, COMPARED + TRL_SAMPLING + ("kl",), rel=1e-4)
     torch.testing.assert_close(
         ours.first_gradient, stock.first_gradient, rtol=1e-4, atol=1e-6 * stock.first_gradient.abs().max().item()
     )
