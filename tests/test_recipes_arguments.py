@@ -94,6 +94,14 @@ def _no_hub(monkeypatch):
         monkeypatch.setattr(f"transformers.utils.hub.{name}", refuse, raising=False)
 
 
+def _isolated_hub(tmp_path, monkeypatch, offline: bool):
+    """No Hub request (`_no_hub`), an empty Hub cache, `tmp_path` as the working folder, `HF_HUB_OFFLINE` as given."""
+    _no_hub(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
+
+
 def test_a_relative_model_path_missing_from_the_working_folder_fails_at_once_naming_it(tmp_path, monkeypatch):
     _no_hub(monkeypatch)
     monkeypatch.chdir(tmp_path)
@@ -116,10 +124,7 @@ def test_offline_a_name_neither_local_nor_cached_fails_at_once(tmp_path, monkeyp
 
 
 def test_a_name_neither_local_nor_cached_fails_at_once_when_the_hub_cannot_be_reached(tmp_path, monkeypatch):
-    _no_hub(monkeypatch)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
+    _isolated_hub(tmp_path, monkeypatch, offline=False)
     for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY"):
         monkeypatch.delenv(name, raising=False)
 
@@ -132,10 +137,7 @@ def test_a_name_neither_local_nor_cached_fails_at_once_when_the_hub_cannot_be_re
 
 
 def test_a_hub_id_online_and_a_local_folder_pass_untouched(tmp_path, monkeypatch):
-    _no_hub(monkeypatch)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
+    _isolated_hub(tmp_path, monkeypatch, offline=False)
     monkeypatch.setattr("trl_grpo_ext.recipes.arguments._hub_reachable", lambda endpoint: True)
     check_model_is_local_or_hub("Qwen/Qwen2.5-0.5B-Instruct")
     (tmp_path / "models" / "mine").mkdir(parents=True)
