@@ -36,7 +36,8 @@ def draw_rows(groups: int, generations: int, seed: int, vocab: int, quick: bool)
     for _ in range(groups):
         length = int(torch.randint(10 if quick else 100, (40 if quick else 400) + 1, (1,), generator=generator))
         prompt = torch.randint(3, vocab, (length,), generator=generator)
-        lengths = torch.distributions.LogNormal(torch.tensor(5.5 if not quick else 2.5), 0.6).sample((generations,))
+        # Log-normal lengths, drawn from `generator` (the draw depends on the seed alone).
+        lengths = torch.exp((5.5 if not quick else 2.5) + 0.6 * torch.randn(generations, generator=generator))
         lengths = lengths.clamp(1, cut).long()
         lengths[0] = cut  # one completion per group cut at max_completion_length
         for n in lengths.tolist():

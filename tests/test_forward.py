@@ -8,7 +8,8 @@ import torch
 from helpers import make_trainer, tiny_lora
 
 from trl_grpo_ext.forward import forward_counts, logprobs, pack_rows, row_spans, run_fallback_reason, unpackable_reason
-from trl_grpo_ext.forward.layout import first_of_prompt, prompt_leaders
+from trl_grpo_ext.forward import layout as layout_module
+from trl_grpo_ext.forward.layout import first_of_prompt, place_units, prompt_leaders
 from trl_grpo_ext.forward.logprobs import ATTENTION_SHARE, linear_parameters, row_budget, shared_fallback_reason
 
 P, C = 7, 9
@@ -46,11 +47,14 @@ def test_packing_keeps_each_sequence_s_tokens_positions_and_scored_tokens(row_to
         assert layout.input_ids.shape == (1, total)
     if row_tokens == 1:  # each sequence in a row of its own
         assert layout.input_ids.size(0) == 6
-    # The real tokens (ids >= 3 here; a packed row's tail holds 0) are each row's, in order, at positions 0, 1, ...
+    # The real tokens (ids >= 3 here; a packed row's tail holds 0) are each row's, whole, at positions 0, 1, ...
     real = layout.input_ids != 0
-    assert torch.equal(layout.input_ids[real], ids[mask.bool()])
+    tokens, positions = layout.input_ids[real], layout.position_ids[real]
+    starts = (positions == 0).nonzero().flatten().tolist() + [len(positions)]
+    sequences = [(tokens[a:b].tolist(), positions[a:b].tolist()) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    assert sorted(sequence for sequence, _ in sequences) == sorted(ids[i][mask[i].bool()].tolist() for i in range(6))
+    assert all(places == list(range(len(places))) for _, places in sequences)
     lengths = [p + c for p, c in zip(PROMPT_LENGTHS, COMPLETION_LENGTHS, strict=True)]
-    assert torch.equal(layout.position_ids[real], torch.cat([torch.arange(n) for n in lengths]))
     if row_tokens is not None:
         assert all(int(row.sum()) <= max(row_tokens, max(lengths)) for row in real)
     # The scored tokens are exactly the completion tokens, put back where TRL has them.
@@ -119,6 +123,66 @@ def test_the_default_row_budget_bounds_a_token_s_attention_by_its_linear_layers(
     assert abs(2 * budget * 4 * 16 * 3 - ATTENTION_SHARE * parameters) <= 2 * 4 * 16 * 3
     assert row_budget(untied.config, parameters, padded_width=10**6) == 10**6  # never shorter than the padded rows
     assert row_budget(object(), parameters, padded_width=77) == 77  # a config that does not say its attention's size
+
+
+def _sizes(units, placements):
+    """The tokens of each packed row of a `place_units` answer."""
+    rows = {}
+    for unit, (row, _) in zip(units, placements, strict=True):
+        rows[row] = rows.get(row, 0) + layout_module._unit_size(unit)
+    return [rows[row] for row in sorted(rows)]
+
+
+def test_units_are_placed_largest_first_where_they_fill_a_row_best():
+    """Sequences of 6, 5, 5 and 4 tokens in rows of 10: in order, a new row at each overflow, they take 3 rows
+    (6 | 5 5 | 4); placed largest first into the row each fills best, 2 (6 4 | 5 5)."""
+    groups = [(None, [(i, 0, n, 0)]) for i, n in enumerate([6, 5, 5, 4])]
+    units, placements = place_units(groups, row_tokens=10)
+    assert sorted(_sizes(units, placements)) == [10, 10]
+    assert sorted(branch[0] for _, branches in units for branch in branches) == [0, 1, 2, 3]  # each once
+    assert placements == sorted(placements)  # in the packed rows' order, as the layout's index tensors need them
+    # One row, in order, without a budget.
+    units, placements = place_units(groups, row_tokens=None)
+    assert units == groups and placements == [(0, 0), (0, 6), (0, 11), (0, 16)]
+
+
+def test_a_prompt_s_completions_split_over_rows_only_as_the_budget_needs():
+    """A prompt of 4 tokens with completions of 6, 5, 3 and 2 (branches): 20 tokens whole. In rows of 20 it stays
+    one unit; in rows of 12 its completions split in two units, each with the prompt again, none in a row past 12."""
+    prefix = (0, 0, 4)
+    group = (prefix, [(i, 0, n, 0) for i, n in enumerate([6, 5, 3, 2])])
+    units, placements = place_units([group], row_tokens=20)
+    assert len(units) == 1 and _sizes(units, placements) == [20]
+    units, placements = place_units([group], row_tokens=12)
+    assert len(units) == 2 and all(unit[0] == prefix for unit in units)
+    assert sorted(branch[2] for _, branches in units for branch in branches) == [2, 3, 5, 6]
+    assert max(_sizes(units, placements)) <= 12
+
+
+def test_attention_s_cost_chooses_more_shorter_rows():
+    """Eight sequences of 10 tokens under a budget of 80: without attention's cost the fewest rows (one of 80);
+    where attention over a row costs much (the weight of a token attending to 10 others equal to its linear layers),
+    rows of one sequence each (8 x 10 tokens at cost 8 * 10 * 2 against 80 * 9)."""
+    groups = [(None, [(i, 0, 10, 0)]) for i in range(8)]
+    assert _sizes(*place_units(groups, row_tokens=80)) == [80]
+    assert _sizes(*place_units(groups, row_tokens=80, attention_weight=0.1)) == [10] * 8
+
+
+def test_the_benchmark_s_rows_pack_with_little_waste():
+    """The forward benchmark's micro-batch (`benchmarks/forward.py`, 2 groups of 8, one completion of each cut at
+    1,024) at its model's default budget: TRL forwards 3.4 tokens per distinct token; packed with shared prompts at
+    most 1.3 (docs/performance.md's table), packed without sharing at most 1.75 (a prompt per completion)."""
+    from benchmarks.forward import draw_rows
+
+    ids, mask, width = draw_rows(2, 8, seed=0, vocab=32000, quick=False)
+    distinct = int(forward_counts(ids[:, :-width], mask[:, :-width], mask[:, -width:]).distinct)
+    weight = ATTENTION_SHARE / 2741  # 2 h n / P of the benchmark's model
+    shared = pack_rows(ids, mask, width, 2741, shared_prompts=True, attention_weight=weight)
+    alone = pack_rows(ids, mask, width, 2741, attention_weight=weight)
+    assert ids.numel() / distinct > 3.3
+    assert shared.input_ids.numel() / distinct <= 1.3
+    assert alone.input_ids.numel() / distinct <= 1.75
+    assert max(shared.input_ids.size(1), alone.input_ids.size(1)) <= 2741
 
 
 def test_rows_that_cannot_pack_are_named():

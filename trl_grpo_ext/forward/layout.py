@@ -33,6 +33,7 @@ branches, as the padded rows' copies of them would sum.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -191,6 +192,124 @@ class PackedLayout:
         return (causal & same_unit & visible)[:, None]
 
 
+Prefix = tuple[int, int, int]  #: a unit's shared prompt: (its leader row, first column, length)
+Branch = tuple[int, int, int, int]  #: (row, first column, length, offset of its first scored token in the branch)
+Unit = tuple[Prefix | None, list[Branch]]  #: forwarded contiguously: the prefix (if any), then each branch
+
+
+def _unit_size(unit: Unit) -> int:
+    prefix, branches = unit
+    return (prefix[2] if prefix else 0) + sum(branch[2] for branch in branches)
+
+
+def _fill(
+    groups: list[tuple[Prefix | None, list[Branch], int]], rows: int, length: int
+) -> tuple[list[Unit], list[tuple[int, int]], list[int]]:
+    """Place `groups` (prefix, branches, size), largest first, their branches largest first, in `rows` packed rows of
+    at most `length` tokens: `(units, placements (row, offset), tokens used per row)`.
+
+    Each group goes whole into the row with the most room (which balances the rows: the longest sets the forward's
+    width). Where it does not fit, the largest of its branches that fit go there with a copy of the prefix, and the
+    rest likewise into the next row with the most room; where not even one branch fits, into a new row (of its own
+    when a branch and the prefix are longer than `length`).
+    """
+    used = [0] * rows
+    heap = [(0, row) for row in range(rows)]  # (tokens used, row): the row with the most room first
+    units: list[Unit] = []
+    placements: list[tuple[int, int]] = []
+    for prefix, branches, whole in groups:
+        prefix_tokens = prefix[2] if prefix else 0
+        left = branches
+        while left:
+            row = heap[0][1] if heap else len(used)
+            room = length - (used[row] if heap else 0)
+            taken, size, rest = left, whole, []
+            if whole > room:
+                taken, size = [], prefix_tokens
+                for branch in left:
+                    if size + branch[2] <= room:
+                        taken.append(branch)
+                        size += branch[2]
+                    else:
+                        rest.append(branch)
+            if not taken:  # not one branch fits: an empty row (a new one if none), for the group or its largest branch
+                row = row if heap and used[row] == 0 else len(used)
+                taken, size, rest = (
+                    (left, whole, []) if whole <= length else (left[:1], prefix_tokens + left[0][2], left[1:])
+                )
+            if row == len(used):
+                used.append(0)
+                heapq.heappush(heap, (0, row))
+            units.append((prefix, taken))
+            placements.append((row, used[row]))
+            used[row] += size
+            # The row's entry in the heap, updated: it is the top one unless it was just opened behind others.
+            index = heap.index((used[row] - size, row))
+            heap[index] = (used[row], row)
+            heapq.heapify(heap)
+            left, whole = rest, whole - (size - prefix_tokens)
+    return units, placements, used
+
+
+def place_units(
+    groups: list[Unit], row_tokens: int | None, attention_weight: float = 0.0
+) -> tuple[list[Unit], list[tuple[int, int]]]:
+    """Where each unit goes: `(units, placements)`, a placement `(packed row, offset)`, in the packed rows' order;
+    every packed row is as long as the longest (the forward's `(B, L)`).
+
+    `row_tokens=None`: one packed row, the groups whole and in order. Otherwise rows of at most `row_tokens` tokens
+    (longer only for a unit that no row of that budget holds), their number `B` and length `L` chosen for the least
+    cost `B * L * (1 + attention_weight * L)`: each forwarded token costs the model's linear layers, and attention
+    over a row's dense mask `attention_weight` of that per token it attends to (at equal cost, fewer rows). Row
+    counts from the fewest that hold the tokens are tried, each filled by `_fill` at its even share of the tokens.
+
+    Args:
+        groups: the units as the rows give them: one per sequence, or one per prompt with all its completions.
+        row_tokens (`int` or `None`): the token budget of a packed row.
+        attention_weight (`float`): attention's cost per attended token relative to the linear layers' per token
+            (`2 h n / P` of `logprobs.row_budget`; 0 where attention costs each sequence alone, as varlen kernels).
+    """
+    if row_tokens is None:
+        placements, at = [], 0
+        for unit in groups:
+            placements.append((0, at))
+            at += _unit_size(unit)
+        return list(groups), placements
+    total = sum(_unit_size(unit) for unit in groups)
+    longest = max((prefix[2] if prefix else 0) + max(b[2] for b in branches) for prefix, branches in groups)
+    ordered = sorted(
+        (
+            (prefix, sorted(branches, key=lambda branch: branch[2], reverse=True), _unit_size((prefix, branches)))
+            for prefix, branches in groups
+        ),
+        key=lambda group: group[2],
+        reverse=True,
+    )
+    # Row counts to try: the fewest that hold the tokens and the next two, then half as many more each time while an
+    # even share of the tokens is longer than the longest unit, at most a row per sequence; each with rows of its even
+    # share of the tokens, a little more, and the budget.
+    sequences = sum(len(branches) for _, branches, _ in ordered)
+    fewest = min(-(-total // row_tokens), sequences)
+    counts, rows = [], fewest
+    while not counts or (-(-total // rows) >= longest and rows <= sequences):
+        counts.append(rows)
+        rows = rows + 1 if rows < fewest + 2 else rows + rows // 2
+    best = None
+    for rows in counts:
+        even = -(-total // rows)
+        for length in sorted(
+            {min(row_tokens, max(longest, length)) for length in (even, int(even * 1.1), row_tokens)}
+        ):
+            units, placements, used = _fill(ordered, rows, length)
+            width, filled = max(used), sum(1 for tokens in used if tokens)
+            cost = (filled * width * (1 + attention_weight * width), filled)  # at equal cost, fewer rows
+            if best is None or cost < best[0]:
+                best = (cost, units, placements)
+    # In the packed rows' order: `PackedLayout.keep`'s row-major order is the order of the scored tokens.
+    order = sorted(range(len(best[1])), key=best[2].__getitem__)
+    return [best[1][k] for k in order], [best[2][k] for k in order]
+
+
 def pack_rows(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -198,15 +317,16 @@ def pack_rows(
     row_tokens: int | None,
     spans: list[RowSpan] | None = None,
     shared_prompts: bool = False,
+    attention_weight: float = 0.0,
 ) -> PackedLayout:
-    """Lay padded rows end to end (module docstring) in units, in order, a new packed row whenever the next unit would
-    take one past `row_tokens` tokens (`None`: one packed row); a unit longer than that gets a row of its own. Rows
-    must pack (`unpackable_reason` is `None`).
+    """Lay padded rows end to end (module docstring) in units, placed in packed rows of at most `row_tokens` tokens
+    (`None`: one packed row) by `place_units`; a unit longer than that gets a row of its own. Rows must pack
+    (`unpackable_reason` is `None`).
 
     Without `shared_prompts` a unit is one row's real tokens. With it, a unit is a prompt's tokens but its last, then
     one branch per completion of that prompt (its rows found by `RowSpan.leader`): the prompt's last token and the
-    completion; a prompt's completions that do not fit in `row_tokens` together go to further units, each with the
-    prompt again.
+    completion; a prompt whose completions are not placed together (a row too short for all of them, or a row's
+    room filled with some of them) has further units, each with the prompt again.
 
     One host synchronisation (`row_spans`, unless `spans` are given): the index tensors are built from them.
 
@@ -217,6 +337,7 @@ def pack_rows(
         row_tokens (`int` or `None`): the token budget of a packed row.
         spans: `row_spans(attention_mask, logits_to_keep, input_ids)`, when already read.
         shared_prompts (`bool`): forward each prompt once per unit.
+        attention_weight (`float`): `place_units`'s cost of attention.
     """
     device = input_ids.device
     width = attention_mask.size(1)
@@ -224,61 +345,53 @@ def pack_rows(
     if spans is None:
         spans = row_spans(attention_mask, logits_to_keep, input_ids if shared_prompts else None)
 
-    # A unit: (prefix, branches); the prefix (leader row, first column, length) is forwarded once, then each branch
-    # (row, first column, length, first scored offset in the branch) continues it.
-    units = []
+    # A group: (prefix, branches); the prefix (leader row, first column, length) is forwarded once, then each branch
+    # (row, first column, length, first scored offset in the branch) continues it. `place_units` may split a group
+    # into units, each with the prefix again.
     if shared_prompts:
-        groups: dict[int, list[int]] = {}
+        members: dict[int, list[int]] = {}
         for i, span in enumerate(spans):
-            groups.setdefault(span.leader, []).append(i)
-        for leader, members in groups.items():
-            prefix = (leader, spans[leader].first, prompt_width - 1 - spans[leader].first)
-            branches, used = [], prefix[2]
-            for i in members:
-                branch = (i, prompt_width - 1, 1 + spans[i].completion, 0)
-                if branches and row_tokens is not None and used + branch[2] > row_tokens:
-                    units.append((prefix, branches))
-                    branches, used = [], prefix[2]
-                branches.append(branch)
-                used += branch[2]
-            units.append((prefix, branches))
+            members.setdefault(span.leader, []).append(i)
+        groups = [
+            (
+                (leader, spans[leader].first, prompt_width - 1 - spans[leader].first),
+                [(i, prompt_width - 1, 1 + spans[i].completion, 0) for i in rows],
+            )
+            for leader, rows in members.items()
+        ]
     else:
-        units = [(None, [(i, span.first, span.tokens, prompt_width - 1 - span.first)]) for i, span in enumerate(spans)]
-    sizes = [(prefix[2] if prefix else 0) + sum(branch[2] for branch in branches) for prefix, branches in units]
-
-    placements = []  # (packed row, offset) of each unit
-    row, used = 0, 0
-    for size in sizes:
-        if used and row_tokens is not None and used + size > row_tokens:
-            row, used = row + 1, 0
-        placements.append((row, used))
-        used += size
-    num_rows = row + 1
+        groups = [(None, [(i, s.first, s.tokens, prompt_width - 1 - s.first)]) for i, s in enumerate(spans)]
+    units, placements = place_units(groups, row_tokens, attention_weight)
+    sizes = [_unit_size(unit) for unit in units]
+    num_rows = max(packed_row for packed_row, _ in placements) + 1
     row_length = max(offset + size for (_, offset), size in zip(placements, sizes, strict=True))
 
-    src, dst, positions, unit_ids, branch_ids, keep_dst, rows, cols = [], [], [], [], [], [], [], []
+    # Token indices: where each token comes from in the padded rows (`src`) and goes in the packed ones (`dst`), its
+    # position, unit and branch; each scored position (`keep_dst`), its padded row and completion column.
+    src, dst, positions, unit_of, branch_of, keep_dst, rows, columns = [], [], [], [], [], [], [], []
 
-    def place(row_index: int, column: int, length: int, at: int, start_position: int, unit: int, branch: int):
-        src.append(torch.arange(row_index * width + column, row_index * width + column + length))
-        dst.append(torch.arange(at, at + length))
-        positions.append(torch.arange(start_position, start_position + length))
-        unit_ids.append(torch.full((length,), unit))
-        branch_ids.append(torch.full((length,), branch))
+    def place(source: int, at: int, length: int, position: int, unit: int, branch: int) -> None:
+        src.extend(range(source, source + length))
+        dst.extend(range(at, at + length))
+        positions.extend(range(position, position + length))
+        unit_of.extend([unit] * length)
+        branch_of.extend([branch] * length)
 
     for unit, ((prefix, branches), (packed_row, offset)) in enumerate(zip(units, placements, strict=True)):
         at, start_position = packed_row * row_length + offset, 0
         if prefix is not None:
-            place(*prefix, at, 0, unit, 0)
-            at, start_position = at + prefix[2], prefix[2]
+            leader, column, length = prefix
+            place(leader * width + column, at, length, 0, unit, 0)
+            at, start_position = at + length, length
         for number, (i, column, length, scored) in enumerate(branches, start=1):
-            place(i, column, length, at, start_position, unit, number)
+            place(i * width + column, at, length, start_position, unit, number)
             # Completion token j sits at padded column prompt_width + j; its logit at the column before it.
-            keep_dst.append(torch.arange(at + scored, at + scored + spans[i].completion))
-            rows.append(torch.full((spans[i].completion,), i))
-            cols.append(torch.arange(spans[i].completion))
+            completion = spans[i].completion
+            keep_dst.extend(range(at + scored, at + scored + completion))
+            rows.extend([i] * completion)
+            columns.extend(range(completion))
             at += length
-    src, dst = torch.cat(src).to(device), torch.cat(dst).to(device)
-    keep_dst = torch.cat(keep_dst).to(device)
+    src, dst, keep_dst = (torch.tensor(index, dtype=torch.long, device=device) for index in (src, dst, keep_dst))
 
     flat_ids = input_ids.new_zeros(num_rows * row_length)
     flat_ids[dst] = input_ids.reshape(-1)[src]
@@ -288,23 +401,23 @@ def pack_rows(
         ends[packed_row] = max(ends[packed_row], offset + size)
     tail = torch.arange(row_length, device=device)[None, :] - torch.tensor(ends, device=device)[:, None]
     flat_positions = tail.clamp(min=0).reshape(-1)
-    flat_positions[dst] = torch.cat(positions).to(device)
+    flat_positions[dst] = torch.tensor(positions, dtype=torch.long, device=device)
     keep = torch.zeros(num_rows * row_length, dtype=torch.bool, device=device)
     keep[keep_dst] = True
     branches = None
     if shared_prompts:
         flat_units = torch.arange(num_rows, device=device).repeat_interleave(row_length) + len(units)
-        flat_units[dst] = torch.cat(unit_ids).to(device)
+        flat_units[dst] = torch.tensor(unit_of, dtype=torch.long, device=device)
         flat_branches = torch.zeros(num_rows * row_length, dtype=torch.long, device=device)
-        flat_branches[dst] = torch.cat(branch_ids).to(device)
+        flat_branches[dst] = torch.tensor(branch_of, dtype=torch.long, device=device)
         branches = (flat_units.view(num_rows, row_length), flat_branches.view(num_rows, row_length))
     return PackedLayout(
         input_ids=flat_ids.view(num_rows, row_length),
         position_ids=flat_positions.view(num_rows, row_length),
         keep=keep.view(num_rows, row_length),
         targets=flat_ids[keep_dst + 1],  # the token after each kept position: the completion token it scores
-        rows=torch.cat(rows).to(device),
-        columns=torch.cat(cols).to(device),
+        rows=torch.tensor(rows, dtype=torch.long, device=device),
+        columns=torch.tensor(columns, dtype=torch.long, device=device),
         num_sequences=len(spans),
         branches=branches,
     )

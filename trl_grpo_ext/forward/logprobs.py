@@ -24,7 +24,10 @@ model's linear layers cost it, and never less than the chunk's padded width (row
 fewer of them, never cost more than those). A token's linear layers cost about one multiply-add per parameter
 (`P`, the input embeddings left out unless tied to the LM head); its attention in a row of `L` tokens about `2 L h n`
 (scores and values over `h = heads x head_dim` in each of `n` layers). Hence `L = ATTENTION_SHARE * P / (2 h n)`:
-about 2,500 tokens for the 23M-parameter model of `benchmarks/forward.py`, 9,000 for Qwen2.5-1.5B.
+about 2,500 tokens for the 23M-parameter model of `benchmarks/forward.py`, 9,000 for Qwen2.5-1.5B. Within that
+budget `layout.place_units` chooses the number and length of the packed rows (rows are padded to the longest) for
+the least cost of tokens forwarded, `B * L`, plus their attention, `B * L^2 * 2 h n / P` (`attention_weight`; 0 for
+varlen kernels, which attend within each sequence).
 
 With `shared_prompt_forward` the rows of a chunk that share a prompt forward it once (`layout.pack_rows`,
 `shared_prompts`), through a 4-D attention mask that keeps each completion to the prompt and itself. Where that mask
@@ -49,6 +52,7 @@ logger = logging.get_logger(__name__)
 __all__ = [
     "PackedLogProbs",
     "SelfCheck",
+    "attention_weight",
     "linear_parameters",
     "row_budget",
     "run_fallback_reason",
@@ -61,6 +65,9 @@ ATTENTION_SHARE = 0.5
 #: The attention implementations that take a prepared 4-D mask as transformers passes it (bool for sdpa, additive for
 #: eager): the shared-prompt layout needs one.
 MASKED_ATTENTION = ("sdpa", "eager")
+
+#: The attention implementations (name prefixes) whose cost is each packed sequence's alone, not the packed row's.
+VARLEN_ATTENTION = ("flash", "flex")
 
 
 def run_fallback_reason(trainer, forward_inputs: dict[str, Any]) -> str | None:
@@ -91,16 +98,26 @@ def linear_parameters(model) -> int:
     return total
 
 
-def row_budget(config, parameters: int, padded_width: int) -> int:
-    """The default token budget of a packed row (module docstring) for a model with this `config` and `parameters`
-    (`linear_parameters`): `ATTENTION_SHARE * P / (2 h n)`, at least `padded_width`; `padded_width` where the
-    config does not say its attention's size."""
+def attention_weight(config, parameters: int) -> float:
+    """Attention's cost per attended token relative to a token's linear layers (module docstring): `2 h n / P` for a
+    model with this `config` and `parameters` (`linear_parameters`); 0 where the config does not say its attention's
+    size."""
     layers, heads = getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None)
     hidden = getattr(config, "hidden_size", None)
     head_dim = getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else None)
-    if not all(isinstance(value, int) and value > 0 for value in (layers, heads, head_dim)):
+    if not all(isinstance(value, int) and value > 0 for value in (layers, heads, head_dim, parameters)):
+        return 0.0
+    return 2 * heads * head_dim * layers / parameters
+
+
+def row_budget(config, parameters: int, padded_width: int) -> int:
+    """The default token budget of a packed row (module docstring) for a model with this `config` and `parameters`
+    (`linear_parameters`): `ATTENTION_SHARE / attention_weight`, at least `padded_width`; `padded_width` where the
+    config does not say its attention's size."""
+    weight = attention_weight(config, parameters)
+    if weight == 0:
         return padded_width
-    return max(padded_width, int(ATTENTION_SHARE * parameters / (2 * heads * head_dim * layers)))
+    return max(padded_width, int(ATTENTION_SHARE / weight))
 
 
 def shared_fallback_reason(config, compute_aux_loss: bool) -> str | None:
@@ -264,15 +281,26 @@ class PackedLogProbs:
     def _forward_chunk(
         self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, compute_aux_loss, spans, share
     ):
+        unwrapped = self.trainer.accelerator.unwrap_model(model)
+        if self._parameters is None:  # counted once: the model's size does not change
+            self._parameters = linear_parameters(unwrapped)
+        config = getattr(unwrapped, "config", None)
+        # Varlen kernels attend within each sequence: a packed row's length costs no attention there.
+        varlen = str(getattr(config, "_attn_implementation", None)).startswith(VARLEN_ATTENTION)
         row_tokens = self.row_tokens
         if row_tokens is None:
-            unwrapped = self.trainer.accelerator.unwrap_model(model)
-            if self._parameters is None:  # counted once: the model's size does not change
-                self._parameters = linear_parameters(unwrapped)
-            row_tokens = row_budget(getattr(unwrapped, "config", None), self._parameters, input_ids.size(1))
+            row_tokens = row_budget(config, self._parameters, input_ids.size(1))
         if compute_aux_loss:
             row_tokens = None
-        layout = pack_rows(input_ids, attention_mask, logits_to_keep, row_tokens, spans, shared_prompts=share)
+        layout = pack_rows(
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            row_tokens,
+            spans,
+            shared_prompts=share,
+            attention_weight=0.0 if varlen else attention_weight(config, self._parameters),
+        )
         outputs = self._model_forward(model, layout, compute_aux_loss)
         scored = layout.keep[:, :-1]  # the fused head scores token t + 1 at position t: (B, L - 1)
         shape = (input_ids.size(0), logits_to_keep)
