@@ -200,12 +200,12 @@ TRL_COPIES = (
         "tests/test_trainer_loss_types.py (every loss type against stock GRPOTrainer)",
     ),
     (
-        "trl_grpo_ext.diagnostics.mismatch.sampler_mismatch",
+        "trl_grpo_ext.ops.correction.sampler_log_ratios",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (vLLM importance-sampling bounds)",
         "tests/test_drift.py::test_the_sampler_mismatch_bounds_are_trl_s",
     ),
     (
-        "trl_grpo_ext.diagnostics.mismatch.correction_ratio",
+        "trl_grpo_ext.ops.correction.correction_ratio",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (the importance-sampling weights of "
         "each vllm_importance_sampling_mode: truncated or masked at the bounds)",
         "tests/test_sampling_truncation.py::test_the_correction_weights_and_their_metrics_are_trl_s",

@@ -15,28 +15,9 @@ from typing import Any
 
 import torch
 
-from .ops.fused import domain_problems
-from .ops.loss_types import LOSS_TYPES, LossType, loss_type_record
+from .ops.loss_types import LOSS_TYPES, LossType
 
-__all__ = ["ObjectiveInputs", "entropy_bonus", "fused_kernel_problems", "gather_objective_inputs"]
-
-
-def _token_weights_in_use(args) -> bool:
-    """Whether TRL multiplies the policy term by per-token weights under these options."""
-    vllm_correction = args.use_vllm and args.vllm_importance_sampling_correction and args.loss_type != "vespo"
-    return args.top_entropy_quantile < 1.0 or args.off_policy_mask_threshold is not None or vllm_correction
-
-
-def fused_kernel_problems(args) -> list[str]:
-    """Why the fused kernel cannot compute the objective `args` configures, one reason each (empty: it can)."""
-    return domain_problems(
-        policy_term=loss_type_record(args.loss_type).policy_term,
-        importance_sampling_level=args.importance_sampling_level,
-        delta=args.delta,
-        token_weights=torch.ones(()) if _token_weights_in_use(args) else None,
-        use_bias_correction_kl=args.use_bias_correction_kl,
-        beta=args.beta,
-    )
+__all__ = ["ObjectiveInputs", "entropy_bonus", "gather_objective_inputs"]
 
 
 @dataclass

@@ -29,18 +29,26 @@ import warnings
 from typing import Any
 
 import torch
+import transformers
+import trl
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
-from ._compat import FORWARD_KEYS, options_missing_from_trl, seed_before_model_init
+from ._compat import (
+    FORWARD_KEYS,
+    check_transformers_version,
+    check_trl_version,
+    options_missing_from_trl,
+    seed_before_model_init,
+)
 from .card.builder import write_model_card
 from .card.fields import user_lora_settings
 from .checkpointing import Checkpoints
 from .config import GRPOConfigExt, config_problems, option
 from .diagnostics import DiagnosticsAccumulator
 from .diagnostics.loggers import write_histograms
-from .diagnostics.mismatch import sampler_mismatch, trainer_logps, truncation_warning
+from .diagnostics.mismatch import sampler_mismatch
 from .forward import FORWARD_METRICS, PackedLogProbs, forward_counts
 from .guardrails import AnomalyMonitor, NonFiniteGuard, NonFiniteStepGuard
 from .guardrails.anomaly import AlarmSettings
@@ -55,7 +63,11 @@ from .sampling.generation import eos_token_ids
 from .sampling.heldout import HeldoutEvaluator
 from .sampling.selective import SelectiveRollouts
 from .sampling.skipping import ZeroAdvantageRowSkipping, skipping_problems
-from .sampling.truncation import TruncationMatch
+from .sampling.truncation import TruncationMatch, trainer_logps, truncation_warning
+
+# The hooks overridden below are those of the TRL and transformers releases `_compat` names.
+check_trl_version(trl.__version__)
+check_transformers_version(transformers.__version__)
 
 logger = logging.get_logger(__name__)
 

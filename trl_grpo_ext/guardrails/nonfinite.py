@@ -33,6 +33,8 @@ import torch
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 
+from ..choices import NONFINITE_POLICIES
+
 if TYPE_CHECKING:
     from ..checkpointing import Checkpoints
 
@@ -46,8 +48,6 @@ __all__ = [
 ]
 
 logger = logging.get_logger(__name__)
-
-NONFINITE_POLICIES = ("skip", "stop", "off")
 
 
 class NonFiniteTrainingError(RuntimeError):
