@@ -19,13 +19,13 @@ from .guardrails.alarms import ALARMS
 from .ops import IMPLEMENTATIONS, hyperparameter_problems
 from .ops.fused import domain_problems
 from .ops.loss_types import loss_type_record
-from .ops.validation import kernel_refusal
+from .ops.validation import kernel_refusal, raise_problems
 
 #: transformers >= 5.23 names activation checkpointing `activation_checkpointing` (`gradient_checkpointing` is its
 #: deprecated alias); older releases know only `gradient_checkpointing`.
 _HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in transformers.TrainingArguments.__dataclass_fields__
 
-__all__ = ["TRL_BEHAVIOUR", "GRPOConfigExt", "config_problems", "fused_kernel_problems", "option", "validate_config"]
+__all__ = ["TRL_BEHAVIOUR", "GRPOConfigExt", "config_problems", "fused_kernel_problems", "option"]
 
 
 @dataclass
@@ -387,11 +387,9 @@ class GRPOConfigExt(GRPOConfig):
             self.ratio_quantiles = [float(q) for q in self.ratio_quantiles]
         if self.heldout_pass_at is not None and _list_problem(self, "heldout_pass_at", "whole numbers") is None:
             self.heldout_pass_at = [int(k) for k in self.heldout_pass_at]
-        problems = config_problems(self)  # before TRL's own checks, which load nothing either
-        if problems:
-            raise ValueError(" ".join(problems))
+        raise_problems(config_problems(self))  # before TRL's own checks, which load nothing either
         super().__post_init__()
-        validate_config(self, only_after_trl=True)
+        raise_problems(config_problems(self, only_after_trl=True))
 
 
 #: `GRPOConfigExt`'s own fields and their defaults (what a plain `trl.GRPOConfig`, which lacks them, runs with).
@@ -547,10 +545,3 @@ def _selective_rollouts_problems(args) -> list[str]:
         step = option(args, "selective_rollouts_exploration_step")
         problems.append(f"`selective_rollouts_exploration_step` must be >= 0, got {step}.")
     return problems
-
-
-def validate_config(args, *, only_after_trl: bool = False) -> None:
-    """Raise `ValueError` with every problem `config_problems` finds (see there)."""
-    problems = config_problems(args, only_after_trl=only_after_trl)
-    if problems:
-        raise ValueError(" ".join(problems))

@@ -32,8 +32,6 @@ class ObjectiveInputs:
         old_logps, ref_logps (`torch.Tensor` of shape `(N, T)` or `None`): sampling and reference log-probs.
         advantages (`torch.Tensor` of shape `(N,)` or `(N, T)`).
         mask (`torch.Tensor` of shape `(N, T)`): completion tokens (and tool mask).
-        entropies (`torch.Tensor` of shape `(N, T)`): the policy's per-token entropies.
-        aux_loss (`torch.Tensor` of shape `()` or `None`): the Mixture-of-Experts router loss.
         token_weights (`torch.Tensor` of shape `(N, T)` or `None`): product of the off-policy mask, the entropy mask
             and the vLLM correction ratio, in float32 or wider.
         entropy_mask (`torch.Tensor` of shape `(N, T)` or `None`): the entropy mask alone (the bonus uses it too).
@@ -49,8 +47,6 @@ class ObjectiveInputs:
     ref_logps: torch.Tensor | None
     advantages: torch.Tensor
     mask: torch.Tensor
-    entropies: torch.Tensor
-    aux_loss: torch.Tensor | None
     token_weights: torch.Tensor | None
     entropy_mask: torch.Tensor | None
     sequence_weights: torch.Tensor | None
@@ -125,7 +121,6 @@ def gather_objective_inputs(
     inputs: dict[str, Any],
     logps: torch.Tensor,
     entropies: torch.Tensor,
-    aux_loss,
     mode: str,
     num_rows: int | None = None,
 ) -> ObjectiveInputs:
@@ -135,7 +130,6 @@ def gather_objective_inputs(
         trainer (`GRPOTrainer`): read only: its options and TRL's helpers.
         inputs (`dict`): the micro-batch TRL prepared (or the rows of it that train, see `num_rows`).
         logps, entropies (`torch.Tensor` of shape `(N, T)`): the policy's log-probs (with gradient) and entropies.
-        aux_loss (`torch.Tensor` or `None`): the router loss.
         mode (`str`): `"train"` or `"eval"`.
         num_rows (`int`, *optional*): the rows of the whole micro-batch when `inputs` holds only some of them
             (`sampling.skipping`): `dr_grpo`'s divisor counts them all. Default: the rows of `inputs`.
@@ -153,8 +147,6 @@ def gather_objective_inputs(
         ref_logps=inputs.get("ref_per_token_logps") if trainer.beta != 0.0 else None,
         advantages=inputs["advantages"],
         mask=mask,
-        entropies=entropies,
-        aux_loss=aux_loss,
         token_weights=token_weights,
         entropy_mask=entropy_mask,
         sequence_weights=sequence_weights,

@@ -56,6 +56,7 @@ from .guardrails.launch import check_launch
 from .guardrails.reward_errors import guard_reward_funcs, reward_kwarg_names
 from .objective_inputs import entropy_bonus, gather_objective_inputs
 from .ops import LOSS_TYPES, policy_objective
+from .ops.validation import raise_problems
 from .report.alerts import TrackerAlerts
 from .report.console import ConsoleCallback
 from .sampling.dynamic import DynamicSampler, ScoredBatch
@@ -150,9 +151,9 @@ class GRPOTrainerExt(GRPOTrainer):
             model = os.path.abspath(model)
         # Before any model is loaded; GRPOConfigExt checked itself too, this covers a plain trl.GRPOConfig and a
         # configuration changed after construction.
-        problems = config_problems(args) + config_problems(args, only_after_trl=True) + options_missing_from_trl(args)
-        if problems:
-            raise ValueError(" ".join(problems))
+        raise_problems(
+            config_problems(args) + config_problems(args, only_after_trl=True) + options_missing_from_trl(args)
+        )
         _check_train_dataset(kwargs.get("train_dataset"), kwargs.get("environment_factory"))
         heldout = HeldoutEvaluator(args, heldout_metrics, heldout_dataset, kwargs.get("eval_dataset"))
         if heldout.stands_in_for_eval_dataset:
@@ -249,7 +250,7 @@ class GRPOTrainerExt(GRPOTrainer):
             inputs, selection = self._row_skipping.select(inputs)
         logps, entropies, aux_loss = self._policy_logps_and_entropies(model, inputs)
         num_rows = None if selection is None else selection.num_rows
-        objective = gather_objective_inputs(self, inputs, logps, entropies, aux_loss, mode, num_rows=num_rows)
+        objective = gather_objective_inputs(self, inputs, logps, entropies, mode, num_rows=num_rows)
         out = policy_objective(
             objective.logps,
             objective.old_logps,
