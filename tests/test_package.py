@@ -153,7 +153,6 @@ DEFERRED_IMPORTS = {
     ("recipes.grpo", ""): "the trainer, through the package's lazy public names",
     ("recipes.grpo", "recipes.data"): "datasets, loaded only to train",
     ("recipes.grpo", "recipes.rewards"): "the reward functions, resolved only to train",
-    ("recipes.grpo", "testing"): "the CPU shims of the sharded engines, only where TRL_GRPO_EXT_CPU_ENGINES asks",
     # The SLURM launcher plans and prints its commands on a login node without TRL or torch; only the check of the
     # recipe's flags reads the recipe's fields.
     ("recipes.slurm", "config"): "TRL's GRPOConfig, for the flags' check only",
