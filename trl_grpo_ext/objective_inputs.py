@@ -5,7 +5,7 @@ units (`ObjectiveInputs`): the per-token weights that TRL computes with its own 
 `get_high_entropy_mask`, `get_gamma_weights`, the vLLM importance-sampling ratio of the generation batch), the divisor
 of the window-level aggregations, and the scales that put the loss in the units TRL backpropagates. It also holds
 TRL's entropy bonus with its adaptive controller (`entropy_bonus`), which TRL offers no hook for: a copy
-recorded in `_compat.TRL_COPIES` and pinned by `tests/test_drift.py`.
+recorded in `_compat.TRL_COPIES` and pinned by `tests/test_compat_drift.py`.
 """
 
 from __future__ import annotations

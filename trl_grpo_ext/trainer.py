@@ -12,7 +12,7 @@ their signatures against the installed TRL), and hands its concern to the helper
   mismatch with vLLM (`diagnostics.mismatch`);
 - `_calculate_rewards`: the rewards and completion lengths of the batch just scored;
 - `log`: the one gather of the diagnostics per log step;
-- `training_step`, `_get_grad_norm`: the non-finite guard (`guardrails.nonfinite.NonFiniteStepGuard`);
+- `training_step`, `_get_grad_norm`: the non-finite guard's verdicts (`guardrails.nonfinite.NonFiniteEnforcer`);
 - `_save_checkpoint`, `_get_output_dir`, `_push_from_checkpoint`, `_load_optimizer_and_scheduler`: crash-safe
   checkpoints and exact resume (`checkpointing.Checkpoints`);
 - `evaluate`: held-out evaluation (`sampling.heldout.HeldoutEvaluator`);
@@ -50,7 +50,7 @@ from .diagnostics import DiagnosticsAccumulator
 from .diagnostics.loggers import write_histograms
 from .diagnostics.mismatch import sampler_mismatch
 from .forward import FORWARD_METRICS, PackedLogProbs, forward_counts
-from .guardrails import AnomalyMonitor, NonFiniteGuard, NonFiniteStepGuard
+from .guardrails import AnomalyMonitor, NonFiniteEnforcer, NonFiniteGuard
 from .guardrails.anomaly import AlarmSettings
 from .guardrails.launch import check_launch
 from .guardrails.reward_errors import guard_reward_funcs, reward_kwarg_names
@@ -186,7 +186,7 @@ class GRPOTrainerExt(GRPOTrainer):
         self._checkpoints = Checkpoints(self)
         self._nonfinite_guard = NonFiniteGuard(option(args, "nonfinite_policy"), option(args, "max_nonfinite_skips"))
         self._checkpoints.register("nonfinite_guard", self._nonfinite_guard)
-        self._nonfinite_steps = NonFiniteStepGuard(self, self._nonfinite_guard, self._checkpoints)
+        self._nonfinite_steps = NonFiniteEnforcer(self, self._nonfinite_guard, self._checkpoints)
         self._selective, self._dynamic_sampler = None, None
         if option(args, "selective_rollouts"):
             self._selective = SelectiveRollouts(self, **_selective_options(args))

@@ -7,7 +7,7 @@ misaligned; from the two it builds the correction `exp(old_logp - sampler_logp)`
 `vllm_importance_sampling_clip_min/max`, and it logs only the corrected values.
 
 `sampler_mismatch` recomputes the raw ratios and which of them the bounds act on, as TRL defines them
-(`ops.correction`, the one recorded copy of TRL's bounds and modes, pinned by `tests/test_drift.py` and
+(`ops.correction`, the one recorded copy of TRL's bounds and modes, pinned by `tests/test_compat_drift.py` and
 `tests/test_sampling_truncation.py`). Without `old_per_token_logps`, the trainer computes its log-probs of the batch
 in one extra forward pass without gradient (`sampling.truncation.trainer_logps`) and passes them in: the metrics cost
 that pass, and training is unchanged. This module only observes: the correction that trains is `sampling.truncation`'s.
