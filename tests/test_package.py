@@ -146,6 +146,20 @@ def test_the_ops_layer_imports_nothing_of_the_package_above_it():
     assert all(_under(target, "ops") for _, target in imported), imported
 
 
+def test_the_records_import_nothing_of_the_package():
+    """What `config` and the features read their values from imports none of them."""
+    records = ("choices", "guardrails.alarms", "_compat")
+    imported = {(module, target) for module, target, _ in _package_imports() if module in records}
+    assert not imported, imported
+
+
+def test_only_the_entry_points_reach_the_trainer():
+    """The trainer is the top of the library: no module of the package imports it (the recipe and the command line
+    take `GRPOTrainerExt` from the package's public names)."""
+    importers = {module for module, target, _ in _package_imports() if target == "trainer"}
+    assert not importers, importers
+
+
 #: The imports of the package's modules made inside a function, each with why it waits: none gets around a cycle.
 DEFERRED_IMPORTS = {
     # The recipe's command line (`--help`, a mistake in a flag or the config file) answers before the training stack
