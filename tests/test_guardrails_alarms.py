@@ -4,10 +4,12 @@ their counts in the logs, their thresholds in the config, the same verdicts live
 import pytest
 from helpers import count_a_reward, tiny_grpo_args, train_logs, training_entries
 from transformers import TrainerControl, TrainerState, TrainingArguments
+from trl import GRPOConfig
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.guardrails import ALARM_FIELDS, AnomalyMonitor
 from trl_grpo_ext.guardrails.alarms import DEFAULT_THRESHOLDS, pearson
+from trl_grpo_ext.guardrails.anomaly import AlarmSettings
 from trl_grpo_ext.report.health import assess
 
 
@@ -288,6 +290,11 @@ def test_the_config_defaults_are_the_monitor_s(tmp_path):
     monitor = AnomalyMonitor.from_config(args)
     assert monitor.thresholds["truncation"] is None and "truncation" not in [rule.name for rule in monitor.rules]
     assert monitor.thresholds["no_spread"] == DEFAULT_THRESHOLDS["warn_no_spread_steps"]
+
+
+def test_a_plain_trl_config_gets_the_alarm_settings_of_grpo_config_ext_s_defaults(tmp_path):
+    ours = AlarmSettings.from_config(GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True)).state()
+    assert AlarmSettings.from_config(GRPOConfig(output_dir=str(tmp_path), use_cpu=True)).state() == ours
 
 
 def monitor_of(trainer) -> AnomalyMonitor:

@@ -68,3 +68,134 @@ def test_the_package_has_no_import_cycles():
     for name in graph:
         if name:  # the package's own __init__ imports its modules, which is no cycle
             visit(name, [])
+
+
+def _package_imports() -> list[tuple[str, str, bool]]:
+    """Every import of one of the package's modules: (importing module, imported module, at function level), module
+    names relative to the package ("" for its `__init__`); `from .x import y` counts `x.y` where that is a module."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(trl_grpo_ext.__file__).parent
+    modules = {
+        ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): path
+        for path in root.rglob("*.py")
+    }
+    found = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        in_function = {
+            id(node)
+            for function in ast.walk(tree)
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for node in ast.walk(function)
+        }
+        type_checking = {
+            id(node)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+            for node in ast.walk(block)
+        }
+        for node in ast.walk(tree):
+            if id(node) in type_checking:
+                continue
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".") if package else []
+                    base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                    target = ".".join([*base, node.module] if node.module else base)
+                elif (node.module or "").split(".")[0] == "trl_grpo_ext":
+                    target = node.module.removeprefix("trl_grpo_ext").removeprefix(".")
+                else:
+                    continue
+                submodules = [f"{target}.{alias.name}".lstrip(".") for alias in node.names]
+                targets = [module for module in submodules if module in modules] or [target]
+            elif isinstance(node, ast.Import):
+                targets = [
+                    alias.name.removeprefix("trl_grpo_ext").removeprefix(".")
+                    for alias in node.names
+                    if alias.name.split(".")[0] == "trl_grpo_ext"
+                ]
+            else:
+                continue
+            found += [(name, target, id(node) in in_function) for target in targets]
+    return found
+
+
+def _under(module: str, *layers: str) -> bool:
+    return any(module == layer or module.startswith(f"{layer}.") for layer in layers)
+
+
+def test_the_config_imports_only_records_and_the_ops_layer():
+    """`config` is a leaf that every feature module may import: it reads the values it checks from the records that
+    the features read too (`choices`, the alarm records, the loss types of `ops`), never from a feature module."""
+    imported = {target for module, target, _ in _package_imports() if module == "config"}
+    assert imported and all(_under(target, "ops", "choices", "guardrails.alarms") for target in imported), imported
+
+
+def test_the_diagnostics_only_observe():
+    """Nothing in `diagnostics` computes what trains: it imports the ops layer and itself only (not the samplers, the
+    trainer, the forward or the configuration)."""
+    imported = {(module, target) for module, target, _ in _package_imports() if _under(module, "diagnostics")}
+    assert all(_under(target, "diagnostics", "ops") for _, target in imported), imported
+
+
+def test_the_ops_layer_imports_nothing_of_the_package_above_it():
+    imported = {(module, target) for module, target, _ in _package_imports() if _under(module, "ops")}
+    assert all(_under(target, "ops") for _, target in imported), imported
+
+
+def test_the_records_import_nothing_of_the_package():
+    """What `config` and the features read their values from imports none of them."""
+    records = ("choices", "guardrails.alarms", "_compat")
+    imported = {(module, target) for module, target, _ in _package_imports() if module in records}
+    assert not imported, imported
+
+
+def test_only_the_entry_points_reach_the_trainer():
+    """The trainer is the top of the library: no module of the package imports it (the recipe and the command line
+    take `GRPOTrainerExt` from the package's public names)."""
+    importers = {module for module, target, _ in _package_imports() if target == "trainer"}
+    assert not importers, importers
+
+
+#: The imports of the package's modules made inside a function, each with why it waits: none gets around a cycle.
+DEFERRED_IMPORTS = {
+    # The recipe's command line (`--help`, a mistake in a flag or the config file) answers before the training stack
+    # (the trainer, datasets, the reward functions) is imported.
+    ("recipes.grpo", ""): "the trainer, through the package's lazy public names",
+    ("recipes.grpo", "recipes.data"): "datasets, loaded only to train",
+    ("recipes.grpo", "recipes.rewards"): "the reward functions, resolved only to train",
+    # The SLURM launcher plans and prints its commands on a login node without TRL or torch; only the check of the
+    # recipe's flags reads the recipe's fields.
+    ("recipes.slurm", "config"): "TRL's GRPOConfig, for the flags' check only",
+    ("recipes.slurm", "recipes.arguments"): "TRL's parser, for the flags' check only",
+    ("recipes.slurm", "recipes.grpo"): "the recipe, for the flags' check only",
+}
+
+
+def test_the_package_s_modules_are_imported_at_module_level_but_for_recorded_reasons():
+    deferred = {(module, target) for module, target, in_function in _package_imports() if in_function}
+    assert deferred <= set(DEFERRED_IMPORTS), sorted(deferred - set(DEFERRED_IMPORTS))
+
+
+def test_the_module_level_imports_point_one_way():
+    """No cycle among the imports that run when a module is imported, counting the `__init__` of every package a
+    module imports from (which Python runs first), but for the packages that hold the importing module."""
+    graph: dict[str, set[str]] = {}
+    for module, target, in_function in _package_imports():
+        if in_function:
+            continue
+        parts = target.split(".") if target else []
+        own = {".".join(module.split(".")[:depth]) for depth in range(module.count(".") + 2)} | {""}
+        reached = {target} | {".".join(parts[:depth]) for depth in range(1, len(parts))}
+        graph.setdefault(module, set()).update(name for name in reached - own if name != module)
+
+    def visit(name, trail):
+        assert name not in trail, "import cycle: " + " -> ".join([*trail, name])
+        for target in graph.get(name, ()):
+            visit(target, [*trail, name])
+
+    for name in graph:
+        visit(name, [])

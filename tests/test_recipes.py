@@ -322,15 +322,28 @@ def test_the_vllm_demo_config_is_the_demo_s_with_generation_through_vllm():
 
 
 def test_the_recipe_applies_the_vllm_cpu_shim_only_when_asked(monkeypatch):
-    import trl_grpo_ext.testing
+    import trl_grpo_ext.cpu_engines
 
     calls = []
-    monkeypatch.setattr(trl_grpo_ext.testing, "enable_vllm_on_cpu", lambda: calls.append("shim"))
+    monkeypatch.setattr(trl_grpo_ext.cpu_engines, "enable_vllm_on_cpu", lambda: calls.append("shim"))
     monkeypatch.setattr(recipe, "main", lambda *args: calls.append("main"))
-    monkeypatch.delenv(trl_grpo_ext.testing.VLLM_ON_CPU_ENV, raising=False)
+    monkeypatch.delenv(trl_grpo_ext.cpu_engines.VLLM_ON_CPU_ENV, raising=False)
     assert recipe.run(["--config", DEMO_CONFIG]) == 0 and calls == ["main"]
-    monkeypatch.setenv(trl_grpo_ext.testing.VLLM_ON_CPU_ENV, "1")
+    monkeypatch.setenv(trl_grpo_ext.cpu_engines.VLLM_ON_CPU_ENV, "1")
     assert recipe.run(["--config", DEMO_CONFIG]) == 0 and calls == ["main", "shim", "main"]
+
+
+@pytest.mark.parametrize("value", ["1", "true", "Yes"])
+def test_the_recipe_reads_both_cpu_shim_flags_one_way(monkeypatch, value):
+    import trl_grpo_ext.cpu_engines as cpu_engines
+
+    calls = []
+    monkeypatch.setattr(cpu_engines, "enable_sharded_engines_on_cpu", lambda: calls.append("engines"))
+    monkeypatch.setattr(cpu_engines, "enable_vllm_on_cpu", lambda: calls.append("vllm"))
+    monkeypatch.setattr(recipe, "main", lambda *args: calls.append("main"))
+    monkeypatch.setenv(cpu_engines.CPU_ENGINES_ENV, value)
+    monkeypatch.setenv(cpu_engines.VLLM_ON_CPU_ENV, value)
+    assert recipe.run(["--config", DEMO_CONFIG]) == 0 and calls == ["engines", "vllm", "main"]
 
 
 def test_eval_samples_0_switches_the_held_out_schedule_off_saying_so(monkeypatch, capsys):

@@ -20,13 +20,15 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.config import TRL_BEHAVIOUR, option
-from trl_grpo_ext.diagnostics.mismatch import correction_ratio, sampler_mismatch, truncation_warning
+from trl_grpo_ext.diagnostics.mismatch import sampler_mismatch
+from trl_grpo_ext.ops.correction import correction_ratio
 from trl_grpo_ext.ops.truncation import SamplerCuts, truncated_log_probs
 from trl_grpo_ext.sampling.truncation import (
     TRL_CORRECTION_METRICS,
     TruncationMatch,
     correction_metrics,
     trainer_truncated_logps,
+    truncation_warning,
 )
 
 VLLM = {"use_vllm": True, "vllm_mode": "colocate", "vllm_importance_sampling_correction": True}

@@ -148,7 +148,7 @@ def test_lora_trains_only_adapters_and_uses_the_base_model_as_reference(
 
 
 def test_the_fused_kernel_serves_every_clipped_objective_and_an_explicit_kernel_is_never_ignored(tmp_path):
-    from trl_grpo_ext.objective_inputs import fused_kernel_problems
+    from trl_grpo_ext.config import fused_kernel_problems
 
     assert GRPOConfigExt(**tiny_grpo_args(tmp_path)).loss_implementation == "auto"
     assert not fused_kernel_problems(GRPOConfigExt(**tiny_grpo_args(tmp_path)))

@@ -71,8 +71,8 @@ FORWARD_KEYS = (
 )
 
 #: Every hook of TRL's `GRPOTrainer` (and transformers' `Trainer`) that `GRPOTrainerExt` overrides, each in
-#: `trainer.py` only, with the arguments it is called with (by name). `tests/test_drift.py` binds them to the installed
-#: TRL's signatures, so a release that renames or reshapes one fails a fast test rather than a slow one.
+#: `trainer.py` only, with the arguments it is called with (by name). `tests/test_compat_drift.py` binds them to the
+#: installed TRL's signatures, so a release that renames or reshapes one fails a fast test rather than a slow one.
 OVERRIDDEN_HOOKS = {
     "_compute_loss": ("model", "inputs"),
     "_get_per_token_logps_and_entropies": (
@@ -131,7 +131,7 @@ CALLED_METHODS = {
 }
 
 #: Attributes of a built `GRPOTrainer` that the package reads (or, for TRL's state, writes): TRL's private state
-#: first, then the options TRL resolves in `__init__`. `tests/test_drift.py` checks each on a stock trainer.
+#: first, then the options TRL resolves in `__init__`. `tests/test_compat_drift.py` checks each on a stock trainer.
 TRL_ATTRIBUTES = (
     "_metrics",
     "_logs",
@@ -187,12 +187,12 @@ TRL_COPIES = (
         "trl_grpo_ext._compat.FORWARD_KEYS",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._compute_loss (the keyword arguments of its "
         "_get_per_token_logps_and_entropies call)",
-        "tests/test_drift.py::test_the_forwarded_model_inputs_are_trl_s",
+        "tests/test_compat_drift.py::test_the_forwarded_model_inputs_are_trl_s",
     ),
     (
         "trl_grpo_ext.objective_inputs.entropy_bonus",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._compute_loss (entropy bonus and adaptive entropy controller)",
-        "tests/test_drift.py::test_the_entropy_bonus_is_trl_s",
+        "tests/test_compat_drift.py::test_the_entropy_bonus_is_trl_s",
     ),
     (
         "trl_grpo_ext.objective_inputs._denominator",
@@ -200,12 +200,12 @@ TRL_COPIES = (
         "tests/test_trainer_loss_types.py (every loss type against stock GRPOTrainer)",
     ),
     (
-        "trl_grpo_ext.diagnostics.mismatch.sampler_mismatch",
+        "trl_grpo_ext.ops.correction.sampler_log_ratios",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (vLLM importance-sampling bounds)",
-        "tests/test_drift.py::test_the_sampler_mismatch_bounds_are_trl_s",
+        "tests/test_compat_drift.py::test_the_sampler_mismatch_bounds_are_trl_s",
     ),
     (
-        "trl_grpo_ext.diagnostics.mismatch.correction_ratio",
+        "trl_grpo_ext.ops.correction.correction_ratio",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (the importance-sampling weights of "
         "each vllm_importance_sampling_mode: truncated or masked at the bounds)",
         "tests/test_sampling_truncation.py::test_the_correction_weights_and_their_metrics_are_trl_s",

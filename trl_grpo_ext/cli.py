@@ -8,6 +8,8 @@ import argparse
 import importlib
 import sys
 
+from . import __version__
+
 __all__ = ["COMMANDS", "main"]
 
 #: command -> (module of `trl_grpo_ext` with a `run(argv, prog)` function, the line `--help` shows)
@@ -30,8 +32,6 @@ COMMANDS = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import __version__
-
     parser = argparse.ArgumentParser(
         prog="trl-grpo-ext",
         description="GRPO recipes of trl_grpo_ext. `trl-grpo-ext <command> --help` lists a command's arguments.",

@@ -1,32 +1,31 @@
-"""`GRPOConfigExt`: TRL's `GRPOConfig` with the defaults of DeepSeekMath's GRPO objective."""
+"""`GRPOConfigExt`: TRL's `GRPOConfig` with the defaults of DeepSeekMath's GRPO objective.
+
+A leaf of the package: it imports the records it validates against (`ops`, `choices`, the alarm records of
+`guardrails.alarms`) and no feature module, so that every feature module may import `option` from here.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
 import transformers
-import trl
 from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
-from ._compat import check_transformers_version, check_trl_version
+from .choices import CONSOLE_MODES, NONFINITE_POLICIES
 from .guardrails.alarms import ALARMS
-from .guardrails.nonfinite import NONFINITE_POLICIES
-from .objective_inputs import fused_kernel_problems
 from .ops import IMPLEMENTATIONS, hyperparameter_problems
+from .ops.fused import domain_problems
 from .ops.loss_types import loss_type_record
-from .ops.validation import kernel_refusal
-from .report.console import CONSOLE_MODES
-
-check_trl_version(trl.__version__)
-check_transformers_version(transformers.__version__)
+from .ops.validation import kernel_refusal, raise_problems
 
 #: transformers >= 5.23 names activation checkpointing `activation_checkpointing` (`gradient_checkpointing` is its
 #: deprecated alias); older releases know only `gradient_checkpointing`.
 _HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in transformers.TrainingArguments.__dataclass_fields__
 
-__all__ = ["TRL_BEHAVIOUR", "GRPOConfigExt", "config_problems", "option", "validate_config"]
+__all__ = ["TRL_BEHAVIOUR", "GRPOConfigExt", "config_problems", "fused_kernel_problems", "option"]
 
 
 @dataclass
@@ -388,11 +387,9 @@ class GRPOConfigExt(GRPOConfig):
             self.ratio_quantiles = [float(q) for q in self.ratio_quantiles]
         if self.heldout_pass_at is not None and _list_problem(self, "heldout_pass_at", "whole numbers") is None:
             self.heldout_pass_at = [int(k) for k in self.heldout_pass_at]
-        problems = config_problems(self)  # before TRL's own checks, which load nothing either
-        if problems:
-            raise ValueError(" ".join(problems))
+        raise_problems(config_problems(self))  # before TRL's own checks, which load nothing either
         super().__post_init__()
-        validate_config(self, only_after_trl=True)
+        raise_problems(config_problems(self, only_after_trl=True))
 
 
 #: `GRPOConfigExt`'s own fields and their defaults (what a plain `trl.GRPOConfig`, which lacks them, runs with).
@@ -442,6 +439,24 @@ def _list_problem(args, name: str, kind: str) -> str | None:
 def _at_least(args, name: str, minimum: int) -> str | None:
     value = option(args, name)
     return f"`{name}` must be >= {minimum}, got {value}." if value is not None and value < minimum else None
+
+
+def _token_weights_in_use(args) -> bool:
+    """Whether TRL multiplies the policy term by per-token weights under these options."""
+    vllm_correction = args.use_vllm and args.vllm_importance_sampling_correction and args.loss_type != "vespo"
+    return args.top_entropy_quantile < 1.0 or args.off_policy_mask_threshold is not None or vllm_correction
+
+
+def fused_kernel_problems(args) -> list[str]:
+    """Why the fused kernel cannot compute the objective `args` configures, one reason each (empty: it can)."""
+    return domain_problems(
+        policy_term=loss_type_record(args.loss_type).policy_term,
+        importance_sampling_level=args.importance_sampling_level,
+        delta=args.delta,
+        token_weights=torch.ones(()) if _token_weights_in_use(args) else None,
+        use_bias_correction_kl=args.use_bias_correction_kl,
+        beta=args.beta,
+    )
 
 
 def config_problems(args, *, only_after_trl: bool = False) -> list[str]:
@@ -530,10 +545,3 @@ def _selective_rollouts_problems(args) -> list[str]:
         step = option(args, "selective_rollouts_exploration_step")
         problems.append(f"`selective_rollouts_exploration_step` must be >= 0, got {step}.")
     return problems
-
-
-def validate_config(args, *, only_after_trl: bool = False) -> None:
-    """Raise `ValueError` with every problem `config_problems` finds (see there)."""
-    problems = config_problems(args, only_after_trl=only_after_trl)
-    if problems:
-        raise ValueError(" ".join(problems))

@@ -5,7 +5,7 @@ units (`ObjectiveInputs`): the per-token weights that TRL computes with its own 
 `get_high_entropy_mask`, `get_gamma_weights`, the vLLM importance-sampling ratio of the generation batch), the divisor
 of the window-level aggregations, and the scales that put the loss in the units TRL backpropagates. It also holds
 TRL's entropy bonus with its adaptive controller (`entropy_bonus`), which TRL offers no hook for: a copy
-recorded in `_compat.TRL_COPIES` and pinned by `tests/test_drift.py`.
+recorded in `_compat.TRL_COPIES` and pinned by `tests/test_compat_drift.py`.
 """
 
 from __future__ import annotations
@@ -15,28 +15,9 @@ from typing import Any
 
 import torch
 
-from .ops.fused import domain_problems
-from .ops.loss_types import LOSS_TYPES, LossType, loss_type_record
+from .ops.loss_types import LOSS_TYPES, LossType
 
-__all__ = ["ObjectiveInputs", "entropy_bonus", "fused_kernel_problems", "gather_objective_inputs"]
-
-
-def _token_weights_in_use(args) -> bool:
-    """Whether TRL multiplies the policy term by per-token weights under these options."""
-    vllm_correction = args.use_vllm and args.vllm_importance_sampling_correction and args.loss_type != "vespo"
-    return args.top_entropy_quantile < 1.0 or args.off_policy_mask_threshold is not None or vllm_correction
-
-
-def fused_kernel_problems(args) -> list[str]:
-    """Why the fused kernel cannot compute the objective `args` configures, one reason each (empty: it can)."""
-    return domain_problems(
-        policy_term=loss_type_record(args.loss_type).policy_term,
-        importance_sampling_level=args.importance_sampling_level,
-        delta=args.delta,
-        token_weights=torch.ones(()) if _token_weights_in_use(args) else None,
-        use_bias_correction_kl=args.use_bias_correction_kl,
-        beta=args.beta,
-    )
+__all__ = ["ObjectiveInputs", "entropy_bonus", "gather_objective_inputs"]
 
 
 @dataclass
@@ -51,8 +32,6 @@ class ObjectiveInputs:
         old_logps, ref_logps (`torch.Tensor` of shape `(N, T)` or `None`): sampling and reference log-probs.
         advantages (`torch.Tensor` of shape `(N,)` or `(N, T)`).
         mask (`torch.Tensor` of shape `(N, T)`): completion tokens (and tool mask).
-        entropies (`torch.Tensor` of shape `(N, T)`): the policy's per-token entropies.
-        aux_loss (`torch.Tensor` of shape `()` or `None`): the Mixture-of-Experts router loss.
         token_weights (`torch.Tensor` of shape `(N, T)` or `None`): product of the off-policy mask, the entropy mask
             and the vLLM correction ratio, in float32 or wider.
         entropy_mask (`torch.Tensor` of shape `(N, T)` or `None`): the entropy mask alone (the bonus uses it too).
@@ -68,8 +47,6 @@ class ObjectiveInputs:
     ref_logps: torch.Tensor | None
     advantages: torch.Tensor
     mask: torch.Tensor
-    entropies: torch.Tensor
-    aux_loss: torch.Tensor | None
     token_weights: torch.Tensor | None
     entropy_mask: torch.Tensor | None
     sequence_weights: torch.Tensor | None
@@ -144,7 +121,6 @@ def gather_objective_inputs(
     inputs: dict[str, Any],
     logps: torch.Tensor,
     entropies: torch.Tensor,
-    aux_loss,
     mode: str,
     num_rows: int | None = None,
 ) -> ObjectiveInputs:
@@ -154,7 +130,6 @@ def gather_objective_inputs(
         trainer (`GRPOTrainer`): read only: its options and TRL's helpers.
         inputs (`dict`): the micro-batch TRL prepared (or the rows of it that train, see `num_rows`).
         logps, entropies (`torch.Tensor` of shape `(N, T)`): the policy's log-probs (with gradient) and entropies.
-        aux_loss (`torch.Tensor` or `None`): the router loss.
         mode (`str`): `"train"` or `"eval"`.
         num_rows (`int`, *optional*): the rows of the whole micro-batch when `inputs` holds only some of them
             (`sampling.skipping`): `dr_grpo`'s divisor counts them all. Default: the rows of `inputs`.
@@ -172,8 +147,6 @@ def gather_objective_inputs(
         ref_logps=inputs.get("ref_per_token_logps") if trainer.beta != 0.0 else None,
         advantages=inputs["advantages"],
         mask=mask,
-        entropies=entropies,
-        aux_loss=aux_loss,
         token_weights=token_weights,
         entropy_mask=entropy_mask,
         sequence_weights=sequence_weights,

@@ -12,7 +12,7 @@ their signatures against the installed TRL), and hands its concern to the helper
   mismatch with vLLM (`diagnostics.mismatch`);
 - `_calculate_rewards`: the rewards and completion lengths of the batch just scored;
 - `log`: the one gather of the diagnostics per log step;
-- `training_step`, `_get_grad_norm`: the non-finite guard (`guardrails.nonfinite.NonFiniteStepGuard`);
+- `training_step`, `_get_grad_norm`: the non-finite guard's verdicts (`guardrails.nonfinite.NonFiniteEnforcer`);
 - `_save_checkpoint`, `_get_output_dir`, `_push_from_checkpoint`, `_load_optimizer_and_scheduler`: crash-safe
   checkpoints and exact resume (`checkpointing.Checkpoints`);
 - `evaluate`: held-out evaluation (`sampling.heldout.HeldoutEvaluator`);
@@ -29,25 +29,34 @@ import warnings
 from typing import Any
 
 import torch
+import transformers
+import trl
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
-from ._compat import FORWARD_KEYS, options_missing_from_trl, seed_before_model_init
+from ._compat import (
+    FORWARD_KEYS,
+    check_transformers_version,
+    check_trl_version,
+    options_missing_from_trl,
+    seed_before_model_init,
+)
 from .card.builder import write_model_card
 from .card.fields import user_lora_settings
 from .checkpointing import Checkpoints
 from .config import GRPOConfigExt, config_problems, option
 from .diagnostics import DiagnosticsAccumulator
 from .diagnostics.loggers import write_histograms
-from .diagnostics.mismatch import sampler_mismatch, trainer_logps, truncation_warning
+from .diagnostics.mismatch import sampler_mismatch
 from .forward import FORWARD_METRICS, PackedLogProbs, forward_counts
-from .guardrails import AnomalyMonitor, NonFiniteGuard, NonFiniteStepGuard
+from .guardrails import AnomalyMonitor, NonFiniteEnforcer, NonFiniteGuard
 from .guardrails.anomaly import AlarmSettings
 from .guardrails.launch import check_launch
 from .guardrails.reward_errors import guard_reward_funcs, reward_kwarg_names
 from .objective_inputs import entropy_bonus, gather_objective_inputs
 from .ops import LOSS_TYPES, policy_objective
+from .ops.validation import raise_problems
 from .report.alerts import TrackerAlerts
 from .report.console import ConsoleCallback
 from .sampling.dynamic import DynamicSampler, ScoredBatch
@@ -55,7 +64,11 @@ from .sampling.generation import eos_token_ids
 from .sampling.heldout import HeldoutEvaluator
 from .sampling.selective import SelectiveRollouts
 from .sampling.skipping import ZeroAdvantageRowSkipping, skipping_problems
-from .sampling.truncation import TruncationMatch
+from .sampling.truncation import TruncationMatch, trainer_logps, truncation_warning
+
+# The hooks overridden below are those of the TRL and transformers releases `_compat` names.
+check_trl_version(trl.__version__)
+check_transformers_version(transformers.__version__)
 
 logger = logging.get_logger(__name__)
 
@@ -138,9 +151,9 @@ class GRPOTrainerExt(GRPOTrainer):
             model = os.path.abspath(model)
         # Before any model is loaded; GRPOConfigExt checked itself too, this covers a plain trl.GRPOConfig and a
         # configuration changed after construction.
-        problems = config_problems(args) + config_problems(args, only_after_trl=True) + options_missing_from_trl(args)
-        if problems:
-            raise ValueError(" ".join(problems))
+        raise_problems(
+            config_problems(args) + config_problems(args, only_after_trl=True) + options_missing_from_trl(args)
+        )
         _check_train_dataset(kwargs.get("train_dataset"), kwargs.get("environment_factory"))
         heldout = HeldoutEvaluator(args, heldout_metrics, heldout_dataset, kwargs.get("eval_dataset"))
         if heldout.stands_in_for_eval_dataset:
@@ -173,7 +186,7 @@ class GRPOTrainerExt(GRPOTrainer):
         self._checkpoints = Checkpoints(self)
         self._nonfinite_guard = NonFiniteGuard(option(args, "nonfinite_policy"), option(args, "max_nonfinite_skips"))
         self._checkpoints.register("nonfinite_guard", self._nonfinite_guard)
-        self._nonfinite_steps = NonFiniteStepGuard(self, self._nonfinite_guard, self._checkpoints)
+        self._nonfinite_steps = NonFiniteEnforcer(self, self._nonfinite_guard, self._checkpoints)
         self._selective, self._dynamic_sampler = None, None
         if option(args, "selective_rollouts"):
             self._selective = SelectiveRollouts(self, **_selective_options(args))
@@ -237,7 +250,7 @@ class GRPOTrainerExt(GRPOTrainer):
             inputs, selection = self._row_skipping.select(inputs)
         logps, entropies, aux_loss = self._policy_logps_and_entropies(model, inputs)
         num_rows = None if selection is None else selection.num_rows
-        objective = gather_objective_inputs(self, inputs, logps, entropies, aux_loss, mode, num_rows=num_rows)
+        objective = gather_objective_inputs(self, inputs, logps, entropies, mode, num_rows=num_rows)
         out = policy_objective(
             objective.logps,
             objective.old_logps,

@@ -19,6 +19,9 @@ from transformers import is_wandb_available
 from transformers.utils import logging
 from trl.trainer.utils import get_comet_experiment_url, get_config_model_id, get_trackio_space_url
 
+from ..guardrails.anomaly import AlarmSettings
+from ..report.figure import plot_training_report
+from ..report.health import assess
 from .fields import CARD_CONFIG_FIELDS, card_config, user_lora_settings
 from .objective import (
     OBJECTIVE,
@@ -297,9 +300,6 @@ def write_model_card(
         return
     from peft import PeftModel
 
-    from ..guardrails.anomaly import AlarmSettings
-    from ..report.health import assess
-
     args = trainer.args
     output_dir = args.output_dir
     os.makedirs(output_dir, exist_ok=True)
@@ -312,8 +312,6 @@ def write_model_card(
     name = model_name or os.path.basename(os.path.normpath(output_dir))
     report = None
     try:
-        from ..report.figure import plot_training_report
-
         report = plot_training_report(
             trainer.state.log_history,
             os.path.join(output_dir, "report.png"),

@@ -257,9 +257,6 @@ class DiagnosticsAccumulator:
         segment = torch.cat([LogRatioHistogram.measure(log_ratio, units, dtype), values])
         self._mismatch = segment if self._mismatch is None else self.mismatch_layout.merge(self._mismatch, segment)
 
-    def is_empty(self) -> bool:
-        return not self._steps and not self._group_stds
-
     def pack(self) -> torch.Tensor | None:
         """This process's sums as one 1-dim vector (what the log step gathers), or `None` if nothing was added."""
         if not self._steps:

@@ -10,7 +10,7 @@
 
 from .alarms import ALARM_FIELDS, ALARMS, Alarm
 from .anomaly import AnomalyMonitor, Episode
-from .nonfinite import NONFINITE_POLICIES, NonFiniteGuard, NonFiniteStepGuard, NonFiniteTrainingError, StepVerdict
+from .nonfinite import NONFINITE_POLICIES, NonFiniteEnforcer, NonFiniteGuard, NonFiniteTrainingError, StepVerdict
 from .reward_errors import GuardedAsyncReward, GuardedReward, RewardFunctionError
 
 __all__ = [
@@ -23,7 +23,7 @@ __all__ = [
     "GuardedAsyncReward",
     "GuardedReward",
     "NonFiniteGuard",
-    "NonFiniteStepGuard",
+    "NonFiniteEnforcer",
     "NonFiniteTrainingError",
     "RewardFunctionError",
     "StepVerdict",

@@ -202,11 +202,12 @@ class AlarmSettings(TrainerCallback, ExportableState):
 
     @classmethod
     def from_config(cls, args) -> AlarmSettings:
-        """The settings of `args` (a plain `trl.GRPOConfig` has `GRPOConfigExt`'s defaults)."""
-        from ..config import option
-
-        thresholds = {alarm.keyword: option(args, alarm.field) for alarm in ALARMS.values()}
-        return cls(option(args, "warn_on_anomalies"), option(args, "warn_patience"), thresholds)
+        """The settings of `args`; a field `args` lacks (a plain `trl.GRPOConfig` has none) takes its default, which
+        is `GRPOConfigExt`'s: the alarm record's for a threshold, this class's for `enabled` and `patience`."""
+        defaults = cls()
+        thresholds = {alarm.keyword: getattr(args, alarm.field, alarm.default) for alarm in ALARMS.values()}
+        enabled = getattr(args, "warn_on_anomalies", defaults.enabled)
+        return cls(enabled, getattr(args, "warn_patience", defaults.patience), thresholds)
 
     @classmethod
     def from_trainer_state(cls, state: Mapping) -> AlarmSettings | None:

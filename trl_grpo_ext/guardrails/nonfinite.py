@@ -17,8 +17,8 @@ DeepSpeed engine) skips that update and lowers the scale by itself, and the guar
 A DeepSpeed engine without an overflow check (for example bf16 with `check_grad_overflow: false`) applies a
 non-finite update before the guard can see it: the guard then stops with `applied=True` and writes no checkpoint.
 
-`NonFiniteGuard` decides on each step; `NonFiniteStepGuard` carries the verdict out for `GRPOTrainerExt`, whose
-`training_step` and `_get_grad_norm` hooks (Trainer's) call it.
+The guard, `NonFiniteGuard`, decides on each step; `NonFiniteEnforcer` carries its verdict out for `GRPOTrainerExt`,
+whose `training_step` and `_get_grad_norm` hooks (Trainer's) call it.
 """
 
 from __future__ import annotations
@@ -33,21 +33,21 @@ import torch
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 
+from ..choices import NONFINITE_POLICIES
+
 if TYPE_CHECKING:
     from ..checkpointing import Checkpoints
 
 __all__ = [
     "NONFINITE_POLICIES",
     "NonFiniteGuard",
-    "NonFiniteStepGuard",
+    "NonFiniteEnforcer",
     "NonFiniteTrainingError",
     "StepVerdict",
     "report_step_skipped",
 ]
 
 logger = logging.get_logger(__name__)
-
-NONFINITE_POLICIES = ("skip", "stop", "off")
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -165,7 +165,7 @@ def report_step_skipped(optimizer, skipped: bool) -> None:
     optimizer._is_overflow = skipped
 
 
-class NonFiniteStepGuard:
+class NonFiniteEnforcer:
     """Carries the guard's verdicts out in a `GRPOTrainer`: `GRPOTrainerExt.training_step` hands it each micro-batch's
     loss, and `GRPOTrainerExt._get_grad_norm` the step's gradient norm before the optimizer step.
 

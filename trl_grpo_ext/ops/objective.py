@@ -30,7 +30,7 @@ from .fused import domain_problems, fused_loss
 from .loss_types import loss_type_record
 from .numerics import exp_linear_above, kl_estimator
 from .terms import AGGREGATIONS, POLICY_TERMS, aggregate
-from .validation import ValidatedInputs, hyperparameter_problems, kernel_refusal, validate_inputs
+from .validation import ValidatedInputs, hyperparameter_problems, kernel_refusal, raise_problems, validate_inputs
 
 __all__ = ["IMPLEMENTATIONS", "GRPOLossOutput", "grpo_loss", "policy_objective"]
 
@@ -239,9 +239,7 @@ def policy_objective(
         )
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"`implementation` must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
-    problems = hyperparameter_problems(epsilon, epsilon_high, beta, delta)
-    if problems:
-        raise ValueError(" ".join(problems))
+    raise_problems(hyperparameter_problems(epsilon, epsilon_high, beta, delta))
     if record.needs_sequence_weights and sequence_weights is None:
         raise ValueError(f"loss_type={loss_type!r} needs `sequence_weights` (TRL's gamma weights).")
     if record.aggregation == "sum_over_denominator" and denominator is None:

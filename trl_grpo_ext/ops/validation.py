@@ -12,7 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ValidatedInputs", "hyperparameter_problems", "kernel_refusal", "validate_inputs"]
+__all__ = ["ValidatedInputs", "hyperparameter_problems", "kernel_refusal", "raise_problems", "validate_inputs"]
+
+
+def raise_problems(problems: list[str]) -> None:
+    """Raise one `ValueError` naming every problem (one sentence each, as the `*_problems` checks give them); nothing
+    when there is none."""
+    if problems:
+        raise ValueError(" ".join(problems))
 
 
 def _is_number(value) -> bool:

@@ -17,6 +17,8 @@ import urllib.parse
 
 from trl import TrlParser
 
+from ..config import GRPOConfigExt
+
 __all__ = [
     "CHECKED_LOGGERS",
     "USUAL_MODEL_FIELDS",
@@ -341,8 +343,6 @@ def help_groups(script_arguments) -> list[tuple[str, set[str]]]:
 
     from trl import GRPOConfig, ModelConfig
 
-    from trl_grpo_ext import GRPOConfigExt
-
     own = set(vars(GRPOConfigExt).get("__annotations__", {}))
     trl_fields = {field.name for field in fields(GRPOConfig)} - own
     return [
@@ -363,8 +363,6 @@ def make_parser(script_arguments, prog: str | None = None, description: str | No
         prog, description, usage: what `--help` shows (argparse's own usage line would list every field).
     """
     from trl import ModelConfig
-
-    from trl_grpo_ext import GRPOConfigExt
 
     groups = help_groups(script_arguments)
     (_, recipe_fields), (_, own_fields) = groups[:2]

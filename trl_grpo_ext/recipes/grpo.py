@@ -11,7 +11,7 @@ YAML. The output folder ends up holding the model (or LoRA adapter) and tokenize
 resumes from the last checkpoint in the output folder, a path from that checkpoint; false (or unset) starts fresh.
 
 A check of FSDP or DeepSpeed on a machine without GPUs sets `TRL_GRPO_EXT_CPU_ENGINES=1` for the launch
-(`trl_grpo_ext.testing.enable_sharded_engines_on_cpu`, docs/sharded.md); a GPU run never needs it.
+(`trl_grpo_ext.cpu_engines.enable_sharded_engines_on_cpu`, docs/sharded.md); a GPU run never needs it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainerCallback
 
+from .. import cpu_engines
 from .arguments import (
     ConfigError,
     check_loggers_installed,
@@ -326,14 +327,10 @@ def run(
         optional_tensorboard: run without TensorBoard when it is not installed, saying so (the demo), instead of
             refusing a `report_to` that names it.
     """
-    if os.environ.get("TRL_GRPO_EXT_CPU_ENGINES", "").lower() in ("1", "true", "yes"):
-        from trl_grpo_ext.testing import enable_sharded_engines_on_cpu
-
-        enable_sharded_engines_on_cpu()  # before the training arguments create accelerate's state
-    from trl_grpo_ext import testing
-
-    if os.environ.get(testing.VLLM_ON_CPU_ENV) == "1":  # vLLM's CPU engine (docs/vllm.md)
-        testing.enable_vllm_on_cpu()  # before the trainer builds its colocate engine
+    if cpu_engines.env_flag(cpu_engines.CPU_ENGINES_ENV):  # a sharded engine on CPU processes (docs/sharded.md)
+        cpu_engines.enable_sharded_engines_on_cpu()  # before the training arguments create accelerate's state
+    if cpu_engines.env_flag(cpu_engines.VLLM_ON_CPU_ENV):  # vLLM's CPU engine (docs/vllm.md)
+        cpu_engines.enable_vllm_on_cpu()  # before the trainer builds its colocate engine
     try:
         script_args, training_args, model_args = parse_args(argv, prog, **parse_kwargs)
         if optional_tensorboard:

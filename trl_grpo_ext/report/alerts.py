@@ -13,6 +13,8 @@ from __future__ import annotations
 from transformers import TrainerCallback
 from transformers.utils import logging
 
+from ..guardrails.anomaly import AnomalyMonitor
+
 __all__ = ["ALERT_TRACKERS", "TrackerAlerts", "alert_title"]
 
 logger = logging.get_logger(__name__)
@@ -64,8 +66,6 @@ class TrackerAlerts(TrainerCallback):
     def install(cls, trainer) -> TrackerAlerts | None:
         """Add a `TrackerAlerts` for `trainer`'s `AnomalyMonitor` (none without one: alarms are off), last: after the
         monitor and after the loggers, so that a trackio alert is filed at the step of the metrics just logged."""
-        from ..guardrails.anomaly import AnomalyMonitor
-
         monitor = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, AnomalyMonitor)), None)
         if monitor is None:
             return None

@@ -27,7 +27,10 @@ import re
 import sys
 from dataclasses import dataclass, field
 
+from ..guardrails.anomaly import AlarmSettings
+from . import figure
 from .formats import FORMATS, Report, forward_summary, render, unrecognised_keys
+from .health import SEVERITIES, assess
 from .tensorboard import event_files, history_from_event_files
 
 __all__ = ["FoundRun", "RunNotReadable", "find_run", "find_trainer_state", "load_trainer_state", "run"]
@@ -179,9 +182,6 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
 
 def run(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run the command with `argv` (default: the command line); returns the exit status (see `EXIT_CODES`)."""
-    from ..guardrails.anomaly import AlarmSettings
-    from .health import SEVERITIES, assess
-
     args = _parser(prog).parse_args(argv)
     name = prog or "report"
     try:
@@ -246,9 +246,7 @@ def _draw(history: list[dict], output: str, run_dir: str, episodes, thresholds: 
     """Write the report image (its alarm thresholds the run's, `None`: the defaults); one line saying what was written
     and which panels had nothing to draw."""
     try:
-        from .figure import missing_panels, plot_training_report
-
-        written = plot_training_report(
+        written = figure.plot_training_report(
             history,
             output,
             title=os.path.basename(os.path.normpath(run_dir)),
@@ -259,7 +257,7 @@ def _draw(history: list[dict], output: str, run_dir: str, episodes, thresholds: 
         return "report.png: not written, matplotlib is not installed (pip install matplotlib)"
     if written is None:
         return "report.png: not written, no training step was logged"
-    missing = missing_panels(history)
+    missing = figure.missing_panels(history)
     line = f"report.png: {written}"
     if missing:
         line += "; panels without data: " + "; ".join(f"{title} ({', '.join(keys)})" for title, keys in missing)

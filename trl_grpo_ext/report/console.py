@@ -16,9 +16,10 @@ from collections.abc import Mapping
 
 from transformers import PrinterCallback, ProgressCallback
 
+from ..choices import CONSOLE_MODES
+
 __all__ = ["CONSOLE_MODES", "CONSOLE_SIGNALS", "ConsoleCallback", "format_log_line"]
 
-CONSOLE_MODES = ("compact", "raw")
 #: (logged metric, its label on the line), in the order of the line.
 CONSOLE_SIGNALS = (
     ("reward", "reward"),

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
+from .. import __version__
+
 __all__ = ["DISTRIBUTIONS", "environment_info", "format_environment", "run"]
 
 NOT_INSTALLED = "not installed"
@@ -116,8 +118,6 @@ def environment_info() -> dict[str, str]:
     """What `trl-grpo-ext env` prints, label -> value: this package's version (with the commit when it runs from a git
     checkout), the platform, Python, the CPU, memory and accelerators, the version of each distribution of
     `DISTRIBUTIONS` (`not installed` for those missing) and accelerate's default config file."""
-    from .. import __version__
-
     commit = _checkout()
     info = {
         "trl-grpo-ext": __version__ + (f" (git checkout {commit})" if commit else ""),

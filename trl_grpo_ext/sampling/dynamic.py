@@ -165,14 +165,15 @@ class DynamicSampler:
     Args:
         trainer (`GRPOTrainer`): its data, options, accelerator and TRL's logs are read; `_metrics` and `_logs` are
             rewritten for the assembled batch.
-        max_rounds (`int`): the most extra rounds per generation batch.
+        max_rounds (`int`): the most extra rounds per generation batch (>= 1: the configuration checks it).
         last_scored (`Callable[[], ScoredBatch]`): the rewards of the generation batch TRL scored last.
-        margin (`float`): an extra round generates this many times the groups it is expected to need.
+        margin (`float`): an extra round generates this many times the groups it is expected to need (> 0: the
+            configuration checks it).
         selective (`selective.SelectiveRollouts`, *optional*): selective rollouts, whose stream this sampler then
             draws from.
 
     Raises:
-        ValueError: for an `IterableDataset` (fresh prompts are drawn by index), `max_rounds < 1` or `margin <= 0`.
+        ValueError: for an `IterableDataset` (fresh prompts are drawn by index).
     """
 
     def __init__(
@@ -190,10 +191,6 @@ class DynamicSampler:
                 "datasets.Dataset), not an IterableDataset. Load the dataset without `streaming=True`, or set "
                 "dynamic_sampling=False."
             )
-        if max_rounds < 1:
-            raise ValueError(f"`dynamic_sampling_max_rounds` must be >= 1, got {max_rounds}.")
-        if not margin > 0:
-            raise ValueError(f"`dynamic_sampling_round_margin` must be > 0, got {margin}.")
         self.trainer, self.max_rounds, self.last_scored = trainer, max_rounds, last_scored
         self.margin, self.selective = margin, selective
         #: The fresh prompts of the extra rounds (resumable: `Checkpoints.register`).

@@ -14,7 +14,7 @@ at every completion position, in chunks, in one forward pass without gradient pe
 chunk by chunk). Then, for the batch that trains:
 
 - `importance_sampling_ratio` (the correction's weights) is recomputed from `log p_trunc - sampler_logp` in the run's
-  `vllm_importance_sampling_mode` and bounds (`diagnostics.mismatch.correction_ratio`);
+  `vllm_importance_sampling_mode` and bounds (`ops.correction.correction_ratio`);
 - TRL's logged `sampling/sampling_logp_difference/{mean,max}` and `sampling/importance_sampling_ratio/{min,mean,max}`
   are replaced by the same statistics of the recomputed values (`correction_metrics`, TRL's definitions);
 - the sampler-mismatch metrics (`sampling/importance_sampling_ratio_raw/*`, `sampling/sampler_k3_kl`) use
@@ -22,6 +22,11 @@ chunk by chunk). Then, for the batch that trains:
 - `sampling/truncation/kept_mass` (the trainer's mean `S` over completion tokens: the factor stock TRL's ratio carries)
   and `sampling/truncation/outside_cut_fraction` (the share of sampled tokens that the trainer's own cut would have
   dropped: the engine and the trainer disagree about a boundary token; those count as kept) are logged.
+
+`sampler_cuts` reads the cuts vLLM samples with (`top_k`, `top_p`, `min_p`, overridden by `generation_kwargs` as TRL
+passes them); `truncation_warning` names them where the option is off and the correction on; `trainer_logps` is the
+trainer's forward pass without gradient over a generated batch (also what the sampler-mismatch metrics of
+`diagnostics.mismatch` compare with when TRL computed no `old_per_token_logps`).
 
 `old_per_token_logps` (the PPO surrogate's denominator) stays the whole-vocabulary log-prob: the surrogate's ratio is
 the policy's whole-vocabulary probability over the old one, as in TRL.
@@ -37,16 +42,21 @@ import torch
 from accelerate.utils import is_peft_model
 from trl.trainer.utils import nanmax, nanmin
 
+from .._compat import FORWARD_KEYS
 from ..config import option
-from ..diagnostics.mismatch import correction_ratio, sampler_cuts, sampler_mismatch, trainer_logps
+from ..ops.correction import correction_ratio, sampler_log_ratios
 from ..ops.truncation import SamplerCuts, TruncatedLogProbs, truncated_log_probs_from_hidden
+from .generation import preserved_rng
 
 __all__ = [
     "TRL_CORRECTION_METRICS",
     "TruncationMatch",
     "correction_metrics",
+    "sampler_cuts",
+    "trainer_logps",
     "trainer_truncated_logps",
     "trl_logit_transform",
+    "truncation_warning",
 ]
 
 #: What TRL logs of its correction in `_generate_and_score_completions` (replaced for the batch that trains).
@@ -57,6 +67,85 @@ TRL_CORRECTION_METRICS = (
     "sampling/importance_sampling_ratio/mean",
     "sampling/importance_sampling_ratio/max",
 )
+
+
+def trainer_logps(trainer, output: dict[str, Any]) -> torch.Tensor:
+    """The trainer's per-token log-probs `(N, T)` of a generated batch, as TRL computes `old_per_token_logps`.
+
+    One forward pass of `trainer.model` without gradient (gradient checkpointing paused, as TRL does), under the
+    random state it found, which is restored afterwards: dropout (e.g. LoRA's) draws the same numbers in training
+    as without this pass. Call it on every process (sharded weights gather in the forward).
+    """
+    try:
+        from trl.models.utils import disable_gradient_checkpointing
+
+        paused = disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs)
+    except ImportError:  # an older TRL without the helper: nothing to pause
+        paused = nullcontext()
+    args = trainer.args
+    batch_size = args.per_device_train_batch_size if trainer.model.training else args.per_device_eval_batch_size
+    completion_ids = output["completion_ids"]
+    # TRL's padded forward (`GRPOTrainerExt` keeps it beside the padding-free one): the truncation match reads the
+    # backbone's hidden states in that layout (sampling.truncation).
+    forward = getattr(trainer, "_stock_logps_and_entropies", trainer._get_per_token_logps_and_entropies)
+    with torch.no_grad(), paused, preserved_rng():
+        logps, _, _ = forward(
+            trainer.model,
+            torch.cat([output["prompt_ids"], completion_ids], dim=1),
+            torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1),
+            completion_ids.size(1),
+            batch_size=batch_size,
+            **{key: output[key] for key in FORWARD_KEYS if output.get(key) is not None},
+        )
+    return logps
+
+
+#: The sampling fields that truncate the sampler's distribution.
+_CUTS = ("top_k", "top_p", "min_p")
+
+
+def sampler_cuts(args) -> SamplerCuts:
+    """The cuts vLLM samples with under `args`: `top_k`, `top_p` and `min_p`, each overridden by the same key of
+    `generation_kwargs` (TRL passes those to vLLM's `SamplingParams` after the fields). `None` means off."""
+    values = {name: getattr(args, name, None) for name in _CUTS}
+    values.update({name: value for name, value in (args.generation_kwargs or {}).items() if name in _CUTS})
+    off = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    return SamplerCuts(**{name: off[name] if value is None else value for name, value in values.items()})
+
+
+def truncation_warning(args) -> str | None:
+    """What biases vLLM's importance-sampling correction in `args`, or `None`.
+
+    Args:
+        args (`trl.GRPOConfig`): the training configuration; `top_p`, `top_k`, `min_p` and the same keys of
+            `generation_kwargs` (which override them, as TRL passes them to vLLM) are read.
+
+    Returns:
+        `str`: the warning, naming the settings and what to do; `None` without vLLM or without the correction, when
+        nothing truncates, or with `match_sampler_truncation` on (which removes the bias).
+    """
+    if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False)):
+        return None
+    if option(args, "match_sampler_truncation"):
+        return None
+    cuts = sampler_cuts(args)
+    off = SamplerCuts()
+    truncating = [
+        f"{name}={getattr(cuts, name)}"
+        for name in ("top_p", "top_k", "min_p")
+        if (getattr(cuts, name) > 0 if name == "top_k" else getattr(cuts, name) != getattr(off, name))
+    ]
+    if not truncating:
+        return None
+    return (
+        f"vLLM samples from a truncated distribution ({', '.join(truncating)}) while "
+        "vllm_importance_sampling_correction is on: vLLM's log-probs are renormalised over the tokens kept, the "
+        "trainer's cover the whole vocabulary, so every importance ratio is scaled by the kept probability mass "
+        "(<= 1) and the correction is biased (TRL issue #6789). Set match_sampler_truncation=True (GRPOConfigExt) "
+        "to compare the trainer's log-probs of the same truncated distribution, sample without truncation "
+        "(top_p=1.0, top_k=0, min_p=None), or switch the correction off; "
+        "sampling/importance_sampling_ratio_raw/mean below 1 shows the bias."
+    )
 
 
 def trl_logit_transform(model) -> tuple[Any, dict[str, Any]]:
@@ -113,7 +202,7 @@ def trainer_truncated_logps(
 ) -> tuple[torch.Tensor, TruncatedLogProbs]:
     """The trainer's log-probs `(N, T)` of a generated batch, and their log kept mass under `cuts`.
 
-    One pass of `diagnostics.mismatch.trainer_logps` (TRL's `_get_per_token_logps_and_entropies` without gradient,
+    One pass of `trainer_logps` (TRL's `_get_per_token_logps_and_entropies` without gradient,
     random state restored), during which a forward hook on the backbone projects each micro-batch's final hidden
     states at the completion positions through the LM head, `ops.truncation.CHUNK_ELEMENTS` logits at a time.
 
@@ -151,6 +240,14 @@ def trainer_truncated_logps(
     return logps, TruncatedLogProbs(*(torch.cat(field) for field in zip(*parts, strict=True)))
 
 
+def _scored_tokens(output: dict[str, Any]) -> torch.Tensor:
+    """The tokens TRL's correction covers: completion tokens outside tool output, bool `(N, T)`."""
+    mask = output["completion_mask"].bool()
+    if output.get("tool_mask") is not None:
+        mask = mask & output["tool_mask"].bool()
+    return mask
+
+
 def correction_metrics(
     accelerator, trainer_logps: torch.Tensor, output: dict[str, Any], ratio: torch.Tensor, sequence_level: bool
 ) -> dict[str, float]:
@@ -172,9 +269,7 @@ def correction_metrics(
     Returns:
         `dict`: the values of `TRL_CORRECTION_METRICS`.
     """
-    mask = output["completion_mask"].bool()
-    if output.get("tool_mask") is not None:
-        mask = mask & output["tool_mask"].bool()
+    mask = _scored_tokens(output)
     zero = torch.tensor(0.0, device=ratio.device)
     delta = torch.abs(trainer_logps - output["sampling_per_token_logps"])
     delta = delta[mask & ~torch.isnan(delta)]
@@ -227,7 +322,9 @@ class TruncationMatch:
         if correcting:
             level = trainer.vllm_importance_sampling_mode
             low, high = trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max
-            ratio = correction_ratio(sampler_mismatch(output, level, low, high, truncated).log_ratio, level, low, high)
+            sampler_logps = output["sampling_per_token_logps"]
+            log_ratio = sampler_log_ratios(truncated, sampler_logps, _scored_tokens(output), level).log_ratio
+            ratio = correction_ratio(log_ratio, level, low, high)
             output["importance_sampling_ratio"] = ratio
             sequence_level = level.startswith("sequence")
             values = correction_metrics(trainer.accelerator, truncated, output, ratio, sequence_level)
@@ -239,9 +336,7 @@ class TruncationMatch:
         return truncated
 
     def _log_kept_mass(self, computed: TruncatedLogProbs, output: dict[str, Any], mode: str) -> None:
-        mask = output["completion_mask"].bool()
-        if output.get("tool_mask") is not None:
-            mask = mask & output["tool_mask"].bool()
+        mask = _scored_tokens(output)
         sums = torch.stack(
             [
                 computed.log_kept_mass[mask].exp().sum(),

@@ -9,9 +9,9 @@ import torch
 from accelerate.state import PartialState
 from helpers import REPO, free_port
 
-from trl_grpo_ext.testing import enable_sharded_engines_on_cpu, requested_engine
+from trl_grpo_ext.cpu_engines import enable_sharded_engines_on_cpu, requested_engine
 
-MODULE = os.path.join(REPO, "trl_grpo_ext", "testing.py")
+MODULE = os.path.join(REPO, "trl_grpo_ext", "cpu_engines.py")
 LAUNCHER_ENV = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "LOCAL_RANK", "ACCELERATE_TORCH_DEVICE")
 needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the function does nothing")
 
