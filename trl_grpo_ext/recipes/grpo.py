@@ -333,6 +333,9 @@ def run(
     from trl_grpo_ext import testing
 
     if os.environ.get(testing.VLLM_ON_CPU_ENV) == "1":  # vLLM's CPU engine (docs/vllm.md)
+        # A machine without GPUs: DeepSpeed, where installed (the dev extra), is imported by accelerate during training
+        # and would warn that it found no accelerator before taking its CPU one; named, it takes it silently.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
         testing.enable_vllm_on_cpu()  # before the trainer builds its colocate engine
     try:
         script_args, training_args, model_args = parse_args(argv, prog, **parse_kwargs)
