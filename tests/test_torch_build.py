@@ -180,3 +180,10 @@ def test_the_docs_uv_run_lines_pass_the_machines_torch_build():
             found += 1
             assert match.group(1) == "$(python3 tools/torch_build.py uv-run) ", (page, match.group(0))
     assert found >= 3
+
+
+def test_the_readme_installs_the_machines_torch_before_the_wheel():
+    with open(os.path.join(REPO, "README.md")) as handle:
+        lines = [line.split("#")[0].strip() for line in handle]
+    wheel = next(i for i, line in enumerate(lines) if line.startswith('pip install "$(ls dist/trl_grpo_ext-'))
+    assert lines[wheel - 1] == "pip install $(python3 tools/torch_build.py pip)"
