@@ -135,7 +135,7 @@ def run(
     """Both sides on the drawn micro-batch (module docstring); `device` `"cuda"` runs in bfloat16 and also reports
     each side's peak allocated memory (`peak_bytes`, `None` on the CPU)."""
     from trl_grpo_ext.forward import forward_counts, pack_rows
-    from trl_grpo_ext.forward.logprobs import linear_parameters, row_budget
+    from trl_grpo_ext.forward.logprobs import attention_weight, linear_parameters, row_budget
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer, vocab, parameters = _trainer(quick, tmp, device, attn_implementation)
@@ -154,12 +154,16 @@ def run(
                     times[side].append(seconds)
         check = trainer._packed_forward.self_check
         shared = trainer._packed_forward._share(trainer.model, compute_aux_loss=False)
-        budget = row_budget(trainer.model.config, linear_parameters(trainer.model), ids.size(1))
-    # What each side forwards: TRL's padded rows, the packed rows (their tails included) at the default row budget.
+        linear = linear_parameters(trainer.model)
+        budget = row_budget(trainer.model.config, linear, ids.size(1))
+        weight = attention_weight(trainer.model.config, linear)
+    # What each side forwards: TRL's padded rows, the packed rows (their tails included) as the trainer packs them.
     forwarded = {
         "trl": int(counts.forwarded),
-        "ext": pack_rows(ids, mask, width, budget).input_ids.numel(),
-        "shared": pack_rows(ids, mask, width, budget, shared_prompts=shared).input_ids.numel(),
+        "ext": pack_rows(ids, mask, width, budget, attention_weight=weight).input_ids.numel(),
+        "shared": pack_rows(
+            ids, mask, width, budget, shared_prompts=shared, attention_weight=weight
+        ).input_ids.numel(),
     }
     config = {"steps": steps, "groups": groups, "generations": 8, "quick": quick, "parameters": parameters}
     return {

@@ -59,6 +59,17 @@ def _kernel(results: dict) -> str:
     return f"{table}\n\nMemory bandwidth in the same run (for the roofline column): {bandwidth.split(' ', 2)[2]}."
 
 
+def _forward(results: dict) -> str:
+    """The log-prob forward's table as the suite prints it, the shape and the row budget after it."""
+    from . import forward
+
+    shape = results["shape"]
+    return (
+        f"{forward.table(results)}\n\n{shape['rows']} rows of up to {shape['width']} tokens, packed rows of at most "
+        f"{shape['row_tokens']} tokens; median of {results['config']['steps']} timed steps per side."
+    )
+
+
 @dataclass(frozen=True)
 class Renderer:
     """How one results file becomes Markdown.
@@ -72,7 +83,11 @@ class Renderer:
     render: Callable[[dict], str]
 
 
-RENDERERS: dict[str, Renderer] = {"e2e": Renderer("e2e", _e2e), "kernel": Renderer("kernel", _kernel)}
+RENDERERS: dict[str, Renderer] = {
+    "e2e": Renderer("e2e", _e2e),
+    "kernel": Renderer("kernel", _kernel),
+    "forward": Renderer("forward", _forward),
+}
 
 
 def provenance(payload: dict) -> str:
