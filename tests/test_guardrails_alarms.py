@@ -77,6 +77,13 @@ STREAMS = {
         [9, 17],
     ),
     "length_in_group": ([{"reward_length_corr/within_group": v} for v in (0.9, 0.95, 0.1, 0.85)], [0, 3]),
+    "plateau": (
+        # 10 rising rewards, then flat: the running median's last new best is at index 14, the 150th entry without
+        # one gives it; a jump to 5.0 sets new bests (cleared) until the median is 5.0 (index 170), and the 150th
+        # entry after that without one gives it again
+        [{"reward": 0.1 * i} for i in range(10)] + [{"reward": 0.9}] * 155 + [{"reward": 5.0}] * 156,
+        [164, 320],
+    ),
     "reward_vs_heldout": (
         [
             {"reward": 0.1, "heldout/acc/mean@4": 0.5},

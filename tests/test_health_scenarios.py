@@ -21,7 +21,6 @@ from benchmarks.health_scenarios import (  # noqa: E402
 
 #: Sick scenarios this package does not flag yet with the kind injected: (generator, scenario) -> why.
 GAPS: dict[tuple[str, str], str] = {
-    ("rl-doctor", "plateau"): "no plateau check",
     ("rl-doctor", "format_domination"): "no reward-composition check",
     ("rlprobe", "format_gaming"): "no reward-composition check",
     ("rlprobe", "degenerate_groups"): "75% of groups flat, below zero_std's 90%",

@@ -23,6 +23,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .progress_rules import PlateauRule
 from .rule import HELDOUT_KEY, SEVERITIES, SKIPPED_STEPS_KEY, ZERO_SPREAD_KEYS, Rule, pearson
 from .step_rules import (
     ClipFractionRule,
@@ -352,6 +353,24 @@ ALARMS: dict[str, Alarm] = {
             f"{RewardVsHeldoutRule.NOISE_SE:g} standard errors of the difference where the evaluation's sample "
             "size is logged (heldout/<metric>/scored@<k>), while the training reward is above its level at that "
             "best.",
+        ),
+        Alarm(
+            name="plateau",
+            rule=PlateauRule,
+            field="warn_plateau_steps",
+            # rl-doctor's plateau scenario (reward flat from about step 100 of 400, one entry per step) is flagged at
+            # steps 265-381 over 10 seeds; its healthy scenario (still rising slowly at its end) never, nor rlprobe's,
+            # which converges (93% of its final reward at step 450 of 500) and was flagged at step 456 of one seed of
+            # 10 with 100. A run logged every 10 steps waits 1,500 steps: a slow riser is no plateau.
+            default=150,
+            low=1,
+            high=math.inf,
+            low_inclusive=True,
+            high_inclusive=False,
+            help="Alarm plateau (a note): the reward's running median (over "
+            f"{PlateauRule.SMOOTH} log steps) has not risen above its best by more than its noise for this many log "
+            "steps (the run converged or stopped learning).",
+            whole=True,
         ),
     )
 }

@@ -1,0 +1,58 @@
+"""The progress alarms on synthetic runs: a reward that stops improving, or never improves, is a plateau; a noisy
+but rising one is not."""
+
+import random
+
+from trl_grpo_ext.guardrails import AnomalyMonitor
+from trl_grpo_ext.guardrails.progress_rules import slope_t
+from trl_grpo_ext.report.health import assess
+
+
+def noisy_run(curve, steps: int = 400, noise: float = 0.03, seed: int = 0) -> list[dict]:
+    """One log entry per step: `curve(step)` plus normal noise, with a gradient norm and a loss."""
+    rng = random.Random(seed)
+    return [
+        {"step": step, "loss": 0.1, "grad_norm": 1.0, "reward": curve(step) + rng.gauss(0, noise)}
+        for step in range(1, steps + 1)
+    ]
+
+
+def test_a_reward_that_never_improves_is_a_plateau_and_never_ok():
+    for seed in range(5):
+        health = assess(noisy_run(lambda step: 0.3, seed=seed))
+        assert "plateau" in health.alarms and not health.ok
+        reward = health.signals[0]
+        assert reward.verdict == "ALARM" and reward.severity == "note" and reward.onset is not None
+
+
+def test_a_reward_that_stops_improving_is_a_plateau_150_log_steps_after_its_last_gain():
+    for seed in range(5):
+        history = noisy_run(lambda step: min(step, 100) / 200, steps=450, seed=seed)
+        episodes = [e for e in assess(history).episodes if e.name == "plateau"]
+        # the running median reaches its level about 5 log steps after the rise ends; chance bests delay it a little
+        # (or end an episode: a flat reward's median beats its best by 1.5 standard errors now and then)
+        assert episodes and 255 <= episodes[0].start <= 450, episodes
+
+
+def test_a_noisy_reward_that_keeps_rising_slowly_is_no_plateau():
+    # 0.13 over 400 log steps under noise of 0.03 per step: each 150-step span gains about 1.6 noise widths
+    for seed in range(5):
+        history = noisy_run(lambda step: 0.2 + step / 3000, seed=seed)
+        assert "plateau" not in assess(history).alarms
+
+
+def test_the_plateau_threshold_counts_log_steps_and_can_be_switched_off():
+    history = noisy_run(lambda step: 0.3, steps=60)
+    monitor = AnomalyMonitor(plateau_steps=20)
+    monitor.replay(history)
+    assert [e.name for e in monitor.episodes] == ["plateau"] and monitor.episodes[0].start <= 40
+    monitor = AnomalyMonitor(plateau_steps=None)
+    monitor.replay(noisy_run(lambda step: 0.3))
+    assert "plateau" not in monitor.counts
+
+
+def test_slope_t_is_large_on_a_trend_and_small_on_noise():
+    rng = random.Random(0)
+    assert slope_t([0.01 * i + rng.gauss(0, 0.01) for i in range(20)]) > 5
+    assert abs(slope_t([rng.gauss(0, 0.01) for _ in range(20)])) < 3
+    assert slope_t([1.0] * 20) == 0.0 and slope_t([0.0, 1.0]) == 0.0
