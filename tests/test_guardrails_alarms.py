@@ -77,6 +77,11 @@ STREAMS = {
         [9, 17],
     ),
     "length_in_group": ([{"reward_length_corr/within_group": v} for v in (0.9, 0.95, 0.1, 0.85)], [0, 3]),
+    "flat_groups": (
+        # 70% of groups flat for 10 log steps (given at the 10th), one entry at 20% (cleared), 10 more at 65%
+        [{"frac_reward_zero_std": v} for v in [0.7] * 12 + [0.2] + [0.65] * 10],
+        [9, 22],
+    ),
     "plateau": (
         # 10 rising rewards, then flat: the running median's last new best is at index 14, the 150th entry without
         # one gives it; a jump to 5.0 sets new bests (cleared) until the median is 5.0 (index 170), and the 150th

@@ -56,3 +56,31 @@ def test_slope_t_is_large_on_a_trend_and_small_on_noise():
     assert slope_t([0.01 * i + rng.gauss(0, 0.01) for i in range(20)]) > 5
     assert abs(slope_t([rng.gauss(0, 0.01) for _ in range(20)])) < 3
     assert slope_t([1.0] * 20) == 0.0 and slope_t([0.0, 1.0]) == 0.0
+
+
+def flat_run(share: float, reward: float, steps: int = 30) -> list[dict]:
+    return [
+        {"step": s, "reward": reward, "frac_reward_zero_std": share, "grad_norm": 1.0} for s in range(1, steps + 1)
+    ]
+
+
+def test_flat_groups_say_too_easy_too_hard_or_unknown():
+    # 80% flat at a mean reward of 0.85: at least 65% of the groups all at the maximum; at 0.1, at least 70% all at the
+    # minimum; every group flat at 0.5: half each way, named as too easy (the tie)
+    cases = {(0.8, 0.85): "at least 65% of the groups scored the maximum", (0.8, 0.1): "mostly too hard"}
+    cases[1.0, 0.5] = "mostly too easy"
+    for (share, reward), words in cases.items():
+        monitor = AnomalyMonitor()
+        monitor.replay(flat_run(share, reward))
+        (episode,) = [e for e in monitor.episodes if e.name == "flat_groups"]
+        assert episode.start == 10 and words in episode.message and episode.severity == "note"
+    monitor = AnomalyMonitor()
+    monitor.replay(flat_run(0.8, 2.5))  # a reward outside [0, 1]: the side is not known
+    (episode,) = [e for e in monitor.episodes if e.name == "flat_groups"]
+    assert "Too easy if the mean reward is near its maximum" in episode.message
+
+
+def test_a_healthy_share_of_flat_groups_raises_nothing():
+    for share in (0.2, 0.44, 0.59):
+        health = assess(flat_run(share, 0.5))
+        assert "flat_groups" not in health.alarms

@@ -23,7 +23,6 @@ from benchmarks.health_scenarios import (  # noqa: E402
 GAPS: dict[tuple[str, str], str] = {
     ("rl-doctor", "format_domination"): "no reward-composition check",
     ("rlprobe", "format_gaming"): "no reward-composition check",
-    ("rlprobe", "degenerate_groups"): "75% of groups flat, below zero_std's 90%",
 }
 
 

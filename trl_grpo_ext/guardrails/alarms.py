@@ -23,7 +23,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .progress_rules import PlateauRule
+from .progress_rules import FlatGroupsRule, PlateauRule
 from .rule import HELDOUT_KEY, SEVERITIES, SKIPPED_STEPS_KEY, ZERO_SPREAD_KEYS, Rule, pearson
 from .step_rules import (
     ClipFractionRule,
@@ -353,6 +353,22 @@ ALARMS: dict[str, Alarm] = {
             f"{RewardVsHeldoutRule.NOISE_SE:g} standard errors of the difference where the evaluation's sample "
             "size is logged (heldout/<metric>/scored@<k>), while the training reward is above its level at that "
             "best.",
+        ),
+        Alarm(
+            name="flat_groups",
+            rule=FlatGroupsRule,
+            field="warn_flat_groups",
+            # rlprobe's degenerate-groups scenario (a share rising to 75%) is flagged about step 460 of 500,
+            # rl-doctor's too-easy and too-hard runs at about steps 230 and 10, no healthy peer scenario (at most
+            # 20%); the demo ends at 44% of groups without spread. 50% also flags rl-doctor's reward-hacking run.
+            default=0.6,
+            low=0.0,
+            high=1.0,
+            low_inclusive=False,
+            high_inclusive=True,
+            help="Alarm flat_groups (a note): at least this share of groups has no reward spread at each of "
+            f"{FlatGroupsRule.WINDOW} log steps in a row; the warning says whether they are too easy or too hard "
+            "where every reward lies in [0, 1].",
         ),
         Alarm(
             name="plateau",

@@ -1,4 +1,5 @@
-"""The alarm rules that judge whether the run is still making progress: the reward's plateau."""
+"""The alarm rules that judge whether the run is still making progress: the reward's plateau, and groups that stay
+without reward spread (too easy or too hard)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import math
 import statistics
 from collections.abc import Mapping
 
-from .rule import Rule, _number
+from .rule import ZERO_SPREAD_KEYS, Rule, _first_number, _number
 
 
 def slope_t(values: list[float]) -> float:
@@ -77,4 +78,63 @@ class PlateauRule(Rule):
             f"{self.SMOOTH} log steps) stays within its noise of its best ({self.best:.3g}). The run has converged "
             "or stopped learning; if the held-out metric is flat too, stop it, or change what limits it (harder "
             "prompts, a higher learning_rate, more num_generations or temperature)."
+        )
+
+
+class FlatGroupsRule(Rule):
+    """Most groups stay without reward spread: the share of groups whose rewards are all equal (`ZERO_SPREAD_KEYS`)
+    is at least `threshold` at each of `WINDOW` log steps in a row. A `note`, below `zero_std`'s warning (90% at one
+    step): the run still learns from the other groups, at a fraction of its cost.
+
+    Which way the groups are flat follows from the mean reward `r` and the flat share `z` where every logged reward
+    lies in [0, 1] (a 0/1 reward, say): the groups with spread hold at most `1 - z` of the reward's mass and at least
+    none of it, so at least `r - (1 - z)` of the groups scored the maximum everywhere (too easy) and at least `z - r`
+    scored the minimum everywhere (too hard); the larger bound names the side.
+
+    The default, 60%, on the peers' scenarios: rlprobe's degenerate groups (a share rising to 75%) are flagged about
+    step 460 of 500; rl-doctor's too-easy (a pass rate near 97%) and too-hard (near 3.5%) runs at about step 230 and
+    step 10, and no healthy scenario (at most 20%). 50% also flags rl-doctor's reward-hacking run at its end."""
+
+    keys = ZERO_SPREAD_KEYS
+    WINDOW = 10
+    severity = "note"
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.shares: list[float] = []
+        self.unit_rewards = True  # every logged reward so far lies in [0, 1]
+
+    def judge(self, entry):
+        reward = _number(entry, "reward")
+        if reward is not None and not 0.0 <= reward <= 1.0:
+            self.unit_rewards = False
+        _, share = _first_number(entry, ZERO_SPREAD_KEYS)
+        if share is None:
+            return None
+        self.shares = (self.shares + [share])[-self.WINDOW :]
+        if len(self.shares) < self.WINDOW or min(self.shares) < self.threshold:
+            return False
+        text = (
+            f"{min(self.shares):.0%} or more of the groups ({share:.0%} now) had no reward spread at each of the "
+            f"last {self.WINDOW} log steps: those groups teach nothing and cost a full generation each. "
+        )
+        if reward is not None and self.unit_rewards:
+            easy, hard = reward - (1 - share), share - reward
+            if easy > 0 and easy >= hard:
+                text += (
+                    f"They are mostly too easy: at the mean reward {reward:.2f}, at least {easy:.0%} of the groups "
+                    "scored the maximum on every completion. Use harder prompts (or drop the solved ones), or "
+                    "dynamic_sampling=True."
+                )
+                return text
+            if hard > 0 and hard > easy:
+                text += (
+                    f"They are mostly too hard: at the mean reward {reward:.2f}, at least {hard:.0%} of the groups "
+                    "scored the minimum on every completion. Use easier prompts, more num_generations, a higher "
+                    "temperature, or a reward with partial credit."
+                )
+                return text
+        return text + (
+            "Too easy if the mean reward is near its maximum, too hard if near its minimum: change the prompts' "
+            "difficulty, raise num_generations or temperature, or use dynamic_sampling=True."
         )

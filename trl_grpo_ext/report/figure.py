@@ -37,7 +37,7 @@ PANELS = (
     Panel(
         "reward spread: std inside each group",
         ("reward_std/group_mean", *ZERO_SPREAD_KEYS),
-        ("zero_std", "no_spread"),
+        ("zero_std", "no_spread", "flat_groups"),
         "std of the rewards of a group",
     ),
     Panel("KL to the reference", ("kl",), ("kl_jump", "kl_high"), "KL (mean per token)"),

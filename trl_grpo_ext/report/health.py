@@ -57,7 +57,9 @@ class Signal:
 SIGNALS = (
     Signal("reward", ("reward",), ("plateau",)),
     Signal("reward spread in groups", ("reward_std/group_mean",), ("no_spread",)),
-    Signal("groups without spread", ("reward_std/frac_zero_groups", "frac_reward_zero_std"), ("zero_std",)),
+    Signal(
+        "groups without spread", ("reward_std/frac_zero_groups", "frac_reward_zero_std"), ("zero_std", "flat_groups")
+    ),
     Signal("unscored completions", ("frac_reward_unscored",), ("unscored",), kind="count"),
     Signal("KL to the reference", ("kl",), ("kl_jump", "kl_high")),
     Signal("loss split", ("loss/policy", "loss"), kind="shown"),
