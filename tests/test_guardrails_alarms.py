@@ -77,6 +77,16 @@ STREAMS = {
         [9, 17],
     ),
     "length_in_group": ([{"reward_length_corr/within_group": v} for v in (0.9, 0.95, 0.1, 0.85)], [0, 3]),
+    "vanishing_gradient": (
+        # a start of 1.0; the median of the last 5 falls below 0.2 at the 3rd small value, rises (cleared), falls again
+        [{"grad_norm": v} for v in [1.0] * 5 + [0.1] * 4 + [1.0] * 3 + [0.05] * 3],
+        [7, 14],
+    ),
+    "clip_asymmetry": (
+        # 4x more clipped below than above for 5 log steps (given at the 5th), even (cleared), 5 more lopsided ones
+        [{"clip_ratio/low_mean": lo, "clip_ratio/high_mean": 0.02} for lo in [0.08] * 6 + [0.02] + [0.1] * 5],
+        [4, 11],
+    ),
     "flat_groups": (
         # 70% of groups flat for 10 log steps (given at the 10th), one entry at 20% (cleared), 10 more at 65%
         [{"frac_reward_zero_std": v} for v in [0.7] * 12 + [0.2] + [0.65] * 10],

@@ -1,5 +1,6 @@
-"""The progress alarms on synthetic runs: a reward that stops improving, or never improves, is a plateau; a noisy
-but rising one is not."""
+"""The alarms added for the peers' checks, on synthetic runs that fail and on healthy ones: a reward that stops
+improving, or never improves, is a plateau (a noisy but rising one is not); groups that stay flat, too easy or too
+hard; a gradient that vanishes without reaching 0; clipping on one side of the clip range."""
 
 import random
 
@@ -84,3 +85,25 @@ def test_a_healthy_share_of_flat_groups_raises_nothing():
     for share in (0.2, 0.44, 0.59):
         health = assess(flat_run(share, 0.5))
         assert "flat_groups" not in health.alarms
+
+
+def test_a_gradient_that_shrinks_to_a_tenth_is_flagged_and_a_decaying_healthy_one_is_not():
+    shrinking = [{"step": s, "grad_norm": 1.0 * 0.95**s} for s in range(1, 80)]  # 0.2 of its start near step 33
+    (episode,) = [e for e in assess(shrinking).episodes if e.name == "vanishing_gradient"]
+    assert 33 <= episode.start <= 40 and "19.4% of its start (0.857)" in episode.message
+    healthy = [{"step": s, "grad_norm": 0.55 * (0.6 + 0.4 * 0.99**s)} for s in range(1, 400)]  # to 60% of start
+    assert "vanishing_gradient" not in assess(healthy).alarms
+    zero = [{"step": s, "grad_norm": 0.0 if s > 5 else 1.0} for s in range(1, 20)]  # exactly 0: no_gradient's
+    assert "vanishing_gradient" not in assess(zero).alarms and "no_gradient" in assess(zero).alarms
+
+
+def test_clipping_on_one_side_is_flagged_naming_the_side_and_even_clipping_is_not():
+    def clipped(low, high, steps=10):
+        return [{"step": s, "clip_ratio/low_mean": low, "clip_ratio/high_mean": high} for s in range(1, steps + 1)]
+
+    (low,) = [e for e in assess(clipped(0.15, 0.03)).episodes if e.name == "clip_asymmetry"]
+    assert low.start == 5 and "clip_ratio/low_mean 0.15 against high_mean 0.03" in low.message
+    (high,) = [e for e in assess(clipped(0.0, 0.08)).episodes if e.name == "clip_asymmetry"]
+    assert "epsilon_high (clip-higher" in high.message
+    assert "clip_asymmetry" not in assess(clipped(0.05, 0.04)).alarms  # even
+    assert "clip_asymmetry" not in assess(clipped(0.03, 0.0)).alarms  # lopsided, but too little clipped to matter

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from .progress_rules import FlatGroupsRule, PlateauRule
 from .rule import HELDOUT_KEY, SEVERITIES, SKIPPED_STEPS_KEY, ZERO_SPREAD_KEYS, Rule, pearson
 from .step_rules import (
+    ClipAsymmetryRule,
     ClipFractionRule,
     KLHighRule,
     KLJumpRule,
@@ -44,6 +45,7 @@ from .trend_rules import (
     LengthGrowthRule,
     LengthInGroupRule,
     RewardVsHeldoutRule,
+    VanishingGradientRule,
 )
 
 __all__ = [
@@ -353,6 +355,37 @@ ALARMS: dict[str, Alarm] = {
             f"{RewardVsHeldoutRule.NOISE_SE:g} standard errors of the difference where the evaluation's sample "
             "size is logged (heldout/<metric>/scored@<k>), while the training reward is above its level at that "
             "best.",
+        ),
+        Alarm(
+            name="vanishing_gradient",
+            rule=VanishingGradientRule,
+            field="warn_grad_norm_vanish",
+            # The healthy peer scenarios' grad_norm stays above half its start (rl-doctor's decays to 55%, rlprobe's
+            # is flat); rl-doctor's too-hard run (advantages collapsing) falls below a fifth about step 277 of 400
+            # and to 11% at its end, so 0.1 would miss it.
+            default=0.2,
+            low=0.0,
+            high=1.0,
+            low_inclusive=False,
+            high_inclusive=False,
+            help="Alarm vanishing_gradient: the median grad_norm of the last "
+            f"{VanishingGradientRule.RECENT} log steps is above 0 and below this fraction of the median of its first "
+            f"{VanishingGradientRule.BASELINE} values above 0 (no_gradient catches an exact 0).",
+        ),
+        Alarm(
+            name="clip_asymmetry",
+            rule=ClipAsymmetryRule,
+            field="warn_clip_asymmetry",
+            # rl-doctor's healthy run clips about as much on each side (1.1-1.2x), its entropy-collapse and
+            # clip-saturation runs 3-11x more below than above (flagged from steps 5-28).
+            default=3.0,
+            low=1.0,
+            high=math.inf,
+            low_inclusive=False,
+            high_inclusive=False,
+            help="Alarm clip_asymmetry: clip_ratio/low_mean or clip_ratio/high_mean is at least this many times "
+            f"the other (counted as at least {ClipAsymmetryRule.FLOOR:g}), the larger at least "
+            f"{ClipAsymmetryRule.MIN_CLIPPED:g}, at each of {ClipAsymmetryRule.WINDOW} log steps in a row.",
         ),
         Alarm(
             name="flat_groups",

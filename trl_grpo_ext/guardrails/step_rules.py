@@ -277,3 +277,44 @@ class NoSpreadRule(Rule):
             "does not return a constant, make the prompts neither too easy nor too hard, or raise num_generations "
             "or temperature."
         )
+
+
+class ClipAsymmetryRule(Rule):
+    """One side of the clipped surrogate does the clipping: `clip_ratio/low_mean` (tokens of negative-advantage
+    completions whose ratio fell below `1 - epsilon`) or `clip_ratio/high_mean` (positive-advantage tokens above
+    `1 + epsilon_high`) is at least `threshold` times the other (the other counted as at least `FLOOR`), with the
+    larger at least `MIN_CLIPPED`, at each of `WINDOW` log steps in a row. Clipping that happens mostly on the high
+    side caps the probability mass of good completions' rare tokens and goes with entropy collapse; mostly on the low
+    side, the policy is pushed off the sampled tokens of bad completions faster than it gains on good ones."""
+
+    keys = ("clip_ratio/low_mean", "clip_ratio/high_mean")
+    FLOOR = 0.005  # a side below this counts as this: on-policy steps clip nothing on either side
+    MIN_CLIPPED = 0.05  # the larger side's share of tokens from which the asymmetry matters
+    WINDOW = 5
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.streak = 0
+
+    def judge(self, entry):
+        low, high = _number(entry, "clip_ratio/low_mean"), _number(entry, "clip_ratio/high_mean")
+        if low is None or high is None:
+            return None
+        larger, smaller = max(low, high), min(low, high)
+        lopsided = larger >= self.MIN_CLIPPED and larger >= self.threshold * max(smaller, self.FLOOR)
+        self.streak = self.streak + 1 if lopsided else 0
+        if self.streak < self.WINDOW:
+            return False
+        if low > high:
+            side = (
+                f"clip_ratio/low_mean {low:.2f} against high_mean {high:.2f}: tokens of negative-advantage "
+                "completions are pushed below 1 - epsilon much more than good ones gain. Lower the learning_rate or "
+                "num_iterations, or widen epsilon."
+            )
+        else:
+            side = (
+                f"clip_ratio/high_mean {high:.2f} against low_mean {low:.2f}: the gains of positive-advantage tokens "
+                "are capped at 1 + epsilon_high, which starves rare good tokens and precedes entropy collapse. Widen "
+                "epsilon_high (clip-higher, e.g. 0.28) or lower the learning_rate."
+            )
+        return f"for {self.streak} log steps one side of the clip range has done the clipping, {side}"

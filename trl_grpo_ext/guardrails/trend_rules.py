@@ -261,3 +261,38 @@ class RewardVsHeldoutRule(Rule):
                     f"beta, and keep the best checkpoint (metric_for_best_model='{key}', load_best_model_at_end=True)."
                 )
         return found
+
+
+class VanishingGradientRule(Rule):
+    """`grad_norm` vanishes without reaching 0: the median of its last `RECENT` logged values is above 0 and below
+    `threshold` times the median of its first `BASELINE` logged values above 0. `no_gradient` catches an exact 0;
+    this catches updates that shrink to nothing (every advantage tiny, a loss scaled down by a bug; a learning-rate
+    schedule is not a cause: `grad_norm` is taken before the learning rate scales the update)."""
+
+    keys = ("grad_norm",)
+    BASELINE = 5
+    RECENT = 5
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.first: list[float] = []
+        self.recent: list[float] = []
+
+    def judge(self, entry):
+        value = _number(entry, "grad_norm")
+        if value is None or not math.isfinite(value):
+            return None
+        if value > 0 and len(self.first) < self.BASELINE:
+            self.first.append(value)
+        self.recent = (self.recent + [value])[-self.RECENT :]
+        if len(self.first) < self.BASELINE or len(self.recent) < self.RECENT:
+            return False
+        start, now = statistics.median(self.first), statistics.median(self.recent)
+        if now <= 0 or now >= self.threshold * start:
+            return False
+        return (
+            f"grad_norm fell to {now:.3g} (median of the last {self.RECENT} log steps), {now / start:.1%} of its "
+            f"start ({start:.3g}): the updates vanish without stopping. Check the reward spread "
+            "(frac_reward_zero_std: advantages near 0 everywhere), the loss's scale (loss_type, a gradient "
+            "accumulation or scaling bug), and whether most tokens are clipped."
+        )

@@ -44,7 +44,7 @@ PANELS = (
     Panel(
         "clip fraction (tokens in the flat region)",
         ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"),
-        ("clip_fraction",),
+        ("clip_fraction", "clip_asymmetry"),
         "share of tokens",
     ),
     Panel(
@@ -61,7 +61,9 @@ PANELS = (
         ("truncation", "truncation_sustained", "length_drift", "length_growth", "length_in_group"),
         "tokens",
     ),
-    Panel("gradient norm", ("grad_norm",), ("grad_norm_spike",), "gradient norm (before clipping)"),
+    Panel(
+        "gradient norm", ("grad_norm",), ("grad_norm_spike", "vanishing_gradient"), "gradient norm (before clipping)"
+    ),
 )
 #: The label of the right axis of a panel that draws a share there.
 RIGHT_LABELS = {
