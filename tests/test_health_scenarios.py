@@ -21,6 +21,8 @@ from benchmarks.health_scenarios import (  # noqa: E402
 
 #: Sick scenarios this package does not flag yet with the kind injected: (generator, scenario) -> why.
 GAPS: dict[tuple[str, str], str] = {
+    # From the logged means alone both look like the peers' healthy runs, where a format reward saturates early and
+    # holds while the task's rises (docs/diagnostics.md, "Peer scenarios").
     ("rl-doctor", "format_domination"): "no reward-composition check",
     ("rlprobe", "format_gaming"): "no reward-composition check",
 }
