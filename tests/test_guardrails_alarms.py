@@ -296,6 +296,11 @@ def test_a_resumed_run_keeps_its_counts_and_does_not_warn_again(tmp_path, caplog
         ("warn_length_group_corr", 0.0),
         ("warn_heldout_drop", -0.1),
         ("warn_ratio_p95", 0.9),
+        ("warn_plateau_steps", 0),
+        ("warn_plateau_steps", 10.5),
+        ("warn_flat_groups", 0.0),
+        ("warn_grad_norm_vanish", 1.0),
+        ("warn_clip_asymmetry", 1.0),
         ("warn_patience", 0),
     ],
 )
