@@ -99,6 +99,12 @@ STREAMS = {
         [{"reward": 0.1 * i} for i in range(10)] + [{"reward": 0.9}] * 155 + [{"reward": 5.0}] * 156,
         [164, 320],
     ),
+    "reward_drop": (
+        # 0 to 1 over 21 entries, then 0.3 (given once the running median of 10 is 0.3: half the gain lost), back
+        # up to 1 (cleared), down to 0 (given once the median is 0.5: half the gain from 0.225 to 1.0 lost)
+        [{"reward": v} for v in [0.05 * i for i in range(21)] + [0.3] * 8 + [1.0] * 8 + [0.0] * 8],
+        [26, 41],
+    ),
     "reward_vs_heldout": (
         [
             {"reward": 0.1, "heldout/acc/mean@4": 0.5},
@@ -301,6 +307,7 @@ def test_a_resumed_run_keeps_its_counts_and_does_not_warn_again(tmp_path, caplog
         ("warn_flat_groups", 0.0),
         ("warn_grad_norm_vanish", 1.0),
         ("warn_clip_asymmetry", 1.0),
+        ("warn_reward_drop", 0.0),
         ("warn_patience", 0),
     ],
 )

@@ -107,3 +107,17 @@ def test_clipping_on_one_side_is_flagged_naming_the_side_and_even_clipping_is_no
     assert "epsilon_high (clip-higher" in high.message
     assert "clip_asymmetry" not in assess(clipped(0.05, 0.04)).alarms  # even
     assert "clip_asymmetry" not in assess(clipped(0.03, 0.0)).alarms  # lopsided, but too little clipped to matter
+
+
+def test_a_reward_that_gives_back_its_gain_is_a_drop_and_one_that_rises_or_holds_is_not():
+    def curve(step):  # learns to 0.6 by step 100, then collapses back towards 0.25 by step 200
+        return 0.2 + 0.4 * min(step, 100) / 100 - (0.35 * min(step - 100, 100) / 100 if step > 100 else 0.0)
+
+    for seed in range(5):
+        (episode,) = [e for e in assess(noisy_run(curve, steps=250, seed=seed)).episodes if e.name == "reward_drop"]
+        assert 130 <= episode.start <= 175 and "giving back" in episode.message
+        holds = noisy_run(lambda step: 0.2 + 0.4 * min(step, 100) / 100, steps=250, seed=seed)
+        flat = noisy_run(lambda step: 0.3, steps=250, seed=seed)
+        rising = noisy_run(lambda step: 0.2 + step / 3000, seed=seed)
+        for history in (holds, flat, rising):
+            assert "reward_drop" not in assess(history).alarms

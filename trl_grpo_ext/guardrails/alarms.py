@@ -23,7 +23,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .progress_rules import FlatGroupsRule, PlateauRule
+from .progress_rules import FlatGroupsRule, PlateauRule, RewardDropRule
 from .rule import HELDOUT_KEY, SEVERITIES, SKIPPED_STEPS_KEY, ZERO_SPREAD_KEYS, Rule, pearson
 from .step_rules import (
     ClipAsymmetryRule,
@@ -420,6 +420,23 @@ ALARMS: dict[str, Alarm] = {
             f"{PlateauRule.SMOOTH} log steps) has not risen above its best by more than its noise for this many log "
             "steps (the run converged or stopped learning).",
             whole=True,
+        ),
+        Alarm(
+            name="reward_drop",
+            rule=RewardDropRule,
+            field="warn_reward_drop",
+            # Half of the gain given back, beyond the noise of the running medians: no healthy peer scenario (each
+            # rises to its end) and none of the other sick ones but rlprobe's format gaming, whose reward halves at
+            # the pathology's onset (step 256 of 500). rlwatch's reward drift warns on any monotone run of 50 steps,
+            # learning included; a fall from the best is the drift that is no learning.
+            default=0.5,
+            low=0.0,
+            high=math.inf,
+            low_inclusive=False,
+            high_inclusive=False,
+            help="Alarm reward_drop: the reward's running median (over "
+            f"{RewardDropRule.SMOOTH} log steps) fell from its best by at least this fraction of its gain since the "
+            f"run's start, by more than {RewardDropRule.NOISE_SE:g} standard errors (1.0: back to where it started).",
         ),
     )
 }

@@ -138,3 +138,49 @@ class FlatGroupsRule(Rule):
             "Too easy if the mean reward is near its maximum, too hard if near its minimum: change the prompts' "
             "difficulty, raise num_generations or temperature, or use dynamic_sampling=True."
         )
+
+
+class RewardDropRule(Rule):
+    """The reward gives back what it gained: its running median (over `SMOOTH` log steps) has fallen from its best by
+    at least `threshold` of the gain from the run's start (its first running median) to that best, and by more than
+    `NOISE_SE` standard errors of a difference of two such medians (the scatter pooled over the run), after a gain
+    larger than that noise too. A reward
+    that rises steadily (learning) or drifts up and stays is no drop; a collapse after learning, or a reward that
+    slowly drifts down from its best, is."""
+
+    keys = ("reward",)
+    SMOOTH = 10
+    NOISE_SE = 4.0  # 3 fired on 1 of 30 flat noisy runs of 500 log steps, 4 on none; collapses are found as early
+    HISTORY = 200  # windows whose scatter is pooled
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.recent: list[float] = []
+        self.start: float | None = None
+        self.best: float | None = None
+        self.sigmas: list[float] = []
+
+    def judge(self, entry):
+        value = _number(entry, "reward")
+        if value is None:
+            return None
+        self.recent = (self.recent + [value])[-self.SMOOTH :]
+        if len(self.recent) < self.SMOOTH:
+            return False
+        now = statistics.median(self.recent)
+        if self.start is None:
+            self.start = now
+        self.best = now if self.best is None else max(self.best, now)
+        # The scatter of one window of 10 is itself noisy (a small one would let chance excursions count): the
+        # median of every window's so far.
+        self.sigmas = (self.sigmas + [1.4826 * statistics.median(abs(v - now) for v in self.recent)])[-self.HISTORY :]
+        noise = self.NOISE_SE * 1.2533 * statistics.median(self.sigmas) * math.sqrt(2 / self.SMOOTH)
+        gain, drop = self.best - self.start, self.best - now
+        if gain <= noise or drop <= noise or drop < self.threshold * gain:
+            return False
+        return (
+            f"the reward fell from its best {self.best:.3g} to {now:.3g} (running medians of {self.SMOOTH} log "
+            f"steps), giving back {drop / gain:.0%} of what it gained since the start ({self.start:.3g}): the policy "
+            "is unlearning (a collapse after too large updates, or a reward whose easy part is exhausted). Lower the "
+            "learning_rate, raise beta, and keep the best checkpoint (metric_for_best_model, load_best_model_at_end)."
+        )

@@ -33,7 +33,12 @@ class Panel(NamedTuple):
 
 #: The panels, row by row.
 PANELS = (
-    Panel("reward", ("reward", "rewards/*/mean", "heldout/*/mean@*"), ("reward_vs_heldout", "plateau"), "reward"),
+    Panel(
+        "reward",
+        ("reward", "rewards/*/mean", "heldout/*/mean@*"),
+        ("reward_vs_heldout", "plateau", "reward_drop"),
+        "reward",
+    ),
     Panel(
         "reward spread: std inside each group",
         ("reward_std/group_mean", *ZERO_SPREAD_KEYS),

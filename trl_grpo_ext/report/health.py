@@ -55,7 +55,7 @@ class Signal:
 
 
 SIGNALS = (
-    Signal("reward", ("reward",), ("plateau",)),
+    Signal("reward", ("reward",), ("plateau", "reward_drop")),
     Signal("reward spread in groups", ("reward_std/group_mean",), ("no_spread",)),
     Signal(
         "groups without spread", ("reward_std/frac_zero_groups", "frac_reward_zero_std"), ("zero_std", "flat_groups")
