@@ -1,11 +1,12 @@
-"""`python -m benchmarks {e2e,kernel,comm,forward,learning,truncation,all} [--json PATH]`: benchmarks that print
+"""`python -m benchmarks {e2e,kernel,comm,forward,learning,truncation,health,all} [--json PATH]`: benchmarks that print
 tables and write JSON.
 
 Every comparison runs its sides alternately in one invocation, with pinned CPU threads, and reports medians with
 min/max. See each module's docstring for what it measures. `learning` (held-out exact match against training time
 on the demo task, several seeds per side; tens of minutes on one thread) is not part of `all`, nor is `truncation`
 (vLLM's importance-sampling ratio under truncated sampling, on a real engine: run it from the vLLM environment,
-`.venv-vllm/bin/python -m benchmarks truncation`; a few minutes).
+`.venv-vllm/bin/python -m benchmarks truncation`; a few minutes), nor is `health` (the peers' scenario corpus judged
+by `report`'s rules and by the peers that are installed: a scenario x tool table, seconds).
 
 `python -m benchmarks gpu [--out DIR] ...`: the prepared check on a GPU (see `gpu.py`; its own options).
 
@@ -33,9 +34,8 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(tables_main(argv[1:]))
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument(
-        "suite", choices=["e2e", "kernel", "comm", "forward", "learning", "truncation", "all", "gpu", "tables"]
-    )
+    suites = ["e2e", "kernel", "comm", "forward", "learning", "truncation", "health", "all", "gpu", "tables"]
+    parser.add_argument("suite", choices=suites)
     parser.add_argument("--json", default=None, help="where to write the results (default: bench-<suite>.json)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 was fastest for small models)")
     parser.add_argument("--repeats", type=int, default=5, help="repeats of each end-to-end comparison")
@@ -173,6 +173,16 @@ def main(argv: list[str] | None = None) -> None:
             "median over the steps, min-max)"
         )
         tables.append(title + "\n" + truncation.table(results["truncation"]))
+
+    if args.suite == "health":
+        from . import health_scenarios
+
+        results["health"] = health_scenarios.run()
+        title = (
+            "The peers' scenarios as TRL log histories: what each tool flags (its kinds; @ the first step where it "
+            "gives one; - nothing)"
+        )
+        tables.append(title + "\n" + health_scenarios.table(results["health"]))
 
     for table in tables:
         print(table, end="\n\n")

@@ -79,6 +79,34 @@ STREAMS = {
         [9, 17],
     ),
     "length_in_group": ([{"reward_length_corr/within_group": v} for v in (0.9, 0.95, 0.1, 0.85)], [0, 3]),
+    "vanishing_gradient": (
+        # a start of 1.0; the median of the last 5 falls below 0.2 at the 3rd small value, rises (cleared), falls again
+        [{"grad_norm": v} for v in [1.0] * 5 + [0.1] * 4 + [1.0] * 3 + [0.05] * 3],
+        [7, 14],
+    ),
+    "clip_asymmetry": (
+        # 4x more clipped below than above for 5 log steps (given at the 5th), even (cleared), 5 more lopsided ones
+        [{"clip_ratio/low_mean": lo, "clip_ratio/high_mean": 0.02} for lo in [0.08] * 6 + [0.02] + [0.1] * 5],
+        [4, 11],
+    ),
+    "flat_groups": (
+        # 70% of groups flat for 10 log steps (given at the 10th), one entry at 20% (cleared), 10 more at 65%
+        [{"frac_reward_zero_std": v} for v in [0.7] * 12 + [0.2] + [0.65] * 10],
+        [9, 22],
+    ),
+    "plateau": (
+        # 10 rising rewards, then flat: the running median's last new best is at index 14, the 150th entry without
+        # one gives it; a jump to 5.0 sets new bests (cleared) until the median is 5.0 (index 170), and the 150th
+        # entry after that without one gives it again
+        [{"reward": 0.1 * i} for i in range(10)] + [{"reward": 0.9}] * 155 + [{"reward": 5.0}] * 156,
+        [164, 320],
+    ),
+    "reward_drop": (
+        # 0 to 1 over 21 entries, then 0.3 (given once the running median of 10 is 0.3: half the gain lost), back
+        # up to 1 (cleared), down to 0 (given once the median is 0.5: half the gain from 0.225 to 1.0 lost)
+        [{"reward": v} for v in [0.05 * i for i in range(21)] + [0.3] * 8 + [1.0] * 8 + [0.0] * 8],
+        [26, 41],
+    ),
     "reward_vs_heldout": (
         [
             {"reward": 0.1, "heldout/acc/mean@4": 0.5},
@@ -276,6 +304,12 @@ def test_a_resumed_run_keeps_its_counts_and_does_not_warn_again(tmp_path, caplog
         ("warn_length_group_corr", 0.0),
         ("warn_heldout_drop", -0.1),
         ("warn_ratio_p95", 0.9),
+        ("warn_plateau_steps", 0),
+        ("warn_plateau_steps", 10.5),
+        ("warn_flat_groups", 0.0),
+        ("warn_grad_norm_vanish", 1.0),
+        ("warn_clip_asymmetry", 1.0),
+        ("warn_reward_drop", 0.0),
         ("warn_patience", 0),
     ],
 )

@@ -1,16 +1,18 @@
-"""The alarm rules: each reads a run's log entries one at a time and says whether its failure mode holds now.
+"""The alarm records (`ALARMS`): one `Alarm` per alarm, with its rule, its threshold's `GRPOConfigExt` field, default,
+range and help, which `GRPOConfigExt`, `AnomalyMonitor`, the report and the card read.
 
-An entry is what `Trainer.log` records: the dict a callback's `on_log` gets, or one item of
-`trainer_state.json`'s `log_history`. `AnomalyMonitor` (`anomaly.py`) feeds the rules live and gives each alarm
-once per episode; `trl_grpo_ext.report.health` feeds a finished run's history through the same rules. Each rule:
+Each rule reads a run's log entries one at a time and says whether its failure mode holds now (`rule.Rule`; the rules
+are in `step_rules.py`, `trend_rules.py` and `progress_rules.py`). An entry is what `Trainer.log` records: the dict a
+callback's `on_log` gets, or one item of `trainer_state.json`'s `log_history`. `AnomalyMonitor` (`anomaly.py`) feeds
+the rules live and gives each alarm once per episode; `trl_grpo_ext.report.health` feeds a finished run's history
+through the same rules. Each rule:
 
-- `name`, `field`: its record's (`ALARMS`: one `Alarm` per alarm, with its threshold's field, default, range and
-  help, which `GRPOConfigExt`, `AnomalyMonitor`, the report and the card read);
+- `name`, `field`: its record's;
 - `judge(entry)`: the warning text when the condition holds, `False` when it does not, `None` when the entry does
   not tell (the metric was not logged in it: rewards are logged only at the steps that generate, for instance).
 
 A rule keeps the history it needs (a running median, the first values, a streak), so a rule must see the entries
-in order, each once.
+in order, each once. The names of the rules' module (`Rule`, `pearson`, the key constants) stay importable from here.
 """
 
 from __future__ import annotations
@@ -18,10 +20,33 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import re
-import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from .progress_rules import FlatGroupsRule, PlateauRule, RewardDropRule
+from .rule import HELDOUT_KEY, SEVERITIES, SKIPPED_STEPS_KEY, ZERO_SPREAD_KEYS, Rule, pearson
+from .step_rules import (
+    ClipAsymmetryRule,
+    ClipFractionRule,
+    KLHighRule,
+    KLJumpRule,
+    NoGradientRule,
+    NoSpreadRule,
+    RatioRule,
+    SustainedTruncationRule,
+    TruncationRule,
+    UnscoredRule,
+    ZeroStdRule,
+)
+from .trend_rules import (
+    EntropyCollapseRule,
+    GradNormSpikeRule,
+    LengthDriftRule,
+    LengthGrowthRule,
+    LengthInGroupRule,
+    RewardVsHeldoutRule,
+    VanishingGradientRule,
+)
 
 __all__ = [
     "ALARMS",
@@ -30,613 +55,12 @@ __all__ = [
     "HELDOUT_KEY",
     "SEVERITIES",
     "SKIPPED_STEPS_KEY",
+    "ZERO_SPREAD_KEYS",
     "Alarm",
     "Rule",
     "build_rules",
     "pearson",
 ]
-
-#: The severity tiers of the alarms and of the report's verdicts, lowest first.
-SEVERITIES = ("ok", "note", "warning", "critical")
-
-#: A held-out metric's mean over k completions per prompt (`heldout/<metric>/mean@<k>`), also with `eval_` in front.
-HELDOUT_KEY = re.compile(r"^(?:eval_)?heldout/(?P<metric>.+)/mean@(?P<k>\d+)$")
-
-
-def _number(entry: Mapping, key: str) -> float | None:
-    """`entry[key]` when it is a logged number (`None` also for NaN: TRL logs `None` or NaN for "no value")."""
-    value = entry.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        return None
-    return float(value)
-
-
-#: The share of groups without reward spread: this package's, judged on each group (`reward_std/frac_zero_groups`),
-#: else TRL's (`frac_reward_zero_std`, which under `scale_rewards="batch"` tests the batch's std instead).
-ZERO_SPREAD_KEYS = ("reward_std/frac_zero_groups", "frac_reward_zero_std")
-
-
-def _first_number(entry: Mapping, keys: tuple[str, ...]) -> tuple[str, float] | tuple[None, None]:
-    """The first of `keys` logged as a number in `entry`, and its value."""
-    for key in keys:
-        value = _number(entry, key)
-        if value is not None:
-            return key, value
-    return None, None
-
-
-def _not_a_number(value) -> bool:
-    """A logged value that says "nothing": `None`, or NaN (how TRL logs the mean of a reward that scored nothing)."""
-    return value is None or (isinstance(value, float) and math.isnan(value))
-
-
-def pearson(xs: list[float], ys: list[float]) -> float | None:
-    """Pearson correlation of two equally long series, `None` when either is constant (or shorter than 2).
-
-    r = sum((x - mean x)(y - mean y)) / sqrt(sum((x - mean x)^2) * sum((y - mean y)^2))
-    """
-    if len(xs) < 2:
-        return None
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    syy = sum((y - mean_y) ** 2 for y in ys)
-    if sxx <= 0 or syy <= 0:
-        return None
-    return sxy / math.sqrt(sxx * syy)
-
-
-class Rule:
-    """The condition of one alarm: `judge` (see the module docstring); `name` and `field` are its record's
-    (`ALARMS`)."""
-
-    name: str = ""
-    field: str = ""
-    #: The logged metrics it reads (the report names them when none was logged).
-    keys: tuple[str, ...] = ()
-    #: The tier of the verdict just given (of `SEVERITIES`): a rule with tiers sets it in `judge`.
-    severity: str = "warning"
-
-    def __init__(self, threshold: float):
-        self.threshold = threshold
-
-    def judge(self, entry: Mapping) -> str | bool | None:
-        raise NotImplementedError
-
-    def tag(self) -> str:
-        """The suffix of every warning: the metric that counts it and the field that sets (or switches off) it."""
-        return f" [alarms/{self.name}; {self.field}={self.threshold:g}, None switches it off]"
-
-
-class ZeroStdRule(Rule):
-    keys = ZERO_SPREAD_KEYS
-
-    def judge(self, entry):
-        _, value = _first_number(entry, ZERO_SPREAD_KEYS)
-        if value is None:
-            return None
-        if value < self.threshold:
-            return False
-        return (
-            f"{value:.0%} of completions are in groups whose rewards are all equal: those groups give no learning "
-            "signal (only the KL term). Make the prompts neither too easy nor too hard for the model, raise "
-            "num_generations or temperature, or use a reward with partial credit."
-        )
-
-
-#: The truncated share of the batch that trains (see `LengthDriftRule.LENGTH_KEYS`), else of every completion.
-TRUNCATION_KEYS = ("dynamic_sampling/trained_clipped_ratio", "completions/clipped_ratio")
-
-
-class UnscoredRule(Rule):
-    """At least `threshold` of the completions were scored by no function (`frac_reward_unscored`), or a reward
-    function scored no completion (`rewards/<name>/mean` NaN: every reward `None` or NaN) in `WINDOW` scoring log
-    steps in a row.
-
-    A function that returns `None` for the prompts of other tasks (TRL's pattern for a multi-task reward) is silent
-    at a step whose batch holds none of its prompts; those completions are scored by another function, so
-    `frac_reward_unscored` stays low and one silent step says nothing. A parser that never matches stays silent.
-    """
-
-    keys = ("frac_reward_unscored", "rewards/<name>/mean")
-    WINDOW = 10  # scoring log steps in a row without a score from one function
-
-    def __init__(self, threshold: float):
-        super().__init__(threshold)
-        self.silent: dict[str, int] = {}  # function -> scoring log steps in a row it scored nothing
-
-    def judge(self, entry):
-        means = {key: value for key, value in entry.items() if key.startswith("rewards/") and key.endswith("/mean")}
-        share = _number(entry, "frac_reward_unscored")
-        if not means and share is None:
-            return None  # not a step that scored completions
-        for key, value in means.items():
-            name = key.removeprefix("rewards/").removesuffix("/mean")
-            self.silent[name] = self.silent.get(name, 0) + 1 if _not_a_number(value) else 0
-        now = sorted(
-            key.removeprefix("rewards/").removesuffix("/mean") for key, v in means.items() if _not_a_number(v)
-        )
-        lasting = sorted(name for name in now if self.silent[name] >= self.WINDOW)
-        if share is not None and share >= self.threshold:
-            text = f"{share:.0%} of the completions were scored by no reward function (None or NaN)"
-            if now:
-                text += f"; reward function {_quoted(now)} scored no completion of this step"
-        elif lasting:
-            steps = min(self.silent[name] for name in lasting)
-            text = (
-                f"reward function {_quoted(lasting)} scored no completion for {steps} log steps in a row (every "
-                "reward None or NaN)"
-            )
-        else:
-            return False
-        return (
-            f"{text}: unscored completions get advantage 0, so they teach nothing. Check the function on a few "
-            "completions: a parser that never matches (answer format, tags) returns None for everything."
-        )
-
-
-def _quoted(names: list[str]) -> str:
-    return ", ".join(f"'{name}'" for name in names)
-
-
-class NoGradientRule(Rule):
-    """`grad_norm` is 0 for `threshold` log steps in a row: no update moves the weights."""
-
-    keys = ("grad_norm",)
-
-    def __init__(self, threshold: float):
-        super().__init__(threshold)
-        self.streak = 0
-
-    def judge(self, entry):
-        value = entry.get("grad_norm")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-            return None
-        self.streak = self.streak + 1 if value == 0.0 else 0
-        if self.streak < self.threshold:
-            return False
-        return (
-            f"grad_norm has been 0 for {self.streak} log steps: nothing is learned. Every advantage is 0 (no reward "
-            "spread, or no completion scored), every token is clipped, or the trainable parameters get no gradient "
-            "(check requires_grad and the LoRA target modules)."
-        )
-
-
-class ClipFractionRule(Rule):
-    keys = ("clip_ratio/region_mean",)
-
-    def __init__(self, threshold: float, patience: int = 3):
-        super().__init__(threshold)
-        self.patience = patience
-        self.streak = 0
-
-    def judge(self, entry):
-        value = _number(entry, "clip_ratio/region_mean")
-        if value is None:
-            return None
-        self.streak = self.streak + 1 if value > self.threshold else 0
-        if self.streak < self.patience:
-            return False
-        return (
-            f"clip_ratio/region_mean has stayed above {self.threshold:g} for {self.streak} log steps "
-            f"({value:.2f} now): many tokens sit in the flat, zero-gradient part of the surrogate. Lower the "
-            "learning_rate or num_iterations, or widen epsilon."
-        )
-
-
-class RatioRule(Rule):
-    """A logged value (`ratio/p95`, `ratio/max`) above its threshold, or not finite; `message` says what it means."""
-
-    def __init__(self, threshold: float, key: str):
-        super().__init__(threshold)
-        self.key = key
-        self.keys = (key,)
-
-    def judge(self, entry):
-        value = entry.get(self.key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return None
-        if math.isfinite(value) and value <= self.threshold:
-            return False
-        return self.message(value)
-
-    def message(self, value: float) -> str:
-        return (
-            f"{self.key} = {value:.3g} exceeds {self.threshold:g}: the policy moved far from the one that sampled the "
-            "completions. Lower the learning_rate or num_iterations; with vLLM, check that it samples with the same "
-            "weights and sampling settings as the trainer."
-        )
-
-
-class KLJumpRule(Rule):
-    keys = ("kl",)
-    FLOOR = 1e-2  # a median below this counts as this: KL grows from 0 at the start of every run
-    HISTORY = 10  # the previous values the median is taken over
-    MIN_HISTORY = 5  # values needed before a jump can be judged
-
-    def __init__(self, threshold: float):
-        super().__init__(threshold)
-        self.history: list[float] = []
-
-    def judge(self, entry):
-        value = _number(entry, "kl")
-        if value is None:
-            return None
-        baseline = statistics.median(self.history) if len(self.history) >= self.MIN_HISTORY else None
-        self.history = (self.history + [value])[-self.HISTORY :]
-        if baseline is None or value <= self.threshold * max(baseline, self.FLOOR):
-            return False
-        return (
-            f"kl jumped to {value:.3g}, more than {self.threshold:g}x its recent median {baseline:.3g}: the policy is "
-            "leaving the reference fast. Lower the learning_rate, raise beta, or check the rewards for hacking."
-        )
-
-
-class KLHighRule(RatioRule):
-    """`kl` above its threshold, or not finite: a level, where `KLJumpRule` needs a history to compare with."""
-
-    keys = ("kl",)
-
-    def __init__(self, threshold: float):
-        super().__init__(threshold, key="kl")
-
-    def message(self, value: float) -> str:
-        return (
-            f"kl = {value:.3g} exceeds {self.threshold:g}: the policy is far from the reference (a KL blow-up). Lower "
-            "the learning_rate, raise beta, or check the rewards for hacking."
-        )
-
-
-class TruncationRule(Rule):
-    keys = ("completions/clipped_ratio",)
-
-    def judge(self, entry):
-        value = _number(entry, "completions/clipped_ratio")
-        if value is None:
-            return None
-        if value < self.threshold:
-            return False
-        return (
-            f"{value:.0%} of completions reached max_completion_length without an end-of-sequence token: the "
-            "rewards judge cut-off text, and when every completion is cut they are often all equal (no learning "
-            "signal). Raise max_completion_length, or ask for shorter answers (a system prompt, a format reward)."
-        )
-
-
-class SustainedTruncationRule(Rule):
-    """A truncated share at or above `threshold` at each of `WINDOW` log steps in a row, in tiers: a note, and a
-    warning once every step of the streak is at `SEVERE` times the threshold. `TruncationRule` warns at once only
-    where most completions are cut."""
-
-    keys = ("completions/clipped_ratio",)
-    WINDOW = 5  # log steps in a row: one batch with a few long completions is no trend
-    SEVERE = 3.0  # the warning tier, a multiple of the threshold (0.15 by default)
-
-    def __init__(self, threshold: float):
-        super().__init__(threshold)
-        self.shares: list[float] = []
-
-    def judge(self, entry):
-        _, value = _first_number(entry, TRUNCATION_KEYS)
-        if value is None:
-            return None
-        self.shares = (self.shares + [value])[-self.WINDOW :]
-        low = min(self.shares)
-        if len(self.shares) < self.WINDOW or low < self.threshold:
-            return False
-        severe = min(self.SEVERE * self.threshold, 1.0)
-        self.severity = "warning" if low >= severe else "note"
-        tier = f"warning: {severe:.0%} or more" if self.severity == "warning" else f"note; a warning from {severe:.0%}"
-        return (
-            f"{low:.0%} or more of completions ({value:.0%} now) reached max_completion_length without an "
-            f"end-of-sequence token at each of the last {self.WINDOW} log steps ({tier}): the rewards judge cut-off "
-            "text, and the longest answers are the ones cut. Raise max_completion_length, or ask for shorter answers "
-            "(a system prompt, a format reward)."
-        )
-
-
-class NoSpreadRule(Rule):
-    """No reward spread in any group for `threshold` log steps in a row; says whether truncation is the cause."""
-
-    keys = ZERO_SPREAD_KEYS
-    ALL = 1 - 1e-6  # a share of groups without spread at or above this: every group had equal rewards
-    CAUSE = 0.9  # truncated share (mean over the streak) from which truncation is named as the cause
-
-    def __init__(self, threshold: float):
-        super().__init__(threshold)
-        self.streak = 0
-        self.truncated: list[float] = []
-
-    def judge(self, entry):
-        _, value = _first_number(entry, ZERO_SPREAD_KEYS)
-        if value is None:
-            return None
-        if value < self.ALL:
-            self.streak, self.truncated = 0, []
-            return False
-        self.streak += 1
-        _, truncated = _first_number(entry, TRUNCATION_KEYS)
-        if truncated is not None:
-            self.truncated.append(truncated)
-        if self.streak < self.threshold:
-            return False
-        text = (
-            f"no reward spread for {self.streak} log steps: in every group all completions scored the same, so "
-            "every advantage is 0 and only the KL term trains. "
-        )
-        if not self.truncated:
-            return text + (
-                "Whether truncation is the cause is unknown (completions/clipped_ratio was not logged). Check the "
-                "reward function on a few completions, and max_completion_length."
-            )
-        share = statistics.fmean(self.truncated)
-        if share >= self.CAUSE:
-            return text + (
-                f"Truncation is the likely cause: {share:.0%} of the completions were cut at max_completion_length, "
-                "so the reward sees no complete answer. Raise max_completion_length."
-            )
-        return text + (
-            f"Truncation is not the cause ({share:.0%} of completions were cut): check that the reward function "
-            "does not return a constant, make the prompts neither too easy nor too hard, or raise num_generations "
-            "or temperature."
-        )
-
-
-class EntropyCollapseRule(Rule):
-    keys = ("entropy",)
-    BASELINE = 3  # the first logged values whose mean is the reference
-
-    def __init__(self, threshold: float):
-        super().__init__(threshold)
-        self.first: list[float] = []
-
-    def judge(self, entry):
-        value = _number(entry, "entropy")
-        if value is None:
-            return None
-        if len(self.first) < self.BASELINE:
-            self.first.append(value)
-            return False
-        baseline = statistics.fmean(self.first)
-        if baseline <= 0 or value >= self.threshold * baseline:
-            return False
-        return (
-            f"entropy fell to {value:.3g}, {value / baseline:.0%} of its first logged values ({baseline:.3g}): the "
-            "policy stopped exploring, its completions of a prompt become alike and their rewards equal. Raise "
-            "temperature, lower the learning_rate, widen epsilon_high (clip-higher, e.g. 0.28), or add an entropy "
-            "bonus (entropy_coef)."
-        )
-
-
-#: The non-finite guard's count of the optimizer steps it skipped so far (`GRPOTrainerExt` logs it with every
-#: training entry unless `nonfinite_policy="off"`).
-SKIPPED_STEPS_KEY = "nonfinite/skipped_steps"
-
-
-class GradNormSpikeRule(Rule):
-    """`grad_norm` far above its running median, or not finite. Norms at or below `FLOOR` (steps without reward
-    spread have next to no gradient) say nothing about the usual scale: they stay out of the median, so the first
-    real gradient after a stretch of them is no spike.
-
-    A non-finite norm logged where the guard's count (`nonfinite/skipped_steps`) rose since the last entry is that of
-    a step the guard skipped: its update never reached the weights, the guard warned and counts it, so it is no
-    spike (the entry does not tell). With the guard off (no count logged) it is one: that update was applied."""
-
-    keys = ("grad_norm",)
-    FLOOR = 1e-3
-    HISTORY = 20
-    MIN_HISTORY = 5
-
-    def __init__(self, threshold: float):
-        super().__init__(threshold)
-        self.history: list[float] = []
-        self.skipped = 0.0  # the guard's count at the last entry that logged it
-
-    def judge(self, entry):
-        skipped = _number(entry, SKIPPED_STEPS_KEY)
-        guard_skipped = skipped is not None and skipped > self.skipped
-        if skipped is not None:
-            self.skipped = skipped
-        value = entry.get("grad_norm")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return None
-        if not math.isfinite(value):
-            if guard_skipped:
-                return None
-            return (
-                f"grad_norm is {value}: a loss or gradient was not finite. nonfinite_policy='skip' (the default) "
-                "keeps such updates off the weights; lower the learning_rate if it recurs."
-            )
-        baseline = statistics.median(self.history) if len(self.history) >= self.MIN_HISTORY else None
-        if value > self.FLOOR:
-            self.history = (self.history + [value])[-self.HISTORY :]
-        if baseline is None or value <= self.threshold * max(baseline, self.FLOOR):
-            return False
-        return (
-            f"grad_norm spiked to {value:.3g}, {value / max(baseline, self.FLOOR):.0f}x its running median "
-            f"{baseline:.3g}: spikes like this often precede a collapse. Lower the learning_rate, set or lower "
-            "max_grad_norm, or raise beta."
-        )
-
-
-class LengthDriftRule(Rule):
-    """Across log steps: the mean completion length moves in step with the rising reward."""
-
-    keys = ("completions/mean_length", "reward")
-    #: The mean completion length of the batch that trains (under dynamic sampling, `completions/*` count every
-    #: generated round while `reward` is the trained batch's).
-    LENGTH_KEYS = ("dynamic_sampling/trained_mean_length", "completions/mean_length")
-    WINDOW = 10  # the last log steps carrying both the reward and the length
-    MIN_WINDOW = 6
-    MIN_CHANGE = 0.2  # relative change of the length (mean of the window's second half over its first half)
-
-    def __init__(self, threshold: float):
-        super().__init__(threshold)
-        self.pairs: list[tuple[float, float]] = []
-
-    def judge(self, entry):
-        reward, (_, length) = _number(entry, "reward"), _first_number(entry, self.LENGTH_KEYS)
-        if reward is None or length is None:
-            return None
-        self.pairs = (self.pairs + [(reward, length)])[-self.WINDOW :]
-        if len(self.pairs) < self.MIN_WINDOW:
-            return False
-        rewards, lengths = [pair[0] for pair in self.pairs], [pair[1] for pair in self.pairs]
-        half = len(self.pairs) // 2
-        length_before, length_after = statistics.fmean(lengths[:half]), statistics.fmean(lengths[-half:])
-        reward_before, reward_after = statistics.fmean(rewards[:half]), statistics.fmean(rewards[-half:])
-        change = (length_after - length_before) / max(abs(length_before), 1e-8)
-        correlation = pearson(rewards, lengths)
-        if (
-            correlation is None
-            or abs(correlation) < self.threshold
-            or abs(change) < self.MIN_CHANGE
-            or reward_after <= reward_before
-        ):
-            return False
-        return (
-            f"completion length went from {length_before:.3g} to {length_after:.3g} tokens ({change:+.0%}) over the "
-            f"last {len(self.pairs)} log steps, in step with the rising reward (correlation {correlation:+.2f}): the "
-            "reward may pay for length rather than for the task. Check the reward on long and short completions; "
-            "cap or penalise length in the reward, or lower max_completion_length."
-        )
-
-
-class LengthGrowthRule(Rule):
-    """Over the whole run: the mean completion length grew by at least `threshold` (a fraction) from the run's own
-    start. The start is the median of the first `BASELINE` logged lengths, now the median of the last `RECENT`
-    (judged once the two windows no longer overlap), so one long or short log step moves neither. A slow growth
-    moves `LengthDriftRule`'s 10-step window too little to count."""
-
-    keys = ("completions/mean_length",)
-    BASELINE = 5
-    RECENT = 5
-
-    def __init__(self, threshold: float):
-        super().__init__(threshold)
-        self.first: list[float] = []
-        self.recent: list[float] = []
-        self.seen = 0  # lengths logged so far
-
-    def judge(self, entry):
-        _, length = _first_number(entry, LengthDriftRule.LENGTH_KEYS)
-        if length is None:
-            return None
-        if len(self.first) < self.BASELINE:
-            self.first.append(length)
-        self.recent = (self.recent + [length])[-self.RECENT :]
-        self.seen += 1
-        if self.seen < self.BASELINE + self.RECENT:
-            return False
-        start, now = statistics.median(self.first), statistics.median(self.recent)
-        if start <= 0 or now < (1 + self.threshold) * start:
-            return False
-        return (
-            f"completion length grew from {start:.3g} to {now:.3g} tokens ({now / start - 1:+.0%}) since the start "
-            f"of the run (median of its first {self.BASELINE} log steps, of its last {self.RECENT}): the reward may "
-            "pay for length rather than for the task, the completions run towards max_completion_length (watch "
-            "completions/clipped_ratio) and every step costs more. Check the reward on long and short completions; "
-            "cap or penalise length in the reward. Where the task rewards longer reasoning, raise the threshold."
-        )
-
-
-class LengthInGroupRule(Rule):
-    """Inside groups: the longer completions of a prompt score higher (GRPOTrainerExt's pooled correlation)."""
-
-    keys = ("reward_length_corr/within_group",)
-
-    def judge(self, entry):
-        value = _number(entry, "reward_length_corr/within_group")
-        if value is None:
-            return None
-        if value < self.threshold:
-            return False
-        return (
-            f"inside groups, completion length and reward are correlated ({value:+.2f}): the longer completions of "
-            "a prompt score higher, so the advantages push every prompt towards longer completions. Unless the task "
-            "needs longer answers the reward pays for length: cap or penalise length in the reward."
-        )
-
-
-def _heldout_size_key(match: re.Match) -> str:
-    """The key of the sample size logged next to the held-out mean `match` (of `HELDOUT_KEY`):
-    `heldout/<metric>/scored@<k>` for `heldout/<metric>/mean@<k>`, with the same `eval_` prefix."""
-    key = match.string
-    return key[: match.start("metric")] + f"{match['metric']}/scored@{match['k']}"
-
-
-def _heldout_noise(value: float, size: float | None) -> float | None:
-    """The variance of a held-out mean from its own sampling: `p (1 - p) / n` for a mean `p` over `n` scored
-    completions. For scores in [0, 1] this is the variance of an accuracy (0/1 scores) and at least that of any
-    graded metric with the same mean, so it never understates the noise. `None` when it is not known: no size logged
-    (a stock or older run), or a mean outside [0, 1] (a metric on another scale)."""
-    if size is None or size < 1 or not 0.0 <= value <= 1.0:
-        return None
-    return value * (1.0 - value) / size
-
-
-class RewardVsHeldoutRule(Rule):
-    """The training reward rises while a held-out metric (`heldout/<metric>/mean@<k>`) falls from its best by more
-    than `threshold` of that best and, where the evaluation's sample size was logged (`heldout/<metric>/scored@<k>`),
-    by more than `NOISE_SE` standard errors of the difference: sqrt(p_best (1 - p_best) / n_best + p (1 - p) / n).
-
-    The best is the highest of every evaluation so far, so it carries the luck of the best draw: with 2 standard
-    errors a run whose held-out accuracy does not move fired in 40% (10 evaluations) to 80% (20) of simulated
-    runs, with 3 in 5% to 20%. 3 still flags 0.6 -> 0.3 over 50 completions (3.2 standard errors) and over 200
-    (6.3)."""
-
-    keys = ("heldout/<metric>/mean@<k>", "reward")
-    RECENT = 3  # training rewards averaged around a held-out evaluation
-    NOISE_SE = 3.0  # standard errors of the difference a drop must exceed, where the sample sizes are logged
-
-    def __init__(self, threshold: float):
-        super().__init__(threshold)
-        self.rewards: list[float] = []
-        #: key -> (value, its noise variance or None, the reward then, step)
-        self.best: dict[str, tuple[float, float | None, float | None, int | None]] = {}
-
-    def _recent_reward(self) -> float | None:
-        return statistics.fmean(self.rewards[-self.RECENT :]) if self.rewards else None
-
-    def judge(self, entry):
-        reward = _number(entry, "reward")
-        if reward is not None:
-            self.rewards.append(reward)
-        found = None
-        for key in sorted(entry):
-            match = HELDOUT_KEY.match(key)
-            if match is None or _number(entry, key) is None:
-                continue
-            found = found or False
-            value, now = _number(entry, key), self._recent_reward()
-            noise = _heldout_noise(value, _number(entry, _heldout_size_key(match)))
-            best = self.best.get(key)
-            if best is None or value >= best[0]:
-                self.best[key] = (value, noise, now, entry.get("step"))
-                continue
-            best_value, best_noise, reward_then, best_step = best
-            if reward_then is None and self.rewards:  # the best came before any training reward (step 0)
-                reward_then = self.rewards[0]
-            drop = best_value - value
-            fell = drop >= self.threshold * max(abs(best_value), 1e-8)
-            allowance = None
-            if noise is not None and best_noise is not None:
-                allowance = self.NOISE_SE * math.sqrt(noise + best_noise)
-                fell = fell and drop > allowance
-            if fell and reward_then is not None and now is not None and now > reward_then:
-                at = f" (step {best_step})" if best_step is not None else ""
-                beyond = (
-                    f", more than the evaluation's noise ({self.NOISE_SE:g} standard errors: {allowance:.3g})"
-                    if allowance is not None
-                    else ""
-                )
-                found = (
-                    f"{key} fell from its best {best_value:.3g}{at} to {value:.3g}{beyond} while the training reward "
-                    f"rose from {reward_then:.3g} to {now:.3g}: the policy may be exploiting the reward rather than "
-                    "learning the task (reward hacking). Read completions for loopholes the reward pays for, raise "
-                    f"beta, and keep the best checkpoint (metric_for_best_model='{key}', load_best_model_at_end=True)."
-                )
-        return found
 
 
 @dataclass(frozen=True)
@@ -931,6 +355,88 @@ ALARMS: dict[str, Alarm] = {
             f"{RewardVsHeldoutRule.NOISE_SE:g} standard errors of the difference where the evaluation's sample "
             "size is logged (heldout/<metric>/scored@<k>), while the training reward is above its level at that "
             "best.",
+        ),
+        Alarm(
+            name="vanishing_gradient",
+            rule=VanishingGradientRule,
+            field="warn_grad_norm_vanish",
+            # The healthy peer scenarios' grad_norm stays above half its start (rl-doctor's decays to 55%, rlprobe's
+            # is flat); rl-doctor's too-hard run (advantages collapsing) falls below a fifth about step 277 of 400
+            # and to 11% at its end, so 0.1 would miss it.
+            default=0.2,
+            low=0.0,
+            high=1.0,
+            low_inclusive=False,
+            high_inclusive=False,
+            help="Alarm vanishing_gradient: the median grad_norm of the last "
+            f"{VanishingGradientRule.RECENT} log steps is above 0 and below this fraction of the median of its first "
+            f"{VanishingGradientRule.BASELINE} values above 0 (no_gradient catches an exact 0).",
+        ),
+        Alarm(
+            name="clip_asymmetry",
+            rule=ClipAsymmetryRule,
+            field="warn_clip_asymmetry",
+            # rl-doctor's healthy run clips about as much on each side (1.1-1.2x), its entropy-collapse and
+            # clip-saturation runs 3-11x more below than above (flagged from steps 5-28).
+            default=3.0,
+            low=1.0,
+            high=math.inf,
+            low_inclusive=False,
+            high_inclusive=False,
+            help="Alarm clip_asymmetry: clip_ratio/low_mean or clip_ratio/high_mean is at least this many times "
+            f"the other (counted as at least {ClipAsymmetryRule.FLOOR:g}), the larger at least "
+            f"{ClipAsymmetryRule.MIN_CLIPPED:g}, at each of {ClipAsymmetryRule.WINDOW} log steps in a row.",
+        ),
+        Alarm(
+            name="flat_groups",
+            rule=FlatGroupsRule,
+            field="warn_flat_groups",
+            # rlprobe's degenerate-groups scenario (a share rising to 75%) is flagged about step 460 of 500,
+            # rl-doctor's too-easy and too-hard runs at about steps 230 and 10, no healthy peer scenario (at most
+            # 20%); the demo ends at 44% of groups without spread. 50% also flags rl-doctor's reward-hacking run.
+            default=0.6,
+            low=0.0,
+            high=1.0,
+            low_inclusive=False,
+            high_inclusive=True,
+            help="Alarm flat_groups (a note): at least this share of groups has no reward spread at each of "
+            f"{FlatGroupsRule.WINDOW} log steps in a row; the warning says whether they are too easy or too hard "
+            "where every reward lies in [0, 1].",
+        ),
+        Alarm(
+            name="plateau",
+            rule=PlateauRule,
+            field="warn_plateau_steps",
+            # rl-doctor's plateau scenario (reward flat from about step 100 of 400, one entry per step) is flagged at
+            # steps 265-381 over 10 seeds; its healthy scenario (still rising slowly at its end) never, nor rlprobe's,
+            # which converges (93% of its final reward at step 450 of 500) and was flagged at step 456 of one seed of
+            # 10 with 100. A run logged every 10 steps waits 1,500 steps: a slow riser is no plateau.
+            default=150,
+            low=1,
+            high=math.inf,
+            low_inclusive=True,
+            high_inclusive=False,
+            help="Alarm plateau (a note): the reward's running median (over "
+            f"{PlateauRule.SMOOTH} log steps) has not risen above its best by more than its noise for this many log "
+            "steps (the run converged or stopped learning).",
+            whole=True,
+        ),
+        Alarm(
+            name="reward_drop",
+            rule=RewardDropRule,
+            field="warn_reward_drop",
+            # Half of the gain given back, beyond the noise of the running medians: no healthy peer scenario (each
+            # rises to its end) and none of the other sick ones but rlprobe's format gaming, whose reward halves at
+            # the pathology's onset (step 256 of 500). rlwatch's reward drift warns on any monotone run of 50 steps,
+            # learning included; a fall from the best is the drift that is no learning.
+            default=0.5,
+            low=0.0,
+            high=math.inf,
+            low_inclusive=False,
+            high_inclusive=False,
+            help="Alarm reward_drop: the reward's running median (over "
+            f"{RewardDropRule.SMOOTH} log steps) fell from its best by at least this fraction of its gain since the "
+            f"run's start, by more than {RewardDropRule.NOISE_SE:g} standard errors (1.0: back to where it started).",
         ),
     )
 }

@@ -33,18 +33,23 @@ class Panel(NamedTuple):
 
 #: The panels, row by row.
 PANELS = (
-    Panel("reward", ("reward", "rewards/*/mean", "heldout/*/mean@*"), ("reward_vs_heldout",), "reward"),
+    Panel(
+        "reward",
+        ("reward", "rewards/*/mean", "heldout/*/mean@*"),
+        ("reward_vs_heldout", "plateau", "reward_drop"),
+        "reward",
+    ),
     Panel(
         "reward spread: std inside each group",
         ("reward_std/group_mean", *ZERO_SPREAD_KEYS),
-        ("zero_std", "no_spread"),
+        ("zero_std", "no_spread", "flat_groups"),
         "std of the rewards of a group",
     ),
     Panel("KL to the reference", ("kl",), ("kl_jump", "kl_high"), "KL (mean per token)"),
     Panel(
         "clip fraction (tokens in the flat region)",
         ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"),
-        ("clip_fraction",),
+        ("clip_fraction", "clip_asymmetry"),
         "share of tokens",
     ),
     Panel(
@@ -61,7 +66,9 @@ PANELS = (
         ("truncation", "truncation_sustained", "length_drift", "length_growth", "length_in_group"),
         "tokens",
     ),
-    Panel("gradient norm", ("grad_norm",), ("grad_norm_spike",), "gradient norm (before clipping)"),
+    Panel(
+        "gradient norm", ("grad_norm",), ("grad_norm_spike", "vanishing_gradient"), "gradient norm (before clipping)"
+    ),
 )
 #: The label of the right axis of a panel that draws a share there.
 RIGHT_LABELS = {

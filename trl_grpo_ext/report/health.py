@@ -55,13 +55,15 @@ class Signal:
 
 
 SIGNALS = (
-    Signal("reward", ("reward",)),
+    Signal("reward", ("reward",), ("plateau", "reward_drop")),
     Signal("reward spread in groups", ("reward_std/group_mean",), ("no_spread",)),
-    Signal("groups without spread", ("reward_std/frac_zero_groups", "frac_reward_zero_std"), ("zero_std",)),
+    Signal(
+        "groups without spread", ("reward_std/frac_zero_groups", "frac_reward_zero_std"), ("zero_std", "flat_groups")
+    ),
     Signal("unscored completions", ("frac_reward_unscored",), ("unscored",), kind="count"),
     Signal("KL to the reference", ("kl",), ("kl_jump", "kl_high")),
     Signal("loss split", ("loss/policy", "loss"), kind="shown"),
-    Signal("clip fraction", ("clip_ratio/region_mean",), ("clip_fraction",)),
+    Signal("clip fraction", ("clip_ratio/region_mean",), ("clip_fraction", "clip_asymmetry")),
     Signal("importance ratio", ("ratio/p95",), ("ratio_p95", "ratio_max")),
     Signal("NaN log ratios", ("ratio/nan_count",), kind="count"),
     Signal("entropy", ("entropy",), ("entropy_collapse",)),
@@ -71,7 +73,7 @@ SIGNALS = (
         ("truncation", "truncation_sustained", "length_drift", "length_growth", "length_in_group"),
     ),
     Signal("skipped non-finite steps", ("nonfinite/skipped_steps",), kind="count"),
-    Signal("gradient norm", ("grad_norm",), ("grad_norm_spike", "no_gradient")),
+    Signal("gradient norm", ("grad_norm",), ("grad_norm_spike", "no_gradient", "vanishing_gradient")),
     Signal("held-out metric", ("heldout/<metric>/mean@<k>",), ("reward_vs_heldout",)),
 )
 

@@ -1,0 +1,186 @@
+"""The alarm rules that judge whether the run is still making progress: the reward's plateau, and groups that stay
+without reward spread (too easy or too hard)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+
+from .rule import ZERO_SPREAD_KEYS, Rule, _first_number, _number
+
+
+def slope_t(values: list[float]) -> float:
+    """The t statistic of the least-squares slope of `values` against their index: the slope over its standard
+    error, `b / (s / sqrt(sum((i - mean i)^2)))` with `s^2` the residuals' variance over `n - 2`. 0 for a constant
+    series (no trend) or fewer than 3 values; +-inf for an exact line."""
+    n = len(values)
+    if n < 3:
+        return 0.0
+    mean_i, mean_v = (n - 1) / 2, statistics.fmean(values)
+    sxx = sum((i - mean_i) ** 2 for i in range(n))
+    slope = sum((i - mean_i) * (v - mean_v) for i, v in enumerate(values)) / sxx
+    residual = sum((v - mean_v - slope * (i - mean_i)) ** 2 for i, v in enumerate(values)) / (n - 2)
+    if residual <= 1e-24:
+        return 0.0 if abs(slope) <= 1e-12 else math.copysign(math.inf, slope)
+    return slope / math.sqrt(residual / sxx)
+
+
+def _function_means(entry: Mapping) -> dict[str, float]:
+    """Each reward function's logged mean (`rewards/<name>/mean`), where it is a number."""
+    means = {}
+    for key in entry:
+        if key.startswith("rewards/") and key.endswith("/mean"):
+            value = _number(entry, key)
+            if value is not None:
+                means[key.removeprefix("rewards/").removesuffix("/mean")] = value
+    return means
+
+
+class PlateauRule(Rule):
+    """The reward made no progress for `threshold` log steps: its running median (over `SMOOTH` log steps) has not
+    risen above its best by more than `NOISE_SE` standard errors of such a median since then. The standard error is
+    `1.2533 sigma / sqrt(SMOOTH)` (a median of normal noise), `sigma` the scatter of the reward's last `SMOOTH`
+    values (their median absolute deviation times 1.4826), so a noisy but rising reward keeps setting new bests and a
+    flat one stops; 1.5, not 1: the best is the luckiest median so far, and a flat reward's medians beat it by one
+    standard error now and then, which would end a plateau by chance. A run that never improves at all is a plateau
+    from its start. A `note`: a converged run plateaus too, and then its remaining steps cost compute for nothing."""
+
+    keys = ("reward",)
+    SMOOTH = 10  # log steps of the running median
+    NOISE_SE = 1.5
+    severity = "note"
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.recent: list[float] = []
+        self.best: float | None = None
+        self.since = 0  # log steps since the best was set
+
+    def judge(self, entry):
+        value = _number(entry, "reward")
+        if value is None:
+            return None
+        self.recent = (self.recent + [value])[-self.SMOOTH :]
+        if len(self.recent) < self.SMOOTH:
+            return False
+        median = statistics.median(self.recent)
+        deviation = statistics.median(abs(v - median) for v in self.recent)
+        noise = self.NOISE_SE * 1.2533 * 1.4826 * deviation / math.sqrt(self.SMOOTH)
+        if self.best is None or median > self.best + noise:
+            self.best, self.since = median, 0
+            return False
+        self.since += 1
+        if self.since < self.threshold:
+            return False
+        return (
+            f"the reward has not improved for {self.since} log steps: its running median ({median:.3g}, over "
+            f"{self.SMOOTH} log steps) stays within its noise of its best ({self.best:.3g}). The run has converged "
+            "or stopped learning; if the held-out metric is flat too, stop it, or change what limits it (harder "
+            "prompts, a higher learning_rate, more num_generations or temperature)."
+        )
+
+
+class FlatGroupsRule(Rule):
+    """Most groups stay without reward spread: the share of groups whose rewards are all equal (`ZERO_SPREAD_KEYS`)
+    is at least `threshold` at each of `WINDOW` log steps in a row. A `note`, below `zero_std`'s warning (90% at one
+    step): the run still learns from the other groups, at a fraction of its cost.
+
+    Which way the groups are flat follows from the mean reward `r` and the flat share `z` where every logged reward
+    lies in [0, 1] (a 0/1 reward, say): the groups with spread hold at most `1 - z` of the reward's mass and at least
+    none of it, so at least `r - (1 - z)` of the groups scored the maximum everywhere (too easy) and at least `z - r`
+    scored the minimum everywhere (too hard); the larger bound names the side.
+
+    The default, 60%, on the peers' scenarios: rlprobe's degenerate groups (a share rising to 75%) are flagged about
+    step 460 of 500; rl-doctor's too-easy (a pass rate near 97%) and too-hard (near 3.5%) runs at about step 230 and
+    step 10, and no healthy scenario (at most 20%). 50% also flags rl-doctor's reward-hacking run at its end."""
+
+    keys = ZERO_SPREAD_KEYS
+    WINDOW = 10
+    severity = "note"
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.shares: list[float] = []
+        self.unit_rewards = True  # every logged reward so far lies in [0, 1]
+
+    def judge(self, entry):
+        reward = _number(entry, "reward")
+        if reward is not None and not 0.0 <= reward <= 1.0:
+            self.unit_rewards = False
+        _, share = _first_number(entry, ZERO_SPREAD_KEYS)
+        if share is None:
+            return None
+        self.shares = (self.shares + [share])[-self.WINDOW :]
+        if len(self.shares) < self.WINDOW or min(self.shares) < self.threshold:
+            return False
+        text = (
+            f"{min(self.shares):.0%} or more of the groups ({share:.0%} now) had no reward spread at each of the "
+            f"last {self.WINDOW} log steps: those groups teach nothing and cost a full generation each. "
+        )
+        if reward is not None and self.unit_rewards:
+            easy, hard = reward - (1 - share), share - reward
+            if easy > 0 and easy >= hard:
+                text += (
+                    f"They are mostly too easy: at the mean reward {reward:.2f}, at least {easy:.0%} of the groups "
+                    "scored the maximum on every completion. Use harder prompts (or drop the solved ones), or "
+                    "dynamic_sampling=True."
+                )
+                return text
+            if hard > 0 and hard > easy:
+                text += (
+                    f"They are mostly too hard: at the mean reward {reward:.2f}, at least {hard:.0%} of the groups "
+                    "scored the minimum on every completion. Use easier prompts, more num_generations, a higher "
+                    "temperature, or a reward with partial credit."
+                )
+                return text
+        return text + (
+            "Too easy if the mean reward is near its maximum, too hard if near its minimum: change the prompts' "
+            "difficulty, raise num_generations or temperature, or use dynamic_sampling=True."
+        )
+
+
+class RewardDropRule(Rule):
+    """The reward gives back what it gained: its running median (over `SMOOTH` log steps) has fallen from its best by
+    at least `threshold` of the gain from the run's start (its first running median) to that best, and by more than
+    `NOISE_SE` standard errors of a difference of two such medians (the scatter pooled over the run), after a gain
+    larger than that noise too. A reward
+    that rises steadily (learning) or drifts up and stays is no drop; a collapse after learning, or a reward that
+    slowly drifts down from its best, is."""
+
+    keys = ("reward",)
+    SMOOTH = 10
+    NOISE_SE = 4.0  # 3 fired on 1 of 30 flat noisy runs of 500 log steps, 4 on none; collapses are found as early
+    HISTORY = 200  # windows whose scatter is pooled
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.recent: list[float] = []
+        self.start: float | None = None
+        self.best: float | None = None
+        self.sigmas: list[float] = []
+
+    def judge(self, entry):
+        value = _number(entry, "reward")
+        if value is None:
+            return None
+        self.recent = (self.recent + [value])[-self.SMOOTH :]
+        if len(self.recent) < self.SMOOTH:
+            return False
+        now = statistics.median(self.recent)
+        if self.start is None:
+            self.start = now
+        self.best = now if self.best is None else max(self.best, now)
+        # The scatter of one window of 10 is itself noisy (a small one would let chance excursions count): the
+        # median of every window's so far.
+        self.sigmas = (self.sigmas + [1.4826 * statistics.median(abs(v - now) for v in self.recent)])[-self.HISTORY :]
+        noise = self.NOISE_SE * 1.2533 * statistics.median(self.sigmas) * math.sqrt(2 / self.SMOOTH)
+        gain, drop = self.best - self.start, self.best - now
+        if gain <= noise or drop <= noise or drop < self.threshold * gain:
+            return False
+        return (
+            f"the reward fell from its best {self.best:.3g} to {now:.3g} (running medians of {self.SMOOTH} log "
+            f"steps), giving back {drop / gain:.0%} of what it gained since the start ({self.start:.3g}): the policy "
+            "is unlearning (a collapse after too large updates, or a reward whose easy part is exhausted). Lower the "
+            "learning_rate, raise beta, and keep the best checkpoint (metric_for_best_model, load_best_model_at_end)."
+        )

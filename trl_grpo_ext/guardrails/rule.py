@@ -1,0 +1,101 @@
+"""What every alarm rule is: `Rule` (a condition judged on one log entry at a time), the severity tiers, and the
+helpers that read a logged number out of an entry. The rules themselves are in `step_rules.py` (one step's values),
+`trend_rules.py` (a value against the run's own history) and `progress_rules.py` (whether the run is learning); their
+records (`ALARMS`) in `alarms.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections.abc import Mapping
+
+__all__ = [
+    "HELDOUT_KEY",
+    "SEVERITIES",
+    "SKIPPED_STEPS_KEY",
+    "TRUNCATION_KEYS",
+    "ZERO_SPREAD_KEYS",
+    "Rule",
+    "pearson",
+]
+
+#: The severity tiers of the alarms and of the report's verdicts, lowest first.
+SEVERITIES = ("ok", "note", "warning", "critical")
+
+#: A held-out metric's mean over k completions per prompt (`heldout/<metric>/mean@<k>`), also with `eval_` in front.
+HELDOUT_KEY = re.compile(r"^(?:eval_)?heldout/(?P<metric>.+)/mean@(?P<k>\d+)$")
+
+
+def _number(entry: Mapping, key: str) -> float | None:
+    """`entry[key]` when it is a logged number (`None` also for NaN: TRL logs `None` or NaN for "no value")."""
+    value = entry.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        return None
+    return float(value)
+
+
+#: The share of groups without reward spread: this package's, judged on each group (`reward_std/frac_zero_groups`),
+#: else TRL's (`frac_reward_zero_std`, which under `scale_rewards="batch"` tests the batch's std instead).
+ZERO_SPREAD_KEYS = ("reward_std/frac_zero_groups", "frac_reward_zero_std")
+
+
+def _first_number(entry: Mapping, keys: tuple[str, ...]) -> tuple[str, float] | tuple[None, None]:
+    """The first of `keys` logged as a number in `entry`, and its value."""
+    for key in keys:
+        value = _number(entry, key)
+        if value is not None:
+            return key, value
+    return None, None
+
+
+def _not_a_number(value) -> bool:
+    """A logged value that says "nothing": `None`, or NaN (how TRL logs the mean of a reward that scored nothing)."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def pearson(xs: list[float], ys: list[float]) -> float | None:
+    """Pearson correlation of two equally long series, `None` when either is constant (or shorter than 2).
+
+    r = sum((x - mean x)(y - mean y)) / sqrt(sum((x - mean x)^2) * sum((y - mean y)^2))
+    """
+    if len(xs) < 2:
+        return None
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    syy = sum((y - mean_y) ** 2 for y in ys)
+    if sxx <= 0 or syy <= 0:
+        return None
+    return sxy / math.sqrt(sxx * syy)
+
+
+class Rule:
+    """The condition of one alarm: `judge` (see the module docstring); `name` and `field` are its record's
+    (`ALARMS`)."""
+
+    name: str = ""
+    field: str = ""
+    #: The logged metrics it reads (the report names them when none was logged).
+    keys: tuple[str, ...] = ()
+    #: The tier of the verdict just given (of `SEVERITIES`): a rule with tiers sets it in `judge`.
+    severity: str = "warning"
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    def judge(self, entry: Mapping) -> str | bool | None:
+        raise NotImplementedError
+
+    def tag(self) -> str:
+        """The suffix of every warning: the metric that counts it and the field that sets (or switches off) it."""
+        return f" [alarms/{self.name}; {self.field}={self.threshold:g}, None switches it off]"
+
+
+#: The truncated share of the batch that trains (see `LengthDriftRule.LENGTH_KEYS`), else of every completion.
+TRUNCATION_KEYS = ("dynamic_sampling/trained_clipped_ratio", "completions/clipped_ratio")
+
+#: The non-finite guard's count of the optimizer steps it skipped so far (`GRPOTrainerExt` logs it with every
+#: training entry unless `nonfinite_policy="off"`).
+SKIPPED_STEPS_KEY = "nonfinite/skipped_steps"

@@ -1,0 +1,298 @@
+"""The alarm rules that judge a value against the run's own history: entropy against its start, gradient-norm
+spikes against a running median, completion length against the reward and the run's start, a held-out metric
+against its best."""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+
+from .rule import HELDOUT_KEY, SKIPPED_STEPS_KEY, Rule, _first_number, _number, pearson
+
+
+class EntropyCollapseRule(Rule):
+    keys = ("entropy",)
+    BASELINE = 3  # the first logged values whose mean is the reference
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.first: list[float] = []
+
+    def judge(self, entry):
+        value = _number(entry, "entropy")
+        if value is None:
+            return None
+        if len(self.first) < self.BASELINE:
+            self.first.append(value)
+            return False
+        baseline = statistics.fmean(self.first)
+        if baseline <= 0 or value >= self.threshold * baseline:
+            return False
+        return (
+            f"entropy fell to {value:.3g}, {value / baseline:.0%} of its first logged values ({baseline:.3g}): the "
+            "policy stopped exploring, its completions of a prompt become alike and their rewards equal. Raise "
+            "temperature, lower the learning_rate, widen epsilon_high (clip-higher, e.g. 0.28), or add an entropy "
+            "bonus (entropy_coef)."
+        )
+
+
+class GradNormSpikeRule(Rule):
+    """`grad_norm` far above its running median, or not finite. Norms at or below `FLOOR` (steps without reward
+    spread have next to no gradient) say nothing about the usual scale: they stay out of the median, so the first
+    real gradient after a stretch of them is no spike.
+
+    A non-finite norm logged where the guard's count (`nonfinite/skipped_steps`) rose since the last entry is that of
+    a step the guard skipped: its update never reached the weights, the guard warned and counts it, so it is no
+    spike (the entry does not tell). With the guard off (no count logged) it is one: that update was applied."""
+
+    keys = ("grad_norm",)
+    FLOOR = 1e-3
+    HISTORY = 20
+    MIN_HISTORY = 5
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.history: list[float] = []
+        self.skipped = 0.0  # the guard's count at the last entry that logged it
+
+    def judge(self, entry):
+        skipped = _number(entry, SKIPPED_STEPS_KEY)
+        guard_skipped = skipped is not None and skipped > self.skipped
+        if skipped is not None:
+            self.skipped = skipped
+        value = entry.get("grad_norm")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        if not math.isfinite(value):
+            if guard_skipped:
+                return None
+            return (
+                f"grad_norm is {value}: a loss or gradient was not finite. nonfinite_policy='skip' (the default) "
+                "keeps such updates off the weights; lower the learning_rate if it recurs."
+            )
+        baseline = statistics.median(self.history) if len(self.history) >= self.MIN_HISTORY else None
+        if value > self.FLOOR:
+            self.history = (self.history + [value])[-self.HISTORY :]
+        if baseline is None or value <= self.threshold * max(baseline, self.FLOOR):
+            return False
+        return (
+            f"grad_norm spiked to {value:.3g}, {value / max(baseline, self.FLOOR):.0f}x its running median "
+            f"{baseline:.3g}: spikes like this often precede a collapse. Lower the learning_rate, set or lower "
+            "max_grad_norm, or raise beta."
+        )
+
+
+class LengthDriftRule(Rule):
+    """Across log steps: the mean completion length moves in step with the rising reward."""
+
+    keys = ("completions/mean_length", "reward")
+    #: The mean completion length of the batch that trains (under dynamic sampling, `completions/*` count every
+    #: generated round while `reward` is the trained batch's).
+    LENGTH_KEYS = ("dynamic_sampling/trained_mean_length", "completions/mean_length")
+    WINDOW = 10  # the last log steps carrying both the reward and the length
+    MIN_WINDOW = 6
+    MIN_CHANGE = 0.2  # relative change of the length (mean of the window's second half over its first half)
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.pairs: list[tuple[float, float]] = []
+
+    def judge(self, entry):
+        reward, (_, length) = _number(entry, "reward"), _first_number(entry, self.LENGTH_KEYS)
+        if reward is None or length is None:
+            return None
+        self.pairs = (self.pairs + [(reward, length)])[-self.WINDOW :]
+        if len(self.pairs) < self.MIN_WINDOW:
+            return False
+        rewards, lengths = [pair[0] for pair in self.pairs], [pair[1] for pair in self.pairs]
+        half = len(self.pairs) // 2
+        length_before, length_after = statistics.fmean(lengths[:half]), statistics.fmean(lengths[-half:])
+        reward_before, reward_after = statistics.fmean(rewards[:half]), statistics.fmean(rewards[-half:])
+        change = (length_after - length_before) / max(abs(length_before), 1e-8)
+        correlation = pearson(rewards, lengths)
+        if (
+            correlation is None
+            or abs(correlation) < self.threshold
+            or abs(change) < self.MIN_CHANGE
+            or reward_after <= reward_before
+        ):
+            return False
+        return (
+            f"completion length went from {length_before:.3g} to {length_after:.3g} tokens ({change:+.0%}) over the "
+            f"last {len(self.pairs)} log steps, in step with the rising reward (correlation {correlation:+.2f}): the "
+            "reward may pay for length rather than for the task. Check the reward on long and short completions; "
+            "cap or penalise length in the reward, or lower max_completion_length."
+        )
+
+
+class LengthGrowthRule(Rule):
+    """Over the whole run: the mean completion length grew by at least `threshold` (a fraction) from the run's own
+    start. The start is the median of the first `BASELINE` logged lengths, now the median of the last `RECENT`
+    (judged once the two windows no longer overlap), so one long or short log step moves neither. A slow growth
+    moves `LengthDriftRule`'s 10-step window too little to count."""
+
+    keys = ("completions/mean_length",)
+    BASELINE = 5
+    RECENT = 5
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.first: list[float] = []
+        self.recent: list[float] = []
+        self.seen = 0  # lengths logged so far
+
+    def judge(self, entry):
+        _, length = _first_number(entry, LengthDriftRule.LENGTH_KEYS)
+        if length is None:
+            return None
+        if len(self.first) < self.BASELINE:
+            self.first.append(length)
+        self.recent = (self.recent + [length])[-self.RECENT :]
+        self.seen += 1
+        if self.seen < self.BASELINE + self.RECENT:
+            return False
+        start, now = statistics.median(self.first), statistics.median(self.recent)
+        if start <= 0 or now < (1 + self.threshold) * start:
+            return False
+        return (
+            f"completion length grew from {start:.3g} to {now:.3g} tokens ({now / start - 1:+.0%}) since the start "
+            f"of the run (median of its first {self.BASELINE} log steps, of its last {self.RECENT}): the reward may "
+            "pay for length rather than for the task, the completions run towards max_completion_length (watch "
+            "completions/clipped_ratio) and every step costs more. Check the reward on long and short completions; "
+            "cap or penalise length in the reward. Where the task rewards longer reasoning, raise the threshold."
+        )
+
+
+class LengthInGroupRule(Rule):
+    """Inside groups: the longer completions of a prompt score higher (GRPOTrainerExt's pooled correlation)."""
+
+    keys = ("reward_length_corr/within_group",)
+
+    def judge(self, entry):
+        value = _number(entry, "reward_length_corr/within_group")
+        if value is None:
+            return None
+        if value < self.threshold:
+            return False
+        return (
+            f"inside groups, completion length and reward are correlated ({value:+.2f}): the longer completions of "
+            "a prompt score higher, so the advantages push every prompt towards longer completions. Unless the task "
+            "needs longer answers the reward pays for length: cap or penalise length in the reward."
+        )
+
+
+def _heldout_size_key(match: re.Match) -> str:
+    """The key of the sample size logged next to the held-out mean `match` (of `HELDOUT_KEY`):
+    `heldout/<metric>/scored@<k>` for `heldout/<metric>/mean@<k>`, with the same `eval_` prefix."""
+    key = match.string
+    return key[: match.start("metric")] + f"{match['metric']}/scored@{match['k']}"
+
+
+def _heldout_noise(value: float, size: float | None) -> float | None:
+    """The variance of a held-out mean from its own sampling: `p (1 - p) / n` for a mean `p` over `n` scored
+    completions. For scores in [0, 1] this is the variance of an accuracy (0/1 scores) and at least that of any
+    graded metric with the same mean, so it never understates the noise. `None` when it is not known: no size logged
+    (a stock or older run), or a mean outside [0, 1] (a metric on another scale)."""
+    if size is None or size < 1 or not 0.0 <= value <= 1.0:
+        return None
+    return value * (1.0 - value) / size
+
+
+class RewardVsHeldoutRule(Rule):
+    """The training reward rises while a held-out metric (`heldout/<metric>/mean@<k>`) falls from its best by more
+    than `threshold` of that best and, where the evaluation's sample size was logged (`heldout/<metric>/scored@<k>`),
+    by more than `NOISE_SE` standard errors of the difference: sqrt(p_best (1 - p_best) / n_best + p (1 - p) / n).
+
+    The best is the highest of every evaluation so far, so it carries the luck of the best draw: with 2 standard
+    errors a run whose held-out accuracy does not move fired in 40% (10 evaluations) to 80% (20) of simulated
+    runs, with 3 in 5% to 20%. 3 still flags 0.6 -> 0.3 over 50 completions (3.2 standard errors) and over 200
+    (6.3)."""
+
+    keys = ("heldout/<metric>/mean@<k>", "reward")
+    RECENT = 3  # training rewards averaged around a held-out evaluation
+    NOISE_SE = 3.0  # standard errors of the difference a drop must exceed, where the sample sizes are logged
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.rewards: list[float] = []
+        #: key -> (value, its noise variance or None, the reward then, step)
+        self.best: dict[str, tuple[float, float | None, float | None, int | None]] = {}
+
+    def _recent_reward(self) -> float | None:
+        return statistics.fmean(self.rewards[-self.RECENT :]) if self.rewards else None
+
+    def judge(self, entry):
+        reward = _number(entry, "reward")
+        if reward is not None:
+            self.rewards.append(reward)
+        found = None
+        for key in sorted(entry):
+            match = HELDOUT_KEY.match(key)
+            if match is None or _number(entry, key) is None:
+                continue
+            found = found or False
+            value, now = _number(entry, key), self._recent_reward()
+            noise = _heldout_noise(value, _number(entry, _heldout_size_key(match)))
+            best = self.best.get(key)
+            if best is None or value >= best[0]:
+                self.best[key] = (value, noise, now, entry.get("step"))
+                continue
+            best_value, best_noise, reward_then, best_step = best
+            if reward_then is None and self.rewards:  # the best came before any training reward (step 0)
+                reward_then = self.rewards[0]
+            drop = best_value - value
+            fell = drop >= self.threshold * max(abs(best_value), 1e-8)
+            allowance = None
+            if noise is not None and best_noise is not None:
+                allowance = self.NOISE_SE * math.sqrt(noise + best_noise)
+                fell = fell and drop > allowance
+            if fell and reward_then is not None and now is not None and now > reward_then:
+                at = f" (step {best_step})" if best_step is not None else ""
+                beyond = (
+                    f", more than the evaluation's noise ({self.NOISE_SE:g} standard errors: {allowance:.3g})"
+                    if allowance is not None
+                    else ""
+                )
+                found = (
+                    f"{key} fell from its best {best_value:.3g}{at} to {value:.3g}{beyond} while the training reward "
+                    f"rose from {reward_then:.3g} to {now:.3g}: the policy may be exploiting the reward rather than "
+                    "learning the task (reward hacking). Read completions for loopholes the reward pays for, raise "
+                    f"beta, and keep the best checkpoint (metric_for_best_model='{key}', load_best_model_at_end=True)."
+                )
+        return found
+
+
+class VanishingGradientRule(Rule):
+    """`grad_norm` vanishes without reaching 0: the median of its last `RECENT` logged values is above 0 and below
+    `threshold` times the median of its first `BASELINE` logged values above 0. `no_gradient` catches an exact 0;
+    this catches updates that shrink to nothing (every advantage tiny, a loss scaled down by a bug; a learning-rate
+    schedule is not a cause: `grad_norm` is taken before the learning rate scales the update)."""
+
+    keys = ("grad_norm",)
+    BASELINE = 5
+    RECENT = 5
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.first: list[float] = []
+        self.recent: list[float] = []
+
+    def judge(self, entry):
+        value = _number(entry, "grad_norm")
+        if value is None or not math.isfinite(value):
+            return None
+        if value > 0 and len(self.first) < self.BASELINE:
+            self.first.append(value)
+        self.recent = (self.recent + [value])[-self.RECENT :]
+        if len(self.first) < self.BASELINE or len(self.recent) < self.RECENT:
+            return False
+        start, now = statistics.median(self.first), statistics.median(self.recent)
+        if now <= 0 or now >= self.threshold * start:
+            return False
+        return (
+            f"grad_norm fell to {now:.3g} (median of the last {self.RECENT} log steps), {now / start:.1%} of its "
+            f"start ({start:.3g}): the updates vanish without stopping. Check the reward spread "
+            "(frac_reward_zero_std: advantages near 0 everywhere), the loss's scale (loss_type, a gradient "
+            "accumulation or scaling bug), and whether most tokens are clipped."
+        )
