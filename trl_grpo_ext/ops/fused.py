@@ -38,13 +38,14 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import NamedTuple
 
 import torch
 
 from .numerics import EXP_LINEAR_ABOVE, exp_linear_above, kl_estimator
 from .terms import clipped_term
 
-__all__ = ["BLOCK_ELEMENTS", "domain_problems", "fused_loss", "fused_terms"]
+__all__ = ["BLOCK_ELEMENTS", "FusedLoss", "domain_problems", "fused_loss", "fused_terms"]
 
 #: Elements `(rows x T)` of the blocks the eager kernel works on, per device type (others: `BLOCK_ELEMENTS[None]`).
 #: On a CPU, ~20 float32 temporaries of 2**15 elements (128 KiB each) fit in a core's L2 cache, and 8 blocks of a
@@ -247,7 +248,37 @@ class _FusedLoss(torch.autograd.Function):
         return grad.mul_((-row_weights * grad_output).unsqueeze(-1)).to(ctx.logp_dtype), None, None, None
 
 
-def fused_loss(inputs, row_weights_of, *, epsilon_low, epsilon_high, beta, compiled, keep):
+class FusedLoss(NamedTuple):
+    """What `fused_loss` returns, by name.
+
+    Attributes:
+        loss (`torch.Tensor` of shape `()`): differentiable with respect to `inputs.logps`.
+        policy_loss, kl (`torch.Tensor` of shape `()`): the aggregated `P` and `K`, detached.
+        tokens, policy_rows, kl_rows, low_rows, high_rows (`torch.Tensor` of shape `(N,)`): sums over each row's
+            completion tokens of 1, `P`, `K` and the low- and high-clipped indicators.
+        log_ratio, ratio, per_token_kl, is_low_clipped, is_high_clipped, advantages (`torch.Tensor` of shape
+            `(N, T)`): the per-token values with `keep` (0 or `False` at masked positions), else `None`.
+    """
+
+    loss: torch.Tensor
+    policy_loss: torch.Tensor
+    kl: torch.Tensor
+    tokens: torch.Tensor
+    policy_rows: torch.Tensor
+    kl_rows: torch.Tensor
+    low_rows: torch.Tensor
+    high_rows: torch.Tensor
+    log_ratio: torch.Tensor | None = None
+    ratio: torch.Tensor | None = None
+    per_token_kl: torch.Tensor | None = None
+    is_low_clipped: torch.Tensor | None = None
+    is_high_clipped: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+
+
+def fused_loss(
+    inputs, row_weights_of, *, epsilon_low: float, epsilon_high: float, beta: float, compiled: bool, keep: bool
+) -> FusedLoss:
     """The objective of the clipped row through the fused kernel; arguments as validated by `policy_objective`.
 
     Args:
@@ -259,9 +290,7 @@ def fused_loss(inputs, row_weights_of, *, epsilon_low, epsilon_high, beta, compi
         keep (`bool`): also return the per-token values.
 
     Returns:
-        `(loss, policy_loss, kl, terms)`: `loss` differentiable w.r.t. `inputs.logps`, the detached aggregated `P`
-        and `K`, and `terms`, `(tokens, policy_rows, kl_rows, low_rows, high_rows, grad, log_ratio, ratio,
-        per_token_kl, is_low_clipped, is_high_clipped, advantages)` (the last six `None` without `keep`).
+        [`FusedLoss`].
     """
     detached = inputs.logps.detach()
     old = detached if inputs.old_logps is None else inputs.old_logps
@@ -276,4 +305,4 @@ def fused_loss(inputs, row_weights_of, *, epsilon_low, epsilon_high, beta, compi
     policy_loss = (policy_rows * row_weights).sum()
     kl = (kl_rows * row_weights).sum()
     loss = _FusedLoss.apply(inputs.logps, policy_loss + beta * kl, grad, row_weights)
-    return loss, policy_loss, kl, (*terms[:-1], *(per_token or (None,) * 6))
+    return FusedLoss(loss, policy_loss, kl, tokens, policy_rows, kl_rows, low_rows, high_rows, *(per_token or ()))

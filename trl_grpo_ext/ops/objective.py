@@ -294,7 +294,7 @@ def policy_objective(
         }
         loss, policy_loss, kl, rows, values = _reference_objective(inputs, record, row_weights_of, options, per_token)
     else:
-        loss, policy_loss, kl, terms = fused_loss(
+        fused = fused_loss(
             inputs,
             row_weights_of,
             epsilon_low=epsilon,
@@ -303,18 +303,13 @@ def policy_objective(
             compiled=implementation == "compiled",
             keep=per_token,
         )
-        tokens, _, kl_rows, low_rows, high_rows, _, log_ratio, ratio, per_token_kl, low, high, adv = terms
-        rows = {"tokens": tokens, "kl": kl_rows, "low": low_rows, "high": high_rows, "units": tokens}
+        loss, policy_loss, kl = fused.loss, fused.policy_loss, fused.kl
+        rows = {"tokens": fused.tokens, "kl": fused.kl_rows, "low": fused.low_rows, "high": fused.high_rows}
+        rows["units"] = fused.tokens
         values = None
         if per_token:
-            values = {
-                "advantages": adv,
-                "log_ratio": log_ratio,
-                "ratio": ratio,
-                "per_token_kl": per_token_kl,
-                "is_low_clipped": low,
-                "is_high_clipped": high,
-            }
+            names = ("advantages", "log_ratio", "ratio", "per_token_kl", "is_low_clipped", "is_high_clipped")
+            values = {name: getattr(fused, name) for name in names}
     return GRPOLossOutput(
         loss=loss,
         policy_loss=policy_loss,
