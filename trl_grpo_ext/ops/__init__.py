@@ -5,6 +5,7 @@
 - `loss_types`: one record per loss type, with its formula text; `register_loss_type` adds one's own;
 - `fused`: the fused (and compiled) kernel of the clipped-surrogate rows;
 - `numerics`: the exponential continued linearly above a threshold, the `exp(d) - d - 1` estimator;
+- `ratio_statistics`: the importance ratios' count, moments, extremes and log-ratio histogram, as sums that merge;
 - `truncation`: the trainer's log-probs under a sampler's top_k/top_p/min_p cuts, renormalised over the kept tokens;
 - `validation`: the checks on inputs and hyper-parameters;
 - `advantages`: group-relative advantages.
