@@ -54,7 +54,8 @@ __all__ = ["BLOCK_ELEMENTS", "FusedLoss", "domain_problems", "fused_loss", "fuse
 
 #: Elements `(rows x T)` of the blocks the eager kernel works on, per device type (others: `BLOCK_ELEMENTS[None]`).
 #: On a CPU, ~20 float32 temporaries of 2**15 elements (128 KiB each) fit in a core's L2 cache, and 8 blocks of a
-#: 64 x 4096 batch keep the per-operation overhead (~45 operations per block) well below the arithmetic. On a GPU
+#: 64 x 4096 batch keep the per-operation overhead (~30 operations per block, ~45 with the ratio statistics) below
+#: the arithmetic; larger blocks were faster on the reference machine but hold more buffers. On a GPU
 #: every operation is a kernel launch: blocks of 2**20 elements leave the common batch sizes in one block, and bound
 #: the temporaries of very long batches.
 BLOCK_ELEMENTS = {"cpu": 2**15, None: 2**20}
@@ -98,7 +99,7 @@ def fused_terms(
         use_ref (`bool`): whether `ref_logp` holds reference log-probs (else the KL terms are 0).
         dtype (`torch.dtype`): the computation dtype.
         keep (`bool`): also return the per-token values.
-        statistics (`bool`): also return the ratios' statistics (eager only: a histogram is counted by `bincount`).
+        statistics (`bool`): also return the ratios' sums (eager only: the compiled graph has no histogram scatter).
 
     Returns:
         `(tokens, policy_rows, kl_rows, low_rows, high_rows, grad, per_token, ratio_stats)`: `(n,)` sums over each
@@ -123,7 +124,7 @@ def fused_terms(
         grad = grad.add_(kl_minus_grad, alpha=beta) if isinstance(beta, float) else grad + beta * kl_minus_grad
     else:
         kl_rows = torch.zeros_like(policy_rows)
-        per_token_kl = torch.zeros_like(grad)
+        per_token_kl = torch.zeros_like(grad) if keep else None
     below, above = advantages < 0, advantages > 0  # where a clipped token is low-clipped, where high-clipped
     low_rows, high_rows = (clipped * below).sum(dim=-1), (clipped * above).sum(dim=-1)
     per_token = None

@@ -37,7 +37,6 @@ __all__ = [
     "RatioStatistics",
     "log_ratio_bin_bounds",
     "log_ratio_bins",
-    "merge_ratio_statistics",
     "ratio_statistics",
     "ratio_sums",
     "statistics_dtype",
@@ -136,18 +135,6 @@ def statistics_of_sums(sums: list[tuple[torch.Tensor, ...]], units: torch.Tensor
     counts[ZERO_BIN] -= numel - units.to(torch.int64)  # the masked positions, all counted at x = 0
     maximum = torch.where(units > 0, maximum.amax().to(dtype), -math.inf)
     return RatioStatistics(units, deviation_sum.sum(), square_sum.sum(), minimum.amin().to(dtype), maximum, counts)
-
-
-def merge_ratio_statistics(first: RatioStatistics, second: RatioStatistics) -> RatioStatistics:
-    """The statistics of two sets of ratios together."""
-    return RatioStatistics(
-        first.units + second.units,
-        first.deviation_sum + second.deviation_sum,
-        first.square_sum + second.square_sum,
-        torch.minimum(first.min, second.min),
-        torch.maximum(first.max, second.max),
-        first.counts + second.counts,
-    )
 
 
 def log_ratio_bins(log_ratio: torch.Tensor) -> torch.Tensor:
