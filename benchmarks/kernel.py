@@ -8,7 +8,9 @@ Sides, all on the same inputs (log-probs `(N, T)` near policy, a right-padded in
 - `reference`, `fused`, `compiled`: DeepSeekMath's objective (`grpo_loss`'s row of `policy_objective`) with
   `implementation=...` and `per_token=False`: the loss and its gradient, what the two baselines compute;
 - `fused+per_token`, `compiled+per_token`: `grpo_loss(..., implementation=...)`, which also returns the per-token
-  ratios, KL terms and clip masks (`per_token=True`, what the trainer asks for while it logs its diagnostics).
+  ratios, KL terms and clip masks (`per_token=True`);
+- `fused+statistics`, `compiled+statistics`: `policy_objective(..., per_token=False, ratio_statistics=True)`, the
+  loss with the ratios' statistics summed in the kernel: what the trainer asks for while it logs its diagnostics.
 
 Each repeat times every side once, in an order that alternates between repeats. On a CPU the timer is
 `time.perf_counter`; on a GPU, CUDA events. Extra peak memory is what the call allocates beyond its inputs, at its
@@ -27,7 +29,17 @@ from trl_grpo_ext.ops import grpo_loss, policy_objective
 
 from .common import child_env, format_table, summarize
 
-SIDES = ("seed000", "trl_inline", "reference", "fused", "compiled", "fused+per_token", "compiled+per_token")
+SIDES = (
+    "seed000",
+    "trl_inline",
+    "reference",
+    "fused",
+    "compiled",
+    "fused+per_token",
+    "compiled+per_token",
+    "fused+statistics",
+    "compiled+statistics",
+)
 
 
 def seed000_loss(log_probs, old_log_probs, ref_log_probs, advantages, completion_mask, epsilon=0.2, beta=0.04):
@@ -86,6 +98,18 @@ def side_function(side: str, inputs: dict):
             loss = trl_inline_loss(logps, old, ref, advantages, float_mask)
         elif side.endswith("+per_token"):
             loss = grpo_loss(logps, old, ref, advantages, mask, implementation=side.removesuffix("+per_token")).loss
+        elif side.endswith("+statistics"):
+            implementation = side.removesuffix("+statistics")
+            loss = policy_objective(
+                logps,
+                old,
+                ref,
+                advantages,
+                mask,
+                implementation=implementation,
+                per_token=False,
+                ratio_statistics=True,
+            ).loss
         else:
             loss = policy_objective(logps, old, ref, advantages, mask, implementation=side, per_token=False).loss
         loss.backward()

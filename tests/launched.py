@@ -295,7 +295,7 @@ def run_train(output_dir, model_path, *, kill_during_save_of=None, resume=False,
     original_loss = trainer_module.policy_objective
 
     def recording_loss(*args, **kwargs):
-        out = original_loss(*args, **kwargs)
+        out = original_loss(*args, **{**kwargs, "per_token": True})  # the trainer's statistics, and their tokens
         trainer.records["steps"].append(
             {key: getattr(out, key) for key in ("ratio", "log_ratio", "per_token_kl", "mask", "advantages")}
             | {"policy_loss": out.policy_loss, "kl_penalty": out.kl_penalty}

@@ -18,6 +18,7 @@ from trl_grpo_ext.diagnostics import (
     log_ratio_bins,
     quantile_metric_name,
 )
+from trl_grpo_ext.ops import policy_objective
 
 QUANTILES = [0.0, 0.05, 0.25, 0.5, 0.95, 1.0]
 
@@ -204,7 +205,62 @@ def pooled_within_group_correlation(rewards, lengths, group_size) -> float:
     return ((r * length).sum() / (r.pow(2).sum() * length.pow(2).sum()).sqrt()).item()
 
 
+def test_statistics_from_the_kernel_log_what_per_token_ratios_log():
+    """The trainer's call (`ratio_statistics=True`, no per-token values) and the per-token values measured by the
+    accumulator give the same metrics and histogram, over micro-batches and two processes."""
+    steps = []
+    for seed in range(4):
+        generator = torch.Generator().manual_seed(seed)
+        logps = -torch.rand(6, 40, generator=generator) * 4
+        old_logps = logps + 0.4 * torch.randn(6, 40, generator=generator)
+        mask = torch.arange(40)[None] < torch.randint(0, 41, (6, 1), generator=generator)
+        advantages = torch.randn(6, generator=generator)
+        inputs = (logps, old_logps, logps.detach(), advantages, mask)
+        per_token = grpo_loss(*inputs)
+        statistics = policy_objective(*inputs, per_token=False, ratio_statistics=True)
+        steps.append((per_token, statistics))
+    summaries = []
+    for side in range(2):
+        first, second = (
+            accumulate([(step[side], None) for step in steps[:2]]),
+            accumulate([(step[side], None) for step in steps[2:]]),
+        )
+        summaries.append(summarize([first, second]))
+    measured, summed = summaries
+    assert summed.scalars.keys() == measured.scalars.keys()
+    for name, value in measured.scalars.items():
+        assert summed.scalars[name] == pytest.approx(value, rel=1e-12, abs=1e-15), name
+    for name in ("ratio/min", "ratio/max", "ratio/p05", "ratio/p50", "ratio/p95"):
+        assert summed.scalars[name] == measured.scalars[name]
+    assert summed.histograms["ratio"][:4] == measured.histograms["ratio"][:4]
+
+
 class TestHistogram:
+    def test_float32_values_land_in_the_bin_that_bounds_them_at_every_slot_edge(self):
+        """The table's bins hold whole float32 slots: values at and next to every bin edge are bounded by their bin."""
+        lower, upper = log_ratio_bin_bounds()
+        edges = torch.cat([lower[1:], upper[:-1]]).to(torch.float32)
+        edges = edges[torch.isfinite(edges)]
+        values = torch.cat(
+            [edges, torch.nextafter(edges, torch.full_like(edges, math.inf)), torch.nextafter(edges, -edges * 2)]
+        )
+        values = torch.cat([values, -values, torch.tensor([0.0, -0.0, 1e-42, -1e-42, 2.0**-136, 2.0**-126])])
+        bins = log_ratio_bins(values)
+        wide = values.double()
+        assert torch.all((lower[bins] <= wide) & (wide <= upper[bins]))
+
+    def test_tail_bins_are_geometric_to_the_slot_grid(self):
+        """Tail bins are 7.9% wider than the one before, their edges moved at most 2**-10 of |x| to the float32
+        grid of 10 mantissa bits."""
+        lower, upper = log_ratio_bin_bounds()
+        positive_tail = (lower >= CORE_LOG_RATIO) & (upper <= TAIL_LOG_RATIO)
+        edges = lower[positive_tail]
+        designed = CORE_LOG_RATIO * (TAIL_LOG_RATIO / CORE_LOG_RATIO) ** (torch.arange(edges.numel()) / 64)
+        assert edges.numel() == 64
+        assert ((edges - designed).abs() / designed).max().item() <= 2.0**-10
+        negative_tail = (upper <= -CORE_LOG_RATIO) & (lower >= -TAIL_LOG_RATIO)
+        assert torch.equal(lower[negative_tail].flip(0), -upper[positive_tail])
+
     def test_bins_are_ascending_contiguous_and_fine_near_one(self):
         lower, upper = log_ratio_bin_bounds()
         assert lower.numel() == upper.numel() == NUM_BINS - 1  # all but the NaN bin

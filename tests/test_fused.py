@@ -237,6 +237,56 @@ def test_forward_and_backward_hold_few_nt_buffers_at_their_peak(implementation, 
     assert peak <= most, f"{implementation} (per_token={per_token}) held {peak:.2f} (N, T) buffers at its peak"
 
 
+def test_the_trainer_s_call_writes_no_per_token_values_and_holds_few_nt_buffers():
+    """What the trainer asks for while it logs its diagnostics (`per_token=False, ratio_statistics=True`): the ratios'
+    statistics are summed block by block, and no `(N, T)` tensor is written for them (with `per_token=True` and a
+    second pass over its ratios, as before, the peak was 7.2 buffers)."""
+    logps, old, ref, advantages, mask = batch(64, 4096, seed=12)
+
+    def forward_and_backward(leaf):
+        out = policy_objective(leaf, old, ref, advantages, mask, per_token=False, ratio_statistics=True)
+        out.loss.backward()
+        return out
+
+    out = forward_and_backward(logps.clone().requires_grad_(True))
+    assert out.implementation == "fused" and out.ratio_statistics is not None
+    assert all(getattr(out, name) is None for name in ("log_ratio", "ratio", "per_token_kl", "is_low_clipped"))
+    leaf = logps.clone().requires_grad_(True)
+    peak = nt_buffers_at_peak(lambda: forward_and_backward(leaf), logps.numel())
+    assert peak <= 3.0, f"the trainer's call held {peak:.2f} (N, T) buffers at its peak"
+
+
+@pytest.mark.parametrize("implementation", ["fused", "reference", pytest.param("compiled", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("per_token_advantages", [False, True])
+def test_ratio_statistics_are_those_of_the_per_token_ratios(implementation, per_token_advantages, monkeypatch):
+    """Summed in the kernel's blocks (several here), they equal the statistics of the ratios it returns per token."""
+    from trl_grpo_ext.diagnostics import LogRatioHistogram
+
+    monkeypatch.setattr(fused, "_compile_failed", False)
+    monkeypatch.setitem(fused.BLOCK_ELEMENTS, "cpu", 40)  # blocks of 3 rows
+    logps, old, ref, advantages, mask = batch(10, 13, seed=14, per_token_advantages=per_token_advantages, spread=0.6)
+    out = policy_objective(logps, old, ref, advantages, mask, implementation=implementation, ratio_statistics=True)
+    measured = LogRatioHistogram.measure(out.log_ratio, out.mask, torch.float64, ratio=out.ratio)  # as it was done
+    expected = LogRatioHistogram.layout.unpack(measured)
+    got = out.ratio_statistics._asdict()
+    assert got["units"].item() == expected["units"].item() == mask.sum().item()
+    assert torch.equal(got["counts"].double(), expected["counts"])
+    assert got["min"].item() == expected["min"].item() and got["max"].item() == expected["max"].item()
+    for name in ("deviation_sum", "square_sum"):
+        assert got[name].item() == pytest.approx(expected[name].item(), rel=1e-12)
+
+
+def test_ratio_statistics_read_nothing_on_the_host():
+    from benchmarks.syncs import SyncCounter
+
+    logps, old, ref, advantages, mask = batch(8, 16, seed=15)
+    with SyncCounter("cpu") as counter:
+        leaf = logps.clone().requires_grad_(True)
+        out = policy_objective(leaf, old, ref, advantages, mask, per_token=False, ratio_statistics=True)
+        out.loss.backward()
+    assert counter.total() == 0
+
+
 @pytest.mark.parametrize("implementation", ["fused", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_keeps_one_nt_buffer_the_float32_gradient(implementation, dtype, monkeypatch):

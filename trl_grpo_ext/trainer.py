@@ -271,7 +271,8 @@ class GRPOTrainerExt(GRPOTrainer):
             denominator=objective.denominator,
             loss_scale=objective.loss_scale,
             implementation=self._loss_implementation,
-            per_token=self._diagnostics[mode].ratio_stats,
+            per_token=False,
+            ratio_statistics=self._diagnostics[mode].ratio_stats,
             **({} if selection is None else selection.policy_options()),
         )
         loss = out.loss

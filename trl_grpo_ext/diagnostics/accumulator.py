@@ -145,8 +145,8 @@ class DiagnosticsAccumulator:
         """Add one micro-batch. Device ops only: no `.item()`, no boolean indexing.
 
         Args:
-            out (`GRPOLossOutput`): what `ops.policy_objective` returned for the micro-batch (with `per_token=True`
-                when `ratio_stats` is on).
+            out (`GRPOLossOutput`): what `ops.policy_objective` returned for the micro-batch; when `ratio_stats` is
+                on, with `ratio_statistics=True` (or `per_token=True`: the statistics are then computed here).
             entropies (`torch.Tensor` of shape `(N, T)`, *optional*): per-token entropies of the policy.
             loss_terms (`dict[str, torch.Tensor]`, *optional*): 0-dim values of the loss terms in the units of the
                 backward loss (summed over an optimizer step's micro-batches, they give that step's logged loss);
@@ -187,7 +187,10 @@ class DiagnosticsAccumulator:
         if not self.ratio_stats:
             return
 
-        histogram = LogRatioHistogram.measure(out.log_ratio, mask, dtype, ratio=out.ratio)
+        if out.ratio_statistics is not None:  # summed by the loss where it computed the ratios
+            histogram = LogRatioHistogram.pack(out.ratio_statistics, dtype)
+        else:
+            histogram = LogRatioHistogram.measure(out.log_ratio, mask, dtype, ratio=out.ratio)
         if loss_terms is None:
             loss_terms = {"policy": out.policy_loss, "kl_penalty": out.kl_penalty}
         zero = torch.zeros((), dtype=dtype, device=device)

@@ -1,24 +1,34 @@
 """The log-ratio histogram: one type for the importance ratio of the loss and for the sampler/trainer mismatch.
 
-Ratios are binned by their logarithm, with arithmetic bin indices (no search): uniform bins `2**-12` wide for
-|log r| < 0.5 (ratios in [0.61, 1.65]), geometric bins (each 7.9% of |log r| wider than the one before) out to
-|log r| = 64, one bin each for what lies beyond, one for log ratios of exactly 0 (on-policy tokens, so that a
-quantile among them reads exactly 1) and one for NaN. A reported quantile lies between the sample's order statistics
-at that rank, widened by the width of the bins they fall in: within 2.5e-4 relative to the true value when those
-order statistics lie in the core bins (ratios in [0.61, 1.65]); a quantile whose neighbouring order statistic falls
-in a tail bin is only as precise as that bin (7.9% of |log r|, e.g. about 4e-2 in log space at |log r| = 0.5).
-Minimum and maximum are exact.
+The sums and the bins are those of `ops.ratio_statistics` (where the loss kernel adds them up while it computes the
+ratios): ratios are binned by their logarithm, uniform bins `2**-12` wide for |log r| < 0.5 (ratios in
+[0.61, 1.65]), geometric bins (each about 7.9% of |log r| wider than the one before, their edges on the float32 grid
+of 10 mantissa bits) out to |log r| = 64, one bin each for what lies beyond, one for log ratios of 0 (on-policy tokens,
+so that a quantile among them reads exactly 1; it also holds the float32 denormals below `2**-136`, whose ratio is 1
+too) and one for NaN. A reported quantile lies between the sample's order statistics at that rank, widened by the
+width of the bins they fall in: within 2.5e-4 relative to the true value when those order statistics lie in the core
+bins (ratios in [0.61, 1.65]); a quantile whose neighbouring order statistic falls in a tail bin is only as precise
+as that bin (7.9% of |log r|, e.g. about 4e-2 in log space at |log r| = 0.5). Minimum and maximum are exact.
 """
 
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import numpy as np
 import torch
 
 from ..ops.numerics import EXP_LINEAR_ABOVE, exp_linear_above, log_of_exp_linear_above
+from ..ops.ratio_statistics import (
+    CORE_BIN_WIDTH,
+    CORE_LOG_RATIO,
+    NUM_BINS,
+    TAIL_LOG_RATIO,
+    RatioStatistics,
+    log_ratio_bin_bounds,
+    log_ratio_bins,
+    ratio_statistics,
+)
 from .layout import FieldLayout
 
 __all__ = [
@@ -32,52 +42,6 @@ __all__ = [
     "log_ratio_bins",
     "quantile_metric_name",
 ]
-
-CORE_LOG_RATIO = 0.5
-CORE_BIN_WIDTH = 2.0**-12
-TAIL_LOG_RATIO = 64.0
-TAIL_BINS = 64
-_CORE_BINS = round(2 * CORE_LOG_RATIO / CORE_BIN_WIDTH)
-_TAIL_GROWTH = math.log2(TAIL_LOG_RATIO / CORE_LOG_RATIO) / TAIL_BINS  # log2 of a tail bin's width ratio
-# Ordered bins: underflow, negative tail (most negative first), core below 0, exactly 0, core from 0, positive
-# tail, overflow, NaN (last, left out of the quantiles).
-_NEGATIVE_TAIL = 1
-_CORE = _NEGATIVE_TAIL + TAIL_BINS
-_ZERO = _CORE + _CORE_BINS // 2
-_POSITIVE_TAIL = _CORE + _CORE_BINS + 1
-_OVERFLOW = _POSITIVE_TAIL + TAIL_BINS
-_NAN = _OVERFLOW + 1
-NUM_BINS = _NAN + 1
-
-
-def log_ratio_bins(log_ratio: torch.Tensor) -> torch.Tensor:
-    """The histogram bin of each log ratio, int64, same shape; see `log_ratio_bin_bounds` for the bins."""
-    x = log_ratio
-    magnitude = x.abs()
-    core = torch.floor((x + CORE_LOG_RATIO) / CORE_BIN_WIDTH).clamp(0, _CORE_BINS - 1)
-    core = _CORE + core + (core >= _CORE_BINS // 2).to(core.dtype)  # leave room for the exactly-0 bin
-    tail = torch.floor(torch.log2(magnitude.clamp(min=CORE_LOG_RATIO) / CORE_LOG_RATIO) / _TAIL_GROWTH)
-    tail = tail.clamp(0, TAIL_BINS - 1)
-    tail = torch.where(x > 0, _POSITIVE_TAIL + tail, _NEGATIVE_TAIL + (TAIL_BINS - 1) - tail)
-    bins = torch.where(magnitude < CORE_LOG_RATIO, core, tail)
-    bins = torch.where(magnitude >= TAIL_LOG_RATIO, torch.where(x > 0, _OVERFLOW, 0), bins)
-    bins = torch.where(x == 0, _ZERO, bins)
-    return torch.where(torch.isnan(x), _NAN, bins).to(torch.int64)
-
-
-@lru_cache(maxsize=1)
-def log_ratio_bin_bounds() -> tuple[torch.Tensor, torch.Tensor]:
-    """`(lower, upper)` bounds of every bin but the NaN one, ascending, float64; the outer ones are infinite."""
-    powers = CORE_LOG_RATIO * 2.0 ** (_TAIL_GROWTH * torch.arange(TAIL_BINS + 1, dtype=torch.float64))
-    core = -CORE_LOG_RATIO + CORE_BIN_WIDTH * torch.arange(_CORE_BINS + 1, dtype=torch.float64)
-    half = _CORE_BINS // 2
-    inf = torch.tensor([math.inf], dtype=torch.float64)
-    zero = torch.zeros(1, dtype=torch.float64)
-    lower = torch.cat([-inf, -powers[1:].flip(0), core[:half], zero, core[half:-1], powers[:-1], powers[-1:]])
-    upper = torch.cat(
-        [-powers[-1:], -powers[:-1].flip(0), core[1 : half + 1], zero, core[half + 1 :], powers[1:], inf]
-    )
-    return lower, upper
 
 
 def quantile_metric_name(quantile: float) -> str:
@@ -190,22 +154,17 @@ class LogRatioHistogram:
             dtype: the accumulation dtype.
             ratio (`torch.Tensor`, same shape, *optional*): `exp_linear_above(log_ratio)` where already computed.
         """
-        log_ratio = log_ratio.to(dtype)
-        ratio = exp_linear_above(log_ratio) if ratio is None else ratio.to(dtype)
-        weights = units.reshape(-1).to(dtype)
-        counts = torch.zeros(NUM_BINS, dtype=dtype, device=log_ratio.device)
-        counts.index_add_(0, log_ratio_bins(log_ratio).reshape(-1), weights)
-        deviation = torch.where(units, ratio - 1.0, 0.0)
-        return cls.layout.pack(
-            {
-                "units": weights.sum(),
-                "deviation_sum": deviation.sum(),
-                "square_sum": deviation.pow(2).sum(),
-                "min": torch.where(units, ratio, math.inf).min(),
-                "max": torch.where(units, ratio, -math.inf).max(),
-                "counts": counts,
-            }
-        )
+        if ratio is None:
+            log_ratio = log_ratio.to(dtype)
+            ratio = exp_linear_above(log_ratio)
+        # What `ratio_statistics` expects where an entry does not count: log ratio 0, ratio 1.
+        log_ratio, ratio = torch.where(units, log_ratio, 0.0), torch.where(units, ratio, 1.0)
+        return cls.pack(ratio_statistics(log_ratio, ratio, units.to(ratio.dtype)), dtype)
+
+    @classmethod
+    def pack(cls, statistics: RatioStatistics, dtype: torch.dtype) -> torch.Tensor:
+        """`RatioStatistics` (of the loss kernel, or of `measure`) as a packed vector in `dtype`."""
+        return cls.layout.pack({name: value.to(dtype) for name, value in statistics._asdict().items()})
 
     @classmethod
     def empty(cls, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

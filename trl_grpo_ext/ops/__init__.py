@@ -6,6 +6,7 @@
 - `fused`: the fused (and compiled) kernel of the clipped-surrogate rows;
 - `numerics`: the exponential continued linearly above a threshold, the `exp(d) - d - 1` estimator;
 - `correction`: vLLM's importance-sampling correction as TRL builds it (raw log ratios, bounds, weights);
+- `ratio_statistics`: the importance ratios' count, moments, extremes and log-ratio histogram, as sums that merge;
 - `truncation`: the trainer's log-probs under a sampler's top_k/top_p/min_p cuts, renormalised over the kept tokens;
 - `validation`: the checks on inputs and hyper-parameters;
 - `advantages`: group-relative advantages.

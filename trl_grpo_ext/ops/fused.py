@@ -10,8 +10,9 @@ aggregation's row weight:
     d loss / dlogp_it              = -c_i * d(S_it - beta K_it) / dlogp_it
 
 `r'` and `exp'` are the derivatives of the exponential continued linearly above `EXP_LINEAR_ABOVE`, i.e.
-`exp(min(x, 20))`. The values `P`, `K` and the clip indicators come from the catalogue (`terms.clipped_term`,
-`numerics.kl_estimator`): the surrogate is written once, there. The pass keeps `d(S - beta K) / dlogp` in the
+`exp(min(x, 20))`, computed with the values (`numerics.exp_linear_above_and_slope`, `kl_estimator_and_slope`). The
+clipped surrogate is written as one clamp with per-row bounds, `S = A clip(r, l, u)` (see `_policy_part`), which is
+`terms.clipped_term`'s value and flat region. The pass keeps `d(S - beta K) / dlogp` in the
 computation dtype; the backward pass multiplies it in place by `-c_i` and the incoming gradient and rounds it to the
 dtype of `logp` once, as autograd through the reference does.
 
@@ -26,7 +27,10 @@ compile nothing either.
 `implementation="fused"` runs the same function eagerly, one block of rows at a time (`BLOCK_ELEMENTS`): without a
 compiler every operation writes a fresh buffer, so over the whole `(N, T)` batch its temporaries would cost a dozen
 buffers and a trip to main memory each. Block by block they cost a fraction of one buffer, and on a CPU they stay in
-the cache.
+the cache. With `statistics` (what the trainer asks for while it logs its diagnostics) each block also sums its
+ratios into `ratio_statistics.ratio_sums` (count, moments, extremes, histogram of the log ratio) while they are in
+the cache, instead of writing per-token ratios for the diagnostics to read again; compiled, they are counted after
+the kernel from its per-token values.
 
 The kernel's domain is the clipped surrogate with token-level ratios, no two-sided clipping, no per-token weights and
 a plain (not ratio-weighted) KL term, under any aggregation: `domain_problems` says what lies outside it. The backward
@@ -37,18 +41,21 @@ behind it. `implementation="reference"` supports higher-order gradients.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
+from typing import NamedTuple
 
 import torch
 
-from .numerics import EXP_LINEAR_ABOVE, exp_linear_above, kl_estimator
-from .terms import clipped_term
+from .numerics import exp_linear_above_and_slope, kl_estimator_and_slope
+from .ratio_statistics import RatioStatistics, ratio_statistics, ratio_sums, statistics_of_sums
 
-__all__ = ["BLOCK_ELEMENTS", "domain_problems", "fused_loss", "fused_terms"]
+__all__ = ["BLOCK_ELEMENTS", "FusedLoss", "domain_problems", "fused_loss", "fused_terms"]
 
 #: Elements `(rows x T)` of the blocks the eager kernel works on, per device type (others: `BLOCK_ELEMENTS[None]`).
 #: On a CPU, ~20 float32 temporaries of 2**15 elements (128 KiB each) fit in a core's L2 cache, and 8 blocks of a
-#: 64 x 4096 batch keep the per-operation overhead (~45 operations per block) well below the arithmetic. On a GPU
+#: 64 x 4096 batch keep the per-operation overhead (~30 operations per block, ~45 with the ratio statistics) below
+#: the arithmetic; larger blocks were faster on the reference machine but hold more buffers. On a GPU
 #: every operation is a kernel launch: blocks of 2**20 elements leave the common batch sizes in one block, and bound
 #: the temporaries of very long batches.
 BLOCK_ELEMENTS = {"cpu": 2**15, None: 2**20}
@@ -78,7 +85,9 @@ def domain_problems(
     return problems
 
 
-def fused_terms(logp, old_logp, ref_logp, advantages, mask, epsilon_low, epsilon_high, beta, use_ref, dtype, keep):
+def fused_terms(
+    logp, old_logp, ref_logp, advantages, mask, epsilon_low, epsilon_high, beta, use_ref, dtype, keep, statistics=False
+):
     """Per-row sums of the objective's terms and `d(S - beta K) / dlogp`, for `n` rows (a block of them, or all).
 
     Args:
@@ -90,89 +99,132 @@ def fused_terms(logp, old_logp, ref_logp, advantages, mask, epsilon_low, epsilon
         use_ref (`bool`): whether `ref_logp` holds reference log-probs (else the KL terms are 0).
         dtype (`torch.dtype`): the computation dtype.
         keep (`bool`): also return the per-token values.
+        statistics (`bool`): also return the ratios' sums (eager only: the compiled graph has no histogram scatter).
 
     Returns:
-        `(tokens, policy_rows, kl_rows, low_rows, high_rows, grad, per_token)`: `(n,)` sums over each row's
-        completion tokens of 1, `P`, `K` and the low- and high-clipped indicators; `grad`, `(n, T)`,
+        `(tokens, policy_rows, kl_rows, low_rows, high_rows, grad, per_token, ratio_stats)`: `(n,)` sums over each
+        row's completion tokens of 1, `P`, `K` and the low- and high-clipped indicators; `grad`, `(n, T)`,
         `d(S - beta K) / dlogp` (0 at masked positions); `per_token`, with `keep`, the `(n, T)` values `(log_ratio,
         ratio, per_token_kl, is_low_clipped, is_high_clipped, advantages)` (0 or False at masked positions), else
-        `None`.
+        `None`; `ratio_stats`, with `statistics`, the `ratio_statistics.ratio_sums` of the ratios, else `None`.
     """
     logp = logp.to(dtype)  # once, for both halves (a no-op when it is already in the computation dtype)
-    policy_rows, low, high, grad, policy_values = _policy_part(
-        logp, old_logp, advantages, mask, epsilon_low, epsilon_high, dtype, keep
+    # The mask as 0/1 values, for products whose factors are finite: on a CPU an eager select (torch.where) costs
+    # several times a product, and so does converting a bool tensor; converting its bytes does not.
+    weight = mask.view(torch.uint8).to(dtype)
+    policy_rows, clipped, grad, log_ratio, ratio, advantages = _policy_part(
+        logp, old_logp, advantages, mask, weight, epsilon_low, epsilon_high, dtype
     )
+    ratio_stats = ratio_sums(log_ratio, ratio, weight) if statistics else None
+    if not keep:
+        del log_ratio, ratio
     if use_ref:
-        kl_rows, kl_minus_grad, per_token_kl = _kl_part(logp, ref_logp, mask, dtype, keep)
-        grad = grad + beta * kl_minus_grad  # d(S - beta K)/dlogp = dS/dlogp - beta dK/dlogp
+        kl_rows, kl_minus_grad, per_token_kl = _kl_part(logp, ref_logp, mask, dtype)
+        # d(S - beta K)/dlogp = dS/dlogp - beta dK/dlogp
+        grad = grad.add_(kl_minus_grad, alpha=beta) if isinstance(beta, float) else grad + beta * kl_minus_grad
     else:
         kl_rows = torch.zeros_like(policy_rows)
         per_token_kl = torch.zeros_like(grad) if keep else None
+    below, above = advantages < 0, advantages > 0  # where a clipped token is low-clipped, where high-clipped
+    low_rows, high_rows = (clipped * below).sum(dim=-1), (clipped * above).sum(dim=-1)
     per_token = None
-    if keep:
-        log_ratio, ratio, advantages = policy_values
-        per_token = (log_ratio, ratio, per_token_kl, low, high, advantages)
-    return mask.sum(dim=-1), policy_rows, kl_rows, low.sum(dim=-1), high.sum(dim=-1), grad, per_token
+    if keep:  # as returned, the ratio is 0 where masked; with A = 0 there, the term is the same with r = 0 or 1
+        is_clipped = clipped > 0
+        per_token = (
+            log_ratio,
+            torch.where(mask, ratio, 0.0),
+            per_token_kl,
+            is_clipped & below,
+            is_clipped & above,
+            advantages * weight,
+        )
+    # Completion tokens per row: a float sum of the weights, exact to 2**24, costs a tenth of a bool tensor's sum
+    tokens = weight.sum(dim=-1).to(torch.int64)
+    return tokens, policy_rows, kl_rows, low_rows, high_rows, grad, per_token, ratio_stats
 
 
 # The two halves of `fused_terms`, each a function so that its `(n, T)` temporaries are freed when it returns (the
 # eager kernel's peak memory); torch.compile inlines them.
 
 
-def _policy_part(logp, old_logp, advantages, mask, epsilon_low, epsilon_high, dtype, keep):
-    """`sum_t P_it`, the clip indicators, `dS/dlogp` and, with `keep`, `(log_ratio, ratio, advantages)`."""
+def _policy_part(logp, old_logp, advantages, mask, weight, epsilon_low, epsilon_high, dtype):
+    """`sum_t P_it`, where the term is clipped (1, else 0), `dS/dlogp`, the log ratio, the ratio and `A`.
+
+    With `l_i = 1 - eps_low` where `A_i < 0` (else `-inf`) and `u_i = 1 + eps_high` where `A_i > 0` (else `+inf`),
+
+        S_it = min(r_it A_i, clip(r_it, 1 - eps_low, 1 + eps_high) A_i) = A_i clip(r_it, l_i, u_i)
+
+    (for `A > 0` the minimum is `A min(r, 1 + eps_high)`, for `A < 0` it is `A max(r, 1 - eps_low)`): one clamp and
+    one product, and the term is flat (clipped: zero gradient) exactly where the clamp moves `r`, i.e. where
+    `r < 1 - eps_low` with `A < 0` or `r > 1 + eps_high` with `A > 0`, the regions of `terms.clipped_term`. A product
+    with `A > 0` (`A < 0`) keeps (reverses) the order of its factors after rounding too, so the values are that
+    term's, not only to rounding.
+    """
     # The inputs are selected, not multiplied by the mask: masked positions may hold NaN or inf. There x = 0 (r = 1)
     # and A = 0, so P and its derivative are 0 and no token is clipped; all that follows is finite.
     log_ratio = torch.where(mask, logp - old_logp.to(dtype), 0.0)
-    ratio = exp_linear_above(log_ratio)
-    if keep:  # as returned, the ratio is 0 where masked; with A = 0 there, the term is the same with r = 0 or 1
-        ratio = torch.where(mask, ratio, 0.0)
-    advantages = torch.where(mask, advantages.to(dtype), 0.0)
-    policy, low, high = clipped_term(ratio, advantages, logp, epsilon_low=epsilon_low, epsilon_high=epsilon_high)
-    # dS/dlogp = A r'(x) where the surrogate is unclipped, 0 on its flat parts. A product with the indicator, not a
-    # select: the factors are finite, and on a CPU an eager select costs several times a product.
-    grad = advantages * torch.exp(log_ratio.clamp(max=EXP_LINEAR_ABOVE)) * ~(low | high)
-    values = (log_ratio, ratio, advantages) if keep else None
-    return policy.sum(dim=-1), low, high, grad, values
+    ratio, ratio_slope = exp_linear_above_and_slope(log_ratio)  # r(x) and r'(x)
+    advantages = advantages.to(dtype)
+    if advantages.shape[-1] != 1:  # per token: any values where masked
+        advantages = torch.where(mask, advantages, 0.0)
+    lower = torch.full_like(advantages, -math.inf).masked_fill_(advantages < 0, 1.0 - epsilon_low)
+    upper = torch.full_like(advantages, math.inf).masked_fill_(advantages > 0, 1.0 + epsilon_high)
+    clipped_ratio = torch.clamp(ratio, lower, upper)
+    token_advantages = advantages * weight  # A_it, 0 where masked
+    policy_rows = -(clipped_ratio * token_advantages).sum(dim=-1)  # sum_t P_it, P = -S
+    # dS/dlogp = A r'(x) where the term is not clipped, 0 where it is
+    slope = token_advantages * ratio_slope
+    if torch.compiler.is_compiling():  # inductor fuses a comparison into the loop; it writes a sign to memory
+        clipped = ((ratio < lower) | (ratio > upper)).to(dtype)  # 1 where the clamp moved r, else 0
+        grad = slope * (1.0 - clipped)
+    else:
+        # Eagerly, in place (fewer temporaries alive at a block's peak), and a sign, three times cheaper than a
+        # comparison that writes a bool tensor; sign(NaN) = 0: a NaN ratio is not clipped, as in the catalogue.
+        clipped = clipped_ratio.sub_(ratio).abs_().sign_()  # 1 where the clamp moved r, else 0
+        grad = slope.addcmul_(slope, clipped, value=-1.0)
+    return policy_rows, clipped, grad, log_ratio, ratio, advantages
 
 
-def _kl_part(logp, ref_logp, mask, dtype, keep):
-    """`sum_t K_it`, `-dK/dlogp` and, with `keep`, `K`."""
+def _kl_part(logp, ref_logp, mask, dtype):
+    """`sum_t K_it`, `-dK/dlogp` and `K`."""
     d = torch.where(mask, ref_logp.to(dtype) - logp, 0.0)
-    per_token_kl = kl_estimator(d)
-    # -dK/dlogp = exp'(D) - 1; 0 where masked (D = 0 there)
-    minus_grad = torch.expm1(d.clamp(max=EXP_LINEAR_ABOVE))
-    return per_token_kl.sum(dim=-1), minus_grad, per_token_kl if keep else None
+    per_token_kl, minus_grad = kl_estimator_and_slope(d)  # K and -dK/dlogp = exp'(D) - 1, both 0 where masked
+    return per_token_kl.sum(dim=-1), minus_grad, per_token_kl
 
 
-def _blocks_of_rows(logp, old_logp, ref_logp, advantages, mask, *hyperparameters, use_ref, dtype, keep):
+def _blocks_of_rows(logp, old_logp, ref_logp, advantages, mask, *hyperparameters, use_ref, dtype, keep, statistics):
     """`fused_terms`, eagerly, one block of rows at a time (`BLOCK_ELEMENTS`), written into whole-batch tensors."""
     num_rows, num_tokens = mask.shape
     rows = max(1, BLOCK_ELEMENTS.get(mask.device.type, BLOCK_ELEMENTS[None]) // num_tokens)
+    arguments = (*hyperparameters, use_ref, dtype, keep, statistics)
     if rows >= num_rows:
-        return fused_terms(logp, old_logp, ref_logp, advantages, mask, *hyperparameters, use_ref, dtype, keep)
+        *terms, block_sums = fused_terms(logp, old_logp, ref_logp, advantages, mask, *arguments)
+        return (*terms, [block_sums] if statistics else None)
     grad = torch.empty(mask.shape, dtype=dtype, device=mask.device)
     sums = ([], [], [], [], [])
     per_token = None
     if keep:
         dtypes = (dtype, dtype, dtype, torch.bool, torch.bool, dtype)
         per_token = tuple(torch.empty(mask.shape, dtype=value_dtype, device=mask.device) for value_dtype in dtypes)
+    ratio_sums_of_blocks = []
     for start in range(0, num_rows, rows):
         block = slice(start, start + rows)
         inputs = (logp[block], old_logp[block], ref_logp[block], advantages[block], mask[block])
-        _write_block(block, fused_terms(*inputs, *hyperparameters, use_ref, dtype, keep), sums, grad, per_token)
-    return (*(torch.cat(row_sums) for row_sums in sums), grad, per_token)
+        ratio_sums_of_blocks.append(_write_block(block, fused_terms(*inputs, *arguments), sums, grad, per_token))
+    return (*(torch.cat(row_sums) for row_sums in sums), grad, per_token, ratio_sums_of_blocks if statistics else None)
 
 
 def _write_block(block, terms, sums, grad, per_token):
-    """Store one block's results, so that its temporaries are freed before the next block is computed."""
-    *block_sums, block_grad, block_values = terms
+    """Store one block's results, so that its temporaries are freed before the next block is computed; returns its
+    `ratio_sums`."""
+    *block_sums, block_grad, block_values, block_stats = terms
     for row_sums, block_row_sums in zip(sums, block_sums, strict=True):
         row_sums.append(block_row_sums)
     grad[block] = block_grad
     if per_token is not None:
         for values, block_value in zip(per_token, block_values, strict=True):
             values[block] = block_value
+    return block_stats
 
 
 def _fused_terms_of_mask_bytes(
@@ -199,22 +251,28 @@ def _hyperparameter_tensors(epsilon_low: float, epsilon_high: float, beta: float
     return tuple(torch.tensor(value, dtype=dtype, device=device) for value in (epsilon_low, epsilon_high, beta))
 
 
-def _run_terms(compiled: bool, *arguments, use_ref: bool, dtype: torch.dtype, keep: bool):
+def _run_terms(compiled: bool, *arguments, use_ref: bool, dtype: torch.dtype, keep: bool, statistics: bool):
     """`fused_terms` through `torch.compile` when asked, else block by block; if compiling fails, warn once and run
-    it eagerly."""
+    it eagerly. Compiled, the ratio statistics are counted after the kernel, from its per-token values."""
     global _compiled_terms, _compile_failed
     if not compiled or _compile_failed:
-        return _blocks_of_rows(*arguments, use_ref=use_ref, dtype=dtype, keep=keep)
+        return _blocks_of_rows(*arguments, use_ref=use_ref, dtype=dtype, keep=keep, statistics=statistics)
     if _compiled_terms is None:
         _compiled_terms = torch.compile(_fused_terms_of_mask_bytes, dynamic=True, fullgraph=True)
     *tensors, mask, epsilon_low, epsilon_high, beta = arguments
     hyperparameters = _hyperparameter_tensors(epsilon_low, epsilon_high, beta, mask.device, dtype)
     try:
-        return _compiled_terms(*tensors, mask.view(torch.uint8), *hyperparameters, use_ref, dtype, keep)
+        terms = _compiled_terms(*tensors, mask.view(torch.uint8), *hyperparameters, use_ref, dtype, keep or statistics)
     except Exception as error:  # noqa: BLE001 - a compiler failure of any kind: fall back to the same code
         _compile_failed = True
         warnings.warn(f"torch.compile of the GRPO loss failed ({error}); using the eager kernel.", stacklevel=4)
-        return _blocks_of_rows(*arguments, use_ref=use_ref, dtype=dtype, keep=keep)
+        return _blocks_of_rows(*arguments, use_ref=use_ref, dtype=dtype, keep=keep, statistics=statistics)
+    if not statistics:
+        return terms
+    *sums, grad, per_token, _ = terms
+    log_ratio, ratio = per_token[:2]
+    ratio_stats = ratio_statistics(log_ratio, torch.where(mask, ratio, 1.0), mask.to(dtype))
+    return (*sums, grad, per_token if keep else None, ratio_stats)
 
 
 class _FusedLoss(torch.autograd.Function):
@@ -247,7 +305,48 @@ class _FusedLoss(torch.autograd.Function):
         return grad.mul_((-row_weights * grad_output).unsqueeze(-1)).to(ctx.logp_dtype), None, None, None
 
 
-def fused_loss(inputs, row_weights_of, *, epsilon_low, epsilon_high, beta, compiled, keep):
+class FusedLoss(NamedTuple):
+    """What `fused_loss` returns, by name.
+
+    Attributes:
+        loss (`torch.Tensor` of shape `()`): differentiable with respect to `inputs.logps`.
+        policy_loss, kl (`torch.Tensor` of shape `()`): the aggregated `P` and `K`, detached.
+        tokens, policy_rows, kl_rows, low_rows, high_rows (`torch.Tensor` of shape `(N,)`): sums over each row's
+            completion tokens of 1, `P`, `K` and the low- and high-clipped indicators.
+        log_ratio, ratio, per_token_kl, is_low_clipped, is_high_clipped, advantages (`torch.Tensor` of shape
+            `(N, T)`): the per-token values with `keep` (0 or `False` at masked positions), else `None`.
+        ratio_statistics ([`RatioStatistics`]): the completion tokens' ratios summed up, with `statistics`, else
+            `None`.
+    """
+
+    loss: torch.Tensor
+    policy_loss: torch.Tensor
+    kl: torch.Tensor
+    tokens: torch.Tensor
+    policy_rows: torch.Tensor
+    kl_rows: torch.Tensor
+    low_rows: torch.Tensor
+    high_rows: torch.Tensor
+    log_ratio: torch.Tensor | None = None
+    ratio: torch.Tensor | None = None
+    per_token_kl: torch.Tensor | None = None
+    is_low_clipped: torch.Tensor | None = None
+    is_high_clipped: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    ratio_statistics: RatioStatistics | None = None
+
+
+def fused_loss(
+    inputs,
+    row_weights_of,
+    *,
+    epsilon_low: float,
+    epsilon_high: float,
+    beta: float,
+    compiled: bool,
+    keep: bool,
+    statistics: bool = False,
+) -> FusedLoss:
     """The objective of the clipped row through the fused kernel; arguments as validated by `policy_objective`.
 
     Args:
@@ -257,11 +356,11 @@ def fused_loss(inputs, row_weights_of, *, epsilon_low, epsilon_high, beta, compi
         epsilon_low, epsilon_high, beta (`float`): the hyper-parameters.
         compiled (`bool`): run the kernel through `torch.compile`.
         keep (`bool`): also return the per-token values.
+        statistics (`bool`): also return the ratios' statistics, summed where the ratios are computed (eagerly: in
+            each block of rows, with no `(N, T)` tensor written for them).
 
     Returns:
-        `(loss, policy_loss, kl, terms)`: `loss` differentiable w.r.t. `inputs.logps`, the detached aggregated `P`
-        and `K`, and `terms`, `(tokens, policy_rows, kl_rows, low_rows, high_rows, grad, log_ratio, ratio,
-        per_token_kl, is_low_clipped, is_high_clipped, advantages)` (the last six `None` without `keep`).
+        [`FusedLoss`].
     """
     detached = inputs.logps.detach()
     old = detached if inputs.old_logps is None else inputs.old_logps
@@ -269,11 +368,15 @@ def fused_loss(inputs, row_weights_of, *, epsilon_low, epsilon_high, beta, compi
     ref = inputs.ref_logps if use_ref else detached
     terms = _run_terms(
         compiled, detached, old, ref, inputs.advantages, inputs.mask, float(epsilon_low), float(epsilon_high),
-        float(beta), use_ref=use_ref, dtype=inputs.dtype, keep=keep,
+        float(beta), use_ref=use_ref, dtype=inputs.dtype, keep=keep, statistics=statistics,
     )  # fmt: skip
-    tokens, policy_rows, kl_rows, low_rows, high_rows, grad, per_token = terms
+    tokens, policy_rows, kl_rows, low_rows, high_rows, grad, per_token, ratio_stats = terms
+    low_rows, high_rows = low_rows.to(tokens.dtype), high_rows.to(tokens.dtype)  # counts, as the reference's
+    if isinstance(ratio_stats, list):  # the eager kernel's blocks' sums
+        ratio_stats = statistics_of_sums(ratio_stats, tokens.sum(), inputs.mask.numel())
     row_weights = row_weights_of(tokens.to(inputs.dtype))
     policy_loss = (policy_rows * row_weights).sum()
     kl = (kl_rows * row_weights).sum()
     loss = _FusedLoss.apply(inputs.logps, policy_loss + beta * kl, grad, row_weights)
-    return loss, policy_loss, kl, (*terms[:-1], *(per_token or (None,) * 6))
+    per_token = per_token or (None,) * 6
+    return FusedLoss(loss, policy_loss, kl, tokens, policy_rows, kl_rows, low_rows, high_rows, *per_token, ratio_stats)

@@ -10,7 +10,14 @@ import math
 
 import torch
 
-__all__ = ["EXP_LINEAR_ABOVE", "exp_linear_above", "kl_estimator", "log_of_exp_linear_above"]
+__all__ = [
+    "EXP_LINEAR_ABOVE",
+    "exp_linear_above",
+    "exp_linear_above_and_slope",
+    "kl_estimator",
+    "kl_estimator_and_slope",
+    "log_of_exp_linear_above",
+]
 
 # Above this exponent, exp(x) is continued by its tangent line instead (see `exp_linear_above`).
 # exp(20) ~ 4.9e8: every ratio or KL term with |log difference| <= 20 is computed exactly, and a sum of a billion
@@ -33,8 +40,21 @@ def exp_linear_above(x: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE) -> to
     Returns:
         `torch.Tensor` of the same shape and dtype.
     """
+    return exp_linear_above_and_slope(x, threshold)[0]
+
+
+def exp_linear_above_and_slope(
+    x: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(exp_linear_above(x), its derivative exp(min(x, threshold)))`, the exponential computed once for both.
+
+    Under `torch.compile` the derivative is a second exponential: inductor computes it again in each loop that reads
+    it, where a shared value is written to memory when two loops read it (the fused kernel's value and gradient).
+    """
     x_below = x.clamp(max=threshold)
-    return torch.exp(x_below) * (1.0 + (x - x_below))
+    value = torch.exp(x_below)
+    slope = torch.exp(x.clamp(max=threshold)) if torch.compiler.is_compiling() else value
+    return value * (1.0 + (x - x_below)), slope
 
 
 def kl_estimator(d: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE) -> torch.Tensor:
@@ -50,8 +70,17 @@ def kl_estimator(d: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE) -> torch.
     Returns:
         `torch.Tensor` of the same shape and dtype, >= 0.
     """
+    return kl_estimator_and_slope(d, threshold)[0]
+
+
+def kl_estimator_and_slope(d: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(kl_estimator(d), its derivative expm1(min(d, threshold)))`, the exponential computed once for both (under
+    `torch.compile`, twice: see `exp_linear_above_and_slope`)."""
     d_below = d.clamp(max=threshold)
-    return torch.expm1(d_below) * (1.0 + (d - d_below)) - d_below
+    exp_minus_one = torch.expm1(d_below)
+    # d/dd (exp'(d) - d - 1) = exp'(d) - 1
+    slope = torch.expm1(d.clamp(max=threshold)) if torch.compiler.is_compiling() else exp_minus_one
+    return exp_minus_one * (1.0 + (d - d_below)) - d_below, slope
 
 
 def log_of_exp_linear_above(value: float, threshold: float = EXP_LINEAR_ABOVE) -> float:

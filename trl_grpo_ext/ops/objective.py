@@ -26,9 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
+from . import ratio_statistics as _statistics
 from .fused import domain_problems, fused_loss
 from .loss_types import loss_type_record
 from .numerics import exp_linear_above, kl_estimator
+from .ratio_statistics import RatioStatistics
 from .terms import AGGREGATIONS, POLICY_TERMS, aggregate
 from .validation import ValidatedInputs, hyperparameter_problems, kernel_refusal, raise_problems, validate_inputs
 
@@ -58,6 +60,8 @@ class GRPOLossOutput:
         clip_units_per_row: what those two count per row: its completion tokens (or 1 with sequence-level ratios).
         advantages, log_ratio, ratio, per_token_kl, is_low_clipped, is_high_clipped: per-token values, present when
             asked for with `per_token=True` (else `None`).
+        ratio_statistics: the completion tokens' importance ratios summed up (count, moments, extremes, histogram of
+            the log ratio: [`RatioStatistics`]), present when asked for with `ratio_statistics=True` (else `None`).
     """
 
     loss: torch.Tensor
@@ -80,6 +84,7 @@ class GRPOLossOutput:
     per_token_kl: torch.Tensor | None = None
     is_low_clipped: torch.Tensor | None = None
     is_high_clipped: torch.Tensor | None = None
+    ratio_statistics: RatioStatistics | None = None
 
     @property
     def is_region_clipped(self) -> torch.Tensor | None:
@@ -89,8 +94,11 @@ class GRPOLossOutput:
         return self.is_low_clipped | self.is_high_clipped
 
 
-def _reference_objective(inputs: ValidatedInputs, record, row_weights_of, options: dict, keep: bool):
-    """The objective with autograd. Returns `(loss, policy_loss, kl, per-row sums, per-token values)`."""
+def _reference_objective(
+    inputs: ValidatedInputs, record, row_weights_of, options: dict, keep: bool, statistics: bool = False
+):
+    """The objective with autograd. Returns `(loss, policy_loss, kl, per-row sums, per-token values)`; the
+    per-token values hold `ratio_statistics` with `statistics`."""
     mask, dtype = inputs.mask, inputs.dtype
 
     def select(x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +157,7 @@ def _reference_objective(inputs: ValidatedInputs, record, row_weights_of, option
         rows = (low.sum(dim=-1), high.sum(dim=-1), tokens)
     per_token_kl = per_token_kl.detach()
     per_row = {"tokens": tokens, "kl": per_token_kl.sum(dim=-1), "low": rows[0], "high": rows[1], "units": rows[2]}
-    per_token = None
+    per_token = {}
     if keep:
         per_token = {
             "advantages": advantages,
@@ -159,6 +167,9 @@ def _reference_objective(inputs: ValidatedInputs, record, row_weights_of, option
             "is_low_clipped": low,
             "is_high_clipped": high,
         }
+    if statistics:  # the ratios where masked as the kernel has them: log ratio 0, ratio 1
+        log_ratio, ratio = select(log_ratio).detach(), torch.where(mask, ratio.detach(), 1.0)
+        per_token["ratio_statistics"] = _statistics.ratio_statistics(log_ratio, ratio, mask.to(dtype))
     return loss, policy_loss.detach(), kl.detach(), per_row, per_token
 
 
@@ -186,6 +197,7 @@ def policy_objective(
     batch_tokens: float | torch.Tensor | None = None,
     implementation: str = "auto",
     per_token: bool = True,
+    ratio_statistics: bool = False,
 ) -> GRPOLossOutput:
     """The loss of `loss_type`: the per-token loss `w * P + beta * K`, aggregated as that loss type does.
 
@@ -222,6 +234,9 @@ def policy_objective(
             Default: the rows and tokens passed.
         implementation (`str`, defaults to `"auto"`): one of `IMPLEMENTATIONS` (see the module docstring).
         per_token (`bool`, defaults to `True`): also return the per-token values (ratios, KL terms, clip masks).
+        ratio_statistics (`bool`, defaults to `False`): also return the importance ratios' statistics
+            (`GRPOLossOutput.ratio_statistics`: what the diagnostics log about them), summed where the ratios are
+            computed: the fused kernel adds them up block by block and writes no per-token tensor for them.
 
     Returns:
         [`GRPOLossOutput`].
@@ -233,6 +248,7 @@ def policy_objective(
             an empty batch.
     """
     record = loss_type_record(loss_type)
+    want_statistics = ratio_statistics
     if importance_sampling_level not in ("token", "sequence"):
         raise ValueError(
             f"`importance_sampling_level` must be 'token' or 'sequence', got {importance_sampling_level!r}."
@@ -290,9 +306,11 @@ def policy_objective(
             "sequence_weights": sequence_weights,
             "token_weights": token_weights,
         }
-        loss, policy_loss, kl, rows, values = _reference_objective(inputs, record, row_weights_of, options, per_token)
+        loss, policy_loss, kl, rows, values = _reference_objective(
+            inputs, record, row_weights_of, options, per_token, want_statistics
+        )
     else:
-        loss, policy_loss, kl, terms = fused_loss(
+        fused = fused_loss(
             inputs,
             row_weights_of,
             epsilon_low=epsilon,
@@ -300,19 +318,15 @@ def policy_objective(
             beta=beta,
             compiled=implementation == "compiled",
             keep=per_token,
+            statistics=want_statistics,
         )
-        tokens, _, kl_rows, low_rows, high_rows, _, log_ratio, ratio, per_token_kl, low, high, adv = terms
-        rows = {"tokens": tokens, "kl": kl_rows, "low": low_rows, "high": high_rows, "units": tokens}
-        values = None
+        loss, policy_loss, kl = fused.loss, fused.policy_loss, fused.kl
+        rows = {"tokens": fused.tokens, "kl": fused.kl_rows, "low": fused.low_rows, "high": fused.high_rows}
+        rows["units"] = fused.tokens
+        values = {"ratio_statistics": fused.ratio_statistics}
         if per_token:
-            values = {
-                "advantages": adv,
-                "log_ratio": log_ratio,
-                "ratio": ratio,
-                "per_token_kl": per_token_kl,
-                "is_low_clipped": low,
-                "is_high_clipped": high,
-            }
+            names = ("advantages", "log_ratio", "ratio", "per_token_kl", "is_low_clipped", "is_high_clipped")
+            values.update({name: getattr(fused, name) for name in names})
     return GRPOLossOutput(
         loss=loss,
         policy_loss=policy_loss,
@@ -328,7 +342,7 @@ def policy_objective(
         low_clipped_per_row=rows["low"],
         high_clipped_per_row=rows["high"],
         clip_units_per_row=rows["units"],
-        **(values or {}),
+        **values,
     )
 
 
