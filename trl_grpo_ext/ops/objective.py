@@ -26,11 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ratio_statistics as _statistics
 from .fused import domain_problems, fused_loss
 from .loss_types import loss_type_record
 from .numerics import exp_linear_above, kl_estimator
-from .ratio_statistics import RatioStatistics
+from .ratio_statistics import RatioStatistics, ratio_statistics
 from .terms import AGGREGATIONS, POLICY_TERMS, aggregate
 from .validation import ValidatedInputs, hyperparameter_problems, kernel_refusal, raise_problems, validate_inputs
 
@@ -169,7 +168,7 @@ def _reference_objective(
         }
     if statistics:  # the ratios where masked as the kernel has them: log ratio 0, ratio 1
         log_ratio, ratio = select(log_ratio).detach(), torch.where(mask, ratio.detach(), 1.0)
-        per_token["ratio_statistics"] = _statistics.ratio_statistics(log_ratio, ratio, mask.to(dtype))
+        per_token["ratio_statistics"] = ratio_statistics(log_ratio, ratio, mask.to(dtype))
     return loss, policy_loss.detach(), kl.detach(), per_row, per_token
 
 
