@@ -127,6 +127,12 @@ def own_logps(model, batch, temperature) -> torch.Tensor:
 #: differences up to 3.9e-4 by the third step (the same run twice is bitwise equal).
 ENGINE_LOGP_ATOL = 1e-3
 
+#: How far a loss that carries the engine's log-probs (vLLM's importance-sampling weights, `exp(logp - sampler_logp)`)
+#: may differ between two such runs: a weight off by up to `ENGINE_LOGP_ATOL` in log moves the loss by about that
+#: much of its terms (advantages of order 1, 1e-3 in mean) while the loss itself, their difference, can be 100 times
+#: smaller (a relative difference of 5e-4 seen at 2.7e-3 of loss, 1.4e-6 in absolute); 1e-5 absolute.
+ENGINE_LOSS_ATOL = 1e-5
+
 
 def assert_same_batches(first, second):
     """The same tokens and masks, bitwise; the engine's log-probs of them to `ENGINE_LOGP_ATOL`."""
