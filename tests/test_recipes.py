@@ -8,6 +8,7 @@ import sys
 
 import matplotlib.image
 import pytest
+import torch
 import yaml
 from helpers import RECIPE_CONFIGS, RECIPES, REPO, free_port
 
@@ -354,15 +355,22 @@ def test_the_recipe_applies_the_vllm_cpu_shim_only_when_asked(monkeypatch):
     monkeypatch.setattr(trl_grpo_ext.cpu_engines, "enable_vllm_on_cpu", lambda: calls.append("shim"))
     monkeypatch.setattr(recipe, "main", lambda *args: calls.append("main"))
     monkeypatch.delenv(trl_grpo_ext.cpu_engines.VLLM_ON_CPU_ENV, raising=False)
-    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     assert recipe.run(["--config", DEMO_CONFIG]) == 0 and calls == ["main"]
-    assert "DS_ACCELERATOR" not in os.environ
     monkeypatch.setenv(trl_grpo_ext.cpu_engines.VLLM_ON_CPU_ENV, "1")
     assert recipe.run(["--config", DEMO_CONFIG]) == 0 and calls == ["main", "shim", "main"]
-    # DeepSpeed, where installed, takes its CPU accelerator without warning that it found none.
-    assert os.environ["DS_ACCELERATOR"] == "cpu"
+
+
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_the_recipe_names_deepspeed_s_cpu_accelerator_where_there_is_no_other(monkeypatch, accelerator):
+    """DeepSpeed, where installed, takes its CPU accelerator without warning that it found none: the recipe names it
+    on a machine without an accelerator (the demo's config has `use_cpu`, so a run that does not is used)."""
+    monkeypatch.setattr(recipe, "main", lambda *args: None)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: accelerator)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    assert recipe.run(["--config", DEMO_CONFIG, "--use_cpu", "false"]) == 0
+    assert os.environ.get("DS_ACCELERATOR") == (None if accelerator else "cpu")
     monkeypatch.setenv("DS_ACCELERATOR", "xpu")  # one set by hand is kept
-    assert recipe.run(["--config", DEMO_CONFIG]) == 0 and os.environ["DS_ACCELERATOR"] == "xpu"
+    assert recipe.run(["--config", DEMO_CONFIG, "--use_cpu", "false"]) == 0 and os.environ["DS_ACCELERATOR"] == "xpu"
 
 
 @pytest.mark.parametrize("value", ["1", "true", "Yes"])

@@ -317,6 +317,16 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None, **kwargs)
     return _parse_args(GRPOScriptArguments, argv, prog=prog, **kwargs)
 
 
+def name_deepspeed_cpu_accelerator(training_args) -> None:
+    """On a machine without an accelerator, or with `use_cpu`, name DeepSpeed's CPU accelerator (`DS_ACCELERATOR=cpu`,
+    unless set): DeepSpeed, where installed (the `dev` extra), is imported by accelerate during training and would
+    warn that it found no accelerator before taking its CPU one; named, it takes it silently."""
+    import torch
+
+    if training_args.use_cpu or not torch.accelerator.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def run(
     argv: list[str] | None = None, prog: str | None = None, optional_tensorboard: bool = False, **parse_kwargs
 ) -> int:
@@ -330,12 +340,10 @@ def run(
     if cpu_engines.env_flag(cpu_engines.CPU_ENGINES_ENV):  # a sharded engine on CPU processes (docs/sharded.md)
         cpu_engines.enable_sharded_engines_on_cpu()  # before the training arguments create accelerate's state
     if cpu_engines.env_flag(cpu_engines.VLLM_ON_CPU_ENV):  # vLLM's CPU engine (docs/vllm.md)
-        # A machine without GPUs: DeepSpeed, where installed (the dev extra), is imported by accelerate during training
-        # and would warn that it found no accelerator before taking its CPU one; named, it takes it silently.
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
         cpu_engines.enable_vllm_on_cpu()  # before the trainer builds its colocate engine
     try:
         script_args, training_args, model_args = parse_args(argv, prog, **parse_kwargs)
+        name_deepspeed_cpu_accelerator(training_args)
         if optional_tensorboard:
             drop_tensorboard_if_missing(training_args)
         main(script_args, training_args, model_args)
