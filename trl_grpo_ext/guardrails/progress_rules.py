@@ -7,7 +7,7 @@ import math
 import statistics
 from collections.abc import Mapping
 
-from .rule import ZERO_SPREAD_KEYS, Rule, _first_number, _number
+from .rule import ZERO_SPREAD_KEYS, Rule, Series, _first_number, _number
 
 
 def slope_t(values: list[float]) -> float:
@@ -53,7 +53,7 @@ class PlateauRule(Rule):
 
     def __init__(self, threshold: float):
         super().__init__(threshold)
-        self.recent: list[float] = []
+        self.rewards = Series(0, self.SMOOTH)
         self.best: float | None = None
         self.since = 0  # log steps since the best was set
 
@@ -61,12 +61,11 @@ class PlateauRule(Rule):
         value = _number(entry, "reward")
         if value is None:
             return None
-        self.recent = (self.recent + [value])[-self.SMOOTH :]
-        if len(self.recent) < self.SMOOTH:
+        self.rewards.add(value)
+        if not self.rewards.full():
             return False
-        median = statistics.median(self.recent)
-        deviation = statistics.median(abs(v - median) for v in self.recent)
-        noise = self.NOISE_SE * 1.2533 * 1.4826 * deviation / math.sqrt(self.SMOOTH)
+        median = self.rewards.now()
+        noise = self.NOISE_SE * 1.2533 * self.rewards.scatter() / math.sqrt(self.SMOOTH)
         if self.best is None or median > self.best + noise:
             self.best, self.since = median, 0
             return False
@@ -155,7 +154,7 @@ class RewardDropRule(Rule):
 
     def __init__(self, threshold: float):
         super().__init__(threshold)
-        self.recent: list[float] = []
+        self.rewards = Series(0, self.SMOOTH)
         self.start: float | None = None
         self.best: float | None = None
         self.sigmas: list[float] = []
@@ -164,16 +163,16 @@ class RewardDropRule(Rule):
         value = _number(entry, "reward")
         if value is None:
             return None
-        self.recent = (self.recent + [value])[-self.SMOOTH :]
-        if len(self.recent) < self.SMOOTH:
+        self.rewards.add(value)
+        if not self.rewards.full():
             return False
-        now = statistics.median(self.recent)
+        now = self.rewards.now()
         if self.start is None:
             self.start = now
         self.best = now if self.best is None else max(self.best, now)
         # The scatter of one window of 10 is itself noisy (a small one would let chance excursions count): the
         # median of every window's so far.
-        self.sigmas = (self.sigmas + [1.4826 * statistics.median(abs(v - now) for v in self.recent)])[-self.HISTORY :]
+        self.sigmas = (self.sigmas + [self.rewards.scatter()])[-self.HISTORY :]
         noise = self.NOISE_SE * 1.2533 * statistics.median(self.sigmas) * math.sqrt(2 / self.SMOOTH)
         gain, drop = self.best - self.start, self.best - now
         if gain <= noise or drop <= noise or drop < self.threshold * gain:

@@ -71,6 +71,39 @@ def pearson(xs: list[float], ys: list[float]) -> float | None:
     return sxy / math.sqrt(sxx * syy)
 
 
+class Series:
+    """A logged series as the trend rules read it: its first `first_size` values (those `add` admits to the start)
+    and its last `last_size`, and how many were added."""
+
+    def __init__(self, first_size: int, last_size: int):
+        self.first_size, self.last_size = first_size, last_size
+        self.first: list[float] = []
+        self.last: list[float] = []
+        self.seen = 0
+
+    def add(self, value: float, start: bool = True) -> None:
+        """Add a logged value; `start=False` keeps it out of the first values."""
+        if start and len(self.first) < self.first_size:
+            self.first.append(value)
+        self.last = (self.last + [value])[-self.last_size :]
+        self.seen += 1
+
+    def full(self) -> bool:
+        """Both windows hold all their values."""
+        return len(self.first) == self.first_size and len(self.last) == self.last_size
+
+    def start(self) -> float:
+        return statistics.median(self.first)
+
+    def now(self) -> float:
+        return statistics.median(self.last)
+
+    def scatter(self) -> float:
+        """The last values' scatter: 1.4826 times their median absolute deviation (a normal's standard deviation)."""
+        now = self.now()
+        return 1.4826 * statistics.median(abs(value - now) for value in self.last)
+
+
 class Rule:
     """The condition of one alarm: `judge` (see the module docstring); `name` and `field` are its record's
     (`ALARMS`)."""

@@ -8,7 +8,7 @@ import math
 import re
 import statistics
 
-from .rule import HELDOUT_KEY, SKIPPED_STEPS_KEY, Rule, _first_number, _number, pearson
+from .rule import HELDOUT_KEY, SKIPPED_STEPS_KEY, Rule, Series, _first_number, _number, pearson
 
 
 class EntropyCollapseRule(Rule):
@@ -138,21 +138,16 @@ class LengthGrowthRule(Rule):
 
     def __init__(self, threshold: float):
         super().__init__(threshold)
-        self.first: list[float] = []
-        self.recent: list[float] = []
-        self.seen = 0  # lengths logged so far
+        self.lengths = Series(self.BASELINE, self.RECENT)
 
     def judge(self, entry):
         _, length = _first_number(entry, LengthDriftRule.LENGTH_KEYS)
         if length is None:
             return None
-        if len(self.first) < self.BASELINE:
-            self.first.append(length)
-        self.recent = (self.recent + [length])[-self.RECENT :]
-        self.seen += 1
-        if self.seen < self.BASELINE + self.RECENT:
+        self.lengths.add(length)
+        if self.lengths.seen < self.BASELINE + self.RECENT:
             return False
-        start, now = statistics.median(self.first), statistics.median(self.recent)
+        start, now = self.lengths.start(), self.lengths.now()
         if start <= 0 or now < (1 + self.threshold) * start:
             return False
         return (
@@ -275,19 +270,16 @@ class VanishingGradientRule(Rule):
 
     def __init__(self, threshold: float):
         super().__init__(threshold)
-        self.first: list[float] = []
-        self.recent: list[float] = []
+        self.norms = Series(self.BASELINE, self.RECENT)
 
     def judge(self, entry):
         value = _number(entry, "grad_norm")
         if value is None or not math.isfinite(value):
             return None
-        if value > 0 and len(self.first) < self.BASELINE:
-            self.first.append(value)
-        self.recent = (self.recent + [value])[-self.RECENT :]
-        if len(self.first) < self.BASELINE or len(self.recent) < self.RECENT:
+        self.norms.add(value, start=value > 0)
+        if not self.norms.full():
             return False
-        start, now = statistics.median(self.first), statistics.median(self.recent)
+        start, now = self.norms.start(), self.norms.now()
         if now <= 0 or now >= self.threshold * start:
             return False
         return (
