@@ -70,6 +70,14 @@ def _forward(results: dict) -> str:
     )
 
 
+def _comm(results: dict) -> str:
+    """The collectives' table as the suite prints it, its set-up line after it."""
+    from . import comm
+
+    setup, table = comm.table(results).split("\n", 1)
+    return f"{table}\n\n{setup}."
+
+
 @dataclass(frozen=True)
 class Renderer:
     """How one results file becomes Markdown.
@@ -87,6 +95,7 @@ RENDERERS: dict[str, Renderer] = {
     "e2e": Renderer("e2e", _e2e),
     "kernel": Renderer("kernel", _kernel),
     "forward": Renderer("forward", _forward),
+    "comm": Renderer("comm", _comm),
 }
 
 

@@ -1,6 +1,7 @@
 """The benchmark code runs, and its baselines compute what they claim to."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -82,6 +83,13 @@ def test_the_communication_benchmark_counts_one_gather_per_log_step(tmp_path, mo
         assert ours["other"]["calls"] == stock["other"]["calls"]  # generation and rewards: the same on both sides
     assert runs[("ext", 4)]["ext_diagnostics"]["bytes"] == runs[("ext", 8)]["ext_diagnostics"]["bytes"]
     assert runs[("trl", 4)]["trl_loss_metrics"]["bytes"] < runs[("trl", 8)]["trl_loss_metrics"]["bytes"]
+    # The committed figures (docs/performance.md's table): the same bytes per log step for the same run's shape.
+    with open(os.path.join(REPO, "benchmarks", "results", "comm.json")) as handle:
+        committed = json.load(handle)["comm"]
+    assert (committed["log_steps"], committed["micro_batches"]) == (results["log_steps"], results["micro_batches"])
+    published = {run["side"]: run["ext_diagnostics"] for run in committed["runs"]}["ext"]
+    measured = runs[("ext", 8)]["ext_diagnostics"]
+    assert measured["bytes"] / measured["per"] == published["bytes"] / published["per"]
 
 
 def test_the_learning_summary_times_each_side_to_stock_trl_s_final_exact_match():
