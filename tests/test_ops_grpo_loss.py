@@ -443,3 +443,16 @@ class TestGroupRelativeAdvantages:
     def test_errors(self, rewards, num_generations, message):
         with pytest.raises(ValueError, match=message):
             group_relative_advantages(rewards, num_generations)
+
+
+def test_no_spread_is_defined_once_as_trl_s_zero_test():
+    """`has_spread`: finite and above TRL's `torch.isclose(std, 0)` tolerance; what dynamic sampling keeps
+    (`sampling.plan.informative_groups`) and the diagnostics count (`reward_std/frac_zero_groups`) both read it."""
+    from trl_grpo_ext.ops import NO_SPREAD_STD, has_spread
+    from trl_grpo_ext.sampling.plan import informative_groups
+
+    std = torch.tensor([0.0, NO_SPREAD_STD, 2 * NO_SPREAD_STD, 0.5, float("nan"), float("inf")])
+    assert has_spread(std).tolist() == [False, False, True, True, False, False]
+    assert torch.equal(~has_spread(std[:4]), torch.isclose(std[:4], torch.zeros(4)))  # TRL's test where it is defined
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, float("nan"), 0.2, 0.2 + 1e-9])
+    assert informative_groups(rewards, 2).tolist() == [False, True, False, False]

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..ops.advantages import has_spread
 from ..ops.loss_types import CLIP_METRICS
 from ..ops.numerics import kl_estimator
 from .histogram import LogRatioHistogram, quantile_metric_name
@@ -47,8 +48,6 @@ STEP_LAYOUT = FieldLayout(
     ]
 )
 MISMATCH_PREFIX = "sampling/importance_sampling_ratio_raw"
-#: A group's reward std at or below this counts as no spread (as `torch.isclose(std, 0)` in TRL's advantages).
-ZERO_STD = 1e-8
 # The length/reward correlation inside groups: this process's centred sums since the last log (`_length_moments`).
 LENGTH_LAYOUT = FieldLayout([("length_reward", "sum"), ("length_squares", "sum"), ("reward_squares", "sum")])
 # Beside the raw ratios' histogram: the units outside the bounds; sum of exp(d) - d - 1 over the tokens the sampler
@@ -383,7 +382,7 @@ class DiagnosticsAccumulator:
         # A group teaches nothing when its rewards are all equal (TRL's zero test: within 1e-8) or fewer than two of
         # them were scored, whatever `scale_rewards` then divides by (TRL's `frac_reward_zero_std` uses the batch's
         # std under scale_rewards="batch").
-        flat = ~(torch.isfinite(group_stds) & (group_stds > ZERO_STD))
+        flat = ~has_spread(group_stds)
         summary.scalars["reward_std/frac_zero_groups"] = flat.to(torch.float64).mean().item()
         valid = group_stds[~torch.isnan(group_stds)]
         if valid.numel() == 0:
@@ -425,7 +424,7 @@ def _length_moments(
     rows = zeros.index_add(0, local, weight).clamp(min=1)
     reward_mean = zeros.index_add(0, local, torch.where(scored, reward, 0.0)) / rows
     length_mean = zeros.index_add(0, local, torch.where(scored, length, 0.0)) / rows
-    varies = group_stds[group] > ZERO_STD  # NaN (one scored row) is no spread either
+    varies = has_spread(group_stds[group])  # NaN (one scored row) is no spread either
     counted = scored & varies
     length_centred = torch.where(counted, length - length_mean[local], 0.0)
     reward_centred = torch.where(counted, reward - reward_mean[local], 0.0)

@@ -12,7 +12,7 @@
 - `advantages`: group-relative advantages.
 """
 
-from .advantages import group_relative_advantages
+from .advantages import NO_SPREAD_STD, group_relative_advantages, has_spread
 from .loss_types import LOSS_TYPES, LossType, register_loss_type, register_policy_term
 from .numerics import EXP_LINEAR_ABOVE
 from .objective import IMPLEMENTATIONS, GRPOLossOutput, grpo_loss, policy_objective
@@ -23,12 +23,14 @@ __all__ = [
     "EXP_LINEAR_ABOVE",
     "IMPLEMENTATIONS",
     "LOSS_TYPES",
+    "NO_SPREAD_STD",
     "GRPOLossOutput",
     "LossType",
     "SamplerCuts",
     "TruncatedLogProbs",
     "group_relative_advantages",
     "grpo_loss",
+    "has_spread",
     "hyperparameter_problems",
     "policy_objective",
     "register_loss_type",

@@ -6,7 +6,24 @@ import math
 
 import torch
 
-__all__ = ["group_relative_advantages"]
+__all__ = ["NO_SPREAD_STD", "group_relative_advantages", "has_spread"]
+
+#: A group's reward standard deviation at or below this is no spread: TRL's zero test, `torch.isclose(std, 0)`
+#: (its absolute tolerance).
+NO_SPREAD_STD = 1e-8
+
+
+def has_spread(std: torch.Tensor) -> torch.Tensor:
+    """Where a group's rewards differ, so that it teaches something: the one definition of "no spread" that dynamic
+    sampling, selective rollouts and the diagnostics use.
+
+    Args:
+        std (`torch.Tensor`): each group's reward standard deviation; NaN where fewer than two rewards were scored.
+
+    Returns:
+        `torch.Tensor` of bool, the same shape: finite and above `NO_SPREAD_STD`.
+    """
+    return torch.isfinite(std) & (std > NO_SPREAD_STD)
 
 
 def group_relative_advantages(

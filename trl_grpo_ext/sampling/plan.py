@@ -26,6 +26,8 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 import torch
 from trl.trainer.utils import nanstd
 
+from ..ops.advantages import has_spread
+
 __all__ = [
     "PromptKeys",
     "PromptStream",
@@ -125,13 +127,12 @@ def trl_reward_metrics(
 def informative_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     """Which groups have a reward spread, `(K,)` bool, from TRL's combined reward `(N,)` (`trl_advantages`).
 
-    A group is dropped when the standard deviation of its scored rewards is 0 (as TRL's `torch.isclose` tests it) or
+    A group is dropped when the standard deviation of its scored rewards is 0 (`ops.has_spread`: TRL's zero test) or
     undefined (fewer than two scored completions): its advantages are then all 0, or all but 0 under
     `normalize_then_sum` (a shift shared by the whole group). Rows that no reward function scored are left out of
     the statistics, as TRL leaves them out.
     """
-    std = nanstd(rewards.view(-1, num_generations), dim=1)
-    return torch.isfinite(std) & ~torch.isclose(std, torch.zeros_like(std))
+    return has_spread(nanstd(rewards.view(-1, num_generations), dim=1))
 
 
 def group_placement(num_groups: int, num_generations: int, rows_per_process: int) -> list[tuple]:
