@@ -219,3 +219,19 @@ def test_bad_arguments_are_refused_by_name(kwargs, message):
     logps, old, ref, advantages, mask = batch(seed=7)
     with pytest.raises(ValueError, match=message):
         policy_objective(logps, old, ref, advantages, mask, **kwargs)
+
+
+def test_total_loss_adds_the_entropy_bonus_and_the_router_loss_in_the_backward_loss_s_units():
+    from trl_grpo_ext.ops import total_loss
+
+    objective = torch.tensor(0.5, requires_grad=True)
+    entropy = torch.tensor(2.0, requires_grad=True)
+    router = torch.tensor(3.0, requires_grad=True)
+    loss, terms = total_loss(objective, scale=0.25, entropy_bonus=(0.1, entropy), router=(0.01, router))
+    assert loss.item() == pytest.approx(0.5 - 0.1 * 2.0 * 0.25 + 0.01 * 3.0 * 0.25)
+    assert terms["entropy_bonus"].item() == pytest.approx(-0.05) and terms["router"].item() == pytest.approx(0.0075)
+    assert not terms["entropy_bonus"].requires_grad and not terms["router"].requires_grad
+    loss.backward()
+    assert (objective.grad.item(), entropy.grad.item(), router.grad.item()) == pytest.approx((1.0, -0.025, 0.0025))
+    alone, none = total_loss(objective, scale=0.25)
+    assert alone is objective and none == {}

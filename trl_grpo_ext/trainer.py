@@ -55,7 +55,7 @@ from .guardrails.anomaly import AlarmSettings
 from .guardrails.launch import check_launch
 from .guardrails.reward_errors import guard_reward_funcs, reward_kwarg_names
 from .objective_inputs import entropy_bonus, gather_objective_inputs
-from .ops import LOSS_TYPES, policy_objective
+from .ops import LOSS_TYPES, policy_objective, total_loss
 from .ops.validation import raise_problems
 from .report.alerts import TrackerAlerts
 from .report.console import ConsoleCallback
@@ -275,27 +275,28 @@ class GRPOTrainerExt(GRPOTrainer):
             ratio_statistics=self._diagnostics[mode].ratio_stats,
             **({} if selection is None else selection.policy_options()),
         )
-        loss = out.loss
-        # Each term in the units of the backward loss: summed over a step's micro-batches they give its loss.
-        terms = {"policy": out.policy_loss, "kl_penalty": out.kl_penalty}
         extras = {}
         carrier = selection is not None and selection.carrier
         if objective.sequence_weights is not None:
             weights = objective.sequence_weights
             extras["vespo/phi_seq_mean"] = (weights.sum() * (not carrier), weights.numel() * (not carrier))
-        scale = objective.accumulation_scale
+        bonus = None
         if self._entropy_bonus_enabled:
             # As TRL logs it: the policy loss before the bonus and before any division by the accumulation steps.
             extras["policy_loss"] = (out.loss.detach() / objective.loss_scale, 1)
-            coef, mean_entropy = entropy_bonus(self, entropies, objective.mask, objective.entropy_mask, mode)
-            loss = loss - coef * mean_entropy * scale
-            terms["entropy_bonus"] = -coef * mean_entropy.detach() * scale
+            bonus = entropy_bonus(self, entropies, objective.mask, objective.entropy_mask, mode)
             if mode == "train" and self.accelerator.sync_gradients:
                 self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         if self.aux_loss_enabled:
-            loss = loss + self.router_aux_loss_coef * aux_loss * scale
-            terms["router"] = self.router_aux_loss_coef * aux_loss.detach() * scale
             extras["aux_loss"] = (aux_loss, 1)
+        loss, added = total_loss(
+            out.loss,
+            scale=objective.accumulation_scale,
+            entropy_bonus=bonus,
+            router=(self.router_aux_loss_coef, aux_loss) if self.aux_loss_enabled else None,
+        )
+        # Each term in the units of the backward loss: summed over a step's micro-batches they give its loss.
+        terms = {"policy": out.policy_loss, "kl_penalty": out.kl_penalty, **added}
         extras.update(forward_counts(inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_mask"]).metrics())
         if selection is not None:
             extras["skipped_rows/fraction"] = selection.skipped_fraction()

@@ -1,6 +1,7 @@
 """The objective as pure tensor code (torch only: nothing here imports TRL or transformers).
 
-- `objective`: `grpo_loss` (DeepSeekMath's GRPO objective) and `policy_objective` (every TRL loss type);
+- `objective`: `grpo_loss` (DeepSeekMath's GRPO objective), `policy_objective` (every TRL loss type) and
+  `total_loss` (the entropy bonus and the router loss added to it);
 - `terms`: the catalogue of policy terms and aggregations, each written once;
 - `loss_types`: one record per loss type, with its formula text; `register_loss_type` adds one's own;
 - `fused`: the fused (and compiled) kernel of the clipped-surrogate rows;
@@ -15,7 +16,7 @@
 from .advantages import NO_SPREAD_STD, group_relative_advantages, has_spread
 from .loss_types import LOSS_TYPES, LossType, register_loss_type, register_policy_term
 from .numerics import EXP_LINEAR_ABOVE
-from .objective import IMPLEMENTATIONS, GRPOLossOutput, grpo_loss, policy_objective
+from .objective import IMPLEMENTATIONS, GRPOLossOutput, grpo_loss, policy_objective, total_loss
 from .truncation import SamplerCuts, TruncatedLogProbs, truncated_log_probs, truncated_log_probs_from_hidden
 from .validation import hyperparameter_problems
 
@@ -35,6 +36,7 @@ __all__ = [
     "policy_objective",
     "register_loss_type",
     "register_policy_term",
+    "total_loss",
     "truncated_log_probs",
     "truncated_log_probs_from_hidden",
 ]

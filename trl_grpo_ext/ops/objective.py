@@ -33,7 +33,7 @@ from .ratio_statistics import RatioStatistics, ratio_statistics
 from .terms import AGGREGATIONS, POLICY_TERMS, aggregate
 from .validation import ValidatedInputs, hyperparameter_problems, kernel_refusal, raise_problems, validate_inputs
 
-__all__ = ["IMPLEMENTATIONS", "GRPOLossOutput", "grpo_loss", "policy_objective"]
+__all__ = ["IMPLEMENTATIONS", "GRPOLossOutput", "grpo_loss", "policy_objective", "total_loss"]
 
 IMPLEMENTATIONS = ("auto", "fused", "reference", "compiled")
 
@@ -398,3 +398,40 @@ def grpo_loss(
         beta=beta,
         implementation=implementation,
     )
+
+
+def total_loss(
+    objective_loss: torch.Tensor,
+    *,
+    scale: float,
+    entropy_bonus: tuple[float, torch.Tensor] | None = None,
+    router: tuple[float, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss a step backpropagates: the policy objective's (`policy_objective(...).loss`) with TRL's terms outside
+    it, each in the units of the backward loss (`scale`: TRL's division by the accumulation steps where the objective's
+    own divisor does not make it):
+
+        loss = objective_loss - c_H * mean_entropy * scale + c_router * router_loss * scale
+
+    Args:
+        objective_loss (`torch.Tensor` of shape `()`): the policy objective's loss.
+        scale (`float`): the accumulation scale of the terms below.
+        entropy_bonus (`tuple[float, torch.Tensor]`, *optional*): `(c_H, mean_entropy)`, the entropy bonus's
+            coefficient and the mean entropy (0-dim, with gradient).
+        router (`tuple[float, torch.Tensor]`, *optional*): `(c_router, router_loss)`, a Mixture-of-Experts model's
+            router loss and its coefficient.
+
+    Returns:
+        `(loss, terms)`: the loss (0-dim) and the added terms as they enter it, detached (`"entropy_bonus"`,
+        `"router"`), for the loss decomposition's metrics.
+    """
+    loss, terms = objective_loss, {}
+    if entropy_bonus is not None:
+        coefficient, mean_entropy = entropy_bonus
+        loss = loss - coefficient * mean_entropy * scale
+        terms["entropy_bonus"] = -coefficient * mean_entropy.detach() * scale
+    if router is not None:
+        coefficient, router_loss = router
+        loss = loss + coefficient * router_loss * scale
+        terms["router"] = coefficient * router_loss.detach() * scale
+    return loss, terms
