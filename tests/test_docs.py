@@ -1,0 +1,48 @@
+"""The documentation's relative links point at files and headings that exist."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+
+
+def anchor_of(heading: str) -> str:
+    """A heading's anchor as GitHub and the Hub render it: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    text = FENCE.sub("", page.read_text())
+    return {anchor_of(line.lstrip("#")) for line in text.splitlines() if re.match(r"#{1,6} ", line)}
+
+
+def relative_links(page: Path) -> list[str]:
+    text = FENCE.sub("", page.read_text())
+    return [link for link in LINK.findall(text) if not re.match(r"[a-z]+:", link)]
+
+
+def test_the_anchor_of_a_heading_is_the_rendered_one():
+    assert anchor_of("Multi-epoch: selective rollouts and dynamic sampling's sized rounds") == (
+        "multi-epoch-selective-rollouts-and-dynamic-samplings-sized-rounds"
+    )
+    assert anchor_of("The `report` command") == "the-report-command"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
+def test_every_relative_link_reaches_a_file_and_heading(page):
+    broken = []
+    for link in relative_links(page):
+        path, _, fragment = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        if not target.exists():
+            broken.append(f"{link}: no file {target.relative_to(ROOT) if target.is_relative_to(ROOT) else target}")
+        elif fragment and target.suffix == ".md" and fragment not in anchors(target):
+            broken.append(f"{link}: no heading #{fragment} in {target.relative_to(ROOT)}")
+    assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
