@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trl_grpo_ext import grpo_loss
-from trl_grpo_ext.ops import fused, policy_objective
+from trl_grpo_ext.ops import fused, numerics, policy_objective
 
 
 def batch(num_rows, num_tokens, *, seed, per_token_advantages=False, dtype=torch.float32, spread=0.3):
@@ -344,3 +344,32 @@ def test_the_compiled_kernel_compiles_one_graph_for_every_hyperparameter_value(m
         torch.testing.assert_close(leaf.grad, expected_grad, rtol=1e-4, atol=1e-6)
     assert counter.frame_count == 1, f"{counter.frame_count} graphs compiled for {len(cases)} sets of values"
     assert sum(counters["graph_break"].values()) == graph_breaks
+
+
+@pytest.mark.parametrize("per_token_advantages", [False, True])
+@pytest.mark.parametrize("masked_value", [-1.5, float("nan"), -float("inf")])
+@pytest.mark.parametrize("beyond_threshold", [False, True])
+def test_the_cpu_shortcuts_give_the_values_of_the_path_every_device_takes(
+    per_token_advantages, masked_value, beyond_threshold, monkeypatch
+):
+    """On a CPU the kernel reads each block's largest exponent on the host to skip selects and the exponentials'
+    tangents (`ops.numerics.all_at_most`); its results are those of the path that reads nothing, bit for bit,
+    whatever the masked positions hold, and the shortcut is taken where the inputs allow it."""
+    monkeypatch.setitem(fused.BLOCK_ELEMENTS, "cpu", 40)  # blocks of 3 rows
+    logps, old, ref, advantages, mask = batch(10, 13, seed=16, per_token_advantages=per_token_advantages)
+    for tensor in (logps, old, ref):
+        tensor.masked_fill_(mask == 0, masked_value)
+    if not beyond_threshold:  # batch() puts exponents beyond the linear threshold in rows 0 and 1
+        old[0, 0], ref[1, 0] = logps[0, 0], logps[1, 0]
+    answers = []
+    monkeypatch.setattr(fused, "all_at_most", lambda x, t: answers.append(numerics.all_at_most(x, t)) or answers[-1])
+    out, grad = run_objective("fused", logps, old, ref, advantages, mask, ratio_statistics=True)
+    with numerics.as_on_an_accelerator():
+        expected, expected_grad = run_objective("fused", logps, old, ref, advantages, mask, ratio_statistics=True)
+    assert torch.equal(grad, expected_grad) and torch.equal(out.loss, expected.loss)
+    for name in ("log_ratio", "ratio", "per_token_kl", "is_low_clipped", "is_high_clipped"):
+        assert torch.equal(getattr(out, name), getattr(expected, name)), name
+    for got, want in zip(out.ratio_statistics, expected.ratio_statistics, strict=True):
+        assert torch.equal(got, want)
+    # the masked differences skip their select wherever the masked values are finite
+    assert any(answers) == (masked_value == -1.5)

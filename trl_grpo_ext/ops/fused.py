@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 import torch
 
-from .numerics import exp_linear_above_and_slope, kl_estimator_and_slope
+from .numerics import all_at_most, exp_linear_above_and_slope, kl_estimator_and_slope
 from .ratio_statistics import RatioStatistics, ratio_statistics, ratio_sums, statistics_of_sums
 
 __all__ = ["BLOCK_ELEMENTS", "FusedLoss", "domain_problems", "fused_loss", "fused_terms"]
@@ -119,14 +119,18 @@ def fused_terms(
     if not keep:
         del log_ratio, ratio
     if use_ref:
-        kl_rows, kl_minus_grad, per_token_kl = _kl_part(logp, ref_logp, mask, dtype)
+        kl_rows, kl_minus_grad, per_token_kl = _kl_part(logp, ref_logp, mask, weight, dtype)
         # d(S - beta K)/dlogp = dS/dlogp - beta dK/dlogp
         grad = grad.add_(kl_minus_grad, alpha=beta) if isinstance(beta, float) else grad + beta * kl_minus_grad
     else:
         kl_rows = torch.zeros_like(policy_rows)
         per_token_kl = torch.zeros_like(grad) if keep else None
     below, above = advantages < 0, advantages > 0  # where a clipped token is low-clipped, where high-clipped
-    low_rows, high_rows = (clipped * below).sum(dim=-1), (clipped * above).sum(dim=-1)
+    if advantages.shape[-1] == 1:  # one advantage per row: its clipped tokens are all low- or all high-clipped
+        clipped_rows = clipped.sum(dim=-1)
+        low_rows, high_rows = clipped_rows * below.squeeze(-1), clipped_rows * above.squeeze(-1)
+    else:
+        low_rows, high_rows = (clipped * below).sum(dim=-1), (clipped * above).sum(dim=-1)
     per_token = None
     if keep:  # as returned, the ratio is 0 where masked; with A = 0 there, the term is the same with r = 0 or 1
         is_clipped = clipped > 0
@@ -160,16 +164,18 @@ def _policy_part(logp, old_logp, advantages, mask, weight, epsilon_low, epsilon_
     with `A > 0` (`A < 0`) keeps (reverses) the order of its factors after rounding too, so the values are that
     term's, not only to rounding.
     """
-    # The inputs are selected, not multiplied by the mask: masked positions may hold NaN or inf. There x = 0 (r = 1)
-    # and A = 0, so P and its derivative are 0 and no token is clipped; all that follows is finite.
-    log_ratio = torch.where(mask, logp - old_logp.to(dtype), 0.0)
+    # Masked positions may hold NaN or inf: `_masked_difference` sets x = 0 (r = 1) there, and A = 0, so P and its
+    # derivative are 0 and no token is clipped; all that follows is finite.
+    log_ratio = _masked_difference(logp, old_logp.to(dtype), mask, weight)
     ratio, ratio_slope = exp_linear_above_and_slope(log_ratio)  # r(x) and r'(x)
     advantages = advantages.to(dtype)
     if advantages.shape[-1] != 1:  # per token: any values where masked
         advantages = torch.where(mask, advantages, 0.0)
     lower = torch.full_like(advantages, -math.inf).masked_fill_(advantages < 0, 1.0 - epsilon_low)
     upper = torch.full_like(advantages, math.inf).masked_fill_(advantages > 0, 1.0 + epsilon_high)
-    clipped_ratio = torch.clamp(ratio, lower, upper)
+    # clamp(r, l, u) = min(max(r, l), u), in two steps: on a CPU a clamp between two broadcast tensors costs 4 times
+    # a clamp to each
+    clipped_ratio = ratio.clamp(min=lower).clamp_(max=upper)
     token_advantages = advantages * weight  # A_it, 0 where masked
     policy_rows = -(clipped_ratio * token_advantages).sum(dim=-1)  # sum_t P_it, P = -S
     # dS/dlogp = A r'(x) where the term is not clipped, 0 where it is
@@ -185,11 +191,26 @@ def _policy_part(logp, old_logp, advantages, mask, weight, epsilon_low, epsilon_
     return policy_rows, clipped, grad, log_ratio, ratio, advantages
 
 
-def _kl_part(logp, ref_logp, mask, dtype):
+def _kl_part(logp, ref_logp, mask, weight, dtype):
     """`sum_t K_it`, `-dK/dlogp` and `K`."""
-    d = torch.where(mask, ref_logp.to(dtype) - logp, 0.0)
+    d = _masked_difference(ref_logp.to(dtype), logp, mask, weight)
     per_token_kl, minus_grad = kl_estimator_and_slope(d)  # K and -dK/dlogp = exp'(D) - 1, both 0 where masked
     return per_token_kl.sum(dim=-1), minus_grad, per_token_kl
+
+
+def _masked_difference(a, b, mask, weight):
+    """`a - b` where `mask` is True, 0 elsewhere, whatever `a` and `b` hold there (NaN and inf included).
+
+    A select (`torch.where`) costs five products on a CPU. Where the product with the 0/1 `weight` is all finite it
+    is the select's value (`x * 1 = x`, `x * 0 = 0`; -0 where `x < 0`, which counts as 0 everywhere below); a NaN
+    from a masked inf or NaN, or a NaN of the values themselves, shows in its maximum (`all_at_most`), and then the
+    select is made.
+    """
+    difference = a - b
+    product = difference * weight
+    if all_at_most(product, math.inf):
+        return product
+    return torch.where(mask, difference, 0.0)
 
 
 def _blocks_of_rows(logp, old_logp, ref_logp, advantages, mask, *hyperparameters, use_ref, dtype, keep, statistics):

@@ -6,12 +6,16 @@ threshold above which `exp` is continued linearly.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
 __all__ = [
     "EXP_LINEAR_ABOVE",
+    "all_at_most",
+    "as_on_an_accelerator",
     "exp_linear_above",
     "exp_linear_above_and_slope",
     "kl_estimator",
@@ -23,6 +27,34 @@ __all__ = [
 # exp(20) ~ 4.9e8: every ratio or KL term with |log difference| <= 20 is computed exactly, and a sum of a billion
 # such terms still fits comfortably in float32 (max ~3.4e38).
 EXP_LINEAR_ABOVE = 20.0
+
+
+def all_at_most(x: torch.Tensor, threshold: float) -> bool:
+    """Whether every value of `x` is `<= threshold` (no NaN), when that is free to ask: on a CPU, eagerly.
+
+    A CPU tensor's maximum is read on the host at the cost of one reduction, which lets the callers skip work that
+    only values above the threshold need (the exponential's tangent, a select). On other devices the read would
+    wait for the device, and under `torch.compile` it would break the graph: there the answer is `False`, and the
+    callers take the path that is right for every value.
+    """
+    if x.device.type not in _HOST_READ_DEVICES or torch.compiler.is_compiling():
+        return False
+    return bool(x.detach().amax() <= threshold) if x.numel() else True
+
+
+_HOST_READ_DEVICES = {"cpu"}
+
+
+@contextlib.contextmanager
+def as_on_an_accelerator() -> Iterator[None]:
+    """Within it, `all_at_most` answers `False` on a CPU too: CPU tensors take the path of a GPU's, which reads
+    nothing on the host (what a count of host reads on a CPU, standing in for a GPU's synchronisations, measures)."""
+    saved = set(_HOST_READ_DEVICES)
+    _HOST_READ_DEVICES.clear()
+    try:
+        yield
+    finally:
+        _HOST_READ_DEVICES.update(saved)
 
 
 def exp_linear_above(x: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE) -> torch.Tensor:
@@ -50,7 +82,13 @@ def exp_linear_above_and_slope(
 
     Under `torch.compile` the derivative is a second exponential: inductor computes it again in each loop that reads
     it, where a shared value is written to memory when two loops read it (the fused kernel's value and gradient).
+    Where no exponent is above the threshold (`all_at_most`), the tangent's terms are 0 and are not computed: the
+    same values, four operations fewer (for a tensor that requires no gradient: what autograd differentiates is the
+    general formula, whose gradient is rounded differently).
     """
+    if not x.requires_grad and all_at_most(x, threshold):
+        value = torch.exp(x)
+        return value, value
     x_below = x.clamp(max=threshold)
     value = torch.exp(x_below)
     slope = torch.exp(x.clamp(max=threshold)) if torch.compiler.is_compiling() else value
@@ -76,6 +114,9 @@ def kl_estimator(d: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE) -> torch.
 def kl_estimator_and_slope(d: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE) -> tuple[torch.Tensor, torch.Tensor]:
     """`(kl_estimator(d), its derivative expm1(min(d, threshold)))`, the exponential computed once for both (under
     `torch.compile`, twice: see `exp_linear_above_and_slope`)."""
+    if not d.requires_grad and all_at_most(d, threshold):  # the tangent's terms are 0
+        exp_minus_one = torch.expm1(d)
+        return exp_minus_one - d, exp_minus_one
     d_below = d.clamp(max=threshold)
     exp_minus_one = torch.expm1(d_below)
     # d/dd (exp'(d) - d - 1) = exp'(d) - 1

@@ -121,8 +121,11 @@ def ratio_sums(log_ratio: torch.Tensor, ratio: torch.Tensor, weight: torch.Tenso
     """
     deviation = ratio.to(statistics_dtype(ratio.device)).flatten() - 1.0
     bins = log_ratio_bins(log_ratio).flatten()
-    # A scatter, not `bincount`: on a GPU bincount reads the largest bin on the host
-    counts = torch.zeros(NUM_BINS, dtype=torch.int64, device=bins.device).scatter_add_(0, bins, torch.ones_like(bins))
+    if bins.device.type == "cpu":
+        counts = torch.bincount(bins, minlength=NUM_BINS)
+    else:  # an index_add, not `bincount`: on a GPU bincount reads the largest bin on the host
+        counts = torch.zeros(NUM_BINS, dtype=torch.int64, device=bins.device)
+        counts.index_add_(0, bins, torch.ones(bins.shape, dtype=torch.int64, device=bins.device))
     return counts, deviation.sum(), torch.dot(deviation, deviation), (ratio / weight).amin(), (ratio * weight).amax()
 
 
@@ -138,7 +141,7 @@ def statistics_of_sums(sums: list[tuple[torch.Tensor, ...]], units: torch.Tensor
 
 
 def log_ratio_bins(log_ratio: torch.Tensor) -> torch.Tensor:
-    """The histogram bin of each log ratio, int64, same shape; see the module docstring for the bins."""
+    """The histogram bin of each log ratio, int32, same shape; see the module docstring for the bins."""
     x = log_ratio
     if x.dtype == torch.float64:
         x = _float32_towards_zero(x)
@@ -198,8 +201,9 @@ def _slots() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 @functools.lru_cache(maxsize=8)
 def _bin_of_slot(device: torch.device) -> torch.Tensor:
-    """The table slot -> bin on `device`, int64 (4 MiB)."""
-    return _slots()[0].to(device=device)
+    """The table slot -> bin on `device`, int32 (2 MiB; in int64 its lookups miss a CPU's caches more often, which
+    cost a tenth of the histogram's time in the loss kernel)."""
+    return _slots()[0].to(device=device, dtype=torch.int32)
 
 
 @functools.lru_cache(maxsize=1)
