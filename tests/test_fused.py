@@ -215,11 +215,12 @@ def nt_buffers_at_peak(call, num_elements):
 @pytest.mark.parametrize(
     "implementation, per_token, most",
     [
-        # the loss and its gradient: the gradient, the boolean mask and the eager kernel's blocks of rows
-        ("fused", False, 2.5),
+        # the loss and its gradient: the gradient, the boolean mask and the eager kernel's blocks of rows (16 rows
+        # here, a quarter of the batch: about 6 block-sized temporaries at the peak)
+        ("fused", False, 3.1),
         ("compiled", False, 1.5),
         # with the per-token values (4 float32 and 2 boolean (N, T) tensors: 4.5 buffers) on top
-        ("fused", True, 7.5),
+        ("fused", True, 8.2),
         ("compiled", True, 6.0),
     ],
 )
@@ -240,7 +241,8 @@ def test_forward_and_backward_hold_few_nt_buffers_at_their_peak(implementation, 
 def test_the_trainer_s_call_writes_no_per_token_values_and_holds_few_nt_buffers():
     """What the trainer asks for while it logs its diagnostics (`per_token=False, ratio_statistics=True`): the ratios'
     statistics are summed block by block, and no `(N, T)` tensor is written for them (with `per_token=True` and a
-    second pass over its ratios, as before, the peak was 7.2 buffers)."""
+    second pass over its ratios, as before, the peak was 7.2 buffers; the statistics' temporaries are made after the
+    clip indicators and the histogram's are freed, so that they add one block-sized float64 buffer to the peak)."""
     logps, old, ref, advantages, mask = batch(64, 4096, seed=12)
 
     def forward_and_backward(leaf):
@@ -253,7 +255,7 @@ def test_the_trainer_s_call_writes_no_per_token_values_and_holds_few_nt_buffers(
     assert all(getattr(out, name) is None for name in ("log_ratio", "ratio", "per_token_kl", "is_low_clipped"))
     leaf = logps.clone().requires_grad_(True)
     peak = nt_buffers_at_peak(lambda: forward_and_backward(leaf), logps.numel())
-    assert peak <= 3.0, f"the trainer's call held {peak:.2f} (N, T) buffers at its peak"
+    assert peak <= 3.2, f"the trainer's call held {peak:.2f} (N, T) buffers at its peak"
 
 
 @pytest.mark.parametrize("implementation", ["fused", "reference", pytest.param("compiled", marks=pytest.mark.slow)])

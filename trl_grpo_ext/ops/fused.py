@@ -47,18 +47,20 @@ from typing import NamedTuple
 
 import torch
 
-from .numerics import all_at_most, exp_linear_above_and_slope, kl_estimator_and_slope
+from .numerics import EXP_LINEAR_ABOVE, all_at_most, exp_linear_above_and_slope, kl_estimator_and_slope
 from .ratio_statistics import RatioStatistics, ratio_statistics, ratio_sums, statistics_of_sums
 
 __all__ = ["BLOCK_ELEMENTS", "FusedLoss", "domain_problems", "fused_loss", "fused_terms"]
 
 #: Elements `(rows x T)` of the blocks the eager kernel works on, per device type (others: `BLOCK_ELEMENTS[None]`).
-#: On a CPU, ~20 float32 temporaries of 2**15 elements (128 KiB each) fit in a core's L2 cache, and 8 blocks of a
-#: 64 x 4096 batch keep the per-operation overhead (~30 operations per block, ~45 with the ratio statistics) below
-#: the arithmetic; larger blocks were faster on the reference machine but hold more buffers. On a GPU
-#: every operation is a kernel launch: blocks of 2**20 elements leave the common batch sizes in one block, and bound
-#: the temporaries of very long batches.
-BLOCK_ELEMENTS = {"cpu": 2**15, None: 2**20}
+#: A block's ~20 temporaries are freed before the next block is computed, so they cost a constant, whatever the batch:
+#: about 5 MiB in float32 on a CPU. Each of its ~45 operations (with the ratio statistics) costs a few microseconds
+#: on a CPU beyond its arithmetic; at 64 x 4096 float32 on the reference machine, blocks of 2**15 (8 blocks) took
+#: 5.3 ms with the statistics, 2**16 (4 blocks) 3.9 ms, and 2**17 and 2**18 faster again but with two to four
+#: times the temporaries (`python -m benchmarks kernel`; docs/performance.md). On a GPU every operation is a kernel
+#: launch: blocks of 2**20 elements leave the common batch sizes in one block, and bound the temporaries of very
+#: long batches.
+BLOCK_ELEMENTS = {"cpu": 2**16, None: 2**20}
 
 
 def domain_problems(
@@ -115,6 +117,14 @@ def fused_terms(
     policy_rows, clipped, grad, log_ratio, ratio, advantages = _policy_part(
         logp, old_logp, advantages, mask, weight, epsilon_low, epsilon_high, dtype
     )
+    below, above = advantages < 0, advantages > 0  # where a clipped token is low-clipped, where high-clipped
+    if advantages.shape[-1] == 1:  # one advantage per row: its clipped tokens are all low- or all high-clipped
+        clipped_rows = clipped.sum(dim=-1)
+        low_rows, high_rows = clipped_rows * below.squeeze(-1), clipped_rows * above.squeeze(-1)
+    else:
+        low_rows, high_rows = (clipped * below).sum(dim=-1), (clipped * above).sum(dim=-1)
+    is_clipped = clipped > 0 if keep else None
+    del clipped  # freed before the statistics' and the KL half's temporaries are made, as are the ratios unless kept
     ratio_stats = ratio_sums(log_ratio, ratio, weight) if statistics else None
     if not keep:
         del log_ratio, ratio
@@ -125,15 +135,8 @@ def fused_terms(
     else:
         kl_rows = torch.zeros_like(policy_rows)
         per_token_kl = torch.zeros_like(grad) if keep else None
-    below, above = advantages < 0, advantages > 0  # where a clipped token is low-clipped, where high-clipped
-    if advantages.shape[-1] == 1:  # one advantage per row: its clipped tokens are all low- or all high-clipped
-        clipped_rows = clipped.sum(dim=-1)
-        low_rows, high_rows = clipped_rows * below.squeeze(-1), clipped_rows * above.squeeze(-1)
-    else:
-        low_rows, high_rows = (clipped * below).sum(dim=-1), (clipped * above).sum(dim=-1)
     per_token = None
     if keep:  # as returned, the ratio is 0 where masked; with A = 0 there, the term is the same with r = 0 or 1
-        is_clipped = clipped > 0
         per_token = (
             log_ratio,
             torch.where(mask, ratio, 0.0),
@@ -166,8 +169,8 @@ def _policy_part(logp, old_logp, advantages, mask, weight, epsilon_low, epsilon_
     """
     # Masked positions may hold NaN or inf: `_masked_difference` sets x = 0 (r = 1) there, and A = 0, so P and its
     # derivative are 0 and no token is clipped; all that follows is finite.
-    log_ratio = _masked_difference(logp, old_logp.to(dtype), mask, weight)
-    ratio, ratio_slope = exp_linear_above_and_slope(log_ratio)  # r(x) and r'(x)
+    log_ratio, at_most_threshold = _masked_difference(logp, old_logp.to(dtype), mask, weight)
+    ratio, ratio_slope = exp_linear_above_and_slope(log_ratio, at_most_threshold=at_most_threshold)  # r(x), r'(x)
     advantages = advantages.to(dtype)
     if advantages.shape[-1] != 1:  # per token: any values where masked
         advantages = torch.where(mask, advantages, 0.0)
@@ -193,24 +196,25 @@ def _policy_part(logp, old_logp, advantages, mask, weight, epsilon_low, epsilon_
 
 def _kl_part(logp, ref_logp, mask, weight, dtype):
     """`sum_t K_it`, `-dK/dlogp` and `K`."""
-    d = _masked_difference(ref_logp.to(dtype), logp, mask, weight)
-    per_token_kl, minus_grad = kl_estimator_and_slope(d)  # K and -dK/dlogp = exp'(D) - 1, both 0 where masked
+    d, at_most_threshold = _masked_difference(ref_logp.to(dtype), logp, mask, weight)
+    # K and -dK/dlogp = exp'(D) - 1, both 0 where masked
+    per_token_kl, minus_grad = kl_estimator_and_slope(d, at_most_threshold=at_most_threshold)
     return per_token_kl.sum(dim=-1), minus_grad, per_token_kl
 
 
 def _masked_difference(a, b, mask, weight):
-    """`a - b` where `mask` is True, 0 elsewhere, whatever `a` and `b` hold there (NaN and inf included).
+    """`(x, at_most_threshold)`: `x = a - b` where `mask` is True, 0 elsewhere, whatever `a` and `b` hold there (NaN
+    and inf included), and `True` if no value of `x` is above `EXP_LINEAR_ABOVE` (`None`: not known).
 
     A select (`torch.where`) costs five products on a CPU. Where the product with the 0/1 `weight` is all finite it
-    is the select's value (`x * 1 = x`, `x * 0 = 0`; -0 where `x < 0`, which counts as 0 everywhere below); a NaN
-    from a masked inf or NaN, or a NaN of the values themselves, shows in its maximum (`all_at_most`), and then the
-    select is made.
+    is the select's value (`x * 1 = x`, `x * 0 = 0`; -0 where `x < 0`, which counts as 0 everywhere below). Its
+    maximum (`all_at_most`) tells both: a NaN (from a masked inf or NaN, or among the values themselves) is not at
+    most the threshold, and then the select is made.
     """
-    difference = a - b
-    product = difference * weight
-    if all_at_most(product, math.inf):
-        return product
-    return torch.where(mask, difference, 0.0)
+    product = (a - b).mul_(weight)
+    if all_at_most(product, EXP_LINEAR_ABOVE):
+        return product, True
+    return torch.where(mask, a - b, 0.0), None
 
 
 def _blocks_of_rows(logp, old_logp, ref_logp, advantages, mask, *hyperparameters, use_ref, dtype, keep, statistics):

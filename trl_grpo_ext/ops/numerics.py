@@ -76,7 +76,7 @@ def exp_linear_above(x: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE) -> to
 
 
 def exp_linear_above_and_slope(
-    x: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE
+    x: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE, *, at_most_threshold: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(exp_linear_above(x), its derivative exp(min(x, threshold)))`, the exponential computed once for both.
 
@@ -84,9 +84,9 @@ def exp_linear_above_and_slope(
     it, where a shared value is written to memory when two loops read it (the fused kernel's value and gradient).
     Where no exponent is above the threshold (`all_at_most`), the tangent's terms are 0 and are not computed: the
     same values, four operations fewer (for a tensor that requires no gradient: what autograd differentiates is the
-    general formula, whose gradient is rounded differently).
+    general formula, whose gradient is rounded differently). `at_most_threshold=True` says the caller has checked.
     """
-    if not x.requires_grad and all_at_most(x, threshold):
+    if not x.requires_grad and (at_most_threshold or all_at_most(x, threshold)):
         value = torch.exp(x)
         return value, value
     x_below = x.clamp(max=threshold)
@@ -111,10 +111,12 @@ def kl_estimator(d: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE) -> torch.
     return kl_estimator_and_slope(d, threshold)[0]
 
 
-def kl_estimator_and_slope(d: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE) -> tuple[torch.Tensor, torch.Tensor]:
+def kl_estimator_and_slope(
+    d: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE, *, at_most_threshold: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`(kl_estimator(d), its derivative expm1(min(d, threshold)))`, the exponential computed once for both (under
-    `torch.compile`, twice: see `exp_linear_above_and_slope`)."""
-    if not d.requires_grad and all_at_most(d, threshold):  # the tangent's terms are 0
+    `torch.compile`, twice; the shortcut and `at_most_threshold`: see `exp_linear_above_and_slope`)."""
+    if not d.requires_grad and (at_most_threshold or all_at_most(d, threshold)):  # the tangent's terms are 0
         exp_minus_one = torch.expm1(d)
         return exp_minus_one - d, exp_minus_one
     d_below = d.clamp(max=threshold)
