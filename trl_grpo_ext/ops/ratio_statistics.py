@@ -181,10 +181,15 @@ def _designed_bin(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), _NAN, bins).to(torch.int64)
 
 
-@functools.lru_cache(maxsize=1)
-def _slots() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(bin, lower, upper)` of every slot: its bin and the bounds of the log ratios it holds (float64)."""
-    slots = torch.arange(_SLOT_MASK + 1, dtype=torch.int64)
+#: Slots per chunk while the tables are built: a chunk's float64 temporaries hold a few MiB, where the whole slot
+#: range at once held about 100 MiB at its peak (and left most of it in the process's resident set).
+_CHUNK_SLOTS = 2**15
+
+
+def _slots(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(bin, lower, upper)` of the slots `start` to `stop - 1`: each slot's bin and the bounds of the log ratios it
+    holds (float64)."""
+    slots = torch.arange(start, stop, dtype=torch.int64)
     magnitude_slot = slots % _NEGATIVE_SLOTS
     negative = slots >= _NEGATIVE_SLOTS
 
@@ -205,20 +210,30 @@ def _slots() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _designed_bin(middle), lower, upper
 
 
+def _chunks() -> range:
+    return range(0, _SLOT_MASK + 1, _CHUNK_SLOTS)
+
+
 @functools.lru_cache(maxsize=8)
 def _bin_of_slot(device: torch.device) -> torch.Tensor:
     """The table slot -> bin on `device`, int16 (1 MiB). The loss kernel looks up a block's bins while its other
     temporaries fill a CPU core's cache: with an int64 table (4 MiB) and int64 bins the histogram took a quarter of
     the kernel's time at 64 x 4096, twice what it takes in int16."""
-    return _slots()[0].to(device=device, dtype=torch.int16)
+    table = torch.empty(_SLOT_MASK + 1, dtype=torch.int16)
+    for start in _chunks():
+        table[start : start + _CHUNK_SLOTS] = _slots(start, start + _CHUNK_SLOTS)[0]
+    return table.to(device=device)
 
 
 @functools.lru_cache(maxsize=1)
 def log_ratio_bin_bounds() -> tuple[torch.Tensor, torch.Tensor]:
     """`(lower, upper)` bounds of every bin but the NaN one, ascending, float64; the outer ones are infinite."""
-    bins, lower, upper = _slots()
-    finite = bins != _NAN
-    bins, lower, upper = bins[finite], lower[finite], upper[finite]
-    lowest = torch.full((NUM_BINS - 1,), math.inf, dtype=torch.float64).scatter_reduce(0, bins, lower, "amin")
-    highest = torch.full((NUM_BINS - 1,), -math.inf, dtype=torch.float64).scatter_reduce(0, bins, upper, "amax")
+    lowest = torch.full((NUM_BINS - 1,), math.inf, dtype=torch.float64)
+    highest = torch.full((NUM_BINS - 1,), -math.inf, dtype=torch.float64)
+    for start in _chunks():
+        bins, lower, upper = _slots(start, start + _CHUNK_SLOTS)
+        finite = bins != _NAN
+        bins, lower, upper = bins[finite], lower[finite], upper[finite]
+        lowest.scatter_reduce_(0, bins, lower, "amin")
+        highest.scatter_reduce_(0, bins, upper, "amax")
     return lowest, highest
