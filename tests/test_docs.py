@@ -46,3 +46,35 @@ def test_every_relative_link_reaches_a_file_and_heading(page):
         elif fragment and target.suffix == ".md" and fragment not in anchors(target):
             broken.append(f"{link}: no heading #{fragment} in {target.relative_to(ROOT)}")
     assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+def test_the_alarm_table_lists_every_alarm_with_its_field_and_default():
+    """docs/diagnostics.md's alarm table against the records (`ALARMS`): a new alarm, a renamed field or a changed
+    default that the page does not follow fails here."""
+    from trl_grpo_ext.guardrails.alarms import ALARMS
+
+    text = (ROOT / "docs" / "diagnostics.md").read_text()
+    header = "| alarm | field | default | given when | suggests |"
+    rows = text[text.index(header) :].split("\n\n", 1)[0].splitlines()[2:]
+    table = {}
+    for row in rows:
+        name, fields, defaults = (cell.strip() for cell in row.strip("|").split("|")[:3])
+        table[name.strip("`")] = (fields.split(",")[0].strip().strip("`"), float(defaults.split(",")[0]))
+    assert set(table) == set(ALARMS)
+    for name, alarm in ALARMS.items():
+        assert table[name] == (alarm.field, alarm.default), name
+
+
+def test_the_report_s_signals_are_those_the_page_lists_with_their_alarms():
+    """docs/diagnostics.md's paragraph on `report`'s signals names each signal's alarms, in the records' order, and
+    every alarm belongs to one signal."""
+    from trl_grpo_ext.guardrails.alarms import ALARMS
+    from trl_grpo_ext.report.health import SIGNALS
+
+    text = " ".join((ROOT / "docs" / "diagnostics.md").read_text().split())
+    paragraph = text[text.index("The signals, in order:") :].split(". ", 1)[0]
+    parts = paragraph.removeprefix("The signals, in order:").split(";")
+    listed = [re.findall(r"`([a-z_0-9]+)`", part) for part in parts]
+    assert listed == [list(signal.alarms) for signal in SIGNALS]
+    judged = [alarm for signal in SIGNALS for alarm in signal.alarms]
+    assert sorted(judged) == sorted(ALARMS)
