@@ -78,6 +78,16 @@ def _comm(results: dict) -> str:
     return f"{table}\n\n{setup}."
 
 
+def _truncation(results: dict) -> str:
+    """The truncated-sampling table as the suite prints it, the run's steps and correction mode after it."""
+    from . import truncation
+
+    return (
+        f"{truncation.table(results)}\n\n{results['steps']} training steps per side and setting, "
+        f"`vllm_importance_sampling_mode={results['mode']!r}`."
+    )
+
+
 @dataclass(frozen=True)
 class Renderer:
     """How one results file becomes Markdown.
@@ -96,6 +106,7 @@ RENDERERS: dict[str, Renderer] = {
     "kernel": Renderer("kernel", _kernel),
     "forward": Renderer("forward", _forward),
     "comm": Renderer("comm", _comm),
+    "truncation": Renderer("truncation", _truncation),
 }
 
 
