@@ -109,7 +109,7 @@ from trl_grpo_ext import trainer as trainer_module  # noqa: E402
 from trl_grpo_ext.checkpointing import STAGING_DIR  # noqa: E402
 from trl_grpo_ext.guardrails import NonFiniteTrainingError  # noqa: E402
 from trl_grpo_ext.guardrails.launch import check_launch  # noqa: E402
-from trl_grpo_ext.sampling import dynamic as sampling_module  # noqa: E402
+from trl_grpo_ext.sampling import plan as sampling_plan  # noqa: E402
 from trl_grpo_ext.sampling.selective import SelectiveRollouts  # noqa: E402
 
 PACKAGE_DIR = os.path.dirname(trl_grpo_ext.__file__)
@@ -460,17 +460,17 @@ def run_sampling(output_dir, model_path, reward_funcs, **overrides) -> dict:
 
 def run_disagreeing(output_dir, model_path, **overrides) -> dict:
     """`run_sampling` where rank 1's keep/drop decisions are the opposite of what its rewards say."""
-    original = sampling_module.informative_groups
+    original = sampling_plan.informative_groups
 
     def disagreeing(rewards, num_generations, original=original):
         flags = original(rewards, num_generations)
         return ~flags if RANK == 1 else flags
 
-    sampling_module.informative_groups = disagreeing
+    sampling_plan.informative_groups = disagreeing
     try:
         return run_sampling(output_dir, model_path, reward_constant_on_some_prompts, **overrides)
     finally:
-        sampling_module.informative_groups = original
+        sampling_plan.informative_groups = original
 
 
 # The runs of selective rollouts and of dynamic sampling's round sizes, over `helpers.tiny_grpo_args`.

@@ -178,7 +178,7 @@ class GRPOTrainerExt(GRPOTrainer):
         if truncation_warning(args):
             warnings.warn(truncation_warning(args), UserWarning, stacklevel=2)
         self._truncation_match = TruncationMatch.for_trainer(self)  # None unless vLLM truncates and the option is on
-        self._scored: ScoredBatch | None = None  # the rewards of the generation batch scored last
+        self._scored: ScoredBatch | None = None  # what `_calculate_rewards` hands `_generate_and_score`
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         # What ends a completion that was not cut at max_completion_length (TRL's `completions/clipped_ratio`).
         self._completion_ends = {*eos_token_ids(self.model, tokenizer), tokenizer.pad_token_id}
@@ -194,7 +194,7 @@ class GRPOTrainerExt(GRPOTrainer):
             self._checkpoints.register("prompt_stream", self._selective.stream, rewind=True)
         if option(args, "dynamic_sampling"):
             rounds, margin = option(args, "dynamic_sampling_max_rounds"), option(args, "dynamic_sampling_round_margin")
-            sampler = DynamicSampler(self, rounds, lambda: self._scored, margin=margin, selective=self._selective)
+            sampler = DynamicSampler(self, rounds, margin=margin, selective=self._selective)
             if self._selective is None:  # else the stream is the one selective rollouts registered
                 self._checkpoints.register("prompt_stream", sampler.stream, rewind=True)
             self._checkpoints.register("dynamic_sampling", sampler.keep_rate, rewind=True)
@@ -365,15 +365,14 @@ class GRPOTrainerExt(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         mode = "train" if self.model.training else "eval"
-        stock = super()._generate_and_score_completions
         match = self._truncation_match
         mark = match.mark(mode) if match is not None else None
         if self._dynamic_sampler is not None and mode == "train":
-            output, scored = self._dynamic_sampler.generate(inputs, stock)
+            output, scored = self._dynamic_sampler.generate(inputs, self._generate_and_score)
         elif self._selective is not None and mode == "train":
-            output, scored = self._selective.generate(inputs, stock, lambda: self._scored)
+            output, scored = self._selective.generate(inputs, self._generate_and_score)
         else:
-            output, scored = stock(inputs), self._scored
+            output, scored = self._generate_and_score(inputs)
         self._add_reward_spread(scored, mode)
         measured = self._diagnostics[mode].sampler_mismatch and output.get("sampling_per_token_logps") is not None
         # With vLLM's cuts matched: the correction's weights and TRL's metrics of them, from truncated log-probs
@@ -391,6 +390,16 @@ class GRPOTrainerExt(GRPOTrainer):
             )
             self._diagnostics[mode].add_sampler_mismatch(mismatch)
         return output
+
+    def _generate_and_score(self, inputs: list[dict]) -> tuple[dict, ScoredBatch]:
+        """TRL's generation and scoring of one generation batch (`inputs`: this process's rows), and what its reward
+        call scored: the one hand-off of a batch's rewards (`_calculate_rewards` is called inside TRL's method)."""
+        self._scored = None
+        output = super()._generate_and_score_completions(inputs)
+        scored, self._scored = self._scored, None
+        if scored is None:
+            raise RuntimeError("TRL's _generate_and_score_completions returned without calling _calculate_rewards.")
+        return output, scored
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)

@@ -75,7 +75,7 @@ from .plan import (
     extra_round_rows,
     fill_slots,
     group_placement,
-    informative_groups,
+    group_spread,
     trl_advantages,
     trl_reward_metrics,
 )
@@ -166,7 +166,6 @@ class DynamicSampler:
         trainer (`GRPOTrainer`): its data, options, accelerator and TRL's logs are read; `_metrics` and `_logs` are
             rewritten for the assembled batch.
         max_rounds (`int`): the most extra rounds per generation batch (>= 1: the configuration checks it).
-        last_scored (`Callable[[], ScoredBatch]`): the rewards of the generation batch TRL scored last.
         margin (`float`): an extra round generates this many times the groups it is expected to need (> 0: the
             configuration checks it).
         selective (`selective.SelectiveRollouts`, *optional*): selective rollouts, whose stream this sampler then
@@ -180,7 +179,6 @@ class DynamicSampler:
         self,
         trainer,
         max_rounds: int,
-        last_scored: Callable[[], ScoredBatch],
         margin: float = 1.1,
         selective=None,
     ):
@@ -191,7 +189,7 @@ class DynamicSampler:
                 "datasets.Dataset), not an IterableDataset. Load the dataset without `streaming=True`, or set "
                 "dynamic_sampling=False."
             )
-        self.trainer, self.max_rounds, self.last_scored = trainer, max_rounds, last_scored
+        self.trainer, self.max_rounds = trainer, max_rounds
         self.margin, self.selective = margin, selective
         #: The fresh prompts of the extra rounds (resumable: `Checkpoints.register`).
         if selective is not None:
@@ -203,12 +201,15 @@ class DynamicSampler:
         self._sampling_dataset = None
         self._prompt_keys = selective.prompt_keys if selective is not None else PromptKeys(dataset)
 
-    def generate(self, inputs: list[dict], stock: Callable[[list[dict]], dict]) -> tuple[dict[str, Any], ScoredBatch]:
+    def generate(
+        self, inputs: list[dict], generate_and_score: Callable[[list[dict]], tuple[dict[str, Any], ScoredBatch]]
+    ) -> tuple[dict[str, Any], ScoredBatch]:
         """The batch that trains and its rewards.
 
         Args:
             inputs: this process's rows of the generation batch (TRL's sampler's).
-            stock: TRL's own `_generate_and_score_completions`, which generates and scores one generation batch.
+            generate_and_score: TRL's generation and scoring of one generation batch, with what it scored
+                (`GRPOTrainerExt._generate_and_score`).
 
         Returns:
             `(output, scored)`: TRL's batch dict for this process, each dropped group replaced where an informative
@@ -223,7 +224,7 @@ class DynamicSampler:
         selection = None
         if self.selective is not None:
             selection, inputs = self.selective.prepare(inputs)
-        rounds = [self._scored_round(inputs, stock, local_rows, selection)]
+        rounds = [self._scored_round(inputs, generate_and_score, local_rows, selection)]
         # The prompts the batch holds (every process's); TRL's table has them also without selective rollouts
         if selection is not None:
             taken = {self._prompt_keys(prompt) for prompt in selection.prompts}
@@ -251,7 +252,7 @@ class DynamicSampler:
             )
             round_groups = num_processes * rows // num_generations
             fresh, selection = self._fresh_inputs(round_groups, rows, taken)
-            rounds.append(self._scored_round(fresh, stock, rows, selection))
+            rounds.append(self._scored_round(fresh, generate_and_score, rows, selection))
             round_total = rounds[-1].scored.rewards_per_func.size(0)
             assignment, short = fill_slots([r.informative for r in rounds], placements, [r.placements for r in rounds])
             self._check_processes_agree(rows, round_total, rounds[-1].informative, short)
@@ -308,9 +309,9 @@ class DynamicSampler:
         self._rewrite_completions_table(rounds, sources, advantages)
         return output, ScoredBatch(rewards_per_func, lengths, start, truncated)
 
-    def _scored_round(self, inputs: list[dict], stock, local_rows: int, selection=None) -> _Round:
-        """TRL's `_generate_and_score_completions` on `inputs` (`local_rows` rows on each process), with what the plan
-        needs of it; with selective rollouts, its groups update their prompts' histories."""
+    def _scored_round(self, inputs: list[dict], generate_and_score, local_rows: int, selection=None) -> _Round:
+        """`inputs` generated and scored (`local_rows` rows on each process), with what the plan needs of it; with
+        selective rollouts, its groups update their prompts' histories."""
         trainer = self.trainer
         # Emptied, so that what the call leaves in TRL's table (one generation batch long) is this round's rows; the
         # table of the batch that trains is written once every round is in (`_rewrite_completions_table`).
@@ -321,7 +322,7 @@ class DynamicSampler:
         trainer._logs["extra"].clear()
         metrics = trainer._metrics["train"]
         before = {name: len(values) for name, values in metrics.items()}
-        output = stock(inputs)
+        output, scored = generate_and_score(inputs)
         appended = {
             name: list(values[before.get(name, 0) :])
             for name, values in metrics.items()
@@ -333,21 +334,13 @@ class DynamicSampler:
                 f"dynamic_sampling cannot assemble a batch that holds {unknown} (multimodal inputs): their tensors "
                 "are not one row per completion. Set dynamic_sampling=False for this model."
             )
-        scored = self.last_scored()
-        _, is_std_zero, rewards = trl_advantages(
-            scored.rewards_per_func,
-            trainer.reward_weights,
-            trainer.num_generations,
-            trainer.scale_rewards,
-            trainer.multi_objective_aggregation,
-        )
+        informative, is_std_zero = group_spread(trainer, scored.rewards_per_func)
         logs = {
             "prompt": list(trainer._logs["prompt"]),
             "completion": list(trainer._logs["completion"]),
             "rewards": {name: list(values) for name, values in trainer._logs["rewards"].items()},
             "extra": {name: list(values) for name, values in trainer._logs["extra"].items()},
         }
-        informative = informative_groups(rewards, trainer.num_generations)
         if selection is not None:
             self.selective.observe(selection, informative)
         num_groups = scored.rewards_per_func.size(0) // trainer.num_generations

@@ -35,6 +35,7 @@ __all__ = [
     "extra_round_rows",
     "fill_slots",
     "group_placement",
+    "group_spread",
     "informative_groups",
     "trl_advantages",
     "trl_reward_metrics",
@@ -133,6 +134,27 @@ def informative_groups(rewards: torch.Tensor, num_generations: int) -> torch.Ten
     the statistics, as TRL leaves them out.
     """
     return has_spread(nanstd(rewards.view(-1, num_generations), dim=1))
+
+
+def group_spread(trainer, rewards_per_func: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(informative, is_std_zero)` of a scored generation batch under the trainer's reward weights, scaling and
+    aggregation: which groups have a reward spread, `(K,)` bool (`informative_groups`), and TRL's zero-std flag of
+    each row, `(N,)` (`trl_advantages`). The one test of a batch's groups that dynamic sampling and selective
+    rollouts both apply.
+
+    Args:
+        trainer (`GRPOTrainer`): its `reward_weights`, `num_generations`, `scale_rewards` and
+            `multi_objective_aggregation` are read.
+        rewards_per_func (`torch.Tensor` of shape `(N, F)`): every process's rows (`ScoredBatch.rewards_per_func`).
+    """
+    _, is_std_zero, rewards = trl_advantages(
+        rewards_per_func,
+        trainer.reward_weights,
+        trainer.num_generations,
+        trainer.scale_rewards,
+        trainer.multi_objective_aggregation,
+    )
+    return informative_groups(rewards, trainer.num_generations), is_std_zero
 
 
 def group_placement(num_groups: int, num_generations: int, rows_per_process: int) -> list[tuple]:

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from .plan import PromptKeys, PromptStream, informative_groups, trl_advantages
+from .plan import PromptKeys, PromptStream, group_spread
 
 __all__ = ["INDEX_COLUMN", "SelectiveRollouts", "Selection", "strip_index"]
 
@@ -262,28 +262,19 @@ class SelectiveRollouts:
             step = -self.step if zero_spread > self.target else self.step
             self.exploration = min(self.exploration_max, max(self.exploration_min, self.exploration + step))
 
-    def generate(
-        self, inputs: list[dict], stock: Callable[[list[dict]], dict], last_scored: Callable
-    ) -> tuple[dict[str, Any], Any]:
-        """Without dynamic sampling: TRL's `_generate_and_score_completions` (`stock`) on the selected prompts."""
+    def generate(self, inputs: list[dict], generate_and_score: Callable) -> tuple[dict[str, Any], Any]:
+        """Without dynamic sampling: the selected prompts generated and scored.
+
+        Args:
+            inputs: this process's rows of the generation batch (TRL's sampler's).
+            generate_and_score (`Callable[[list[dict]], tuple[dict, ScoredBatch]]`): TRL's generation and scoring of
+                a generation batch, with what it scored (`GRPOTrainerExt._generate_and_score`).
+        """
         selection, rows = self.prepare(inputs)
-        output = stock(rows)
-        scored = last_scored()
-        self.observe(selection, self.informative(scored.rewards_per_func))
+        output, scored = generate_and_score(rows)
+        self.observe(selection, group_spread(self.trainer, scored.rewards_per_func)[0])
         self.finish(self.trainer._metrics["train"])
         return output, scored
-
-    def informative(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
-        """`(K,)` bool: which groups of a scored round had a reward spread (dynamic sampling's test)."""
-        trainer = self.trainer
-        _, _, rewards = trl_advantages(
-            rewards_per_func,
-            trainer.reward_weights,
-            trainer.num_generations,
-            trainer.scale_rewards,
-            trainer.multi_objective_aggregation,
-        )
-        return informative_groups(rewards, trainer.num_generations)
 
     # Resume
 
