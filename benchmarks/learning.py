@@ -1,4 +1,4 @@
-"""Learning against training time on the demo task: held-out exact match as training goes, per side and seed.
+"""Learning against training time on a task: held-out exact match as training goes, per side and seed.
 
 Every side trains the shipped demo (`trl_grpo_ext/recipes/tiny`: the warmed-up 0.5M-parameter model, a LoRA adapter,
 16 prompts x 8 completions per step, `num_iterations=2`, the demo config's sampling and learning rate) for the same
@@ -18,10 +18,19 @@ without and with skipping trains shorter runs without evaluation (`skip_steps`),
 generation and scoring, and the rest (the training forward and backward, which skipping shortens, and the optimizer):
 the step time of skipping at the measured zero-spread fraction.
 
+`ext_padded` (`GRPOTrainerExt` with TRL's padded log-prob forward: `padding_free=False`, `shared_prompt_forward=False`)
+separates what the package's forward saves from what the sampling options save.
+
+Two tasks (`task`): the demo's shipped data, and the spread task (`spread.py`: reversal of 1-9 letters, whose prompts
+are easy, learnable or out of reach for the demo model, the way a math set's are for a given model), built in memory.
+Every run records, per group generated in training, its step, its prompt and whether its rewards were all equal
+(with the reward function wrapped, under the reward's own name): `spread.flatness_statistics` makes of them the
+zero-spread share over training and the probability that a prompt flat at one visit is flat at the next.
+
 Two data sides: the whole shipped training set (20,000 prompts: 400 steps visit each prompt once at most, so
 selective rollouts only see the prompts that dynamic sampling's stream and TRL's sampler both drew), and the
-multi-epoch side (`epoch_prompts`, 1,000 prompts: each is visited about 3 times by TRL's sampler in 400 steps). Every
-run also counts the completions generated (every call of TRL's generation, extra rounds included) and those trained.
+multi-epoch side (`epoch_prompts`, 1,000 prompts: each is visited about 3 times by TRL's sampler in 400 steps; the
+spread task's runs were measured on 500: about 6 visits). Every run also counts the completions generated (every call of TRL's generation, extra rounds included) and those trained.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ SPREAD_TRAIN, SPREAD_TEST = 5000, 1000
 SIDES = {
     "trl": "stock trl.GRPOTrainer(loss_type='grpo', beta=0.04, use_bias_correction_kl=False)",
     "ext": "GRPOTrainerExt, GRPOConfigExt defaults (beta=0.04)",
+    "ext_padded": "GRPOTrainerExt, padding_free=False, shared_prompt_forward=False (TRL's padded forward)",
     "ext_dynamic_full": "GRPOTrainerExt, dynamic_sampling=True, every extra round a whole generation batch",
     "ext_dynamic": "GRPOTrainerExt, dynamic_sampling=True",
     "ext_selective": "GRPOTrainerExt, selective_rollouts=True",
@@ -58,6 +68,7 @@ EPOCH_SIDES = ("trl", "ext", "ext_dynamic", "ext_selective", "ext_selective_dyna
 OPTIONS = {
     "trl": {},
     "ext": {},
+    "ext_padded": {"padding_free": False, "shared_prompt_forward": False},
     # A margin of a whole generation batch's groups (16): every extra round is a whole generation batch.
     "ext_dynamic_full": {"dynamic_sampling": True, "dynamic_sampling_round_margin": 16.0},
     "ext_dynamic": {"dynamic_sampling": True},
