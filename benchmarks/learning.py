@@ -30,7 +30,8 @@ zero-spread share over training and the probability that a prompt flat at one vi
 Two data sides: the whole shipped training set (20,000 prompts: 400 steps visit each prompt once at most, so
 selective rollouts only see the prompts that dynamic sampling's stream and TRL's sampler both drew), and the
 multi-epoch side (`epoch_prompts`, 1,000 prompts: each is visited about 3 times by TRL's sampler in 400 steps; the
-spread task's runs were measured on 500: about 6 visits). Every run also counts the completions generated (every call of TRL's generation, extra rounds included) and those trained.
+spread task's runs were measured on 500: about 6 visits). Every run also counts the completions generated (every
+call of TRL's generation, extra rounds included) and those trained.
 """
 
 from __future__ import annotations

@@ -5,14 +5,17 @@ difficulty, so whether a prompt's group of completions has reward spread is clos
 Real RLVR data is not like that for a given model: some prompts are solved, some stay out of reach for the whole run,
 and a learnable middle moves. This task builds that from the demo's own task and model, with no download: reversal of
 strings of 1 to 9 letters from a-j. For the demo model (sampled at temperature 1, 8 completions per prompt, before
-any GRPO step) the lengths fall into three bands:
+any GRPO step; `python -m benchmarks.spread`) the lengths fall into three bands:
 
-- length 1 (10 words): mostly right from the start (about 0.6 of the completions), learnt within a few visits;
-- lengths 3-6 (the warm-up's lengths): the learnable middle (0.1-0.4 of the completions right);
-- lengths 2 and 7-9 (never seen in the warm-up): out of reach (0.02 of length 2's completions right, 0 beyond 7);
-  every group of 8 completions is all wrong, visit after visit.
+- length 1 (10 words, 2% of the prompts): easy, about 0.6 of the completions right from the start;
+- lengths 3-6 (the warm-up's lengths, about 64%): the learnable middle, 0.08-0.30 of the completions right;
+- lengths 2 and 7-9 (never seen in the warm-up, about 34%): out of reach, 0.01 of the completions right or none;
+  0.95 of their groups of 8 completions and more are all wrong.
 
-`make_spread_splits` draws the rows, deterministic given the seed; `flatness_statistics` measures what GRESO
+No prompt is solved 8 times out of 8 at the start; some become so in training.
+
+`make_spread_splits` draws the rows, deterministic given the seed; `starting_difficulty` (`python -m
+benchmarks.spread`) measures the bands above; `flatness_statistics` measures what GRESO
 (arXiv 2506.02177) measures on a run: the share of groups without reward spread over training, and how well one
 visit of a prompt predicts the next.
 """
@@ -25,7 +28,7 @@ from collections.abc import Iterable, Mapping
 
 from trl_grpo_ext.recipes.reversal import ALPHABET, SEPARATOR
 
-__all__ = ["BANDS", "LENGTH_WEIGHTS", "band_of", "flatness_statistics", "make_spread_splits"]
+__all__ = ["BANDS", "LENGTH_WEIGHTS", "band_of", "flatness_statistics", "make_spread_splits", "starting_difficulty"]
 
 #: Relative weight of each string length when a row is drawn (length 1 has only 10 distinct words, so it is capped).
 LENGTH_WEIGHTS: Mapping[int, int] = {1: 1, 2: 2, 3: 3, 4: 3, 5: 3, 6: 3, 7: 2, 8: 2, 9: 2}
@@ -109,3 +112,56 @@ def flatness_statistics(visits: Iterable[tuple[int, str, float]], steps: int, pa
         "flat_after_spread": share(after[False]),
         "revisited": (len(after[True]) + len(after[False])) / len(visits) if visits else None,
     }
+
+
+def starting_difficulty(prompts: int = 500, generations: int = 8, seed: int = 0) -> dict[int, dict]:
+    """The demo model's difficulty of each length before training, on the first `prompts` training prompts.
+
+    Each prompt gets `generations` completions, sampled as the demo trains (temperature 1, up to 10 tokens).
+
+    Returns:
+        `dict` length -> `{"prompts", "accuracy", "all_wrong", "all_right"}`: the prompts of that length, the share of
+        their completions that are right, and the shares of their groups all wrong and all right.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_grpo_ext.recipes.demo import DEMO_MODEL
+    from trl_grpo_ext.recipes.evaluation import SamplingSettings, generate_completions
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL)
+    rows, _ = make_spread_splits(prompts, 0)
+    repeated = [row["prompt"] for row in rows for _ in range(generations)]
+    completions = generate_completions(
+        model, tokenizer, repeated, SamplingSettings(max_completion_length=10), seed=seed
+    )
+    right = [completion.strip() == prompt[:-1][::-1] for completion, prompt in zip(completions, repeated, strict=True)]
+    groups: dict[int, list[int]] = {}
+    for index, row in enumerate(rows):
+        groups.setdefault(len(row["solution"]), []).append(sum(right[index * generations : (index + 1) * generations]))
+    return {
+        length: {
+            "prompts": len(counts),
+            "accuracy": sum(counts) / (len(counts) * generations),
+            "all_wrong": statistics.mean(count == 0 for count in counts),
+            "all_right": statistics.mean(count == generations for count in counts),
+        }
+        for length, counts in sorted(groups.items())
+    }
+
+
+if __name__ == "__main__":  # python -m benchmarks.spread: the bands of the module docstring
+    from .common import format_table
+
+    table = starting_difficulty()
+    headers = ["length", "band", "prompts", "completions right", "groups all wrong", "groups all right"]
+    print(
+        format_table(
+            headers,
+            [
+                [length, band_of("a" * length), row["prompts"], f"{row['accuracy']:.2f}", f"{row['all_wrong']:.2f}",
+                 f"{row['all_right']:.2f}"]
+                for length, row in table.items()
+            ],
+        )
+    )  # fmt: skip
