@@ -94,3 +94,25 @@ def test_the_learning_summary_averages_flatness_over_the_seeds():
     assert results["summary"]["trl"]["flatness"]["zero_spread_by_part"] == [1.0, 0.0]
     text = learning.flatness_table(results)
     assert "| trl  | 3      | 0.67 (0.67, 0.00)" in text and "1.00, 0.00" in text and "| -" in text
+
+
+@pytest.mark.slow
+def test_the_learning_benchmark_trains_on_the_spread_task_and_records_every_group(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    out = tmp_path / "learning.json"
+    command = [sys.executable, "-m", "benchmarks", "learning", "--quick", "--task", "spread", "--learning-sides", "",
+               "--epoch-sides", "trl,ext_selective", "--skip-steps", "0", "--json", str(out)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "how well one visit of a prompt predicts the next" in result.stdout
+    learned = json.loads(out.read_text())["learning"]
+    assert learned["config"]["task"] == "spread"
+    for run in learned["epoch_runs"]:
+        # 4 steps, num_iterations=2: two generation batches of 16 prompts, one group each
+        assert run["flatness"]["groups"] == 32 and run["train_prompts"] == 32
+        assert run["generated_completions"] == 32 * 8
