@@ -336,6 +336,8 @@ def run(
     writes."""
     import multiprocessing
 
+    if task not in TASKS:
+        raise ValueError(f"Unknown task {task!r}; expected one of {sorted(TASKS)}.")
     context = multiprocessing.get_context("spawn")
     runs = _learning_runs(context, seeds, sides, steps, eval_every, eval_samples, threads, task=task)
     epoch_runs = []

@@ -116,3 +116,8 @@ def test_the_learning_benchmark_trains_on_the_spread_task_and_records_every_grou
         # 4 steps, num_iterations=2: two generation batches of 16 prompts, one group each
         assert run["flatness"]["groups"] == 32 and run["train_prompts"] == 32
         assert run["generated_completions"] == 32 * 8
+
+
+def test_the_learning_benchmark_refuses_an_unknown_task():
+    with pytest.raises(ValueError, match="Unknown task 'math'"):
+        learning.run(seeds=(0,), sides=(), task="math")
