@@ -32,7 +32,7 @@ def test_the_flat_share_and_its_last_quarter_are_read_from_the_generated_groups_
     ("flat", "epochs", "precision", "advice"),
     [
         ([0.1, 0.1], 5.0, None, "have little generation to save"),
-        ([0.6, 0.6], 1.2, None, "visited about 1.2 times: selective_rollouts needs prompts that recur"),
+        ([0.6, 0.6], 1.2, None, "its training set 1.2 times: selective_rollouts needs prompts that recur"),
         ([0.6, 0.6], 6.0, None, "prompts recur: selective_rollouts=True may skip"),
         ([0.5, 0.5], 6.0, 0.9, "flat again 90% of the time: flatness is predictable here, skipping pays"),
         ([0.5, 0.5], 6.0, 0.55, "not much more than the 50% of any prompt: skipping saves little"),

@@ -67,8 +67,8 @@ def sampling_summary(log_history: list[dict]) -> dict | None:
             message += f", not much more than the {flat:.0%} of any prompt: skipping saves little on this data"
     elif epochs is not None and epochs < RECURRING_EPOCHS:
         message += (
-            f"; each prompt was visited about {epochs:.1f} times: selective_rollouts needs prompts that recur, "
-            "dynamic_sampling=True replaces flat groups (more generation per step)"
+            f"; the run went through its training set {epochs:.2g} times: selective_rollouts needs prompts that "
+            "recur, dynamic_sampling=True replaces flat groups (more generation per step)"
         )
     else:
         message += (
