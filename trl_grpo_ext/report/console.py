@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from transformers import PrinterCallback, ProgressCallback
 
 from ..choices import CONSOLE_MODES
+from .sampling import sampling_summary
 
 __all__ = ["CONSOLE_MODES", "CONSOLE_SIGNALS", "ConsoleCallback", "format_log_line"]
 
@@ -133,8 +134,6 @@ class ConsoleCallback(ProgressCallback):
         if self.training_bar is not None:
             super().on_train_end(args, state, control, **kwargs)
         if state.is_world_process_zero:
-            from .sampling import sampling_summary  # at the end only: the line `report` prints, for this run
-
             summary = sampling_summary(state.log_history)
             if summary is not None:
                 print(summary["message"], flush=True)
