@@ -62,6 +62,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--epoch-prompts", type=int, default=1000, help="training prompts of the multi-epoch learning runs"
     )
+    parser.add_argument(
+        "--task",
+        default="demo",
+        choices=["demo", "spread"],
+        help="learning: the demo's data, or the spread task (benchmarks/spread.py: easy, learnable, out-of-reach)",
+    )
     parser.add_argument("--skip-steps", type=int, default=100, help="steps of each skipping step-time run (0: none)")
     parser.add_argument(
         "--truncation-settings",
@@ -140,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
             skip_steps=2 if args.quick else args.skip_steps,
             epoch_sides=tuple(side for side in args.epoch_sides.split(",") if side),
             epoch_prompts=32 if args.quick else args.epoch_prompts,
+            task=args.task,
         )
         goals = (
             "goals: ext_selective_dynamic reaches stock TRL's final exact match in <= 0.6 of stock's training time, "
@@ -147,16 +154,24 @@ def main(argv: list[str] | None = None) -> None:
         )
         if results["learning"]["runs"]:
             title = (
-                "Held-out exact match against training time on the demo task, the whole training set (CPU seconds "
-                f"of one thread; {goals})"
+                f"Held-out exact match against training time on the {args.task} task, the whole training set (CPU "
+                f"seconds of one thread; {goals})"
             )
             tables.append(title + "\n" + learning.table(results["learning"]))
         if "epochs" in results["learning"]:
             prompts = results["learning"]["config"]["epoch_prompts"]
             title = f"The same on the first {prompts} training prompts (multi-epoch; {goals})"
             tables.append(title + "\n" + learning.table(results["learning"]["epochs"]))
+            title = (
+                "Groups without reward spread over the multi-epoch runs, and how well one visit of a prompt predicts "
+                "the next (mean over the seeds)"
+            )
+            tables.append(title + "\n" + learning.flatness_table(results["learning"]["epochs"]))
         if len(results["learning"]["skip_step_times"]) == 2:
-            title = "Step time with skip_zero_advantage_rows against without (beta=0, the demo; CPU seconds, mean)"
+            title = (
+                f"Step time with skip_zero_advantage_rows against without (beta=0, the {args.task} task; CPU seconds, "
+                "mean)"
+            )
             tables.append(title + "\n" + learning.skip_table(results["learning"]["skip_step_times"]))
 
     if args.suite == "truncation":

@@ -1,4 +1,4 @@
-"""Learning against training time on the demo task: held-out exact match as training goes, per side and seed.
+"""Learning against training time on a task: held-out exact match as training goes, per side and seed.
 
 Every side trains the shipped demo (`trl_grpo_ext/recipes/tiny`: the warmed-up 0.5M-parameter model, a LoRA adapter,
 16 prompts x 8 completions per step, `num_iterations=2`, the demo config's sampling and learning rate) for the same
@@ -18,10 +18,20 @@ without and with skipping trains shorter runs without evaluation (`skip_steps`),
 generation and scoring, and the rest (the training forward and backward, which skipping shortens, and the optimizer):
 the step time of skipping at the measured zero-spread fraction.
 
+`ext_padded` (`GRPOTrainerExt` with TRL's padded log-prob forward: `padding_free=False`, `shared_prompt_forward=False`)
+separates what the package's forward saves from what the sampling options save.
+
+Two tasks (`task`): the demo's shipped data, and the spread task (`spread.py`: reversal of 1-9 letters, whose prompts
+are easy, learnable or out of reach for the demo model, the way a math set's are for a given model), built in memory.
+Every run records, per group generated in training, its step, its prompt and whether its rewards were all equal
+(with the reward function wrapped, under the reward's own name): `spread.flatness_statistics` makes of them the
+zero-spread share over training and the probability that a prompt flat at one visit is flat at the next.
+
 Two data sides: the whole shipped training set (20,000 prompts: 400 steps visit each prompt once at most, so
 selective rollouts only see the prompts that dynamic sampling's stream and TRL's sampler both drew), and the
-multi-epoch side (`epoch_prompts`, 1,000 prompts: each is visited about 3 times by TRL's sampler in 400 steps). Every
-run also counts the completions generated (every call of TRL's generation, extra rounds included) and those trained.
+multi-epoch side (`epoch_prompts`, 1,000 prompts: each is visited about 3 times by TRL's sampler in 400 steps; the
+spread task's runs were measured on 500: about 6 visits). Every run also counts the completions generated (every
+call of TRL's generation, extra rounds included) and those trained.
 """
 
 from __future__ import annotations
@@ -33,10 +43,20 @@ import tempfile
 import time
 
 from .common import format_table, pin_threads
+from .spread import flatness_statistics, make_spread_splits
+
+#: The tasks a learning run trains on: the shipped demo data, or the spread task (`spread.py`), built in memory.
+TASKS = {
+    "demo": "the demo's shipped data: reversal of 3-6 letters (`trl_grpo_ext/recipes/tiny/data`)",
+    "spread": "reversal of 1-9 letters: easy, learnable and out-of-reach prompts for the demo model (`spread.py`)",
+}
+#: Rows of the spread task's splits (a run trains on the first `train_prompts` of the training split).
+SPREAD_TRAIN, SPREAD_TEST = 5000, 1000
 
 SIDES = {
     "trl": "stock trl.GRPOTrainer(loss_type='grpo', beta=0.04, use_bias_correction_kl=False)",
     "ext": "GRPOTrainerExt, GRPOConfigExt defaults (beta=0.04)",
+    "ext_padded": "GRPOTrainerExt, padding_free=False, shared_prompt_forward=False (TRL's padded forward)",
     "ext_dynamic_full": "GRPOTrainerExt, dynamic_sampling=True, every extra round a whole generation batch",
     "ext_dynamic": "GRPOTrainerExt, dynamic_sampling=True",
     "ext_selective": "GRPOTrainerExt, selective_rollouts=True",
@@ -49,6 +69,7 @@ EPOCH_SIDES = ("trl", "ext", "ext_dynamic", "ext_selective", "ext_selective_dyna
 OPTIONS = {
     "trl": {},
     "ext": {},
+    "ext_padded": {"padding_free": False, "shared_prompt_forward": False},
     # A margin of a whole generation batch's groups (16): every extra round is a whole generation batch.
     "ext_dynamic_full": {"dynamic_sampling": True, "dynamic_sampling_round_margin": 16.0},
     "ext_dynamic": {"dynamic_sampling": True},
@@ -77,11 +98,15 @@ def train_and_evaluate(
     eval_samples: int,
     threads: int,
     train_prompts: int | None = None,
+    task: str = "demo",
 ) -> dict:
-    """One run of `side`: held-out exact match every `eval_every` steps against training seconds, step times, and the
-    completions generated and trained; on the first `train_prompts` training prompts (default: all of them)."""
+    """One run of `side` on `task` (a key of `TASKS`): held-out exact match every `eval_every` steps against training
+    seconds, step times, the completions generated and trained, and the flatness of its groups
+    (`spread.flatness_statistics`); on the first `train_prompts` training prompts (default: all of them)."""
+    import math
     from dataclasses import fields
 
+    from datasets import Dataset, DatasetDict
     from peft import LoraConfig
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -109,7 +134,11 @@ def train_and_evaluate(
         args = GRPOConfig(**config, loss_type="grpo", use_bias_correction_kl=False)  # beta, epsilon: the demo's
     else:
         trainer_class, args = GRPOTrainerExt, GRPOConfigExt(**{**config, **OPTIONS[side]})
-    dataset = load_recipe_dataset(demo["dataset_name"])
+    if task == "spread":
+        train_rows, test_rows = make_spread_splits(SPREAD_TRAIN, SPREAD_TEST)
+        dataset = DatasetDict({"train": Dataset.from_list(train_rows), "test": Dataset.from_list(test_rows)})
+    else:
+        dataset = load_recipe_dataset(demo["dataset_name"])
     train_set = dataset["train"] if train_prompts is None else dataset["train"].select(range(train_prompts))
     eval_rows = dataset["test"].select(range(eval_samples)).to_list() if eval_samples else []
     model_path = demo["model_name_or_path"]
@@ -169,6 +198,19 @@ def train_and_evaluate(
                 self.stop()
 
     clock = Clock()
+    visits: list[tuple[int, str, float]] = []  # per group generated in training: (step, prompt, flat reward or NaN)
+
+    def recorded_exact_match(prompts, completions, **kwargs):  # exact_match, every group's flatness recorded
+        rewards = exact_match(completions=completions, **kwargs)
+        if trainer.model.training:
+            size = args.num_generations
+            for start in range(0, len(rewards), size):
+                group = rewards[start : start + size]
+                flat = group[0] if len(set(group)) == 1 else math.nan
+                visits.append((trainer.state.global_step, prompts[start], flat))
+        return rewards
+
+    recorded_exact_match.__name__ = "exact_match"  # the logged reward's name, as without the recording
     completions = {"generated": 0, "trained": 0}
     stock_generation = GRPOTrainer._generate_and_score_completions
 
@@ -180,7 +222,7 @@ def train_and_evaluate(
     GRPOTrainer._generate_and_score_completions = counted_generation  # before the trainer binds it
     trainer = trainer_class(
         model=model_path,
-        reward_funcs=exact_match,
+        reward_funcs=recorded_exact_match,
         args=args,
         train_dataset=train_set,
         processing_class=AutoTokenizer.from_pretrained(model_path, padding_side="left"),
@@ -222,6 +264,8 @@ def train_and_evaluate(
         "generated_completions": completions["generated"],
         "trained_completions": completions["trained"],
         "train_prompts": len(train_set),
+        "task": task,
+        "flatness": flatness_statistics(visits, steps),
     }
 
 
@@ -230,10 +274,18 @@ def _worker(queue, *arguments) -> None:
 
 
 def _run_one(
-    context, side: str, seed: int, steps: int, eval_every: int, eval_samples: int, threads: int, prompts=None
+    context,
+    side: str,
+    seed: int,
+    steps: int,
+    eval_every: int,
+    eval_samples: int,
+    threads: int,
+    prompts=None,
+    task: str = "demo",
 ) -> dict:
     queue = context.Queue()
-    arguments = (queue, side, seed, steps, eval_every, eval_samples, threads, prompts)
+    arguments = (queue, side, seed, steps, eval_every, eval_samples, threads, prompts, task)
     process = context.Process(target=_worker, args=arguments)
     process.start()
     result = queue.get()
@@ -249,11 +301,13 @@ def _rotations(sides: tuple[str, ...], index: int) -> tuple[str, ...]:
     return sides[shift:] + sides[:shift]
 
 
-def _learning_runs(context, seeds, sides, steps, eval_every, eval_samples, threads, prompts=None) -> list[dict]:
+def _learning_runs(
+    context, seeds, sides, steps, eval_every, eval_samples, threads, prompts=None, task="demo"
+) -> list[dict]:
     runs = []
     for index, seed in enumerate(seeds):
         for side in _rotations(sides, index):
-            result = _run_one(context, side, seed, steps, eval_every, eval_samples, threads, prompts)
+            result = _run_one(context, side, seed, steps, eval_every, eval_samples, threads, prompts, task)
             runs.append(result)
             step, cpu, wall, score = result["curve"][-1]
             where = f"{result['train_prompts']} prompts"
@@ -275,24 +329,29 @@ def run(
     skip_steps: int = 60,
     epoch_sides: tuple[str, ...] = (),
     epoch_prompts: int = 1000,
+    task: str = "demo",
 ) -> dict:
     """Every side for every seed, one process at a time, then the multi-epoch sides (`epoch_sides` on the first
-    `epoch_prompts` training prompts), then `skip_step_times`; what `--json` writes."""
+    `epoch_prompts` training prompts), then `skip_step_times`, all on `task` (a key of `TASKS`); what `--json`
+    writes."""
     import multiprocessing
 
+    if task not in TASKS:
+        raise ValueError(f"Unknown task {task!r}; expected one of {sorted(TASKS)}.")
     context = multiprocessing.get_context("spawn")
-    runs = _learning_runs(context, seeds, sides, steps, eval_every, eval_samples, threads)
+    runs = _learning_runs(context, seeds, sides, steps, eval_every, eval_samples, threads, task=task)
     epoch_runs = []
     if epoch_sides and epoch_prompts:
         epoch_runs = _learning_runs(
-            context, seeds, epoch_sides, steps, eval_every, eval_samples, threads, prompts=epoch_prompts
+            context, seeds, epoch_sides, steps, eval_every, eval_samples, threads, prompts=epoch_prompts, task=task
         )
     skip = []
     if skip_steps:
         for index, seed in enumerate(seeds):
             for side in _rotations(("ext_beta0", "ext_beta0_skip"), index):
-                skip.append(_run_one(context, side, seed, skip_steps, skip_steps, 0, threads))
+                skip.append(_run_one(context, side, seed, skip_steps, skip_steps, 0, threads, task=task))
     config = dict(
+        task=task,
         seeds=list(seeds),
         steps=steps,
         eval_every=eval_every,
@@ -358,8 +417,58 @@ def summary(runs: list[dict], sides) -> dict:
             "time_to_target_vs_trl_training": statistics.mean(times) / reference_time if times else None,
             "step_time_median_cpu_s": statistics.median(t for run in side_runs for t in run["step_times"]),
             "logged": _logged(side_runs),
+            "flatness": _flatness(side_runs),
         }
     return {"target_exact_match": target, "trl_training_cpu_s": reference_time, "summary": rows}
+
+
+def _flatness(side_runs: list[dict]) -> dict:
+    """The seeds' mean of each number of `spread.flatness_statistics` (runs from before it was recorded: none)."""
+    records = [run["flatness"] for run in side_runs if "flatness" in run]
+    if not records:
+        return {}
+
+    def mean(values):
+        values = [value for value in values if value is not None]
+        return statistics.mean(values) if values else None
+
+    means = {key: mean(record[key] for record in records) for key in records[0] if key != "zero_spread_by_part"}
+    parts = zip(*(record["zero_spread_by_part"] for record in records), strict=True)
+    return {**means, "zero_spread_by_part": [mean(part) for part in parts]}
+
+
+def flatness_table(results: dict) -> str:
+    """Per side: the share of generated groups without reward spread over training, and how predictable it was."""
+    headers = [
+        "side",
+        "groups",
+        "zero-spread (all wrong, all right)",
+        "zero-spread by quarter of training",
+        "flat after flat",
+        "flat after spread",
+        "revisited",
+    ]
+
+    def number(value) -> str:
+        return f"{value:.2f}" if value is not None else "-"
+
+    rows = []
+    for side, row in results["summary"].items():
+        flat = row.get("flatness")
+        if not flat:
+            continue
+        rows.append(
+            [
+                side,
+                f"{flat['groups']:.0f}",
+                f"{number(flat['zero_spread'])} ({number(flat['all_wrong'])}, {number(flat['all_right'])})",
+                ", ".join(number(value) for value in flat["zero_spread_by_part"]),
+                number(flat["flat_after_flat"]),
+                number(flat["flat_after_spread"]),
+                number(flat["revisited"]),
+            ]
+        )
+    return format_table(headers, rows)
 
 
 def skip_summary(runs: list[dict]) -> dict:

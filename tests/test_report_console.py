@@ -117,3 +117,15 @@ def test_a_nan_or_infinite_loss_is_shown_on_the_line_not_dropped():
     line = format_log_line({**TRAIN, "loss": float("nan"), "loss/policy": float("inf")}, 7, alarms=["kl_jump"])
     assert line.endswith("| len 7.4 | loss nan loss/policy inf | ALARM kl_jump")
     assert "nan" not in format_log_line(TRAIN, 7)
+
+
+def test_the_end_of_training_prints_the_sampling_line_once_it_has_flat_shares(tmp_path, capsys):
+    args = GRPOConfigExt(**tiny_grpo_args(tmp_path))
+    console, state, control = ConsoleCallback(), TrainerState(max_steps=2), TrainerControl()
+    console.on_train_begin(args, state, control)
+    console.on_train_end(args, state, control)  # nothing logged: no line
+    assert capsys.readouterr().out == ""
+    state.log_history = [{"frac_reward_zero_std": 0.5, "epoch": 6.0, "step": 1}]
+    console.on_train_end(args, state, control)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("sampling: 50% of the groups generated had no reward spread") and "prompts recur" in line

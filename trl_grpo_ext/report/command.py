@@ -31,6 +31,7 @@ from ..guardrails.anomaly import AlarmSettings
 from . import figure
 from .formats import FORMATS, Report, forward_summary, render, unrecognised_keys
 from .health import SEVERITIES, assess
+from .sampling import sampling_summary
 from .tensorboard import event_files, history_from_event_files
 
 __all__ = ["FoundRun", "RunNotReadable", "find_run", "find_trainer_state", "load_trainer_state", "run"]
@@ -234,6 +235,7 @@ def run(argv: list[str] | None = None, prog: str | None = None) -> int:
         ),
         health=health,
         forward=forward_summary(history),
+        sampling=sampling_summary(history),
         unrecognised=unrecognised,
     )
     print(render(report, args.format))

@@ -6,7 +6,9 @@ with the alarms that start at that step at the end of the line (`| ALARM truncat
 with what to change, comes from the trainer's logger). `GRPOTrainerExt` installs it with `console="compact"` (the
 default of `GRPOConfigExt`), in the recipe, the quickstart and any script alike: `ConsoleCallback.install(trainer)`
 puts it in place of transformers' `ProgressCallback` / `PrinterCallback`, whose raw dict lines it replaces;
-`console="raw"` keeps those. The loggers of `report_to` get every logged value either way.
+`console="raw"` keeps those. The loggers of `report_to` get every logged value either way. At the end of training
+it prints `report`'s `sampling:` line (`report.sampling`): the generation spent on groups without reward spread, and
+whether dynamic sampling or selective rollouts would pay on this run.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Mapping
 from transformers import PrinterCallback, ProgressCallback
 
 from ..choices import CONSOLE_MODES
+from .sampling import sampling_summary
 
 __all__ = ["CONSOLE_MODES", "CONSOLE_SIGNALS", "ConsoleCallback", "format_log_line"]
 
@@ -130,6 +133,10 @@ class ConsoleCallback(ProgressCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.training_bar is not None:
             super().on_train_end(args, state, control, **kwargs)
+        if state.is_world_process_zero:
+            summary = sampling_summary(state.log_history)
+            if summary is not None:
+                print(summary["message"], flush=True)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or not state.is_world_process_zero:

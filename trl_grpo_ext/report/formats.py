@@ -40,7 +40,8 @@ KNOWN_KEYS = frozenset(
 )  # fmt: skip
 KNOWN_FAMILIES = (
     "alarms/", "clip_ratio/", "completions/", "dynamic_sampling/", "forward/", "heldout/", "loss/", "mismatch/",
-    "nonfinite/", "ratio/", "reward_length_corr/", "reward_std/", "rewards/", "sampling/", "skipped_rows/",
+    "nonfinite/", "ratio/", "reward_length_corr/", "reward_std/", "rewards/", "sampling/", "selective_rollouts/",
+    "skipped_rows/",
 )  # fmt: skip
 
 
@@ -109,6 +110,7 @@ class Report:
         image: the line about `report.png`.
         health: the verdicts.
         forward: `forward_summary` of the history.
+        sampling: `sampling.sampling_summary` of the history.
         unrecognised: `unrecognised_keys` of the history.
     """
 
@@ -120,6 +122,7 @@ class Report:
     image: str
     health: RunHealth
     forward: dict | None = None
+    sampling: dict | None = None
     unrecognised: list[str] = field(default_factory=list)
 
     def findings(self) -> list[dict]:
@@ -167,8 +170,7 @@ def _text(report: Report) -> str:
     lines = [*report.notes, report.image, "", "Health, one line per signal (what to watch: the metrics of "]
     lines[-1] += "docs/diagnostics.md):"
     lines += [f"  {line}" for line in report.health.lines()]
-    if report.forward is not None:
-        lines.append(f"  {report.forward['message']}")
+    lines += [f"  {summary['message']}" for summary in (report.forward, report.sampling) if summary is not None]
     problems = report.health.problem_lines()
     if problems:
         alarms = f"{len(report.health.alarms)} alarm(s) raised" if report.health.alarms else "no alarm raised"
@@ -188,8 +190,9 @@ def _markdown(report: Report) -> str:
     for finding in report.findings():
         row = (finding["name"], finding["verdict"], finding["severity"], finding["onset_step"], finding["message"])
         lines.append("| " + " | ".join(_cell(value) for value in row) + " |")
-    if report.forward is not None:
-        lines += ["", _cell(report.forward["message"])]
+    for summary in (report.forward, report.sampling):
+        if summary is not None:
+            lines += ["", _cell(summary["message"])]
     alarms = report.alarms()
     if alarms:
         lines += ["", f"**{len(alarms)} alarm(s) raised**, with what to change:", ""]
@@ -212,6 +215,7 @@ def _json(report: Report) -> str:
         "findings": report.findings(),
         "alarms": report.alarms(),
         "forward": report.forward,
+        "sampling": report.sampling,
         "unrecognised_keys": report.unrecognised,
     }
     return json.dumps(document, indent=2, allow_nan=False)
