@@ -546,6 +546,24 @@ def table(results: dict) -> str:
     return format_table(headers, rows)
 
 
+def curve_table(runs: list[dict], sides, every: int) -> str:
+    """Per side: held-out exact match and training CPU seconds at every `every` steps (the evaluations at those
+    steps), mean of the seeds."""
+    headers, rows = ["side", "exact match", "CPU s"], []
+    for side in sides:
+        side_runs = [run for run in runs if run["side"] == side]
+        if not side_runs:
+            continue
+        steps = [step for step, *_ in side_runs[0]["curve"] if step % every == 0]
+        at = [[point for point in run["curve"] if point[0] in steps] for run in side_runs]
+        scores = [statistics.mean(points[i][3] for points in at) for i in range(len(steps))]
+        seconds = [statistics.mean(points[i][1] for points in at) for i in range(len(steps))]
+        rows.append(
+            [side, " / ".join(f"{score:.3f}" for score in scores), " / ".join(f"{cpu:.0f}" for cpu in seconds)]
+        )
+    return format_table(headers, rows)
+
+
 def _skipped(logged: dict) -> str:
     """Rows skipped (`skip_zero_advantage_rows`) and prompts skipped per generation batch (`selective_rollouts`)."""
     parts = []

@@ -88,6 +88,20 @@ def _truncation(results: dict) -> str:
     )
 
 
+def _learning_epochs(results: dict) -> str:
+    """The learning benchmark's multi-epoch runs: the summary table, held-out exact match every 100 steps, and the
+    groups' flatness."""
+    from . import learning
+
+    epochs = results["epochs"]
+    curves = learning.curve_table(results["epoch_runs"], list(epochs["summary"]), 100)
+    return (
+        f"{learning.table(epochs)}\n\nHeld-out exact match at every 100 steps from step 0 (mean of the seeds), and "
+        f"the mean training CPU seconds at those steps:\n\n{curves}\n\n"
+        f"The groups generated in training (every side; mean of the seeds):\n\n{learning.flatness_table(epochs)}"
+    )
+
+
 @dataclass(frozen=True)
 class Renderer:
     """How one results file becomes Markdown.
@@ -107,6 +121,7 @@ RENDERERS: dict[str, Renderer] = {
     "forward": Renderer("forward", _forward),
     "comm": Renderer("comm", _comm),
     "truncation": Renderer("truncation", _truncation),
+    "learning-spread": Renderer("learning", _learning_epochs),
 }
 
 

@@ -124,6 +124,20 @@ def test_the_learning_summary_times_each_side_to_stock_trl_s_final_exact_match()
     assert "CPU s to 0.700" in text and "(1/2)" in text
 
 
+def test_the_learning_curve_table_means_the_seeds_at_every_kth_step():
+    from benchmarks import learning
+
+    runs = [
+        {"side": "trl", "curve": [(0, 0.0, 0.0, 0.1), (50, 5.0, 6.0, 0.2), (100, 10.0, 12.0, 0.4)]},
+        {"side": "trl", "curve": [(0, 0.0, 0.0, 0.1), (50, 7.0, 8.0, 0.3), (100, 14.0, 16.0, 0.6)]},
+        {"side": "ext", "curve": [(0, 0.0, 0.0, 0.1), (50, 3.0, 4.0, 0.2), (100, 6.0, 8.0, 0.3)]},
+    ]
+    lines = learning.curve_table(runs, ("trl", "ext", "absent"), 100).splitlines()
+    assert [cell.strip() for cell in lines[2].strip("|").split("|")] == ["trl", "0.100 / 0.500", "0 / 12"]
+    assert [cell.strip() for cell in lines[3].strip("|").split("|")] == ["ext", "0.100 / 0.300", "0 / 6"]
+    assert len(lines) == 4  # a side without runs has no row
+
+
 def test_the_skipping_step_times_split_generation_from_training():
     from benchmarks import learning
 
