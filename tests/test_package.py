@@ -129,9 +129,13 @@ def _under(module: str, *layers: str) -> bool:
 
 def test_the_config_imports_only_records_and_the_ops_layer():
     """`config` is a leaf that every feature module may import: it reads the values it checks from the records that
-    the features read too (`choices`, the alarm records, the loss types of `ops`), never from a feature module."""
-    imported = {target for module, target, _ in _package_imports() if module == "config"}
-    assert imported and all(_under(target, "ops", "choices", "guardrails.alarms") for target in imported), imported
+    the features read too (`choices`, the alarm records, the loss types of `ops`), never from a feature module. Its
+    checks (`config_checks`) read the same and nothing of `config`."""
+    imported = {(module, target) for module, target, _ in _package_imports() if module in ("config", "config_checks")}
+    assert imported and all(
+        _under(target, "ops", "choices", "guardrails.alarms") or (module, target) == ("config", "config_checks")
+        for module, target in imported
+    ), imported
 
 
 def test_the_diagnostics_only_observe():

@@ -1,7 +1,9 @@
-"""`GRPOConfigExt`: TRL's `GRPOConfig` with the defaults of DeepSeekMath's GRPO objective.
+"""`GRPOConfigExt`: TRL's `GRPOConfig` with the defaults of DeepSeekMath's GRPO objective; `option`, the value of
+one of its fields for any configuration; `config_problems`, the one validation of a configuration.
 
-A leaf of the package: it imports the records it validates against (`ops`, `choices`, the alarm records of
-`guardrails.alarms`) and no feature module, so that every feature module may import `option` from here.
+A leaf of the package: it imports the records its fields take their values from (`ops`, `choices`, the alarm records
+of `guardrails.alarms`) and its checks (`config_checks`, which import the same and nothing of `config`), no feature
+module, so that every feature module may import `option` from here.
 """
 
 from __future__ import annotations
@@ -9,17 +11,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-import torch
 import transformers
 from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
 from .choices import CONSOLE_MODES, NONFINITE_POLICIES
+from .config_checks import fused_kernel_problems, list_problem, option_problems
 from .guardrails.alarms import ALARMS
-from .ops import IMPLEMENTATIONS, hyperparameter_problems
-from .ops.fused import domain_problems
-from .ops.loss_types import loss_type_record
-from .ops.validation import kernel_refusal, raise_problems
+from .ops import IMPLEMENTATIONS
+from .ops.validation import raise_problems
 
 #: transformers >= 5.23 names activation checkpointing `activation_checkpointing` (`gradient_checkpointing` is its
 #: deprecated alias); older releases know only `gradient_checkpointing`.
@@ -388,10 +388,11 @@ class GRPOConfigExt(GRPOConfig):
         if self.bf16 is None:
             self.bf16 = not self.fp16 and not self.use_cpu and is_torch_bf16_gpu_available()
         # Numbers as numbers ([1, 4.0] from a YAML file); anything else is named by `config_problems`.
-        if _list_problem(self, "ratio_quantiles", "numbers") is None:
+        if list_problem("ratio_quantiles", self.ratio_quantiles, "numbers") is None:
             self.ratio_quantiles = [float(q) for q in self.ratio_quantiles]
-        if self.heldout_pass_at is not None and _list_problem(self, "heldout_pass_at", "whole numbers") is None:
-            self.heldout_pass_at = [int(k) for k in self.heldout_pass_at]
+        pass_at = self.heldout_pass_at
+        if pass_at is not None and list_problem("heldout_pass_at", pass_at, "whole numbers") is None:
+            self.heldout_pass_at = [int(k) for k in pass_at]
         raise_problems(config_problems(self))  # before TRL's own checks, which load nothing either
         super().__post_init__()
         raise_problems(config_problems(self, only_after_trl=True))
@@ -425,128 +426,25 @@ def option(args, name: str):
     return _DEFAULTS[name]
 
 
-#: An example value of each list field, for the sentence that refuses another kind of value.
-_LIST_EXAMPLES = {"ratio_quantiles": "[0.05, 0.5, 0.95]", "heldout_pass_at": "[1, 4]"}
+class _WithDefaults:
+    """A configuration read through `option`: every field of `GRPOConfigExt`, those it lacks (a plain
+    `trl.GRPOConfig`) at their `option` value, for the checks of `config_checks`."""
 
+    def __init__(self, args):
+        self._args = args
 
-def _list_problem(args, name: str, kind: str) -> str | None:
-    """The sentence that refuses a list field (`_LIST_EXAMPLES`) whose value is not a list of `kind` ("numbers",
-    "whole numbers"), `None` when it is one."""
-    value = option(args, name)
-    numbers = isinstance(value, (list, tuple)) and all(
-        isinstance(item, (int, float)) and not isinstance(item, bool) for item in value
-    )
-    if numbers and (kind == "numbers" or all(float(item).is_integer() for item in value)):
-        return None
-    return f"`{name}` must be a list of {kind} (e.g. {_LIST_EXAMPLES[name]}), got {value!r}."
-
-
-def _at_least(args, name: str, minimum: int) -> str | None:
-    value = option(args, name)
-    return f"`{name}` must be >= {minimum}, got {value}." if value is not None and value < minimum else None
-
-
-def _token_weights_in_use(args) -> bool:
-    """Whether TRL multiplies the policy term by per-token weights under these options."""
-    vllm_correction = args.use_vllm and args.vllm_importance_sampling_correction and args.loss_type != "vespo"
-    return args.top_entropy_quantile < 1.0 or args.off_policy_mask_threshold is not None or vllm_correction
-
-
-def fused_kernel_problems(args) -> list[str]:
-    """Why the fused kernel cannot compute the objective `args` configures, one reason each (empty: it can)."""
-    return domain_problems(
-        policy_term=loss_type_record(args.loss_type).policy_term,
-        importance_sampling_level=args.importance_sampling_level,
-        delta=args.delta,
-        token_weights=torch.ones(()) if _token_weights_in_use(args) else None,
-        use_bias_correction_kl=args.use_bias_correction_kl,
-        beta=args.beta,
-    )
+    def __getattr__(self, name: str):
+        return option(self._args, name)
 
 
 def config_problems(args, *, only_after_trl: bool = False) -> list[str]:
     """Every reason why the configuration `args` (a `GRPOConfigExt` or a plain `trl.GRPOConfig`) cannot train, one
     sentence each (empty: none). The one validation of a configuration: `GRPOConfigExt.__post_init__` and
-    `GRPOTrainerExt.__init__` (for a plain `trl.GRPOConfig`, or one changed after construction) both call it.
+    `GRPOTrainerExt.__init__` (for a plain `trl.GRPOConfig`, or one changed after construction) both call it; the
+    checks are `config_checks.option_problems`.
 
     Args:
         only_after_trl (`bool`): only the checks that need the fields `trl.GRPOConfig.__post_init__` resolves
             (the loss kernel's domain); without it, every other check.
     """
-    if only_after_trl:
-        implementation = option(args, "loss_implementation")
-        outside = fused_kernel_problems(args) if implementation in ("fused", "compiled") else []
-        return [kernel_refusal(implementation, outside, "loss_implementation")] if outside else []
-    problems = []
-    try:
-        loss_type_record(args.loss_type)  # before any model loads: the trainer looks its record up
-    except ValueError as error:
-        problems.append(str(error))
-    quantiles = option(args, "ratio_quantiles")
-    wrong_kind = _list_problem(args, "ratio_quantiles", "numbers")
-    if wrong_kind is not None:
-        problems.append(wrong_kind)
-    elif any(not 0.0 <= q <= 1.0 for q in quantiles):
-        problems.append(f"`ratio_quantiles` must lie in [0, 1], got {[q for q in quantiles if not 0.0 <= q <= 1.0]}.")
-    for name, choices in (
-        ("loss_implementation", IMPLEMENTATIONS),
-        ("nonfinite_policy", NONFINITE_POLICIES),
-        ("console", CONSOLE_MODES),
-    ):
-        if option(args, name) not in choices:
-            problems.append(f"`{name}` must be one of {choices}, got {option(args, name)!r}.")
-    margin = option(args, "dynamic_sampling_round_margin")
-    if not margin > 0:
-        problems.append(f"`dynamic_sampling_round_margin` must be > 0, got {margin}.")
-    problems += _selective_rollouts_problems(args)
-    problems += [
-        problem
-        for problem in (
-            _at_least(args, "padding_free_row_tokens", 1),
-            _at_least(args, "dynamic_sampling_max_rounds", 1),
-            _at_least(args, "selective_rollouts_history", 1),
-            _at_least(args, "max_nonfinite_skips", 0),
-            _at_least(args, "warn_patience", 1),
-            _at_least(args, "heldout_every_steps", 0),
-            _at_least(args, "heldout_num_generations", 1),
-            _at_least(args, "heldout_batch_size", 1),
-            *(alarm.problem(option(args, alarm.field)) for alarm in ALARMS.values()),
-        )
-        if problem is not None
-    ]
-    pass_at = option(args, "heldout_pass_at")
-    wrong_kind = None if pass_at is None else _list_problem(args, "heldout_pass_at", "whole numbers")
-    if wrong_kind is not None:
-        problems.append(wrong_kind)
-    elif pass_at is not None and (not pass_at or min(pass_at) < 1):  # k <= heldout_num_generations: the trainer's
-        problems.append(f"`heldout_pass_at` must list values >= 1, got {pass_at}.")
-    problems += hyperparameter_problems(args.epsilon, args.epsilon_high, args.beta, args.delta)
-    return problems
-
-
-def _selective_rollouts_problems(args) -> list[str]:
-    problems = []
-    for name in (
-        "selective_rollouts_target_zero_spread",
-        "selective_rollouts_exploration_min",
-        "selective_rollouts_exploration_max",
-    ):
-        value = option(args, name)
-        if not 0.0 <= value <= 1.0:
-            problems.append(f"`{name}` must lie in [0, 1], got {value}.")
-    low, high = option(args, "selective_rollouts_exploration_min"), option(args, "selective_rollouts_exploration_max")
-    initial = option(args, "selective_rollouts_exploration")
-    if low > high:
-        problems.append(
-            f"`selective_rollouts_exploration_min` ({low}) must not exceed `selective_rollouts_exploration_max` "
-            f"({high})."
-        )
-    elif not low <= initial <= high:
-        problems.append(
-            f"`selective_rollouts_exploration` must lie in [selective_rollouts_exploration_min, "
-            f"selective_rollouts_exploration_max] = [{low}, {high}], got {initial}."
-        )
-    if not option(args, "selective_rollouts_exploration_step") >= 0:
-        step = option(args, "selective_rollouts_exploration_step")
-        problems.append(f"`selective_rollouts_exploration_step` must be >= 0, got {step}.")
-    return problems
+    return option_problems(_WithDefaults(args), only_after_trl=only_after_trl)

@@ -1,0 +1,146 @@
+"""The checks of a configuration: every reason why its options cannot train, one sentence each.
+
+`config.config_problems` runs them on a `GRPOConfigExt` (from its `__post_init__`) or on a plain `trl.GRPOConfig`
+(from `GRPOTrainerExt.__init__`); it hands them the configuration with every field of `GRPOConfigExt` (a plain one
+read through `config.option`), so that nothing here needs the fields' defaults and `config` may import this module.
+A leaf like `config`: it reads the values it checks against from the records (`choices`, the alarm records, the loss
+types of `ops`) and the ops layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .choices import CONSOLE_MODES, NONFINITE_POLICIES
+from .guardrails.alarms import ALARMS
+from .ops import IMPLEMENTATIONS, hyperparameter_problems
+from .ops.fused import domain_problems
+from .ops.loss_types import loss_type_record
+from .ops.validation import kernel_refusal
+
+__all__ = ["fused_kernel_problems", "list_problem", "option_problems"]
+
+#: An example value of each list field, for the sentence that refuses another kind of value.
+_LIST_EXAMPLES = {"ratio_quantiles": "[0.05, 0.5, 0.95]", "heldout_pass_at": "[1, 4]"}
+
+
+def list_problem(name: str, value, kind: str) -> str | None:
+    """The sentence that refuses the value of a list field (`_LIST_EXAMPLES`) that is not a list of `kind`
+    ("numbers", "whole numbers"), `None` when it is one."""
+    numbers = isinstance(value, (list, tuple)) and all(
+        isinstance(item, (int, float)) and not isinstance(item, bool) for item in value
+    )
+    if numbers and (kind == "numbers" or all(float(item).is_integer() for item in value)):
+        return None
+    return f"`{name}` must be a list of {kind} (e.g. {_LIST_EXAMPLES[name]}), got {value!r}."
+
+
+def _at_least(options, name: str, minimum: int) -> str | None:
+    value = getattr(options, name)
+    return f"`{name}` must be >= {minimum}, got {value}." if value is not None and value < minimum else None
+
+
+def _token_weights_in_use(args) -> bool:
+    """Whether TRL multiplies the policy term by per-token weights under these options."""
+    vllm_correction = args.use_vllm and args.vllm_importance_sampling_correction and args.loss_type != "vespo"
+    return args.top_entropy_quantile < 1.0 or args.off_policy_mask_threshold is not None or vllm_correction
+
+
+def fused_kernel_problems(args) -> list[str]:
+    """Why the fused kernel cannot compute the objective `args` configures, one reason each (empty: it can). Reads
+    TRL's fields only: `args` may be a plain `trl.GRPOConfig`."""
+    return domain_problems(
+        policy_term=loss_type_record(args.loss_type).policy_term,
+        importance_sampling_level=args.importance_sampling_level,
+        delta=args.delta,
+        token_weights=torch.ones(()) if _token_weights_in_use(args) else None,
+        use_bias_correction_kl=args.use_bias_correction_kl,
+        beta=args.beta,
+    )
+
+
+def option_problems(options, *, only_after_trl: bool = False) -> list[str]:
+    """Every reason why the configuration `options` cannot train, one sentence each (empty: none).
+
+    Args:
+        options: a configuration with every field of `GRPOConfigExt` (what `config.config_problems` hands on).
+        only_after_trl (`bool`): only the checks that need the fields `trl.GRPOConfig.__post_init__` resolves
+            (the loss kernel's domain); without it, every other check.
+    """
+    if only_after_trl:
+        implementation = options.loss_implementation
+        outside = fused_kernel_problems(options) if implementation in ("fused", "compiled") else []
+        return [kernel_refusal(implementation, outside, "loss_implementation")] if outside else []
+    problems = []
+    try:
+        loss_type_record(options.loss_type)  # before any model loads: the trainer looks its record up
+    except ValueError as error:
+        problems.append(str(error))
+    quantiles = options.ratio_quantiles
+    wrong_kind = list_problem("ratio_quantiles", quantiles, "numbers")
+    if wrong_kind is not None:
+        problems.append(wrong_kind)
+    elif any(not 0.0 <= q <= 1.0 for q in quantiles):
+        problems.append(f"`ratio_quantiles` must lie in [0, 1], got {[q for q in quantiles if not 0.0 <= q <= 1.0]}.")
+    for name, choices in (
+        ("loss_implementation", IMPLEMENTATIONS),
+        ("nonfinite_policy", NONFINITE_POLICIES),
+        ("console", CONSOLE_MODES),
+    ):
+        if getattr(options, name) not in choices:
+            problems.append(f"`{name}` must be one of {choices}, got {getattr(options, name)!r}.")
+    margin = options.dynamic_sampling_round_margin
+    if not margin > 0:
+        problems.append(f"`dynamic_sampling_round_margin` must be > 0, got {margin}.")
+    problems += _selective_rollouts_problems(options)
+    problems += [
+        problem
+        for problem in (
+            _at_least(options, "padding_free_row_tokens", 1),
+            _at_least(options, "dynamic_sampling_max_rounds", 1),
+            _at_least(options, "selective_rollouts_history", 1),
+            _at_least(options, "max_nonfinite_skips", 0),
+            _at_least(options, "warn_patience", 1),
+            _at_least(options, "heldout_every_steps", 0),
+            _at_least(options, "heldout_num_generations", 1),
+            _at_least(options, "heldout_batch_size", 1),
+            *(alarm.problem(getattr(options, alarm.field)) for alarm in ALARMS.values()),
+        )
+        if problem is not None
+    ]
+    pass_at = options.heldout_pass_at
+    wrong_kind = None if pass_at is None else list_problem("heldout_pass_at", pass_at, "whole numbers")
+    if wrong_kind is not None:
+        problems.append(wrong_kind)
+    elif pass_at is not None and (not pass_at or min(pass_at) < 1):  # k <= heldout_num_generations: the trainer's
+        problems.append(f"`heldout_pass_at` must list values >= 1, got {pass_at}.")
+    problems += hyperparameter_problems(options.epsilon, options.epsilon_high, options.beta, options.delta)
+    return problems
+
+
+def _selective_rollouts_problems(options) -> list[str]:
+    problems = []
+    for name in (
+        "selective_rollouts_target_zero_spread",
+        "selective_rollouts_exploration_min",
+        "selective_rollouts_exploration_max",
+    ):
+        value = getattr(options, name)
+        if not 0.0 <= value <= 1.0:
+            problems.append(f"`{name}` must lie in [0, 1], got {value}.")
+    low, high = options.selective_rollouts_exploration_min, options.selective_rollouts_exploration_max
+    initial = options.selective_rollouts_exploration
+    if low > high:
+        problems.append(
+            f"`selective_rollouts_exploration_min` ({low}) must not exceed `selective_rollouts_exploration_max` "
+            f"({high})."
+        )
+    elif not low <= initial <= high:
+        problems.append(
+            f"`selective_rollouts_exploration` must lie in [selective_rollouts_exploration_min, "
+            f"selective_rollouts_exploration_max] = [{low}, {high}], got {initial}."
+        )
+    step = options.selective_rollouts_exploration_step
+    if not step >= 0:
+        problems.append(f"`selective_rollouts_exploration_step` must be >= 0, got {step}.")
+    return problems
