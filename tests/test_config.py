@@ -69,3 +69,12 @@ def test_an_unknown_loss_type_is_named_with_the_known_ones_before_any_model_load
     plain = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, loss_type="grpoo")
     with pytest.raises(ValueError, match="got 'grpoo'"):  # before the model (a path that does not exist) loads
         GRPOTrainerExt(model=str(tmp_path / "no-model"), reward_funcs=len, args=plain, train_dataset=None)
+
+
+def test_a_kernel_asked_for_outside_its_domain_is_refused_in_one_sentence():
+    with pytest.raises(ValueError) as refused:
+        GRPOConfigExt(output_dir="unused", loss_implementation="fused", top_entropy_quantile=0.5, use_cpu=True)
+    assert str(refused.value).startswith(
+        "loss_implementation='fused' cannot compute this objective: it takes no per-token weights (off-policy or "
+        "entropy masks, vLLM's correction). Use loss_implementation='auto'"
+    )

@@ -158,7 +158,7 @@ def kernel_refusal(implementation: str, problems: list[str], argument: str = "im
         argument (`str`): the name the caller gave the choice (`"loss_implementation"` in a config).
     """
     return (
-        f"{argument}={implementation!r} cannot compute this objective: the fused kernel "
+        f"{argument}={implementation!r} cannot compute this objective: "
         + "; ".join(problems)
         + f". Use {argument}='auto' (the kernel wherever it applies) or 'reference'."
     )
