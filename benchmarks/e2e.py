@@ -16,6 +16,7 @@ import argparse
 import os
 import random
 import resource
+import shutil
 import tempfile
 import time
 
@@ -138,7 +139,10 @@ def train_once(
         peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear") if lora else None,
         callbacks=[StepTimer(), *callbacks],
     )
-    trainer.train()
+    try:
+        trainer.train()
+    finally:  # nothing is saved there (`save_strategy="no"`), but the folder itself would be left behind
+        shutil.rmtree(common["output_dir"], ignore_errors=True)
     return {
         "step_time_median": summarize(step_times[warmup:])["median"],
         "diagnostics_s_per_step": clock.seconds / max(len(step_times), 1),
@@ -244,55 +248,60 @@ def run(
 
     from trl_grpo_ext.testing import save_tiny
 
-    config = dict(repeats=repeats, steps=steps, warmup=warmup, batch=batch, threads=threads)
-    if model_path is None:
-        workdir = tempfile.mkdtemp(prefix="bench-e2e-")
-        model_path = save_tiny(os.path.join(workdir, "model"), alphabet="abcdefghij=", hidden_size=hidden_size)
-        config["hidden_size"] = hidden_size
-    else:
-        config["model_path"] = model_path
-    if config_overrides:
-        config["config_overrides"] = dict(config_overrides)
-    options = {"tokenizer_path": tokenizer_path, "config_overrides": config_overrides}
-    results: dict = {"config": config, "modes": {}}
-    memory_key = "cuda_max_memory_allocated_bytes" if torch.cuda.is_available() else "peak_rss_bytes"
-    for mode in modes:
-        runs = [
-            _interleaved_repeat(sides, mode == "lora", steps, model_path, batch, threads, options)
-            for _ in range(repeats)
-        ]
+    with tempfile.TemporaryDirectory(prefix="bench-e2e-") as workdir:  # the model built, when none is given
+        config = dict(repeats=repeats, steps=steps, warmup=warmup, batch=batch, threads=threads)
+        if model_path is None:
+            model_path = save_tiny(os.path.join(workdir, "model"), alphabet="abcdefghij=", hidden_size=hidden_size)
+            config["hidden_size"] = hidden_size
+        else:
+            config["model_path"] = model_path
+        if config_overrides:
+            config["config_overrides"] = dict(config_overrides)
+        options = {"tokenizer_path": tokenizer_path, "config_overrides": config_overrides}
+        results: dict = {"config": config, "modes": {}}
+        memory_key = "cuda_max_memory_allocated_bytes" if torch.cuda.is_available() else "peak_rss_bytes"
+        for mode in modes:
+            runs = [
+                _interleaved_repeat(sides, mode == "lora", steps, model_path, batch, threads, options)
+                for _ in range(repeats)
+            ]
 
-        def measured(repeat, side):
-            return repeat[side]["step_times"][warmup:]
+            def measured(repeat, side):
+                return repeat[side]["step_times"][warmup:]
 
-        mode_result = {"sides": {}, "ratios": {}}
-        for side in sides:
-            mode_result["sides"][side] = {
-                "step_time_s": summarize([t for repeat in runs for t in measured(repeat, side)]),
-                "peak_memory_bytes": summarize([repeat[side][memory_key] for repeat in runs]),
-                "training_rss_bytes": summarize([repeat[side]["training_rss_bytes"] for repeat in runs]),
-                "memory_kind": memory_key.replace("_bytes", ""),
-            }
-        if "ext" in sides:
-            mode_result["diagnostics_s_per_step"] = summarize(
-                [repeat["ext"]["diagnostics_s_per_step"] for repeat in runs]
-            )
-        for side, baseline in (("ext", "trl"), ("ext_nodiag", "trl"), ("ext", "ext_nodiag")):
-            if side not in sides or baseline not in sides:
-                continue
-            pairs = []
-            for repeat in runs:
-                pairs += zip(measured(repeat, side), measured(repeat, baseline), strict=True)
-            mode_result["ratios"][f"{side}/{baseline}"] = {
-                "step_time": summarize([ours / base for ours, base in pairs]),
-                "total_time": sum(ours for ours, _ in pairs) / sum(base for _, base in pairs),
-                "peak_memory": summarize([repeat[side][memory_key] / repeat[baseline][memory_key] for repeat in runs]),
-                "training_rss": summarize(
-                    [repeat[side]["training_rss_bytes"] / repeat[baseline]["training_rss_bytes"] for repeat in runs]
-                ),
-            }
-        results["modes"][mode] = mode_result
-    return results
+            mode_result = {"sides": {}, "ratios": {}}
+            for side in sides:
+                mode_result["sides"][side] = {
+                    "step_time_s": summarize([t for repeat in runs for t in measured(repeat, side)]),
+                    "peak_memory_bytes": summarize([repeat[side][memory_key] for repeat in runs]),
+                    "training_rss_bytes": summarize([repeat[side]["training_rss_bytes"] for repeat in runs]),
+                    "memory_kind": memory_key.replace("_bytes", ""),
+                }
+            if "ext" in sides:
+                mode_result["diagnostics_s_per_step"] = summarize(
+                    [repeat["ext"]["diagnostics_s_per_step"] for repeat in runs]
+                )
+            for side, baseline in (("ext", "trl"), ("ext_nodiag", "trl"), ("ext", "ext_nodiag")):
+                if side not in sides or baseline not in sides:
+                    continue
+                pairs = []
+                for repeat in runs:
+                    pairs += zip(measured(repeat, side), measured(repeat, baseline), strict=True)
+                mode_result["ratios"][f"{side}/{baseline}"] = {
+                    "step_time": summarize([ours / base for ours, base in pairs]),
+                    "total_time": sum(ours for ours, _ in pairs) / sum(base for _, base in pairs),
+                    "peak_memory": summarize(
+                        [repeat[side][memory_key] / repeat[baseline][memory_key] for repeat in runs]
+                    ),
+                    "training_rss": summarize(
+                        [
+                            repeat[side]["training_rss_bytes"] / repeat[baseline]["training_rss_bytes"]
+                            for repeat in runs
+                        ]
+                    ),
+                }
+            results["modes"][mode] = mode_result
+        return results
 
 
 def _span(stats: dict, scale: float = 1.0, digits: int = 3) -> str:
