@@ -46,13 +46,13 @@ EXPECTED_ALARMS: dict[str, tuple[str, ...]] = {
     "advantage_collapse": ("zero_std", "no_spread", "flat_groups"),
     "reward_hacking": ("reward_vs_heldout",),
     "length_pathology": ("length_growth", "length_drift", "length_in_group", "truncation", "truncation_sustained"),
-    "kl_drift": ("kl_high", "kl_jump"),
+    "kl_drift": ("kl_high", "kl_jump", "kl_growth"),
     "clip_saturation": ("clip_fraction", "clip_asymmetry"),
     "gradient_pathology": ("grad_norm_spike", "vanishing_gradient", "no_gradient"),
     "plateau": ("plateau",),
     "reward_composition": ("reward_composition",),
     # rlprobe
-    "KL_BLOWUP": ("kl_high", "kl_jump"),
+    "KL_BLOWUP": ("kl_high", "kl_jump", "kl_growth"),
     "ENTROPY_COLLAPSE": ("entropy_collapse",),
     "FORMAT_GAMING": ("reward_composition",),
     "CLIP_SATURATION": ("clip_fraction", "clip_asymmetry", "ratio_p95"),
@@ -208,15 +208,17 @@ def rlprobe_history(records) -> list[dict]:
     return history
 
 
-def rlprobe_scenarios(steps: int = 500, seed: int = 0, judge_peer: bool = True) -> list[Scenario]:
+def rlprobe_scenarios(
+    steps: int = 500, seed: int = 0, judge_peer: bool = True, pathologies: tuple[str | None, ...] | None = None
+) -> list[Scenario]:
     """rlprobe's healthy run and pathologies (`rlprobe.testing.synth.PATHOLOGIES`), each with what rlprobe's doctor
-    itself finds on it."""
+    itself finds on it; `pathologies`: only these (`None` for the healthy run), in that order."""
     from rlprobe.doctor.engine import diagnose_view
     from rlprobe.doctor.runview import RunView
     from rlprobe.testing.synth import PATHOLOGIES, generate_run
 
     scenarios = []
-    for pathology in [None, *PATHOLOGIES]:
+    for pathology in [None, *PATHOLOGIES] if pathologies is None else pathologies:
         with tempfile.TemporaryDirectory() as folder:
             view = RunView.load(generate_run(f"{folder}/run", pathology, n_steps=steps, seed=seed))
             records = view._records

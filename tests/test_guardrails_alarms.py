@@ -63,6 +63,13 @@ STREAMS = {
     "ratio_max": ([{"ratio/max": v} for v in (500.0, 500.0, 2.0, float("nan"))], [0, 3]),
     "kl_jump": ([{"kl": v} for v in (0.01, 0.01, 0.01, 0.01, 0.01, 0.5, 0.6, 0.01, 0.5)], [5, 8]),
     "kl_high": ([{"kl": v} for v in (6.7, 3.1, 0.4, {}, 1.5, float("nan"))], [0, 4]),
+    "kl_growth": (
+        # judged from the 70th value: the median of the last 20 against those 50 and 25 entries earlier (0.05). It is
+        # 0.125 once ten values of 0.2 are in (index 70), 0.05 again once ten values of 0.05 follow (cleared at index
+        # 90), 0.175 once ten values of 0.3 are in (index 149, where the 0.2s are out of the earlier medians)
+        [{"kl": v} for v in [0.05] * 61 + [0.2] * 19 + [0.05] * 60 + [0.3] * 10],
+        [70, 149],
+    ),
     "entropy_collapse": ([{"entropy": v} for v in (2.0, 2.0, 2.0, 1.5, 0.1, 0.1, 1.0, 0.1)], [4, 7]),
     "grad_norm_spike": ([{"grad_norm": v} for v in (1.0, 1.0, 1.0, 1.0, 1.0, 50.0, 60.0, 1.0, 50.0)], [5, 8]),
     "length_drift": (
@@ -154,6 +161,7 @@ def test_each_alarm_can_be_switched_off(name):
         ("temperature", "entropy_collapse", None),
         ("learning_rate", "grad_norm_spike", None),
         ("beta", "kl_jump", None),
+        ("beta", "kl_growth", None),
         ("metric_for_best_model", "reward_vs_heldout", None),
     ],
 )
@@ -310,6 +318,7 @@ def test_a_resumed_run_keeps_its_counts_and_does_not_warn_again(tmp_path, caplog
         ("warn_grad_norm_vanish", 1.0),
         ("warn_clip_asymmetry", 1.0),
         ("warn_reward_drop", 0.0),
+        ("warn_kl_growth", 1.0),
         ("warn_patience", 0),
     ],
 )

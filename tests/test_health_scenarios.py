@@ -16,8 +16,10 @@ from benchmarks.health_scenarios import (  # noqa: E402
     judge,
     rldoctor_history,
     rldoctor_scenarios,
+    rlprobe_judge,
     rlprobe_scenarios,
 )
+from trl_grpo_ext.report.health import assess  # noqa: E402
 
 #: Sick scenarios this package does not flag yet with the kind injected: (generator, scenario) -> why.
 GAPS: dict[tuple[str, str], str] = {
@@ -93,6 +95,23 @@ def test_no_healthy_peer_scenario_is_flagged(seed):
     for history in histories:
         verdict = judge(history)
         assert not verdict["flagged"], verdict
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_kl_growth_flags_the_peers_kl_blowups_no_later_than_rlprobe_and_no_healthy_run(seed):
+    """rlprobe flags a KL blow-up first among the peers (docs/diagnostics.md, "Peer scenarios"); kl_high waits for a
+    KL of 1.0, about 100 steps later."""
+    doctor = {name: rldoctor_history(simulate(name, n_steps=400, seed=seed)[0]) for name in ("healthy", "kl_blowup")}
+    probe = {s.name: s for s in rlprobe_scenarios(seed=seed, pathologies=(None, "kl_blowup"))}
+    blowups = {
+        "rl-doctor": (doctor["kl_blowup"], rlprobe_judge(doctor["kl_blowup"])["onset"]),
+        "rlprobe": (probe["kl_blowup"].history, probe["kl_blowup"].peer_onset),
+    }
+    for source, (history, rlprobe_onset) in blowups.items():
+        episodes = [e for e in assess(history).episodes if e.name == "kl_growth"]
+        assert episodes and rlprobe_onset is not None and episodes[0].start <= rlprobe_onset, (source, episodes)
+    for history in (doctor["healthy"], probe["healthy"].history):
+        assert "kl_growth" not in assess(history).alarms
 
 
 def test_the_benchmark_table_has_a_row_per_scenario_and_a_column_per_tool():

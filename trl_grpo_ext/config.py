@@ -374,6 +374,7 @@ class GRPOConfigExt(GRPOConfig):
     warn_flat_groups: float | None = ALARMS["flat_groups"].config_field()
     warn_plateau_steps: int | None = ALARMS["plateau"].config_field()
     warn_reward_drop: float | None = ALARMS["reward_drop"].config_field()
+    warn_kl_growth: float | None = ALARMS["kl_growth"].config_field()
     warn_patience: int = field(
         default=3, metadata={"help": "Consecutive log steps a high clip fraction must last before its alarm. >= 1."}
     )

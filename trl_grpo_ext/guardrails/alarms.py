@@ -41,6 +41,7 @@ from .step_rules import (
 from .trend_rules import (
     EntropyCollapseRule,
     GradNormSpikeRule,
+    KLGrowthRule,
     LengthDriftRule,
     LengthGrowthRule,
     LengthInGroupRule,
@@ -275,6 +276,26 @@ ALARMS: dict[str, Alarm] = {
             False,
             False,
             "Alarm kl_high: kl (mean per token) exceeds this, or is not finite.",
+        ),
+        Alarm(
+            name="kl_growth",
+            rule=KLGrowthRule,
+            field="warn_kl_growth",
+            # The peers' KL blow-ups (rl-doctor's and rlprobe's, one log step per training step) are flagged at steps
+            # 85-86 and 303-307 over 10 seeds, no later than rlprobe (114-121, 308-313) and long before kl_high (213,
+            # 424); rlprobe's grows 2.2x per 50 steps: with 2.5 it is flagged at steps 309-344, after rlprobe. No
+            # healthy peer run over 10 seeds (rl-doctor's linear KL grows at most 1.7x over 50 steps above the floor),
+            # nor the demo logged at every step (1.7x at most; logged every 10 steps its 40 entries are fewer than the
+            # 70 judged from).
+            default=2.0,
+            low=1.0,
+            high=math.inf,
+            low_inclusive=False,
+            high_inclusive=False,
+            help=f"Alarm kl_growth: the median kl of the last {KLGrowthRule.SMOOTH} log steps is at least this many "
+            f"times its median {KLGrowthRule.LAG} log steps earlier, at least the square root of this times its "
+            f"median {KLGrowthRule.LAG // 2} log steps earlier, and at least {KLGrowthRule.FLOOR:g} (the KL keeps "
+            f"growing; judged from the {KLGrowthRule.LAG + KLGrowthRule.SMOOTH}th logged kl).",
         ),
         Alarm(
             "entropy_collapse",

@@ -1,6 +1,6 @@
 """The alarm rules that judge a value against the run's own history: entropy against its start, gradient-norm
-spikes against a running median, completion length against the reward and the run's start, a held-out metric
-against its best."""
+spikes against a running median, the KL against its own running median 50 log steps earlier, completion length
+against the reward and the run's start, a held-out metric against its best."""
 
 from __future__ import annotations
 
@@ -80,6 +80,61 @@ class GradNormSpikeRule(Rule):
             f"grad_norm spiked to {value:.3g}, {value / max(baseline, self.FLOOR):.0f}x its running median "
             f"{baseline:.3g}: spikes like this often precede a collapse. Lower the learning_rate, set or lower "
             "max_grad_norm, or raise beta."
+        )
+
+
+class KLGrowthRule(Rule):
+    """`kl` keeps growing: its running median has multiplied by at least `threshold` over the last `LAG` log steps, by
+    at least its square root over the last `LAG / 2` of them (still growing, not a rise that has stopped), and is at
+    least `FLOOR`:
+
+        now = median(kl[t - SMOOTH + 1 .. t]),  m(d) = the same median d log steps earlier
+        fires when now >= threshold * m(LAG) and now >= sqrt(threshold) * m(LAG / 2) and now >= FLOOR
+        (judged from the (LAG + SMOOTH)th logged kl)
+
+    `KLJumpRule` compares one value with the last 10 and `KLHighRule` waits for a level (1.0): a KL that doubles
+    every few dozen log steps passes neither until late. The peers' blow-ups (rl-doctor's `kl_blowup`, rlprobe's) are
+    flagged at steps 85-86 and 303-307 over 10 seeds; rlprobe flags them at 114-121 and 308-313, `kl_high` at about
+    213 and 424 (docs/diagnostics.md, "Peer scenarios").
+
+    `FLOOR`: a KL growing linearly from near 0 doubles over any 50 log steps while it is small (rl-doctor's healthy
+    run, 0.02 to 0.37 over 400 steps, while below 0.086): above 0.1 its ratio stays below 1.7 over 10 seeds.
+    `SMOOTH` is 20, not 10: one step's KL is noisy (the demo logged at every step: 0.2 to 0.9 late in its run), and
+    every run's KL rises from 0 at its start, as the policy leaves the reference; a median over 20 log steps takes in
+    most of that rise. Logged at every step, the demo grows at most 1.7x over 50 log steps with 20 (with 10 it is
+    flagged at steps 79 and 84). The second half's growth keeps a rise from 0 to 0.2 over the first 40 log steps that
+    then holds from being flagged (3 of 20 simulated runs with 30% noise per step, 20 of 20 without it). rlprobe's
+    blow-up grows 1.5x per 25 steps; rl-doctor's (quadratic) slows below 1.4x per 25 steps near a KL of 0.8, where
+    its episode may end and start again until `kl_high` takes over."""
+
+    keys = ("kl",)
+    SMOOTH = 20  # log steps per running median
+    LAG = 50  # log steps between the two medians compared
+    FLOOR = 0.1  # the least running median that counts as a blow-up in the making
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.values: list[float] = []  # the last LAG + SMOOTH logged values
+
+    def judge(self, entry):
+        value = _number(entry, "kl")
+        if value is None or not math.isfinite(value):  # a non-finite KL is `KLHighRule`'s
+            return None
+        self.values = (self.values + [value])[-(self.LAG + self.SMOOTH) :]
+        if len(self.values) < self.LAG + self.SMOOTH:
+            return False
+        half = self.LAG // 2
+        then = statistics.median(self.values[: self.SMOOTH])
+        halfway = statistics.median(self.values[half : half + self.SMOOTH])
+        now = statistics.median(self.values[-self.SMOOTH :])
+        if now < self.FLOOR or now < self.threshold * then or now < math.sqrt(self.threshold) * halfway:
+            return False
+        factor = f" ({now / then:.1f}x)" if then > 0 else ""
+        return (
+            f"kl keeps growing: its median over the last {self.SMOOTH} log steps is {now:.3g}, up from {halfway:.3g} "
+            f"{self.LAG - half} and {then:.3g} {self.LAG} log steps earlier{factor}. The policy is leaving the "
+            "reference faster and faster, a KL blow-up before kl_high's level. Lower the learning_rate, raise beta, "
+            "or check the rewards for hacking."
         )
 
 

@@ -45,7 +45,7 @@ PANELS = (
         ("zero_std", "no_spread", "flat_groups"),
         "std of the rewards of a group",
     ),
-    Panel("KL to the reference", ("kl",), ("kl_jump", "kl_high"), "KL (mean per token)"),
+    Panel("KL to the reference", ("kl",), ("kl_jump", "kl_high", "kl_growth"), "KL (mean per token)"),
     Panel(
         "clip fraction (tokens in the flat region)",
         ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"),

@@ -61,7 +61,7 @@ SIGNALS = (
         "groups without spread", ("reward_std/frac_zero_groups", "frac_reward_zero_std"), ("zero_std", "flat_groups")
     ),
     Signal("unscored completions", ("frac_reward_unscored",), ("unscored",), kind="count"),
-    Signal("KL to the reference", ("kl",), ("kl_jump", "kl_high")),
+    Signal("KL to the reference", ("kl",), ("kl_jump", "kl_high", "kl_growth")),
     Signal("loss split", ("loss/policy", "loss"), kind="shown"),
     Signal("clip fraction", ("clip_ratio/region_mean",), ("clip_fraction", "clip_asymmetry")),
     Signal("importance ratio", ("ratio/p95",), ("ratio_p95", "ratio_max")),
