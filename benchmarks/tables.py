@@ -14,6 +14,9 @@ changed by rerunning the benchmark and this command, and a hand edit inside a re
 
 A new table: a `RENDERERS` entry (the JSON's suite key and a function of its results that returns Markdown), the
 JSON under `benchmarks/results/`, the markers in the document.
+
+A table of the package's records (`RECORD_TABLES`: the alarm table of docs/diagnostics.md, from the alarm records) is
+written the same way from the records themselves, with no results file: a new record changes it through this command.
 """
 
 from __future__ import annotations
@@ -142,12 +145,26 @@ def provenance(payload: dict) -> str:
     return line
 
 
+def _alarms() -> str:
+    """docs/diagnostics.md's alarm table, from the alarm records (`trl_grpo_ext.guardrails.alarms.ALARMS`)."""
+    from trl_grpo_ext.guardrails.alarms import ALARMS, alarm_table
+
+    return alarm_table(ALARMS.values())
+
+
+#: The tables written from the package's records, not from a results file: name -> a function that returns Markdown.
+RECORD_TABLES: dict[str, Callable[[], str]] = {"alarms": _alarms}
+
+
 def render(name: str, root: str = CHECKOUT) -> str:
-    """The body of the region `name`: the table of `benchmarks/results/<name>.json` and where its figures came from.
+    """The body of the region `name`: the table of `benchmarks/results/<name>.json` and where its figures came from,
+    or a `RECORD_TABLES` table.
 
     Raises:
         `KeyError`: no renderer of that name. `FileNotFoundError`: no results file.
     """
+    if name in RECORD_TABLES:
+        return RECORD_TABLES[name]()
     renderer = RENDERERS[name]
     path = os.path.join(RESULTS_DIR, f"{name}.json")
     with open(os.path.join(root, path)) as handle:
@@ -174,8 +191,9 @@ def rewrite(text: str, root: str = CHECKOUT) -> tuple[str, list[str]]:
 
     def replace(match: re.Match) -> str:
         name = match.group("name")
-        if name not in RENDERERS:
-            raise ValueError(f"<!-- table:{name} -->: no such table (known: {', '.join(sorted(RENDERERS))})")
+        if name not in RENDERERS and name not in RECORD_TABLES:
+            known = ", ".join(sorted([*RENDERERS, *RECORD_TABLES]))
+            raise ValueError(f"<!-- table:{name} -->: no such table (known: {known})")
         body = render(name, root)
         if body != match.group("body"):
             changed.append(name)

@@ -29,7 +29,7 @@ def test_every_results_file_has_its_table_in_a_document_and_every_table_its_file
         with open(os.path.join(REPO, document)) as handle:
             marked |= {match.group("name") for match in tables.MARKED.finditer(handle.read())}
     files = {os.path.basename(path).removesuffix(".json") for path in RESULTS}
-    assert files == set(tables.RENDERERS) == marked
+    assert files == set(tables.RENDERERS) == marked - set(tables.RECORD_TABLES)
 
 
 @pytest.mark.parametrize("path", RESULTS, ids=os.path.basename)

@@ -48,21 +48,57 @@ def test_every_relative_link_reaches_a_file_and_heading(page):
     assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
 
 
-def test_the_alarm_table_lists_every_alarm_with_its_field_and_default():
-    """docs/diagnostics.md's alarm table against the records (`ALARMS`): a new alarm, a renamed field or a changed
-    default that the page does not follow fails here."""
-    from trl_grpo_ext.guardrails.alarms import ALARMS
+def test_the_alarm_table_is_the_one_the_records_give():
+    """docs/diagnostics.md's alarm table is written from the records (`python -m benchmarks tables`): a new alarm, a
+    changed default or a hand edit of the table that the command did not write fails here."""
+    from benchmarks import tables
 
     text = (ROOT / "docs" / "diagnostics.md").read_text()
-    header = "| alarm | field | default | given when | suggests |"
-    rows = text[text.index(header) :].split("\n\n", 1)[0].splitlines()[2:]
+    regions = {match.group("name"): match.group("body") for match in tables.MARKED.finditer(text)}
+    assert regions["alarms"] == tables.render("alarms"), "run `python -m benchmarks tables`"
+
+
+def test_the_alarm_table_has_a_row_per_record_with_its_field_and_default():
+    """Each row of the written table parses back into its record's name, field and default, in `ALARMS` order;
+    `warn_patience` is named where the rule waits (`clip_fraction`)."""
+    from trl_grpo_ext import GRPOConfigExt
+    from trl_grpo_ext.guardrails.alarms import ALARMS, alarm_table
+
+    rows = alarm_table(ALARMS.values()).splitlines()
+    assert rows[0] == "| alarm | field | default | given when | suggests |"
     table = {}
-    for row in rows:
-        name, fields, defaults = (cell.strip() for cell in row.strip("|").split("|")[:3])
-        table[name.strip("`")] = (fields.split(",")[0].strip().strip("`"), float(defaults.split(",")[0]))
-    assert set(table) == set(ALARMS)
+    for row in rows[2:]:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert len(cells) == 5 and all(cells), row
+        table[cells[0].strip("`")] = (cells[1], cells[2])
+    assert list(table) == list(ALARMS)
     for name, alarm in ALARMS.items():
-        assert table[name] == (alarm.field, alarm.default), name
+        fields, defaults = table[name]
+        assert fields.split(", ")[0] == f"`{alarm.field}`" and float(defaults.split(", ")[0]) == alarm.default, name
+    assert table["clip_fraction"] == ("`warn_clip_fraction`, `warn_patience`", f"0.2, {GRPOConfigExt.warn_patience}")
+
+
+def test_a_table_cell_that_would_break_the_row_is_refused():
+    import dataclasses
+
+    from trl_grpo_ext.guardrails.alarms import ALARMS
+
+    broken = dataclasses.replace(ALARMS["zero_std"], suggests="more `num_generations` | a partial-credit reward")
+    with pytest.raises(ValueError, match="zero_std"):
+        broken.table_row()
+
+
+def test_a_stale_alarm_table_is_found_and_rewritten(tmp_path):
+    from benchmarks import tables
+
+    written = tables.render("alarms")
+    stale = written.replace(
+        "| `zero_std` | `warn_zero_std_fraction` | 0.9 |", "| `zero_std` | `warn_zero_std_fraction` | 0.8 |"
+    )
+    assert stale != written
+    rewritten, changed = tables.rewrite(f"# Alarms\n\n<!-- table:alarms -->\n{stale}<!-- /table -->\n")
+    assert changed == ["alarms"]
+    assert rewritten == f"# Alarms\n\n<!-- table:alarms -->\n{written}<!-- /table -->\n"
 
 
 def test_the_report_s_signals_are_those_the_page_lists_with_their_alarms():

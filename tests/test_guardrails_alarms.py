@@ -8,7 +8,7 @@ from trl import GRPOConfig
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.guardrails import ALARM_FIELDS, AnomalyMonitor
-from trl_grpo_ext.guardrails.alarms import DEFAULT_THRESHOLDS, pearson
+from trl_grpo_ext.guardrails.alarms import DEFAULT_THRESHOLDS, Alarm, pearson
 from trl_grpo_ext.guardrails.anomaly import AlarmSettings
 from trl_grpo_ext.report.health import assess
 
@@ -131,6 +131,12 @@ STREAMS = {
 
 def test_every_alarm_has_a_stream():
     assert set(STREAMS) == set(ALARM_FIELDS)
+
+
+def test_an_alarm_record_takes_keywords_only():
+    """A record reads as its fields' names (`default=0.9, low=0.0, ...`), never as a row of bare numbers."""
+    with pytest.raises(TypeError, match="positional"):
+        Alarm("zero_std", None, "warn_zero_std_fraction", 0.9, 0.0, 1.0, False, True, "help")
 
 
 @pytest.mark.parametrize("name", sorted(STREAMS))

@@ -1,8 +1,9 @@
 """Guardrails of a long run, one module each:
 
 - `nonfinite`: keeps optimizer steps with a NaN or infinite loss or gradient off the weights (skip or stop);
-- `alarms`: one record per alarm (`ALARMS`: rule, threshold field, default, range, help), each rule judging one log
-  entry at a time (used live and by `trl_grpo_ext.report.health`); the rules in `rule` (what a rule is),
+- `alarms`: one record per alarm (`ALARMS`: rule, threshold field, default, range, help, its docs table row), each
+  rule judging one log entry at a time (used live and by `trl_grpo_ext.report.health`); the record type in `alarm`,
+  the records in `step_alarms` and `course_alarms`; the rules in `rule` (what a rule is),
   `step_rules` (one step's values), `trend_rules` (against the run's history), `progress_rules` (still progressing);
 - `anomaly`: warns, from the logged metrics, about runs that stopped learning or drift, and counts the alarms;
 - `reward_errors`: names the reward function and the completion behind an exception or a bad value;
