@@ -8,6 +8,9 @@ on the demo task, several seeds per side; tens of minutes on one thread) is not 
 `.venv-vllm/bin/python -m benchmarks truncation`; a few minutes), nor is `health` (the peers' scenario corpus judged
 by `report`'s rules and by the peers that are installed: a scenario x tool table, seconds).
 
+`demo` runs the README's main command, `make demo` (the demo recipe), and records its wall time, held-out scores and
+alarms (about 3 minutes; not part of `all`).
+
 `python -m benchmarks gpu [--out DIR] ...`: the prepared check on a GPU (see `gpu.py`; its own options).
 
 `python -m benchmarks tables [--check]`: the documents' marked tables rewritten from `benchmarks/results/*.json` (see
@@ -34,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(tables_main(argv[1:]))
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    suites = ["e2e", "kernel", "comm", "forward", "learning", "truncation", "health", "all", "gpu", "tables"]
+    suites = ["e2e", "kernel", "comm", "forward", "learning", "truncation", "health", "demo", "all", "gpu", "tables"]
     parser.add_argument("suite", choices=suites)
     parser.add_argument("--json", default=None, help="where to write the results (default: bench-<suite>.json)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 was fastest for small models)")
@@ -198,6 +201,12 @@ def main(argv: list[str] | None = None) -> None:
             "gives one; - nothing)"
         )
         tables.append(title + "\n" + health_scenarios.table(results["health"]))
+
+    if args.suite == "demo":
+        from . import demo
+
+        results["demo"] = demo.run(quick=args.quick)
+        tables.append("The demo recipe, as `make demo` runs it\n" + demo.table(results["demo"]))
 
     for table in tables:
         print(table, end="\n\n")

@@ -564,6 +564,45 @@ def curve_table(runs: list[dict], sides, every: int) -> str:
     return format_table(headers, rows)
 
 
+def time_split_table(runs: list[dict], sides) -> str:
+    """Per side: training CPU seconds (against the first side's), and their part in TRL's generation and scoring (the
+    old and reference log-probs included) against the rest (the training forward and backward, the optimizer), mean
+    of the seeds."""
+    totals = {}
+    for side in sides:
+        side_runs = [run for run in runs if run["side"] == side]
+        if side_runs:
+            training = statistics.mean(run["training_cpu_s"] for run in side_runs)
+            generation = statistics.mean(sum(run["generation_times"]) for run in side_runs)
+            totals[side] = (training, generation)
+    first = next(iter(totals.values()))[0]
+    rows = [
+        [side, f"{training:.0f} ({training / first:.2f})", f"{generation:.1f}", f"{training - generation:.1f}"]
+        for side, (training, generation) in totals.items()
+    ]
+    headers = ["side", f"training CPU s (/ {next(iter(totals))})", "generation and scoring", "the rest"]
+    return format_table(headers, rows)
+
+
+def rounds_table(results: dict) -> str:
+    """Per side: completions generated, generated per trained, extra generation rounds per generation batch and
+    training CPU seconds (mean [min, max] of the seeds)."""
+    rows = []
+    for side, row in results["summary"].items():
+        seconds = row["training_cpu_s"]
+        rows.append(
+            [
+                side,
+                f"{statistics.mean(row['generated_completions']):.0f}",
+                f"{row['generated_per_trained']:.2f}",
+                _value(row["logged"], "dynamic_sampling/rounds"),
+                f"{statistics.mean(seconds):.0f} [{min(seconds):.0f}, {max(seconds):.0f}]",
+            ]
+        )
+    headers = ["side", "completions generated", "generated / trained", "rounds per generation batch", "training CPU s"]
+    return format_table(headers, rows)
+
+
 def _skipped(logged: dict) -> str:
     """Rows skipped (`skip_zero_advantage_rows`) and prompts skipped per generation batch (`selective_rollouts`)."""
     parts = []

@@ -105,6 +105,50 @@ def _learning_epochs(results: dict) -> str:
     )
 
 
+def _learning_whole(results: dict) -> str:
+    """The learning benchmark's runs on the whole training set: the summary table, held-out exact match every 100
+    steps, and the step time with row skipping against without."""
+    from . import learning
+
+    curves = learning.curve_table(results["runs"], list(results["summary"]), 100)
+    skipping = learning.skip_table(results["skip_step_times"])
+    return (
+        f"{learning.table(results)}\n\nHeld-out exact match at every 100 steps from step 0 (mean of the seeds), and "
+        f"the mean training CPU seconds at those steps:\n\n{curves}\n\n"
+        f"Step time with skipping against without, on the same objective (`beta=0`), "
+        f"{results['config']['skip_steps']} steps per run, no evaluation; each step's CPU time split into TRL's "
+        f"generation and scoring and the rest (mean of the seeds):\n\n{skipping}"
+    )
+
+
+def _learning_rounds(results: dict) -> str:
+    """Dynamic sampling's round sizes: completions generated, per trained, rounds and training time per side."""
+    from . import learning
+
+    config = results["config"]
+    return f"{learning.rounds_table(results)}\n\n{config['steps']} steps per run, {len(config['seeds'])} seeds."
+
+
+def _learning_time_split(results: dict) -> str:
+    """Where each multi-epoch side's training time goes: TRL's generation and scoring against the rest."""
+    from . import learning
+
+    config = results["config"]
+    return (
+        f"{learning.time_split_table(results['epoch_runs'], list(results['epochs']['summary']))}\n\n"
+        f"{config['steps']} steps per run on the first {config['epoch_prompts']} training prompts, "
+        f"{len(config['seeds'])} seeds."
+    )
+
+
+def _demo(results: dict) -> str:
+    """The demo's figures as the suite prints them, the machine's load during the run after them."""
+    from . import demo
+
+    load = ", ".join(f"{value:.1f}" for value in results["load_average"])
+    return f"{demo.table(results)}\n\nLoad average when the run started (1, 5, 15 minutes): {load}."
+
+
 @dataclass(frozen=True)
 class Renderer:
     """How one results file becomes Markdown.
@@ -125,6 +169,7 @@ RENDERERS: dict[str, Renderer] = {
     "comm": Renderer("comm", _comm),
     "truncation": Renderer("truncation", _truncation),
     "learning-spread": Renderer("learning", _learning_epochs),
+    "learning-demo": Renderer("learning", _learning_whole),
 }
 
 

@@ -156,3 +156,16 @@ def test_the_learning_benchmark_rotates_its_sides_and_runs_with_none():
 
     assert learning._rotations(("a", "b", "c"), 4) == ("b", "c", "a")
     assert learning._rotations((), 1) == ()
+
+
+@pytest.mark.slow
+def test_the_demo_suite_runs_the_recipe_and_records_what_it_printed(tmp_path):
+    out = tmp_path / "demo.json"
+    command = [sys.executable, "-m", "benchmarks", "demo", "--quick", "--json", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    demo = json.loads(out.read_text())["demo"]
+    assert demo["steps"] == 4 and demo["wall_s"] > demo["train_runtime_s"] > 0
+    (score,) = demo["heldout"].values()  # the demo's one metric, exact match, before and after
+    assert 0.0 <= score["before"] <= 1.0 and 0.0 <= score["after"] <= 1.0
+    assert "| held-out exact_match mean@1, before GRPO -> after |" in result.stdout

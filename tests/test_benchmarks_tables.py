@@ -127,3 +127,17 @@ def test_every_count_of_tests_in_the_docs_names_the_commit_it_was_counted_at():
             end = text.find("\n", match.end())
             assert re.search(r"commit [0-9a-f]{7,40}", text[start:end]), (page, match.group(0))
     assert counts >= 3  # the CI durations of docs/performance.md and the real-vLLM tier of docs/vllm.md
+
+
+def test_the_demo_suite_reads_the_held_out_lines_the_recipe_prints():
+    from benchmarks import demo
+    from trl_grpo_ext.recipes.grpo import heldout_lines
+
+    before = {"heldout/exact_match/mean@1": 0.2, "heldout/exact_match/pass@1": 0.2, "heldout/f1/mean@4": 0.5}
+    after = {"heldout/exact_match/mean@1": 0.782, "heldout/exact_match/pass@1": 0.782, "heldout/f1/mean@4": 0.61}
+    printed = "Held-out evaluation on 500 test prompts:\n" + "\n".join(heldout_lines(before, after)) + "\nDone.\n"
+    assert demo.heldout_scores(printed) == {
+        "exact_match mean@1": {"before": 0.2, "after": 0.782},
+        "f1 mean@4": {"before": 0.5, "after": 0.61},
+    }
+    assert demo.minutes(162.4) == "2 min 42 s" and demo.minutes(59.6) == "1 min 00 s"
