@@ -76,7 +76,7 @@ def run(quick: bool = False) -> dict:
         trained = _trained(output_dir)
     return {
         "config": {"config": DEMO_CONFIG, "options": options, "quick": quick},
-        "load_average": list(os.getloadavg()),
+        "load_average": list(os.getloadavg()),  # at the end of the run
         "wall_s": wall,
         **trained,
         "heldout": scores,

@@ -146,7 +146,7 @@ def _demo(results: dict) -> str:
     from . import demo
 
     load = ", ".join(f"{value:.1f}" for value in results["load_average"])
-    return f"{demo.table(results)}\n\nLoad average when the run started (1, 5, 15 minutes): {load}."
+    return f"{demo.table(results)}\n\nLoad average of the machine at the end of the run (1, 5, 15 minutes): {load}."
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,7 @@ RENDERERS: dict[str, Renderer] = {
     "truncation": Renderer("truncation", _truncation),
     "learning-spread": Renderer("learning", _learning_epochs),
     "learning-demo": Renderer("learning", _learning_whole),
+    "demo": Renderer("demo", _demo),
 }
 
 

@@ -129,6 +129,46 @@ def test_every_count_of_tests_in_the_docs_names_the_commit_it_was_counted_at():
     assert counts >= 3  # the CI durations of docs/performance.md and the real-vLLM tier of docs/vllm.md
 
 
+# The demo's figures quoted in prose, outside any generated table: where each is said, and how to read it.
+DEMO_MINUTES = {
+    "README.md": r"make demo .*about (\d+) minutes",
+    "Makefile": r"The offline demo recipe: ~(\d+) minutes",
+    "trl_grpo_ext/cli.py": r"the offline demo .*~(\d+) minutes",
+    "trl_grpo_ext/recipes/tiny/config_demo.yaml": r"about (\d+) minutes",
+    "docs/recipes.md": r"config_demo\.yaml.*about (\d+) minutes",
+    "benchmarks/__main__.py": r"alarms \(about (\d+) minutes",
+}
+# The recipe's printed line, in the docs' copies of its output.
+DEMO_SCORES = {
+    "docs/recipes.md": r"exact_match mean@1: ([\d.]+) before GRPO -> ([\d.]+) after",
+    "docs/diagnostics.md": r"heldout/exact_match/mean@1 ([\d.]+) -> ([\d.]+)",
+}
+
+
+def demo_results() -> dict:
+    with open(os.path.join(REPO, tables.RESULTS_DIR, "demo.json")) as handle:
+        return json.load(handle)["demo"]
+
+
+@pytest.mark.parametrize("page", DEMO_MINUTES)
+def test_the_demos_minutes_said_in_prose_are_those_measured(page):
+    """`python -m benchmarks demo` measures the demo; a page that says how long it takes says it in whole minutes."""
+    with open(os.path.join(REPO, page)) as handle:
+        claims = re.findall(DEMO_MINUTES[page], handle.read())
+    assert len(claims) == 1, (page, claims)
+    measured = demo_results()["wall_s"] / 60
+    assert int(claims[0]) == round(measured), f"{page} says about {claims[0]} minutes; measured {measured:.1f}"
+
+
+@pytest.mark.parametrize("page", DEMO_SCORES)
+def test_the_demos_scores_quoted_in_the_docs_are_those_measured(page):
+    with open(os.path.join(REPO, page)) as handle:
+        quoted = re.findall(DEMO_SCORES[page], handle.read())
+    assert len(quoted) == 1, (page, quoted)
+    measured = demo_results()["heldout"]["exact_match mean@1"]
+    assert [float(value) for value in quoted[0]] == [round(measured["before"], 3), round(measured["after"], 3)]
+
+
 def test_the_demo_suite_reads_the_held_out_lines_the_recipe_prints():
     from benchmarks import demo
     from trl_grpo_ext.recipes.grpo import heldout_lines
