@@ -14,6 +14,7 @@ GRAD_NORM = "grad_norm"  # (TRL) the gradient norm before clipping
 LEARNING_RATE = "learning_rate"  # (TRL) the scheduler's learning rate
 NUM_TOKENS = "num_tokens"  # (TRL) the running total of prompt and completion tokens seen
 REWARD = "reward"  # (TRL) the mean total reward of the completions
+REWARD_STD = "reward_std"  # (TRL) the standard deviation of the total reward over the batch
 FRAC_REWARD_ZERO_STD = "frac_reward_zero_std"  # (TRL) share of completions in a group whose rewards all tie
 KL = "kl"  # (TRL) mean per-token KL to the reference (beta > 0); the diagnostics log it in TRL's place
 ENTROPY = "entropy"  # (TRL) mean per-token entropy of the policy; the diagnostics log it in TRL's place
@@ -22,6 +23,7 @@ CLIP_RATIO_PREFIX = "clip_ratio/"  # (TRL) the clip fractions below
 CLIP_RATIO_LOW_MEAN = "clip_ratio/low_mean"  # (TRL) token share with r < 1 - epsilon_low and A < 0
 CLIP_RATIO_HIGH_MEAN = "clip_ratio/high_mean"  # (TRL) token share with r > 1 + epsilon_high and A > 0
 CLIP_RATIO_REGION_MEAN = "clip_ratio/region_mean"  # (TRL) token share in either clipped, zero-gradient region
+CISPO_CLIP_RATIO = "cispo_clip_ratio"  # (TRL) CISPO: token share whose weight the cap binds (A > 0)
 COMPLETIONS_PREFIX = "completions/"  # (TRL) the completions' lengths below
 COMPLETIONS_MEAN_LENGTH = "completions/mean_length"  # (TRL) mean completion length in tokens
 COMPLETIONS_MIN_LENGTH = "completions/min_length"  # (TRL) shortest completion
@@ -37,6 +39,7 @@ IMPORTANCE_SAMPLING_RATIO_MEAN = "sampling/importance_sampling_ratio/mean"  # (T
 IMPORTANCE_SAMPLING_RATIO_MAX = "sampling/importance_sampling_ratio/max"  # (TRL) largest vLLM correction weight
 
 # Logged by the package.
+FRAC_REWARD_UNSCORED = "frac_reward_unscored"  # share of completions no reward function scored
 IMPORTANCE_SAMPLING_RATIO_ESS = "sampling/importance_sampling_ratio/ess"  # effective sample size of the weights
 IMPORTANCE_SAMPLING_RATIO_RAW = "sampling/importance_sampling_ratio_raw"  # prefix: trainer/sampler ratios, uncut
 SAMPLER_K3_KL = "sampling/sampler_k3_kl"  # k3 estimate of the KL between trainer and sampler

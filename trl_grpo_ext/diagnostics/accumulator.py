@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..metrics import (
+    CISPO_CLIP_RATIO,
     CLIP_RATIO_PREFIX,
     ENTROPY,
+    FRAC_REWARD_UNSCORED,
     IMPORTANCE_SAMPLING_RATIO_ESS,
     IMPORTANCE_SAMPLING_RATIO_RAW,
     KL,
@@ -318,7 +320,7 @@ class DiagnosticsAccumulator:
         if self._group_stds:
             self._summarize_rewards(torch.cat(self._group_stds).to(torch.float64).cpu(), summary)
             unscored, total = torch.stack(self._unscored).sum(dim=0).tolist()
-            summary.scalars["frac_reward_unscored"] = unscored / total
+            summary.scalars[FRAC_REWARD_UNSCORED] = unscored / total
         if gathered is None and self._lengths is not None:  # nothing gathered (no loss step): this process's own
             self._summarize_lengths(self._lengths.to(torch.float64).cpu(), summary)
         self.reset()
@@ -339,7 +341,7 @@ class DiagnosticsAccumulator:
                     torch.isinf(steps[name]), math.nan, steps[name]
                 ).tolist()
         elif self.clip_metrics == "cispo":
-            summary.per_step["cispo_clip_ratio"] = (steps["high"] / units).tolist()
+            summary.per_step[CISPO_CLIP_RATIO] = (steps["high"] / units).tolist()
         for name in self.extra_metrics:
             counted = steps[f"{name}/count"] > 0  # a carrier micro-batch adds (0, 0)
             summary.per_step[name] = (steps[f"{name}/sum"] / steps[f"{name}/count"])[counted].tolist()

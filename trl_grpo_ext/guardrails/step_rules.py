@@ -11,6 +11,7 @@ from ..metrics import (
     CLIP_RATIO_LOW_MEAN,
     CLIP_RATIO_REGION_MEAN,
     COMPLETIONS_CLIPPED_RATIO,
+    FRAC_REWARD_UNSCORED,
     GRAD_NORM,
     KL,
     reward_function_of,
@@ -44,7 +45,7 @@ class UnscoredRule(Rule):
     `frac_reward_unscored` stays low and one silent step says nothing. A parser that never matches stays silent.
     """
 
-    keys = ("frac_reward_unscored", "rewards/<name>/mean")
+    keys = (FRAC_REWARD_UNSCORED, "rewards/<name>/mean")
     WINDOW = 10  # scoring log steps in a row without a score from one function
 
     def __init__(self, threshold: float):
@@ -53,7 +54,7 @@ class UnscoredRule(Rule):
 
     def judge(self, entry):
         means = {name: value for key, value in entry.items() if (name := reward_function_of(key)) is not None}
-        share = _number(entry, "frac_reward_unscored")
+        share = _number(entry, FRAC_REWARD_UNSCORED)
         if not means and share is None:
             return None  # not a step that scored completions
         for name, value in means.items():

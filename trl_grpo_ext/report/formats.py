@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from ..metrics import (
     ALARMS_PREFIX,
+    CISPO_CLIP_RATIO,
     CLIP_RATIO_PREFIX,
     COMPLETIONS_PREFIX,
     DYNAMIC_SAMPLING_PREFIX,
@@ -21,6 +22,7 @@ from ..metrics import (
     FORWARD_PREFIX,
     FORWARD_REPEATED_PROMPT_FRACTION,
     FORWARD_TOKENS_PER_DISTINCT,
+    FRAC_REWARD_UNSCORED,
     FRAC_REWARD_ZERO_STD,
     GRAD_NORM,
     HELDOUT_PREFIX,
@@ -33,6 +35,7 @@ from ..metrics import (
     RATIO_PREFIX,
     REWARD,
     REWARD_LENGTH_CORR_PREFIX,
+    REWARD_STD,
     REWARD_STD_PREFIX,
     REWARDS_PREFIX,
     SAMPLING_PREFIX,
@@ -60,8 +63,8 @@ PACKING_WORTH_MENTIONING = 1.05
 #: docs/diagnostics.md); a logged key outside them is named as not recognised. `eval_` keys are their training key's.
 KNOWN_KEYS = frozenset(
     {
-        "step", "epoch", LEARNING_RATE, GRAD_NORM, "total_flos", NUM_TOKENS, LOSS, REWARD, "reward_std",
-        KL, ENTROPY, FRAC_REWARD_ZERO_STD, "frac_reward_unscored", "clip_ratio", "cispo_clip_ratio",
+        "step", "epoch", LEARNING_RATE, GRAD_NORM, "total_flos", NUM_TOKENS, LOSS, REWARD, REWARD_STD,
+        KL, ENTROPY, FRAC_REWARD_ZERO_STD, FRAC_REWARD_UNSCORED, "clip_ratio", CISPO_CLIP_RATIO,
         "train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss",
         "eval_runtime", "eval_samples_per_second", "eval_steps_per_second",
     }

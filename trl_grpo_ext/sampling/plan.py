@@ -31,6 +31,7 @@ from ..metrics import (
     FRAC_REWARD_ZERO_STD,
     NUM_TOKENS,
     REWARD,
+    REWARD_STD,
     TOOLS_CALL_FREQUENCY,
     TOOLS_FAILURE_FREQUENCY,
     reward_function_metric,
@@ -129,7 +130,7 @@ def trl_reward_metrics(
     rewards = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
     rewards[unscorable_mask] = torch.nan
     metrics[REWARD] = torch.nanmean(rewards).item()
-    metrics["reward_std"] = nanstd(rewards).item()
+    metrics[REWARD_STD] = nanstd(rewards).item()
     metrics[FRAC_REWARD_ZERO_STD] = is_std_zero.float().mean().item()
     return metrics
 
