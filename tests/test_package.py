@@ -133,16 +133,16 @@ def test_the_config_imports_only_records_and_the_ops_layer():
     checks (`config_checks`) read the same and nothing of `config`."""
     imported = {(module, target) for module, target, _ in _package_imports() if module in ("config", "config_checks")}
     assert imported and all(
-        _under(target, "ops", "choices", "guardrails.alarms") or (module, target) == ("config", "config_checks")
+        _under(target, "ops", "choices", "guardrails.alarms", NAMES) or (module, target) == ("config", "config_checks")
         for module, target in imported
     ), imported
 
 
 def test_the_diagnostics_only_observe():
-    """Nothing in `diagnostics` computes what trains: it imports the ops layer and itself only (not the samplers, the
-    trainer, the forward or the configuration)."""
+    """Nothing in `diagnostics` computes what trains: it imports the ops layer, the metric names and itself only (not
+    the samplers, the trainer, the forward or the configuration)."""
     imported = {(module, target) for module, target, _ in _package_imports() if _under(module, "diagnostics")}
-    assert all(_under(target, "diagnostics", "ops") for _, target in imported), imported
+    assert all(_under(target, "diagnostics", "ops", NAMES) for _, target in imported), imported
 
 
 def test_the_ops_layer_imports_nothing_of_the_package_above_it():
@@ -150,7 +150,9 @@ def test_the_ops_layer_imports_nothing_of_the_package_above_it():
     assert all(_under(target, "ops") for _, target in imported), imported
 
 
-#: The alarm records' rules: the alarm records import them, and they import only one another.
+#: The metric names (`metrics.py`): the one module below every layer, which any module may import.
+NAMES = "metrics"
+#: The alarm records' rules: the alarm records import them, and they import only one another (and the metric names).
 ALARM_RULES = ("guardrails.rule", "guardrails.step_rules", "guardrails.trend_rules", "guardrails.progress_rules")
 #: The alarm records (`guardrails.alarms` gathers them): they import their rules, their type and one another only.
 ALARM_RECORDS = ("guardrails.alarm", "guardrails.step_alarms", "guardrails.course_alarms")
@@ -161,7 +163,13 @@ def test_the_records_import_nothing_of_the_package():
     which import only one another)."""
     records = ("choices", "guardrails.alarms", "_compat", *ALARM_RECORDS, *ALARM_RULES)
     imported = {(module, target) for module, target, _ in _package_imports() if module in records}
-    assert all(target in ALARM_RULES or target in ALARM_RECORDS for _, target in imported), imported
+    assert all(target in (*ALARM_RULES, *ALARM_RECORDS, NAMES) for _, target in imported), imported
+
+
+def test_the_metric_names_import_nothing_of_the_package():
+    """Every layer may read the metric names (the diagnostics and the alarm rules too), so they read nothing."""
+    imported = {(module, target) for module, target, _ in _package_imports() if module == NAMES}
+    assert not imported, imported
 
 
 def test_only_the_entry_points_reach_the_trainer():

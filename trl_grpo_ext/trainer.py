@@ -54,6 +54,7 @@ from .guardrails import AnomalyMonitor, NonFiniteEnforcer, NonFiniteGuard
 from .guardrails.anomaly import AlarmSettings
 from .guardrails.launch import check_launch
 from .guardrails.reward_errors import guard_reward_funcs, reward_kwarg_names
+from .metrics import KL, LOSS, NONFINITE_SKIPPED_STEPS, SKIPPED_ROWS_FRACTION, VESPO_PHI_SEQ_MEAN
 from .objective_inputs import entropy_bonus, gather_objective_inputs
 from .ops import LOSS_TYPES, policy_objective, total_loss
 from .ops.validation import raise_problems
@@ -230,7 +231,7 @@ class GRPOTrainerExt(GRPOTrainer):
         extra_metrics += self._loss_type.extra_metrics
         extra_metrics += FORWARD_METRICS
         if mode == "train" and self._row_skipping is not None:
-            extra_metrics += ("skipped_rows/fraction",)
+            extra_metrics += (SKIPPED_ROWS_FRACTION,)
         return DiagnosticsAccumulator(
             ratio_stats=option(self.args, "log_diagnostics"),
             quantiles=option(self.args, "ratio_quantiles"),
@@ -279,7 +280,7 @@ class GRPOTrainerExt(GRPOTrainer):
         carrier = selection is not None and selection.carrier
         if objective.sequence_weights is not None:
             weights = objective.sequence_weights
-            extras["vespo/phi_seq_mean"] = (weights.sum() * (not carrier), weights.numel() * (not carrier))
+            extras[VESPO_PHI_SEQ_MEAN] = (weights.sum() * (not carrier), weights.numel() * (not carrier))
         bonus = None
         if self._entropy_bonus_enabled:
             # As TRL logs it: the policy loss before the bonus and before any division by the accumulation steps.
@@ -299,7 +300,7 @@ class GRPOTrainerExt(GRPOTrainer):
         terms = {"policy": out.policy_loss, "kl_penalty": out.kl_penalty, **added}
         extras.update(forward_counts(inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_mask"]).metrics())
         if selection is not None:
-            extras["skipped_rows/fraction"] = selection.skipped_fraction()
+            extras[SKIPPED_ROWS_FRACTION] = selection.skipped_fraction()
             out = selection.with_whole_batch_clip_counts(out)
         optimizer_step = mode == "eval" or self.accelerator.sync_gradients
         self._diagnostics[mode].add_loss_step(out, entropies, terms, extras, optimizer_step, carrier=carrier)
@@ -433,14 +434,14 @@ class GRPOTrainerExt(GRPOTrainer):
         gathered = self.accelerator.gather(packed[None]) if packed is not None else None
         summary = accumulator.summarize(gathered)
         if self.beta == 0.0:
-            summary.per_step.pop("kl", None)
+            summary.per_step.pop(KL, None)
         for name, values in summary.per_step.items():
             if values:  # TRL's log divides by the number of values: a name without any is not created
                 self._metrics[mode][name].extend(values)
         for name, value in summary.scalars.items():
             self._metrics[mode][name].append(value)
-        if mode == "train" and self._nonfinite_guard.policy != "off" and "loss" in logs:
-            self._metrics[mode]["nonfinite/skipped_steps"].append(self._nonfinite_guard.skipped)
+        if mode == "train" and self._nonfinite_guard.policy != "off" and LOSS in logs:
+            self._metrics[mode][NONFINITE_SKIPPED_STEPS].append(self._nonfinite_guard.skipped)
         super().log(logs, start_time)
         if summary.histograms and self.accelerator.is_main_process:
             write_histograms(self.callback_handler, summary.histograms, mode, self.state.global_step)

@@ -20,6 +20,19 @@ from transformers.utils import logging
 from trl.trainer.utils import get_comet_experiment_url, get_config_model_id, get_trackio_space_url
 
 from ..guardrails.anomaly import AlarmSettings
+from ..metrics import (
+    CLIP_RATIO_REGION_MEAN,
+    COMPLETIONS_MEAN_LENGTH,
+    ENTROPY,
+    FRAC_REWARD_ZERO_STD,
+    KL,
+    LOSS,
+    RATIO_P05,
+    RATIO_P50,
+    RATIO_P95,
+    REWARD,
+    REWARD_STD_GROUP_MEAN,
+)
 from ..report.figure import plot_training_report
 from ..report.health import assess
 from .fields import CARD_CONFIG_FIELDS, card_config, user_lora_settings
@@ -50,17 +63,17 @@ __all__ = [
 logger = logging.get_logger(__name__)
 
 CARD_METRICS = (
-    "reward",
-    "reward_std/group_mean",
-    "frac_reward_zero_std",
-    "kl",
-    "clip_ratio/region_mean",
-    "ratio/p05",
-    "ratio/p50",
-    "ratio/p95",
-    "entropy",
-    "completions/mean_length",
-    "loss",
+    REWARD,
+    REWARD_STD_GROUP_MEAN,
+    FRAC_REWARD_ZERO_STD,
+    KL,
+    CLIP_RATIO_REGION_MEAN,
+    RATIO_P05,
+    RATIO_P50,
+    RATIO_P95,
+    ENTROPY,
+    COMPLETIONS_MEAN_LENGTH,
+    LOSS,
 )
 
 
@@ -68,7 +81,7 @@ def final_metrics(log_history: list[dict], keys: tuple[str, ...] = CARD_METRICS)
     """The last logged value of each training metric in `keys` (rewards are logged only at generating steps)."""
     metrics: dict[str, float] = {}
     for entry in log_history:
-        if "loss" not in entry:
+        if LOSS not in entry:
             continue
         for key in keys:
             value = entry.get(key)

@@ -23,6 +23,25 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..metrics import (
+    CISPO_CLIP_RATIO,
+    CLIP_RATIO_PREFIX,
+    ENTROPY,
+    FRAC_REWARD_UNSCORED,
+    IMPORTANCE_SAMPLING_RATIO_ESS,
+    IMPORTANCE_SAMPLING_RATIO_RAW,
+    KL,
+    LOSS_PREFIX,
+    RATIO_NAN_COUNT,
+    RATIO_PREFIX,
+    REWARD_LENGTH_CORR,
+    REWARD_STD_FRAC_ZERO_GROUPS,
+    REWARD_STD_GROUP,
+    REWARD_STD_GROUP_MAX,
+    REWARD_STD_GROUP_MEAN,
+    REWARD_STD_GROUP_MIN,
+    SAMPLER_K3_KL,
+)
 from ..ops.advantages import has_spread
 from ..ops.loss_types import CLIP_METRICS
 from ..ops.numerics import kl_estimator
@@ -35,8 +54,8 @@ __all__ = ["LOSS_TERMS", "STEP_LAYOUT", "DiagnosticsAccumulator", "DiagnosticsSu
 LOSS_TERMS = ("policy", "kl_penalty", "entropy_bonus", "router")
 STEP_LAYOUT = FieldLayout(
     [
-        ("kl", "sum"),
-        ("entropy", "sum"),
+        (KL, "sum"),
+        (ENTROPY, "sum"),
         ("low", "sum"),
         ("high", "sum"),
         ("region", "sum"),
@@ -47,7 +66,7 @@ STEP_LAYOUT = FieldLayout(
         ("carriers", "sum"),  # processes whose micro-batch only carried the graph (every row skipped)
     ]
 )
-MISMATCH_PREFIX = "sampling/importance_sampling_ratio_raw"
+MISMATCH_PREFIX = IMPORTANCE_SAMPLING_RATIO_RAW
 # The length/reward correlation inside groups: this process's centred sums since the last log (`_length_moments`).
 LENGTH_LAYOUT = FieldLayout([("length_reward", "sum"), ("length_squares", "sum"), ("reward_squares", "sum")])
 # Beside the raw ratios' histogram: the units outside the bounds; sum of exp(d) - d - 1 over the tokens the sampler
@@ -116,7 +135,7 @@ class DiagnosticsAccumulator:
         self.step_layout = FieldLayout([*STEP_LAYOUT.fields(), *extras])
         histogram = LogRatioHistogram.layout
         terms = [(term, "sum") for term in LOSS_TERMS]
-        self.window_layout = FieldLayout([*histogram.fields("ratio/"), *terms, ("optimizer_steps", "sum")])
+        self.window_layout = FieldLayout([*histogram.fields(RATIO_PREFIX), *terms, ("optimizer_steps", "sum")])
         self.mismatch_layout = FieldLayout([*histogram.fields(), *((name, "sum") for name in MISMATCH_SUMS)])
         self.reset()
 
@@ -165,8 +184,8 @@ class DiagnosticsAccumulator:
         with_units = units > 0
         nan = torch.full((), math.nan, dtype=dtype, device=device)  # a fill, not a host-to-device copy
         values = {
-            "kl": out.kl_per_row.to(dtype).sum(),
-            "entropy": torch.where(mask, entropies.detach(), 0).to(dtype).sum() if entropies is not None else nan,
+            KL: out.kl_per_row.to(dtype).sum(),
+            ENTROPY: torch.where(mask, entropies.detach(), 0).to(dtype).sum() if entropies is not None else nan,
             "low": low.sum(),
             "high": high.sum(),
             "region": (low + high).sum(),  # a token cannot be both: low needs A < 0, high A > 0
@@ -301,7 +320,7 @@ class DiagnosticsAccumulator:
         if self._group_stds:
             self._summarize_rewards(torch.cat(self._group_stds).to(torch.float64).cpu(), summary)
             unscored, total = torch.stack(self._unscored).sum(dim=0).tolist()
-            summary.scalars["frac_reward_unscored"] = unscored / total
+            summary.scalars[FRAC_REWARD_UNSCORED] = unscored / total
         if gathered is None and self._lengths is not None:  # nothing gathered (no loss step): this process's own
             self._summarize_lengths(self._lengths.to(torch.float64).cpu(), summary)
         self.reset()
@@ -311,18 +330,18 @@ class DiagnosticsAccumulator:
         """TRL's per-micro-batch metrics from the steps' fields (each `(num_steps,)`, pooled over processes)."""
         tokens = steps["tokens"].clamp(min=1.0)
         units = steps["clip_units"].clamp(min=1.0)
-        summary.per_step["kl"] = (steps["kl"] / tokens).tolist()
+        summary.per_step[KL] = (steps[KL] / tokens).tolist()
         trained = (steps["tokens"] > 0) | (steps["carriers"] == 0)  # not a micro-batch that only carried the graph
-        summary.per_step["entropy"] = (steps["entropy"] / tokens)[trained].tolist()
+        summary.per_step[ENTROPY] = (steps[ENTROPY] / tokens)[trained].tolist()
         if self.clip_metrics == "clip_ratio":
             for metric, name in (("low_mean", "low"), ("high_mean", "high"), ("region_mean", "region")):
-                summary.per_step[f"clip_ratio/{metric}"] = (steps[name] / units).tolist()
+                summary.per_step[f"{CLIP_RATIO_PREFIX}{metric}"] = (steps[name] / units).tolist()
             for metric, name in (("low_min", "low_min"), ("high_max", "high_max")):
-                summary.per_step[f"clip_ratio/{metric}"] = torch.where(
+                summary.per_step[f"{CLIP_RATIO_PREFIX}{metric}"] = torch.where(
                     torch.isinf(steps[name]), math.nan, steps[name]
                 ).tolist()
         elif self.clip_metrics == "cispo":
-            summary.per_step["cispo_clip_ratio"] = (steps["high"] / units).tolist()
+            summary.per_step[CISPO_CLIP_RATIO] = (steps["high"] / units).tolist()
         for name in self.extra_metrics:
             counted = steps[f"{name}/count"] > 0  # a carrier micro-batch adds (0, 0)
             summary.per_step[name] = (steps[f"{name}/sum"] / steps[f"{name}/count"])[counted].tolist()
@@ -331,20 +350,24 @@ class DiagnosticsAccumulator:
         # Trainer logs the mean over optimizer steps of each step's summed micro-batch losses: so are the terms.
         optimizer_steps = max(window["optimizer_steps"].item(), 1.0)
         for term in self.loss_terms:
-            summary.scalars[f"loss/{term}"] = window[term].item() / optimizer_steps
+            summary.scalars[f"{LOSS_PREFIX}{term}"] = window[term].item() / optimizer_steps
         ratio = LogRatioHistogram.summarize(
-            {name.removeprefix("ratio/"): value for name, value in window.items() if name.startswith("ratio/")},
+            {
+                name.removeprefix(RATIO_PREFIX): value
+                for name, value in window.items()
+                if name.startswith(RATIO_PREFIX)
+            },
             self.quantiles,
             histogram=self.histograms,
         )
         if ratio is None:
             return
         for name in ("mean", "std", "min", "max"):
-            summary.scalars[f"ratio/{name}"] = ratio[name]
+            summary.scalars[f"{RATIO_PREFIX}{name}"] = ratio[name]
         for quantile, value in zip(self.quantiles, ratio["quantiles"], strict=True):
             summary.scalars[quantile_metric_name(quantile)] = value
         if ratio["nan_count"] > 0:
-            summary.scalars["ratio/nan_count"] = ratio["nan_count"]
+            summary.scalars[RATIO_NAN_COUNT] = ratio["nan_count"]
         if self.histograms:
             summary.histograms["ratio"] = ratio["histogram"]
 
@@ -357,17 +380,17 @@ class DiagnosticsAccumulator:
         summary.scalars[f"{MISMATCH_PREFIX}/max"] = ratio["max"]
         summary.scalars[f"{MISMATCH_PREFIX}/outside_fraction"] = mismatch["outside"].item() / ratio["units"]
         for quantile, value in zip(self.quantiles, ratio["quantiles"], strict=True):
-            summary.scalars[quantile_metric_name(quantile).replace("ratio/", f"{MISMATCH_PREFIX}/")] = value
+            summary.scalars[quantile_metric_name(quantile).replace(RATIO_PREFIX, f"{MISMATCH_PREFIX}/")] = value
         # Effective sample size over the number of units, (sum w)^2 / (N sum w^2), in (0, 1]: 1 when every weight is
         # equal, 1/N when one weight carries all. The raw ratios' sums are those of the histogram (kept as r - 1).
         units, deviation, squares = ratio["units"], mismatch["deviation_sum"].item(), mismatch["square_sum"].item()
         summary.scalars[f"{MISMATCH_PREFIX}/ess"] = _ess(units, units + deviation, units + 2 * deviation + squares)
         if mismatch["applied_units"].item() > 0:
-            summary.scalars["sampling/importance_sampling_ratio/ess"] = _ess(
+            summary.scalars[IMPORTANCE_SAMPLING_RATIO_ESS] = _ess(
                 mismatch["applied_units"].item(), mismatch["applied_sum"].item(), mismatch["applied_square_sum"].item()
             )
         if mismatch["k3_tokens"].item() > 0:
-            summary.scalars["sampling/sampler_k3_kl"] = mismatch["k3_sum"].item() / mismatch["k3_tokens"].item()
+            summary.scalars[SAMPLER_K3_KL] = mismatch["k3_sum"].item() / mismatch["k3_tokens"].item()
         if self.histograms:
             summary.histograms[MISMATCH_PREFIX] = ratio["histogram"]
 
@@ -376,22 +399,22 @@ class DiagnosticsAccumulator:
         if length_squares.item() > 0 and reward_squares.item() > 0:
             # r = sum (l - l_g)(R - R_g) / sqrt(sum (l - l_g)^2 * sum (R - R_g)^2), pooled over groups and processes
             correlation = cross / (length_squares * reward_squares).sqrt()
-            summary.scalars["reward_length_corr/within_group"] = correlation.item()
+            summary.scalars[REWARD_LENGTH_CORR] = correlation.item()
 
     def _summarize_rewards(self, group_stds: torch.Tensor, summary: DiagnosticsSummary) -> None:
         # A group teaches nothing when its rewards are all equal (TRL's zero test: within 1e-8) or fewer than two of
         # them were scored, whatever `scale_rewards` then divides by (TRL's `frac_reward_zero_std` uses the batch's
         # std under scale_rewards="batch").
         flat = ~has_spread(group_stds)
-        summary.scalars["reward_std/frac_zero_groups"] = flat.to(torch.float64).mean().item()
+        summary.scalars[REWARD_STD_FRAC_ZERO_GROUPS] = flat.to(torch.float64).mean().item()
         valid = group_stds[~torch.isnan(group_stds)]
         if valid.numel() == 0:
             return
-        summary.scalars["reward_std/group_mean"] = valid.mean().item()
-        summary.scalars["reward_std/group_min"] = valid.min().item()
-        summary.scalars["reward_std/group_max"] = valid.max().item()
+        summary.scalars[REWARD_STD_GROUP_MEAN] = valid.mean().item()
+        summary.scalars[REWARD_STD_GROUP_MIN] = valid.min().item()
+        summary.scalars[REWARD_STD_GROUP_MAX] = valid.max().item()
         if self.histograms:
-            summary.histograms["reward_std/group"] = _value_histogram(valid)
+            summary.histograms[REWARD_STD_GROUP] = _value_histogram(valid)
 
 
 def _length_moments(

@@ -18,6 +18,7 @@ import math
 import numpy as np
 import torch
 
+from ..metrics import RATIO_PREFIX
 from ..ops.numerics import EXP_LINEAR_ABOVE, exp_linear_above, log_of_exp_linear_above
 from ..ops.ratio_statistics import (
     CORE_BIN_WIDTH,
@@ -48,7 +49,7 @@ def quantile_metric_name(quantile: float) -> str:
     """`0.05 -> "ratio/p05"`, `0.5 -> "ratio/p50"`, `0.999 -> "ratio/p99.9"`."""
     percent = round(quantile * 100, 6)
     text = f"{percent:02.0f}" if percent == int(percent) else f"{percent:g}"
-    return f"ratio/p{text}"
+    return f"{RATIO_PREFIX}p{text}"
 
 
 def histogram_quantiles(

@@ -39,6 +39,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..metrics import FORWARD_PADDING_FRACTION, FORWARD_REPEATED_PROMPT_FRACTION, FORWARD_TOKENS_PER_DISTINCT
+
 __all__ = [
     "FORWARD_METRICS",
     "ForwardCounts",
@@ -64,14 +66,14 @@ class ForwardCounts:
     def metrics(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """The `forward/*` metrics as `(sum, count)` pairs, so that a log step's value weighs every token once."""
         return {
-            "forward/padding_fraction": (self.padding, self.forwarded),
-            "forward/repeated_prompt_fraction": (self.repeated_prompt, self.forwarded),
-            "forward/tokens_per_distinct": (self.forwarded, self.distinct),
+            FORWARD_PADDING_FRACTION: (self.padding, self.forwarded),
+            FORWARD_REPEATED_PROMPT_FRACTION: (self.repeated_prompt, self.forwarded),
+            FORWARD_TOKENS_PER_DISTINCT: (self.forwarded, self.distinct),
         }
 
 
 #: The metric names of `ForwardCounts.metrics`, in the order they are logged.
-FORWARD_METRICS = ("forward/padding_fraction", "forward/repeated_prompt_fraction", "forward/tokens_per_distinct")
+FORWARD_METRICS = (FORWARD_PADDING_FRACTION, FORWARD_REPEATED_PROMPT_FRACTION, FORWARD_TOKENS_PER_DISTINCT)
 
 
 def prompt_leaders(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:

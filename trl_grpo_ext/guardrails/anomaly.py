@@ -18,6 +18,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
+from ..metrics import LOSS, alarm_metric
 from .alarms import ALARMS, SEVERITIES, Rule, build_rules
 
 __all__ = ["AlarmSettings", "AnomalyMonitor", "Episode"]
@@ -152,7 +153,7 @@ class AnomalyMonitor(TrainerCallback):
 
     def alarm_metrics(self) -> dict[str, int]:
         """`alarms/<name>`: how many times each alarm given so far was given (the others are left out)."""
-        return {f"alarms/{name}": self.counts[name] for name in ALARMS if name in self.counts}
+        return {alarm_metric(name): self.counts[name] for name in ALARMS if name in self.counts}
 
     def replay(self, log_history: list[dict]) -> None:
         """Start afresh and feed `log_history` (a `TrainerState`'s) without warning."""
@@ -168,7 +169,7 @@ class AnomalyMonitor(TrainerCallback):
             return
         # Every process judges (the logged values are the same everywhere), so their histories agree; one warns.
         started = self.check(logs, state.global_step, warn=state.is_world_process_zero)
-        if "loss" not in logs and not started:
+        if LOSS not in logs and not started:
             return  # evaluation or the end-of-training summary: no counts in it
         counts = self.alarm_metrics()
         logs.update(counts)

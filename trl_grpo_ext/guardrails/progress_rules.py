@@ -7,6 +7,7 @@ import math
 import statistics
 from collections.abc import Mapping
 
+from ..metrics import REWARD, reward_function_of
 from .rule import ZERO_SPREAD_KEYS, Rule, Series, _first_number, _number
 
 
@@ -30,10 +31,10 @@ def _function_means(entry: Mapping) -> dict[str, float]:
     """Each reward function's logged mean (`rewards/<name>/mean`), where it is a number."""
     means = {}
     for key in entry:
-        if key.startswith("rewards/") and key.endswith("/mean"):
+        if (name := reward_function_of(key)) is not None:
             value = _number(entry, key)
             if value is not None:
-                means[key.removeprefix("rewards/").removesuffix("/mean")] = value
+                means[name] = value
     return means
 
 
@@ -46,7 +47,7 @@ class PlateauRule(Rule):
     standard error now and then, which would end a plateau by chance. A run that never improves at all is a plateau
     from its start. A `note`: a converged run plateaus too, and then its remaining steps cost compute for nothing."""
 
-    keys = ("reward",)
+    keys = (REWARD,)
     SMOOTH = 10  # log steps of the running median
     NOISE_SE = 1.5
     severity = "note"
@@ -58,7 +59,7 @@ class PlateauRule(Rule):
         self.since = 0  # log steps since the best was set
 
     def judge(self, entry):
-        value = _number(entry, "reward")
+        value = _number(entry, REWARD)
         if value is None:
             return None
         self.rewards.add(value)
@@ -104,7 +105,7 @@ class FlatGroupsRule(Rule):
         self.unit_rewards = True  # every logged reward so far lies in [0, 1]
 
     def judge(self, entry):
-        reward = _number(entry, "reward")
+        reward = _number(entry, REWARD)
         if reward is not None and not 0.0 <= reward <= 1.0:
             self.unit_rewards = False
         _, share = _first_number(entry, ZERO_SPREAD_KEYS)
@@ -147,7 +148,7 @@ class RewardDropRule(Rule):
     that rises steadily (learning) or drifts up and stays is no drop; a collapse after learning, or a reward that
     slowly drifts down from its best, is."""
 
-    keys = ("reward",)
+    keys = (REWARD,)
     SMOOTH = 10
     NOISE_SE = 4.0  # 3 fired on 1 of 30 flat noisy runs of 500 log steps, 4 on none; collapses are found as early
     HISTORY = 200  # windows whose scatter is pooled
@@ -160,7 +161,7 @@ class RewardDropRule(Rule):
         self.sigmas: list[float] = []
 
     def judge(self, entry):
-        value = _number(entry, "reward")
+        value = _number(entry, REWARD)
         if value is None:
             return None
         self.rewards.add(value)

@@ -11,6 +11,14 @@ import re
 import statistics
 from collections.abc import Mapping
 
+from ..metrics import (
+    COMPLETIONS_CLIPPED_RATIO,
+    DYNAMIC_SAMPLING_TRAINED_CLIPPED_RATIO,
+    FRAC_REWARD_ZERO_STD,
+    NONFINITE_SKIPPED_STEPS,
+    REWARD_STD_FRAC_ZERO_GROUPS,
+)
+
 __all__ = [
     "HELDOUT_KEY",
     "SEVERITIES",
@@ -38,7 +46,7 @@ def _number(entry: Mapping, key: str) -> float | None:
 
 #: The share of groups without reward spread: this package's, judged on each group (`reward_std/frac_zero_groups`),
 #: else TRL's (`frac_reward_zero_std`, which under `scale_rewards="batch"` tests the batch's std instead).
-ZERO_SPREAD_KEYS = ("reward_std/frac_zero_groups", "frac_reward_zero_std")
+ZERO_SPREAD_KEYS = (REWARD_STD_FRAC_ZERO_GROUPS, FRAC_REWARD_ZERO_STD)
 
 
 def _first_number(entry: Mapping, keys: tuple[str, ...]) -> tuple[str, float] | tuple[None, None]:
@@ -127,8 +135,8 @@ class Rule:
 
 
 #: The truncated share of the batch that trains (see `LengthDriftRule.LENGTH_KEYS`), else of every completion.
-TRUNCATION_KEYS = ("dynamic_sampling/trained_clipped_ratio", "completions/clipped_ratio")
+TRUNCATION_KEYS = (DYNAMIC_SAMPLING_TRAINED_CLIPPED_RATIO, COMPLETIONS_CLIPPED_RATIO)
 
 #: The non-finite guard's count of the optimizer steps it skipped so far (`GRPOTrainerExt` logs it with every
 #: training entry unless `nonfinite_policy="off"`).
-SKIPPED_STEPS_KEY = "nonfinite/skipped_steps"
+SKIPPED_STEPS_KEY = NONFINITE_SKIPPED_STEPS

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from ..metrics import RATIO_MAX, RATIO_P95
 from .alarm import Alarm
 from .step_rules import (
     ClipFractionRule,
@@ -160,7 +161,7 @@ STEP_ALARMS: tuple[Alarm, ...] = (
         given_when="`ratio/p95` exceeds it (or is not finite)",
         suggests="a lower `learning_rate` or `num_iterations`; with vLLM, check it samples with the trainer's weights "
         "and settings",
-        rule_options={"key": "ratio/p95"},
+        rule_options={"key": RATIO_P95},
     ),
     Alarm(
         name="ratio_max",
@@ -174,7 +175,7 @@ STEP_ALARMS: tuple[Alarm, ...] = (
         help="Alarm ratio_max: the largest importance ratio exceeds this.",
         given_when="`ratio/max` exceeds it (or is not finite)",
         suggests="the same",
-        rule_options={"key": "ratio/max"},
+        rule_options={"key": RATIO_MAX},
     ),
     Alarm(
         name="kl_jump",

@@ -6,6 +6,16 @@ from __future__ import annotations
 import math
 import statistics
 
+from ..metrics import (
+    CLIP_RATIO_HIGH_MEAN,
+    CLIP_RATIO_LOW_MEAN,
+    CLIP_RATIO_REGION_MEAN,
+    COMPLETIONS_CLIPPED_RATIO,
+    FRAC_REWARD_UNSCORED,
+    GRAD_NORM,
+    KL,
+    reward_function_of,
+)
 from .rule import TRUNCATION_KEYS, ZERO_SPREAD_KEYS, Rule, _first_number, _not_a_number, _number
 
 
@@ -35,7 +45,7 @@ class UnscoredRule(Rule):
     `frac_reward_unscored` stays low and one silent step says nothing. A parser that never matches stays silent.
     """
 
-    keys = ("frac_reward_unscored", "rewards/<name>/mean")
+    keys = (FRAC_REWARD_UNSCORED, "rewards/<name>/mean")
     WINDOW = 10  # scoring log steps in a row without a score from one function
 
     def __init__(self, threshold: float):
@@ -43,16 +53,13 @@ class UnscoredRule(Rule):
         self.silent: dict[str, int] = {}  # function -> scoring log steps in a row it scored nothing
 
     def judge(self, entry):
-        means = {key: value for key, value in entry.items() if key.startswith("rewards/") and key.endswith("/mean")}
-        share = _number(entry, "frac_reward_unscored")
+        means = {name: value for key, value in entry.items() if (name := reward_function_of(key)) is not None}
+        share = _number(entry, FRAC_REWARD_UNSCORED)
         if not means and share is None:
             return None  # not a step that scored completions
-        for key, value in means.items():
-            name = key.removeprefix("rewards/").removesuffix("/mean")
+        for name, value in means.items():
             self.silent[name] = self.silent.get(name, 0) + 1 if _not_a_number(value) else 0
-        now = sorted(
-            key.removeprefix("rewards/").removesuffix("/mean") for key, v in means.items() if _not_a_number(v)
-        )
+        now = sorted(name for name, v in means.items() if _not_a_number(v))
         lasting = sorted(name for name in now if self.silent[name] >= self.WINDOW)
         if share is not None and share >= self.threshold:
             text = f"{share:.0%} of the completions were scored by no reward function (None or NaN)"
@@ -79,14 +86,14 @@ def _quoted(names: list[str]) -> str:
 class NoGradientRule(Rule):
     """`grad_norm` is 0 for `threshold` log steps in a row: no update moves the weights."""
 
-    keys = ("grad_norm",)
+    keys = (GRAD_NORM,)
 
     def __init__(self, threshold: float):
         super().__init__(threshold)
         self.streak = 0
 
     def judge(self, entry):
-        value = entry.get("grad_norm")
+        value = entry.get(GRAD_NORM)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
             return None
         self.streak = self.streak + 1 if value == 0.0 else 0
@@ -100,7 +107,7 @@ class NoGradientRule(Rule):
 
 
 class ClipFractionRule(Rule):
-    keys = ("clip_ratio/region_mean",)
+    keys = (CLIP_RATIO_REGION_MEAN,)
 
     def __init__(self, threshold: float, patience: int = 3):
         super().__init__(threshold)
@@ -108,7 +115,7 @@ class ClipFractionRule(Rule):
         self.streak = 0
 
     def judge(self, entry):
-        value = _number(entry, "clip_ratio/region_mean")
+        value = _number(entry, CLIP_RATIO_REGION_MEAN)
         if value is None:
             return None
         self.streak = self.streak + 1 if value > self.threshold else 0
@@ -146,7 +153,7 @@ class RatioRule(Rule):
 
 
 class KLJumpRule(Rule):
-    keys = ("kl",)
+    keys = (KL,)
     FLOOR = 1e-2  # a median below this counts as this: KL grows from 0 at the start of every run
     HISTORY = 10  # the previous values the median is taken over
     MIN_HISTORY = 5  # values needed before a jump can be judged
@@ -156,7 +163,7 @@ class KLJumpRule(Rule):
         self.history: list[float] = []
 
     def judge(self, entry):
-        value = _number(entry, "kl")
+        value = _number(entry, KL)
         if value is None:
             return None
         baseline = statistics.median(self.history) if len(self.history) >= self.MIN_HISTORY else None
@@ -172,10 +179,10 @@ class KLJumpRule(Rule):
 class KLHighRule(RatioRule):
     """`kl` above its threshold, or not finite: a level, where `KLJumpRule` needs a history to compare with."""
 
-    keys = ("kl",)
+    keys = (KL,)
 
     def __init__(self, threshold: float):
-        super().__init__(threshold, key="kl")
+        super().__init__(threshold, key=KL)
 
     def message(self, value: float) -> str:
         return (
@@ -185,10 +192,10 @@ class KLHighRule(RatioRule):
 
 
 class TruncationRule(Rule):
-    keys = ("completions/clipped_ratio",)
+    keys = (COMPLETIONS_CLIPPED_RATIO,)
 
     def judge(self, entry):
-        value = _number(entry, "completions/clipped_ratio")
+        value = _number(entry, COMPLETIONS_CLIPPED_RATIO)
         if value is None:
             return None
         if value < self.threshold:
@@ -205,7 +212,7 @@ class SustainedTruncationRule(Rule):
     warning once every step of the streak is at `SEVERE` times the threshold. `TruncationRule` warns at once only
     where most completions are cut."""
 
-    keys = ("completions/clipped_ratio",)
+    keys = (COMPLETIONS_CLIPPED_RATIO,)
     WINDOW = 5  # log steps in a row: one batch with a few long completions is no trend
     SEVERE = 3.0  # the warning tier, a multiple of the threshold (0.15 by default)
 
@@ -287,7 +294,7 @@ class ClipAsymmetryRule(Rule):
     side caps the probability mass of good completions' rare tokens and goes with entropy collapse; mostly on the low
     side, the policy is pushed off the sampled tokens of bad completions faster than it gains on good ones."""
 
-    keys = ("clip_ratio/low_mean", "clip_ratio/high_mean")
+    keys = (CLIP_RATIO_LOW_MEAN, CLIP_RATIO_HIGH_MEAN)
     FLOOR = 0.005  # a side below this counts as this: on-policy steps clip nothing on either side
     MIN_CLIPPED = 0.05  # the larger side's share of tokens from which the asymmetry matters
     WINDOW = 5
@@ -297,7 +304,7 @@ class ClipAsymmetryRule(Rule):
         self.streak = 0
 
     def judge(self, entry):
-        low, high = _number(entry, "clip_ratio/low_mean"), _number(entry, "clip_ratio/high_mean")
+        low, high = _number(entry, CLIP_RATIO_LOW_MEAN), _number(entry, CLIP_RATIO_HIGH_MEAN)
         if low is None or high is None:
             return None
         larger, smaller = max(low, high), min(low, high)

@@ -8,11 +8,20 @@ import math
 import re
 import statistics
 
+from ..metrics import (
+    COMPLETIONS_MEAN_LENGTH,
+    DYNAMIC_SAMPLING_TRAINED_MEAN_LENGTH,
+    ENTROPY,
+    GRAD_NORM,
+    KL,
+    REWARD,
+    REWARD_LENGTH_CORR,
+)
 from .rule import HELDOUT_KEY, SKIPPED_STEPS_KEY, Rule, Series, _first_number, _number, pearson
 
 
 class EntropyCollapseRule(Rule):
-    keys = ("entropy",)
+    keys = (ENTROPY,)
     BASELINE = 3  # the first logged values whose mean is the reference
 
     def __init__(self, threshold: float):
@@ -20,7 +29,7 @@ class EntropyCollapseRule(Rule):
         self.first: list[float] = []
 
     def judge(self, entry):
-        value = _number(entry, "entropy")
+        value = _number(entry, ENTROPY)
         if value is None:
             return None
         if len(self.first) < self.BASELINE:
@@ -46,7 +55,7 @@ class GradNormSpikeRule(Rule):
     a step the guard skipped: its update never reached the weights, the guard warned and counts it, so it is no
     spike (the entry does not tell). With the guard off (no count logged) it is one: that update was applied."""
 
-    keys = ("grad_norm",)
+    keys = (GRAD_NORM,)
     FLOOR = 1e-3
     HISTORY = 20
     MIN_HISTORY = 5
@@ -61,7 +70,7 @@ class GradNormSpikeRule(Rule):
         guard_skipped = skipped is not None and skipped > self.skipped
         if skipped is not None:
             self.skipped = skipped
-        value = entry.get("grad_norm")
+        value = entry.get(GRAD_NORM)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return None
         if not math.isfinite(value):
@@ -107,7 +116,7 @@ class KLGrowthRule(Rule):
     blow-up grows 1.5x per 25 steps; rl-doctor's (quadratic) slows below 1.4x per 25 steps near a KL of 0.8, where
     its episode may end and start again until `kl_high` takes over."""
 
-    keys = ("kl",)
+    keys = (KL,)
     SMOOTH = 20  # log steps per running median
     LAG = 50  # log steps between the two medians compared
     FLOOR = 0.1  # the least running median that counts as a blow-up in the making
@@ -117,7 +126,7 @@ class KLGrowthRule(Rule):
         self.values: list[float] = []  # the last LAG + SMOOTH logged values
 
     def judge(self, entry):
-        value = _number(entry, "kl")
+        value = _number(entry, KL)
         if value is None or not math.isfinite(value):  # a non-finite KL is `KLHighRule`'s
             return None
         self.values = (self.values + [value])[-(self.LAG + self.SMOOTH) :]
@@ -141,10 +150,10 @@ class KLGrowthRule(Rule):
 class LengthDriftRule(Rule):
     """Across log steps: the mean completion length moves in step with the rising reward."""
 
-    keys = ("completions/mean_length", "reward")
+    keys = (COMPLETIONS_MEAN_LENGTH, REWARD)
     #: The mean completion length of the batch that trains (under dynamic sampling, `completions/*` count every
     #: generated round while `reward` is the trained batch's).
-    LENGTH_KEYS = ("dynamic_sampling/trained_mean_length", "completions/mean_length")
+    LENGTH_KEYS = (DYNAMIC_SAMPLING_TRAINED_MEAN_LENGTH, COMPLETIONS_MEAN_LENGTH)
     WINDOW = 10  # the last log steps carrying both the reward and the length
     MIN_WINDOW = 6
     MIN_CHANGE = 0.2  # relative change of the length (mean of the window's second half over its first half)
@@ -154,7 +163,7 @@ class LengthDriftRule(Rule):
         self.pairs: list[tuple[float, float]] = []
 
     def judge(self, entry):
-        reward, (_, length) = _number(entry, "reward"), _first_number(entry, self.LENGTH_KEYS)
+        reward, (_, length) = _number(entry, REWARD), _first_number(entry, self.LENGTH_KEYS)
         if reward is None or length is None:
             return None
         self.pairs = (self.pairs + [(reward, length)])[-self.WINDOW :]
@@ -187,7 +196,7 @@ class LengthGrowthRule(Rule):
     (judged once the two windows no longer overlap), so one long or short log step moves neither. A slow growth
     moves `LengthDriftRule`'s 10-step window too little to count."""
 
-    keys = ("completions/mean_length",)
+    keys = (COMPLETIONS_MEAN_LENGTH,)
     BASELINE = 5
     RECENT = 5
 
@@ -217,10 +226,10 @@ class LengthGrowthRule(Rule):
 class LengthInGroupRule(Rule):
     """Inside groups: the longer completions of a prompt score higher (GRPOTrainerExt's pooled correlation)."""
 
-    keys = ("reward_length_corr/within_group",)
+    keys = (REWARD_LENGTH_CORR,)
 
     def judge(self, entry):
-        value = _number(entry, "reward_length_corr/within_group")
+        value = _number(entry, REWARD_LENGTH_CORR)
         if value is None:
             return None
         if value < self.threshold:
@@ -259,7 +268,7 @@ class RewardVsHeldoutRule(Rule):
     runs, with 3 in 5% to 20%. 3 still flags 0.6 -> 0.3 over 50 completions (3.2 standard errors) and over 200
     (6.3)."""
 
-    keys = ("heldout/<metric>/mean@<k>", "reward")
+    keys = ("heldout/<metric>/mean@<k>", REWARD)
     RECENT = 3  # training rewards averaged around a held-out evaluation
     NOISE_SE = 3.0  # standard errors of the difference a drop must exceed, where the sample sizes are logged
 
@@ -273,7 +282,7 @@ class RewardVsHeldoutRule(Rule):
         return statistics.fmean(self.rewards[-self.RECENT :]) if self.rewards else None
 
     def judge(self, entry):
-        reward = _number(entry, "reward")
+        reward = _number(entry, REWARD)
         if reward is not None:
             self.rewards.append(reward)
         found = None
@@ -319,7 +328,7 @@ class VanishingGradientRule(Rule):
     this catches updates that shrink to nothing (every advantage tiny, a loss scaled down by a bug; a learning-rate
     schedule is not a cause: `grad_norm` is taken before the learning rate scales the update)."""
 
-    keys = ("grad_norm",)
+    keys = (GRAD_NORM,)
     BASELINE = 5
     RECENT = 5
 
@@ -328,7 +337,7 @@ class VanishingGradientRule(Rule):
         self.norms = Series(self.BASELINE, self.RECENT)
 
     def judge(self, entry):
-        value = _number(entry, "grad_norm")
+        value = _number(entry, GRAD_NORM)
         if value is None or not math.isfinite(value):
             return None
         self.norms.add(value, start=value > 0)

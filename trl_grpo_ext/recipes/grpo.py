@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from transformers import TrainerCallback
 
 from .. import cpu_engines
+from ..metrics import HELDOUT_PREFIX, LOSS
 from .arguments import (
     ConfigError,
     check_loggers_installed,
@@ -172,8 +173,10 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
     if after:
         trainer.save_state()  # the output folder's trainer_state.json holds the held-out curve for `report`
 
-    trainer.card_metrics = {f"held-out {name.removeprefix('heldout/')} (before)": v for name, v in before.items()}
-    trainer.card_metrics.update({f"held-out {name.removeprefix('heldout/')} (after)": v for name, v in after.items()})
+    trainer.card_metrics = {f"held-out {name.removeprefix(HELDOUT_PREFIX)} (before)": v for name, v in before.items()}
+    trainer.card_metrics.update(
+        {f"held-out {name.removeprefix(HELDOUT_PREFIX)} (after)": v for name, v in after.items()}
+    )
     if training_args.push_to_hub:
         # Saves the model and tokenizer, writes the card and report, and uploads the output folder, once.
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
@@ -186,7 +189,7 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
             each = "one sampled completion each" if k == 1 else f"{k} sampled completions each"
             print(f"\nHeld-out evaluation on {len(heldout)} test prompts, {each}:")
             print("\n".join(heldout_lines(before, after)))
-        logged = any("loss" in entry for entry in trainer.state.log_history)
+        logged = any(LOSS in entry for entry in trainer.state.log_history)
         print(output_summary(training_args.output_dir, started, logged, training_args.logging_steps))
     _end_training(trainer)
     return {"before": before, "after": after}
@@ -224,7 +227,7 @@ class _EvaluateWhenTrainingBegins(TrainerCallback):
             self.values.update(_heldout_scores(self.trainer.evaluate_heldout(log=True)))
             return
         for entry in state.log_history:
-            if entry.get("step") == 0 and any(key.startswith("heldout/") for key in entry):
+            if entry.get("step") == 0 and any(key.startswith(HELDOUT_PREFIX) for key in entry):
                 self.values.update(_heldout_scores(entry))
                 return
 
@@ -244,7 +247,7 @@ def _heldout_at_last_step(trainer) -> dict[str, float]:
 def _heldout_scores(values: dict) -> dict[str, float]:
     """The held-out scores among `values` (`heldout/<metric>/mean@<k>`, `.../pass@<k>`), without the sample sizes
     (`.../scored@<k>`), which the card and the console do not show."""
-    return {key: value for key, value in values.items() if key.startswith("heldout/") and "/scored@" not in key}
+    return {key: value for key, value in values.items() if key.startswith(HELDOUT_PREFIX) and "/scored@" not in key}
 
 
 def heldout_lines(before: dict[str, float], after: dict[str, float]) -> list[str]:
@@ -268,7 +271,7 @@ def heldout_lines(before: dict[str, float], after: dict[str, float]) -> list[str
         if statistic.startswith("pass@") and mean in after:
             if after[mean] == after[name] and before.get(mean) == before.get(name):
                 continue
-        label = name.removeprefix("heldout/").replace("/", " ")
+        label = name.removeprefix(HELDOUT_PREFIX).replace("/", " ")
         if name in before:
             lines.append(f"  {label}: {before[name]:.3f} before GRPO -> {after[name]:.3f} after")
         else:  # resumed from a checkpoint of a run that did not evaluate before training

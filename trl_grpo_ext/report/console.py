@@ -19,19 +19,31 @@ from collections.abc import Mapping
 from transformers import PrinterCallback, ProgressCallback
 
 from ..choices import CONSOLE_MODES
+from ..metrics import (
+    ALARMS_PREFIX,
+    CLIP_RATIO_REGION_MEAN,
+    COMPLETIONS_MEAN_LENGTH,
+    ENTROPY,
+    KL,
+    LOSS,
+    LOSS_PREFIX,
+    RATIO_P95,
+    REWARD,
+    REWARD_STD_GROUP_MEAN,
+)
 from .sampling import sampling_summary
 
 __all__ = ["CONSOLE_MODES", "CONSOLE_SIGNALS", "ConsoleCallback", "format_log_line"]
 
 #: (logged metric, its label on the line), in the order of the line.
 CONSOLE_SIGNALS = (
-    ("reward", "reward"),
-    ("reward_std/group_mean", "spread"),
-    ("kl", "kl"),
-    ("clip_ratio/region_mean", "clip"),
-    ("ratio/p95", "ratio p95"),
-    ("entropy", "entropy"),
-    ("completions/mean_length", "len"),
+    (REWARD, "reward"),
+    (REWARD_STD_GROUP_MEAN, "spread"),
+    (KL, "kl"),
+    (CLIP_RATIO_REGION_MEAN, "clip"),
+    (RATIO_P95, "ratio p95"),
+    (ENTROPY, "entropy"),
+    (COMPLETIONS_MEAN_LENGTH, "len"),
 )
 MISSING = "-"  # a signal not logged at this step (rewards are logged only at the steps that generate)
 
@@ -45,7 +57,7 @@ def _format(value) -> str:
 
 
 def _nonfinite_loss(key: str, value) -> bool:
-    is_loss = key in ("loss", "eval_loss") or key.startswith(("loss/", "eval_loss/"))
+    is_loss = key in (LOSS, "eval_loss") or key.startswith((LOSS_PREFIX, "eval_loss/"))
     return is_loss and isinstance(value, float) and not math.isfinite(value)
 
 
@@ -74,7 +86,7 @@ def format_log_line(
         alarms: names of the alarms that start at this entry, appended as `| ALARM name, name`.
     """
     where = f"step {step}/{max_steps}" if max_steps and max_steps > 0 else f"step {step}"
-    if "loss" in logs:
+    if LOSS in logs:
         fields = [where] + [f"{label} {_format(logs.get(key))}" for key, label in CONSOLE_SIGNALS]
     elif "eval_loss" in logs:
         fields = [f"eval {where}"] + [f"{label} {_format(logs.get('eval_' + key))}" for key, label in CONSOLE_SIGNALS]
@@ -84,7 +96,7 @@ def format_log_line(
             for key, value in logs.items()
             if isinstance(value, (int, float))
             and not isinstance(value, bool)
-            and not key.startswith("alarms/")
+            and not key.startswith(ALARMS_PREFIX)
             and key not in ("epoch", "total_flos", "step")
             and not _repeats_heldout(logs, key)
         ]
@@ -142,7 +154,9 @@ class ConsoleCallback(ProgressCallback):
         if not logs or not state.is_world_process_zero:
             return
         counts = _alarm_counts([logs])
-        started = [key.removeprefix("alarms/") for key, value in counts.items() if value > self._counts.get(key, 0)]
+        started = [
+            key.removeprefix(ALARMS_PREFIX) for key, value in counts.items() if value > self._counts.get(key, 0)
+        ]
         self._counts.update(counts)
         line = format_log_line(logs, state.global_step, state.max_steps, started)
         if self.training_bar is not None:
@@ -157,6 +171,6 @@ def _alarm_counts(entries: list[Mapping]) -> dict[str, float]:
     counts: dict[str, float] = {}
     for entry in entries:
         for key, value in entry.items():
-            if key.startswith("alarms/") and isinstance(value, (int, float)):
+            if key.startswith(ALARMS_PREFIX) and isinstance(value, (int, float)):
                 counts[key] = max(counts.get(key, value), value)
     return counts

@@ -17,6 +17,33 @@ if TYPE_CHECKING:
     from ..guardrails.anomaly import Episode
 
 from ..guardrails.alarms import ALARMS, HELDOUT_KEY, ZERO_SPREAD_KEYS
+from ..metrics import (
+    CLIP_RATIO_HIGH_MEAN,
+    CLIP_RATIO_LOW_MEAN,
+    CLIP_RATIO_REGION_MEAN,
+    COMPLETIONS_CLIPPED_RATIO,
+    COMPLETIONS_MAX_LENGTH,
+    COMPLETIONS_MEAN_LENGTH,
+    COMPLETIONS_MIN_LENGTH,
+    ENTROPY,
+    FRAC_REWARD_ZERO_STD,
+    GRAD_NORM,
+    KL,
+    LOSS,
+    LOSS_KL_PENALTY,
+    LOSS_POLICY,
+    RATIO_MAX,
+    RATIO_MIN,
+    RATIO_P05,
+    RATIO_P50,
+    RATIO_P95,
+    REWARD,
+    REWARD_STD_FRAC_ZERO_GROUPS,
+    REWARD_STD_GROUP_MAX,
+    REWARD_STD_GROUP_MEAN,
+    REWARD_STD_GROUP_MIN,
+    REWARDS_PREFIX,
+)
 
 __all__ = ["PANELS", "Panel", "build_report_figure", "missing_panels", "plot_training_report"]
 
@@ -35,46 +62,44 @@ class Panel(NamedTuple):
 PANELS = (
     Panel(
         "reward",
-        ("reward", "rewards/*/mean", "heldout/*/mean@*"),
+        (REWARD, "rewards/*/mean", "heldout/*/mean@*"),
         ("reward_vs_heldout", "plateau", "reward_drop"),
         "reward",
     ),
     Panel(
         "reward spread: std inside each group",
-        ("reward_std/group_mean", *ZERO_SPREAD_KEYS),
+        (REWARD_STD_GROUP_MEAN, *ZERO_SPREAD_KEYS),
         ("zero_std", "no_spread", "flat_groups"),
         "std of the rewards of a group",
     ),
-    Panel("KL to the reference", ("kl",), ("kl_jump", "kl_high", "kl_growth"), "KL (mean per token)"),
+    Panel("KL to the reference", (KL,), ("kl_jump", "kl_high", "kl_growth"), "KL (mean per token)"),
     Panel(
         "clip fraction (tokens in the flat region)",
-        ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"),
+        (CLIP_RATIO_REGION_MEAN, CLIP_RATIO_LOW_MEAN, CLIP_RATIO_HIGH_MEAN),
         ("clip_fraction", "clip_asymmetry"),
         "share of tokens",
     ),
     Panel(
         "importance ratio r = pi / pi_old",
-        ("ratio/p50", "ratio/p05", "ratio/p95"),
+        (RATIO_P50, RATIO_P05, RATIO_P95),
         ("ratio_p95", "ratio_max"),
         "ratio (completion tokens)",
     ),
-    Panel("loss = policy + kl_penalty", ("loss", "loss/policy", "loss/kl_penalty"), (), "loss"),
-    Panel("entropy", ("entropy",), ("entropy_collapse",), "entropy (nats per token)"),
+    Panel("loss = policy + kl_penalty", (LOSS, LOSS_POLICY, LOSS_KL_PENALTY), (), "loss"),
+    Panel("entropy", (ENTROPY,), ("entropy_collapse",), "entropy (nats per token)"),
     Panel(
         "completion length (tokens)",
-        ("completions/mean_length", "completions/clipped_ratio"),
+        (COMPLETIONS_MEAN_LENGTH, COMPLETIONS_CLIPPED_RATIO),
         ("truncation", "truncation_sustained", "length_drift", "length_growth", "length_in_group"),
         "tokens",
     ),
-    Panel(
-        "gradient norm", ("grad_norm",), ("grad_norm_spike", "vanishing_gradient"), "gradient norm (before clipping)"
-    ),
+    Panel("gradient norm", (GRAD_NORM,), ("grad_norm_spike", "vanishing_gradient"), "gradient norm (before clipping)"),
 )
 #: The label of the right axis of a panel that draws a share there.
 RIGHT_LABELS = {
-    "reward_std/frac_zero_groups": "share of groups",
-    "frac_reward_zero_std": "share of completions",
-    "completions/clipped_ratio": "share truncated",
+    REWARD_STD_FRAC_ZERO_GROUPS: "share of groups",
+    FRAC_REWARD_ZERO_STD: "share of completions",
+    COMPLETIONS_CLIPPED_RATIO: "share truncated",
 }
 
 
@@ -141,7 +166,7 @@ def build_report_figure(
     Returns:
         The figure, or `None` when the history holds no training metrics (a run shorter than `logging_steps`).
     """
-    if not any("loss" in entry for entry in log_history):
+    if not any(LOSS in entry for entry in log_history):
         return None
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -154,8 +179,8 @@ def build_report_figure(
     right_axes: dict[Axes, Axes] = {}
     readings: dict[Axes, str] = {}
 
-    reward_keys = ["reward"] + sorted(
-        {key for entry in log_history for key in entry if key.startswith("rewards/") and key.endswith("/mean")}
+    reward_keys = [REWARD] + sorted(
+        {key for entry in log_history for key in entry if key.startswith(REWARDS_PREFIX) and key.endswith("/mean")}
     )
     heldout_keys = sorted({key for entry in log_history for key in entry if HELDOUT_KEY.match(key)})
     drawn: list[tuple[list, list, object]] = []  # (steps, values, line): a series equal to one drawn joins its label
@@ -167,40 +192,40 @@ def build_report_figure(
         if same is not None:
             same.set_label(f"{same.get_label()} = {key}")
             continue
-        style = {"linewidth": 2 if key == "reward" else 1} if key in reward_keys else {"marker": "o", "markersize": 3}
+        style = {"linewidth": 2 if key == REWARD else 1} if key in reward_keys else {"marker": "o", "markersize": 3}
         (line,) = reward_ax.plot(steps, values, "--" if key in heldout_keys else "-", label=key, **style)
         drawn.append((steps, values, line))
 
     readings[spread_ax] = _spread_panel(spread_ax, log_history, thresholds["zero_std_fraction"], right_axes)
     readings[kl_ax] = _kl_panel(kl_ax, log_history, thresholds["kl_max"])
 
-    for key in ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"):
+    for key in (CLIP_RATIO_REGION_MEAN, CLIP_RATIO_LOW_MEAN, CLIP_RATIO_HIGH_MEAN):
         steps, values = _series(log_history, key)
         if steps:
             clip_ax.plot(steps, values, label=key.split("/")[1].replace("_mean", ""))
 
     _ratio_panel(ratio_ax, log_history, clip_range)
 
-    for key in ("loss", "loss/policy", "loss/kl_penalty"):
+    for key in (LOSS, LOSS_POLICY, LOSS_KL_PENALTY):
         steps, values = _series(log_history, key)
         if steps:
-            loss_ax.plot(steps, values, label=key, linewidth=2 if key == "loss" else 1)
+            loss_ax.plot(steps, values, label=key, linewidth=2 if key == LOSS else 1)
 
-    steps, values = _series(log_history, "entropy")
+    steps, values = _series(log_history, ENTROPY)
     if steps:
-        entropy_ax.plot(steps, values, label="entropy")
+        entropy_ax.plot(steps, values, label=ENTROPY)
 
-    _band(length_ax, log_history, "completions/min_length", "completions/max_length", "min-max")
-    steps, values = _series(log_history, "completions/mean_length")
+    _band(length_ax, log_history, COMPLETIONS_MIN_LENGTH, COMPLETIONS_MAX_LENGTH, "min-max")
+    steps, values = _series(log_history, COMPLETIONS_MEAN_LENGTH)
     if steps:
         length_ax.plot(steps, values, label="mean", linewidth=2)
-    right = _right_axis(length_ax, log_history, "completions/clipped_ratio")
+    right = _right_axis(length_ax, log_history, COMPLETIONS_CLIPPED_RATIO)
     if right is not None:
         right_axes[length_ax] = right
 
-    steps, values = _series(log_history, "grad_norm")
+    steps, values = _series(log_history, GRAD_NORM)
     if steps:
-        grad_ax.plot(steps, values, label="grad_norm")
+        grad_ax.plot(steps, values, label=GRAD_NORM)
 
     for ax, panel in zip(axes.flat, PANELS, strict=True):
         if not any(_logged(log_history, key) for key in panel.metrics):
@@ -227,12 +252,12 @@ def _spread_panel(
     a right axis, with the `zero_std` alarm's threshold. Returns the reading: that share at the end of the run, and
     the band's fixed edges where it was left out."""
     # No spread inside a group means zero advantage: that group teaches nothing but the KL term.
-    low_steps, low = _series(log_history, "reward_std/group_min")
-    high_steps, high = _series(log_history, "reward_std/group_max")
+    low_steps, low = _series(log_history, REWARD_STD_GROUP_MIN)
+    high_steps, high = _series(log_history, REWARD_STD_GROUP_MAX)
     fixed = bool(low_steps) and low_steps == high_steps and not (_varies(low) or _varies(high))
     if not fixed:
-        _band(ax, log_history, "reward_std/group_min", "reward_std/group_max", "group min-max")
-    steps, values = _series(log_history, "reward_std/group_mean")
+        _band(ax, log_history, REWARD_STD_GROUP_MIN, REWARD_STD_GROUP_MAX, "group min-max")
+    steps, values = _series(log_history, REWARD_STD_GROUP_MEAN)
     if steps:
         ax.plot(steps, values, label="group mean", linewidth=2)
     parts = []
@@ -258,10 +283,10 @@ def _kl_panel(ax: Axes, log_history: list[dict], kl_max: float | None) -> str | 
     """The KL alone (its penalty `beta * kl` is on the loss panel), with the `kl_high` alarm's threshold where that is
     within twice the KL's peak (further up it would flatten the curve). Returns the reading: the peak against that
     threshold."""
-    steps, values = _series(log_history, "kl")
+    steps, values = _series(log_history, KL)
     if not steps:
         return None
-    ax.plot(steps, values, label="kl")
+    ax.plot(steps, values, label=KL)
     peak = max(range(len(values)), key=values.__getitem__)
     reading = f"peak {values[peak]:.3g} at step {steps[peak]}"
     if kl_max is None:
@@ -327,8 +352,8 @@ def _ratio_panel(ax, log_history: list[dict], clip_range: tuple[float, float]) -
     """The p05-p95 band and the median, framed with the clip range 1 +- epsilon. The min and max of single tokens are
     drawn when every value of theirs falls inside that frame; otherwise a note names their extreme values (a line that
     leaves the frame says nothing that can be read)."""
-    low, high = _band(ax, log_history, "ratio/p05", "ratio/p95", "p05-p95")
-    steps, values = _series(log_history, "ratio/p50")
+    low, high = _band(ax, log_history, RATIO_P05, RATIO_P95, "p05-p95")
+    steps, values = _series(log_history, RATIO_P50)
     if steps:
         ax.plot(steps, values, "-", label="p50")
     bottom = top = None
@@ -341,7 +366,7 @@ def _ratio_panel(ax, log_history: list[dict], clip_range: tuple[float, float]) -
         top = max(max(high), 1 + epsilon_high) + 0.25 * spread + 0.05
         ax.set_ylim(bottom, top)
     off_scale = []
-    for key, extreme in (("ratio/min", min), ("ratio/max", max)):
+    for key, extreme in ((RATIO_MIN, min), (RATIO_MAX, max)):
         steps, values = _series(log_history, key)
         if not steps:
             continue

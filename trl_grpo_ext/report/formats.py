@@ -11,6 +11,37 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from ..metrics import (
+    ALARMS_PREFIX,
+    CISPO_CLIP_RATIO,
+    CLIP_RATIO_PREFIX,
+    COMPLETIONS_PREFIX,
+    DYNAMIC_SAMPLING_PREFIX,
+    ENTROPY,
+    FORWARD_PADDING_FRACTION,
+    FORWARD_PREFIX,
+    FORWARD_REPEATED_PROMPT_FRACTION,
+    FORWARD_TOKENS_PER_DISTINCT,
+    FRAC_REWARD_UNSCORED,
+    FRAC_REWARD_ZERO_STD,
+    GRAD_NORM,
+    HELDOUT_PREFIX,
+    KL,
+    LEARNING_RATE,
+    LOSS,
+    LOSS_PREFIX,
+    NONFINITE_PREFIX,
+    NUM_TOKENS,
+    RATIO_PREFIX,
+    REWARD,
+    REWARD_LENGTH_CORR_PREFIX,
+    REWARD_STD,
+    REWARD_STD_PREFIX,
+    REWARDS_PREFIX,
+    SAMPLING_PREFIX,
+    SELECTIVE_ROLLOUTS_PREFIX,
+    SKIPPED_ROWS_PREFIX,
+)
 from .health import RunHealth, SignalHealth, _episode_steps, _values, highest_severity
 
 __all__ = [
@@ -24,7 +55,7 @@ __all__ = [
 
 FORMATS = ("text", "markdown", "json")
 #: The log-prob forward's waste metrics (`forward.layout.FORWARD_METRICS`), as `report` names them.
-FORWARD_KEYS = ("forward/padding_fraction", "forward/repeated_prompt_fraction", "forward/tokens_per_distinct")
+FORWARD_KEYS = (FORWARD_PADDING_FRACTION, FORWARD_REPEATED_PROMPT_FRACTION, FORWARD_TOKENS_PER_DISTINCT)
 #: Below this many tokens forwarded per distinct token, the padded forward wastes too little to mention packing.
 PACKING_WORTH_MENTIONING = 1.05
 
@@ -32,16 +63,16 @@ PACKING_WORTH_MENTIONING = 1.05
 #: docs/diagnostics.md); a logged key outside them is named as not recognised. `eval_` keys are their training key's.
 KNOWN_KEYS = frozenset(
     {
-        "step", "epoch", "learning_rate", "grad_norm", "total_flos", "num_tokens", "loss", "reward", "reward_std",
-        "kl", "entropy", "frac_reward_zero_std", "frac_reward_unscored", "clip_ratio", "cispo_clip_ratio",
+        "step", "epoch", LEARNING_RATE, GRAD_NORM, "total_flos", NUM_TOKENS, LOSS, REWARD, REWARD_STD,
+        KL, ENTROPY, FRAC_REWARD_ZERO_STD, FRAC_REWARD_UNSCORED, "clip_ratio", CISPO_CLIP_RATIO,
         "train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss",
         "eval_runtime", "eval_samples_per_second", "eval_steps_per_second",
     }
 )  # fmt: skip
 KNOWN_FAMILIES = (
-    "alarms/", "clip_ratio/", "completions/", "dynamic_sampling/", "forward/", "heldout/", "loss/", "mismatch/",
-    "nonfinite/", "ratio/", "reward_length_corr/", "reward_std/", "rewards/", "sampling/", "selective_rollouts/",
-    "skipped_rows/",
+    ALARMS_PREFIX, CLIP_RATIO_PREFIX, COMPLETIONS_PREFIX, DYNAMIC_SAMPLING_PREFIX, FORWARD_PREFIX, HELDOUT_PREFIX,
+    LOSS_PREFIX, "mismatch/", NONFINITE_PREFIX, RATIO_PREFIX, REWARD_LENGTH_CORR_PREFIX, REWARD_STD_PREFIX,
+    REWARDS_PREFIX, SAMPLING_PREFIX, SELECTIVE_ROLLOUTS_PREFIX, SKIPPED_ROWS_PREFIX,
 )  # fmt: skip
 
 
@@ -70,7 +101,7 @@ def forward_summary(log_history: list[dict]) -> dict | None:
     means = {}
     for key in FORWARD_KEYS:
         values = [value for _, value in _values(log_history, key) if math.isfinite(value)]
-        means[key.removeprefix("forward/")] = sum(values) / len(values) if values else None
+        means[key.removeprefix(FORWARD_PREFIX)] = sum(values) / len(values) if values else None
     if all(value is None for value in means.values()):
         return None
     per_distinct, padding, repeated = (

@@ -15,22 +15,41 @@ from dataclasses import dataclass, field
 
 from ..guardrails.alarms import HELDOUT_KEY, SEVERITIES
 from ..guardrails.anomaly import AnomalyMonitor, Episode
+from ..metrics import (
+    CLIP_RATIO_REGION_MEAN,
+    COMPLETIONS_MEAN_LENGTH,
+    ENTROPY,
+    FRAC_REWARD_UNSCORED,
+    FRAC_REWARD_ZERO_STD,
+    GRAD_NORM,
+    KL,
+    LOSS,
+    LOSS_POLICY,
+    LOSS_PREFIX,
+    NONFINITE_SKIPPED_STEPS,
+    RATIO_NAN_COUNT,
+    RATIO_P95,
+    REWARD,
+    REWARD_LENGTH_CORR,
+    REWARD_STD_FRAC_ZERO_GROUPS,
+    REWARD_STD_GROUP_MEAN,
+)
 
 __all__ = ["SEVERITIES", "SIGNALS", "RunHealth", "Signal", "SignalHealth", "assess", "highest_severity"]
 
 DIAGNOSTICS = "GRPOTrainerExt logs it with log_diagnostics; stock TRL does not"
 #: Why a metric may be missing from a history (shown when a signal was not logged).
 MISSING_REASONS = {
-    "reward_std/group_mean": DIAGNOSTICS,
-    "reward_std/frac_zero_groups": DIAGNOSTICS,
-    "frac_reward_unscored": DIAGNOSTICS,
-    "loss/policy": DIAGNOSTICS,
-    "ratio/p95": DIAGNOSTICS,
-    "ratio/nan_count": DIAGNOSTICS,
-    "reward_length_corr/within_group": DIAGNOSTICS,
-    "nonfinite/skipped_steps": "GRPOTrainerExt's non-finite guard logs it; stock TRL does not",
-    "kl": "logged only when beta > 0; TRL's default beta is 0.0",
-    "clip_ratio/region_mean": "logged for the clipped-surrogate loss types; CISPO logs cispo_clip_ratio",
+    REWARD_STD_GROUP_MEAN: DIAGNOSTICS,
+    REWARD_STD_FRAC_ZERO_GROUPS: DIAGNOSTICS,
+    FRAC_REWARD_UNSCORED: DIAGNOSTICS,
+    LOSS_POLICY: DIAGNOSTICS,
+    RATIO_P95: DIAGNOSTICS,
+    RATIO_NAN_COUNT: DIAGNOSTICS,
+    REWARD_LENGTH_CORR: DIAGNOSTICS,
+    NONFINITE_SKIPPED_STEPS: "GRPOTrainerExt's non-finite guard logs it; stock TRL does not",
+    KL: "logged only when beta > 0; TRL's default beta is 0.0",
+    CLIP_RATIO_REGION_MEAN: "logged for the clipped-surrogate loss types; CISPO logs cispo_clip_ratio",
     "heldout/<metric>/mean@<k>": "no held-out evaluation was logged during training",
 }
 
@@ -55,25 +74,23 @@ class Signal:
 
 
 SIGNALS = (
-    Signal("reward", ("reward",), ("plateau", "reward_drop")),
-    Signal("reward spread in groups", ("reward_std/group_mean",), ("no_spread",)),
-    Signal(
-        "groups without spread", ("reward_std/frac_zero_groups", "frac_reward_zero_std"), ("zero_std", "flat_groups")
-    ),
-    Signal("unscored completions", ("frac_reward_unscored",), ("unscored",), kind="count"),
-    Signal("KL to the reference", ("kl",), ("kl_jump", "kl_high", "kl_growth")),
-    Signal("loss split", ("loss/policy", "loss"), kind="shown"),
-    Signal("clip fraction", ("clip_ratio/region_mean",), ("clip_fraction", "clip_asymmetry")),
-    Signal("importance ratio", ("ratio/p95",), ("ratio_p95", "ratio_max")),
-    Signal("NaN log ratios", ("ratio/nan_count",), kind="count"),
-    Signal("entropy", ("entropy",), ("entropy_collapse",)),
+    Signal("reward", (REWARD,), ("plateau", "reward_drop")),
+    Signal("reward spread in groups", (REWARD_STD_GROUP_MEAN,), ("no_spread",)),
+    Signal("groups without spread", (REWARD_STD_FRAC_ZERO_GROUPS, FRAC_REWARD_ZERO_STD), ("zero_std", "flat_groups")),
+    Signal("unscored completions", (FRAC_REWARD_UNSCORED,), ("unscored",), kind="count"),
+    Signal("KL to the reference", (KL,), ("kl_jump", "kl_high", "kl_growth")),
+    Signal("loss split", (LOSS_POLICY, LOSS), kind="shown"),
+    Signal("clip fraction", (CLIP_RATIO_REGION_MEAN,), ("clip_fraction", "clip_asymmetry")),
+    Signal("importance ratio", (RATIO_P95,), ("ratio_p95", "ratio_max")),
+    Signal("NaN log ratios", (RATIO_NAN_COUNT,), kind="count"),
+    Signal("entropy", (ENTROPY,), ("entropy_collapse",)),
     Signal(
         "completion length",
-        ("completions/mean_length",),
+        (COMPLETIONS_MEAN_LENGTH,),
         ("truncation", "truncation_sustained", "length_drift", "length_growth", "length_in_group"),
     ),
-    Signal("skipped non-finite steps", ("nonfinite/skipped_steps",), kind="count"),
-    Signal("gradient norm", ("grad_norm",), ("grad_norm_spike", "no_gradient", "vanishing_gradient")),
+    Signal("skipped non-finite steps", (NONFINITE_SKIPPED_STEPS,), kind="count"),
+    Signal("gradient norm", (GRAD_NORM,), ("grad_norm_spike", "no_gradient", "vanishing_gradient")),
     Signal("held-out metric", ("heldout/<metric>/mean@<k>",), ("reward_vs_heldout",)),
 )
 
@@ -176,7 +193,7 @@ def _nonfinite_losses(log_history: list[dict]) -> dict[str, list[int | None]]:
     steps: dict[str, list[int | None]] = {}
     for entry in log_history:
         for key, value in entry.items():
-            if (key == "loss" or key.startswith("loss/")) and isinstance(value, float) and not math.isfinite(value):
+            if (key == LOSS or key.startswith(LOSS_PREFIX)) and isinstance(value, float) and not math.isfinite(value):
                 steps.setdefault(key, []).append(entry.get("step"))
     return steps
 
@@ -221,7 +238,7 @@ def _failure(signal: Signal, key: str, pairs: list[tuple[int | None, float]]) ->
             f"{key} is not finite at {_span(infinite)}: {_summary(key, pairs)}",
             onset=_first_step(infinite),
         )
-    if key != "grad_norm":
+    if key != GRAD_NORM:
         return None
     values = [value for _, value in pairs]
     if all(value == 0.0 for value in values):
@@ -243,14 +260,14 @@ def _failure(signal: Signal, key: str, pairs: list[tuple[int | None, float]]) ->
 def _no_finite_gradient(signal: Signal, log_history: list[dict]) -> SignalHealth | None:
     """`grad_norm` logged, and NaN at every step that logged it: no update reached the weights (the non-finite guard
     skipped each one, which `grad_norm_spike` does not count as a spike) or every one was broken."""
-    if signal.keys != ("grad_norm",):
+    if signal.keys != (GRAD_NORM,):
         return None
     steps = [
         entry.get("step")
         for entry in log_history
-        if isinstance(entry.get("grad_norm"), float) and math.isnan(entry["grad_norm"])
+        if isinstance(entry.get(GRAD_NORM), float) and math.isnan(entry[GRAD_NORM])
     ]
-    if not steps or _values(log_history, "grad_norm"):
+    if not steps or _values(log_history, GRAD_NORM):
         return None
     return SignalHealth(
         signal,
@@ -273,7 +290,7 @@ def _judge(signal: Signal, log_history: list[dict], monitor: AnomalyMonitor) -> 
         return failure
     if signal.kind == "count" and not episodes:
         if not logged:
-            if signal.keys == ("ratio/nan_count",) and _values(log_history, "ratio/p95"):
+            if signal.keys == (RATIO_NAN_COUNT,) and _values(log_history, RATIO_P95):
                 return SignalHealth(signal, "ok", "none (ratio/nan_count is logged only when there are some)")
             return SignalHealth(signal, "missing", _missing(signal.keys[0]))
         key, pairs = logged[0]
@@ -347,5 +364,5 @@ def assess(log_history: list[dict], monitor: AnomalyMonitor | None = None) -> Ru
     monitor = monitor or AnomalyMonitor()
     monitor.replay(log_history)
     signals = [_judge(signal, log_history, monitor) for signal in SIGNALS]
-    entries = sum(1 for entry in log_history if "loss" in entry)
+    entries = sum(1 for entry in log_history if LOSS in entry)
     return RunHealth(signals, list(monitor.episodes), entries)

@@ -12,6 +12,12 @@ from __future__ import annotations
 
 import math
 
+from ..metrics import (
+    DYNAMIC_SAMPLING_FRAC_REWARD_ZERO_STD_GENERATED,
+    FRAC_REWARD_ZERO_STD,
+    REWARD_STD_FRAC_ZERO_GROUPS,
+    SELECTIVE_ROLLOUTS_PRECISION,
+)
 from .health import _values
 
 __all__ = ["FLAT_KEYS", "sampling_summary"]
@@ -19,11 +25,11 @@ __all__ = ["FLAT_KEYS", "sampling_summary"]
 #: The share of generated groups without reward spread, in order of preference: every round of dynamic sampling,
 #: this package's per-group share, TRL's own (the share of completions in such groups: the same for equal groups).
 FLAT_KEYS = (
-    "dynamic_sampling/frac_reward_zero_std_generated",
-    "reward_std/frac_zero_groups",
-    "frac_reward_zero_std",
+    DYNAMIC_SAMPLING_FRAC_REWARD_ZERO_STD_GENERATED,
+    REWARD_STD_FRAC_ZERO_GROUPS,
+    FRAC_REWARD_ZERO_STD,
 )
-PRECISION_KEY = "selective_rollouts/precision"
+PRECISION_KEY = SELECTIVE_ROLLOUTS_PRECISION
 #: Below this flat share, the sampling options have little generation to save.
 FEW_FLAT = 0.2
 #: Prompts must recur for their history to predict anything: at least this many epochs.

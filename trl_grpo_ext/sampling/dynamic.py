@@ -67,6 +67,14 @@ from typing import Any
 import torch
 from trl.trainer.utils import pad
 
+from ..metrics import (
+    DYNAMIC_SAMPLING_FRAC_REWARD_ZERO_STD_GENERATED,
+    DYNAMIC_SAMPLING_GENERATED_GROUPS,
+    DYNAMIC_SAMPLING_KEPT_FRACTION,
+    DYNAMIC_SAMPLING_ROUNDS,
+    DYNAMIC_SAMPLING_TRAINED_CLIPPED_RATIO,
+    DYNAMIC_SAMPLING_TRAINED_MEAN_LENGTH,
+)
 from .plan import (
     RUNNING_TOTALS,
     PromptKeys,
@@ -296,16 +304,16 @@ class DynamicSampler:
         for name, value in {**combine_round_metrics(per_call, generated_rows), **trained}.items():
             del metrics[name][lengths_before.get(name, 0) :]
             metrics[name].append(value)
-        metrics["dynamic_sampling/kept_fraction"].append(kept / generated)
-        metrics["dynamic_sampling/rounds"].append(float(len(rounds) - 1))
-        metrics["dynamic_sampling/generated_groups"].append(float(generated))
+        metrics[DYNAMIC_SAMPLING_KEPT_FRACTION].append(kept / generated)
+        metrics[DYNAMIC_SAMPLING_ROUNDS].append(float(len(rounds) - 1))
+        metrics[DYNAMIC_SAMPLING_GENERATED_GROUPS].append(float(generated))
         zero_std = sum(r.frac_reward_zero_std * r.informative.numel() for r in rounds) / generated
-        metrics["dynamic_sampling/frac_reward_zero_std_generated"].append(zero_std)
+        metrics[DYNAMIC_SAMPLING_FRAC_REWARD_ZERO_STD_GENERATED].append(zero_std)
         if truncated is not None:  # TRL's `completions/*` count every round: these, the batch that trains
             local = torch.stack([lengths.to(torch.float64), truncated.to(torch.float64)], dim=1)
             trained = trainer.accelerator.gather(local.to(trainer.accelerator.device)).cpu()
-            metrics["dynamic_sampling/trained_mean_length"].append(trained[:, 0].mean().item())
-            metrics["dynamic_sampling/trained_clipped_ratio"].append(trained[:, 1].mean().item())
+            metrics[DYNAMIC_SAMPLING_TRAINED_MEAN_LENGTH].append(trained[:, 0].mean().item())
+            metrics[DYNAMIC_SAMPLING_TRAINED_CLIPPED_RATIO].append(trained[:, 1].mean().item())
         self._rewrite_completions_table(rounds, sources, advantages)
         return output, ScoredBatch(rewards_per_func, lengths, start, truncated)
 

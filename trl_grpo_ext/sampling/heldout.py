@@ -41,6 +41,7 @@ from trl.trainer.utils import get_callable_name
 
 from ..config import option
 from ..guardrails.reward_errors import check_rewards
+from ..metrics import HELDOUT_PREFIX, heldout_metric
 from .generation import SamplingSettings, preserved_rng, sample_batch, sampling_model, vllm_sample_batch
 
 __all__ = [
@@ -236,10 +237,10 @@ def pool_heldout_records(
             score_sum, scored = score_sum + total, scored + count
             for k in pass_at:
                 passes[k] += pass_at_k(num_generations, round(passing), k)
-        values[f"heldout/{name}/mean@{num_generations}"] = score_sum / scored if scored else math.nan
+        values[heldout_metric(name, "mean", num_generations)] = score_sum / scored if scored else math.nan
         for k in pass_at:
-            values[f"heldout/{name}/pass@{k}"] = passes[k] / len(records) if records else math.nan
-        values[f"heldout/{name}/scored@{num_generations}"] = scored
+            values[heldout_metric(name, "pass", k)] = passes[k] / len(records) if records else math.nan
+        values[heldout_metric(name, "scored", num_generations)] = scored
     return values
 
 
@@ -472,7 +473,7 @@ def _check_heldout(config, options: dict[str, Any], metrics: dict, dataset) -> N
                 "the reward-function signature) given to the trainer."
             )
         best = getattr(config, "metric_for_best_model", None) or ""
-        if best.removeprefix("eval_").startswith("heldout/"):
+        if best.removeprefix("eval_").startswith(HELDOUT_PREFIX):
             raise ValueError(f"metric_for_best_model={best!r} needs heldout_metrics=[...] given to the trainer.")
         return
     if dataset is None:
@@ -491,9 +492,9 @@ def _check_heldout(config, options: dict[str, Any], metrics: dict, dataset) -> N
             "estimated from at least k samples per prompt."
         )
     best = (getattr(config, "metric_for_best_model", None) or "").removeprefix("eval_")
-    if best.startswith("heldout/"):
-        logged = [f"heldout/{name}/mean@{n}" for name in metrics]
-        logged += [f"heldout/{name}/pass@{k}" for name in metrics for k in (pass_at or [n])]
+    if best.startswith(HELDOUT_PREFIX):
+        logged = [heldout_metric(name, "mean", n) for name in metrics]
+        logged += [heldout_metric(name, "pass", k) for name in metrics for k in (pass_at or [n])]
         if best not in logged:
             raise ValueError(
                 f"metric_for_best_model={config.metric_for_best_model!r} is not among the held-out metrics this run "

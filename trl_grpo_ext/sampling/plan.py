@@ -26,6 +26,16 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 import torch
 from trl.trainer.utils import nanstd
 
+from ..metrics import (
+    COMPLETIONS_CLIPPED_RATIO,
+    FRAC_REWARD_ZERO_STD,
+    NUM_TOKENS,
+    REWARD,
+    REWARD_STD,
+    TOOLS_CALL_FREQUENCY,
+    TOOLS_FAILURE_FREQUENCY,
+    reward_function_metric,
+)
 from ..ops.advantages import has_spread
 
 __all__ = [
@@ -114,14 +124,14 @@ def trl_reward_metrics(
     `rewards/<name>/mean`, `rewards/<name>/std`), as the same TRL block logs them."""
     metrics = {}
     for i, name in enumerate(names):
-        metrics[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
-        metrics[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
+        metrics[reward_function_metric(name)] = torch.nanmean(rewards_per_func[:, i]).item()
+        metrics[reward_function_metric(name, "std")] = nanstd(rewards_per_func[:, i]).item()
     unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)
     rewards = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
     rewards[unscorable_mask] = torch.nan
-    metrics["reward"] = torch.nanmean(rewards).item()
-    metrics["reward_std"] = nanstd(rewards).item()
-    metrics["frac_reward_zero_std"] = is_std_zero.float().mean().item()
+    metrics[REWARD] = torch.nanmean(rewards).item()
+    metrics[REWARD_STD] = nanstd(rewards).item()
+    metrics[FRAC_REWARD_ZERO_STD] = is_std_zero.float().mean().item()
     return metrics
 
 
@@ -343,7 +353,7 @@ class PromptKeys:
 
 
 #: TRL metrics that are set, not appended, at each generation call (a running total): the last call's value stands.
-RUNNING_TOTALS = ("num_tokens",)
+RUNNING_TOTALS = (NUM_TOKENS,)
 
 
 def combine_round_metrics(rounds: list[dict[str, list[float]]], rows: list[int]) -> dict[str, float]:
@@ -373,9 +383,9 @@ def combine_round_metrics(rounds: list[dict[str, list[float]]], rows: list[int])
                 continue
             weight = float(count)
             if name.endswith("_terminated_length"):
-                weight *= 1.0 - _round_value(values, "completions/clipped_ratio", 0.0)
-            elif name == "tools/failure_frequency":
-                weight *= _round_value(values, "tools/call_frequency", 1.0)
+                weight *= 1.0 - _round_value(values, COMPLETIONS_CLIPPED_RATIO, 0.0)
+            elif name == TOOLS_FAILURE_FREQUENCY:
+                weight *= _round_value(values, TOOLS_CALL_FREQUENCY, 1.0)
             pairs.append((sum(finite) / len(finite), weight))
         last = name.rsplit("/", 1)[-1]
         weighed = [(value, weight) for value, weight in pairs if weight > 0] or pairs

@@ -52,6 +52,13 @@ from typing import Any
 
 import torch
 
+from ..metrics import (
+    SELECTIVE_ROLLOUTS_EXPLORATION_PROBABILITY,
+    SELECTIVE_ROLLOUTS_PRECISION,
+    SELECTIVE_ROLLOUTS_PREDICTED_FLAT,
+    SELECTIVE_ROLLOUTS_SKIPPED_PROMPTS,
+    SELECTIVE_ROLLOUTS_ZERO_SPREAD,
+)
 from .plan import PromptKeys, PromptStream, group_spread
 
 __all__ = ["INDEX_COLUMN", "SelectiveRollouts", "Selection", "strip_index"]
@@ -250,15 +257,15 @@ class SelectiveRollouts:
         """After a generation batch's last round: log its metrics and move the exploration probability."""
         batch, self._batch = self._batch, _BatchCounts()
         self._visits = {}
-        metrics["selective_rollouts/skipped_prompts"].append(float(batch.skipped))
-        metrics["selective_rollouts/exploration_probability"].append(self.exploration)
+        metrics[SELECTIVE_ROLLOUTS_SKIPPED_PROMPTS].append(float(batch.skipped))
+        metrics[SELECTIVE_ROLLOUTS_EXPLORATION_PROBABILITY].append(self.exploration)
         if batch.considered:
-            metrics["selective_rollouts/predicted_flat"].append(batch.predicted_flat / batch.considered)
+            metrics[SELECTIVE_ROLLOUTS_PREDICTED_FLAT].append(batch.predicted_flat / batch.considered)
         if batch.explored:
-            metrics["selective_rollouts/precision"].append(batch.explored_flat / batch.explored)
+            metrics[SELECTIVE_ROLLOUTS_PRECISION].append(batch.explored_flat / batch.explored)
         if batch.generated:
             zero_spread = batch.flat / batch.generated
-            metrics["selective_rollouts/zero_spread"].append(zero_spread)
+            metrics[SELECTIVE_ROLLOUTS_ZERO_SPREAD].append(zero_spread)
             step = -self.step if zero_spread > self.target else self.step
             self.exploration = min(self.exploration_max, max(self.exploration_min, self.exploration + step))
 

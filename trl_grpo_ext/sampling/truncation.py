@@ -44,6 +44,15 @@ from trl.trainer.utils import nanmax, nanmin
 
 from .._compat import FORWARD_KEYS
 from ..config import option
+from ..metrics import (
+    IMPORTANCE_SAMPLING_RATIO_MAX,
+    IMPORTANCE_SAMPLING_RATIO_MEAN,
+    IMPORTANCE_SAMPLING_RATIO_MIN,
+    SAMPLING_LOGP_DIFFERENCE_MAX,
+    SAMPLING_LOGP_DIFFERENCE_MEAN,
+    TRUNCATION_KEPT_MASS,
+    TRUNCATION_OUTSIDE_CUT_FRACTION,
+)
 from ..ops.correction import correction_ratio, sampler_log_ratios
 from ..ops.truncation import SamplerCuts, TruncatedLogProbs, truncated_log_probs_from_hidden
 from .generation import preserved_rng
@@ -61,11 +70,11 @@ __all__ = [
 
 #: What TRL logs of its correction in `_generate_and_score_completions` (replaced for the batch that trains).
 TRL_CORRECTION_METRICS = (
-    "sampling/sampling_logp_difference/mean",
-    "sampling/sampling_logp_difference/max",
-    "sampling/importance_sampling_ratio/min",
-    "sampling/importance_sampling_ratio/mean",
-    "sampling/importance_sampling_ratio/max",
+    SAMPLING_LOGP_DIFFERENCE_MEAN,
+    SAMPLING_LOGP_DIFFERENCE_MAX,
+    IMPORTANCE_SAMPLING_RATIO_MIN,
+    IMPORTANCE_SAMPLING_RATIO_MEAN,
+    IMPORTANCE_SAMPLING_RATIO_MAX,
 )
 
 
@@ -346,5 +355,5 @@ class TruncationMatch:
         )
         kept_mass, outside, tokens = self.trainer.accelerator.gather(sums[None]).sum(dim=0).tolist()
         metrics = self.trainer._metrics[mode]
-        metrics["sampling/truncation/kept_mass"].append(kept_mass / tokens if tokens else math.nan)
-        metrics["sampling/truncation/outside_cut_fraction"].append(outside / tokens if tokens else math.nan)
+        metrics[TRUNCATION_KEPT_MASS].append(kept_mass / tokens if tokens else math.nan)
+        metrics[TRUNCATION_OUTSIDE_CUT_FRACTION].append(outside / tokens if tokens else math.nan)
