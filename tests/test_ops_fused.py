@@ -148,7 +148,7 @@ _CACHE_RUN = textwrap.dedent(
     """
     import sys, torch
     sys.path.insert(0, {tests!r})
-    from test_fused import batch, run
+    from test_ops_fused import batch, run
     epsilon, epsilon_high = float(sys.argv[1]), float(sys.argv[2])
     inputs = batch(12, 20, seed=11, spread=0.5)
     out, grad = run("compiled", *inputs, epsilon=epsilon, epsilon_high=epsilon_high)
