@@ -10,6 +10,7 @@ from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.guardrails import ALARM_FIELDS, AnomalyMonitor
 from trl_grpo_ext.guardrails.alarms import DEFAULT_THRESHOLDS, Alarm, pearson
 from trl_grpo_ext.guardrails.anomaly import AlarmSettings
+from trl_grpo_ext.metrics import reward_function_metric
 from trl_grpo_ext.report.health import assess
 
 
@@ -29,6 +30,9 @@ def rising_length(start, count, reward_from=0.0):
     """Log entries whose reward and mean completion length rise together."""
     return [{"reward": reward_from + 0.1 * i, "completions/mean_length": 10.0 + 2 * (start + i)} for i in range(count)]
 
+
+#: Two reward functions' means: an auxiliary one (by its name) and the task's.
+FORMAT, TASK = reward_function_metric("format"), reward_function_metric("correctness")
 
 # alarm -> (stream, indices where it is given). Each stream: the condition starts, lasts (given once), clears for
 # at least one entry (or an entry without the metric, which neither clears nor continues it), starts again.
@@ -113,6 +117,15 @@ STREAMS = {
         # up to 1 (cleared), down to 0 (given once the median is 0.5: half the gain from 0.225 to 1.0 lost)
         [{"reward": v} for v in [0.05 * i for i in range(21)] + [0.3] * 8 + [1.0] * 8 + [0.0] * 8],
         [26, 41],
+    ),
+    "reward_composition": (
+        # a format reward cycling 0.2, 0.5, 0.8 (spread 0.3) and a constant task reward: the format's share is 1 from
+        # the 150th entry; the task's cycling 0, 0.5, 1 for 40 entries clears it once most of the last 37 task
+        # values are off their median (index 177), and 10 constant ones after it give it again (index 199)
+        [{FORMAT: (0.2, 0.5, 0.8)[i % 3], TASK: 0.5} for i in range(150)]
+        + [{FORMAT: (0.2, 0.5, 0.8)[i % 3], TASK: (0.0, 0.5, 1.0)[i % 3]} for i in range(40)]
+        + [{FORMAT: (0.2, 0.5, 0.8)[i % 3], TASK: 0.5} for i in range(20)],
+        [149, 199],
     ),
     "reward_vs_heldout": (
         [
@@ -325,6 +338,8 @@ def test_a_resumed_run_keeps_its_counts_and_does_not_warn_again(tmp_path, caplog
         ("warn_clip_asymmetry", 1.0),
         ("warn_reward_drop", 0.0),
         ("warn_kl_growth", 1.0),
+        ("warn_reward_composition", 0.0),
+        ("warn_reward_composition", 1.5),
         ("warn_patience", 0),
     ],
 )

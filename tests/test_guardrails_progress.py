@@ -1,12 +1,14 @@
 """The alarms added for the peers' checks, on synthetic runs that fail and on healthy ones: a reward that stops
 improving, or never improves, is a plateau (a noisy but rising one is not); groups that stay flat, too easy or too
-hard; a gradient that vanishes without reaching 0; clipping on one side of the clip range; a KL that keeps growing."""
+hard; a gradient that vanishes without reaching 0; clipping on one side of the clip range; a KL that keeps growing;
+an auxiliary reward function that takes over."""
 
 import math
 import random
 
 from trl_grpo_ext.guardrails import ALARMS, AnomalyMonitor
 from trl_grpo_ext.guardrails.progress_rules import slope_t
+from trl_grpo_ext.metrics import reward_function_metric
 from trl_grpo_ext.report.health import assess
 
 
@@ -205,3 +207,101 @@ def test_a_kl_that_is_not_a_number_is_skipped_by_kl_growth():
             assert gappy.judge(skipped) is None
         assert bool(gappy.judge(entry)) == bool(clean.judge(entry))
     assert gappy.values == clean.values
+
+
+def composed_run(format_curve, task_curve, steps: int = 400, samples: int = 128, seed: int = 0, **functions):
+    """One log entry per step: the per-step means of 0/1 scores of `samples` completions, a format reward scored with
+    probability `format_curve(step)` and a task reward with `task_curve(step)` (`functions`: other names -> curves)."""
+    rng = random.Random(seed)
+    curves = {"format": format_curve, "correctness": task_curve, **functions}
+    return [
+        {
+            "step": step,
+            "loss": 0.1,
+            **{
+                reward_function_metric(name): sum(rng.random() < curve(step) for _ in range(samples)) / samples
+                for name, curve in curves.items()
+                if curve is not None
+            },
+        }
+        for step in range(1, steps + 1)
+    ]
+
+
+def saturating(steps: int, top: float = 0.98):
+    """A format reward learned from 0.05 to `top` over its first `steps` steps, then held."""
+    return lambda step: min(top, 0.05 + (top - 0.05) * step / steps)
+
+
+def test_a_format_reward_that_takes_over_is_flagged_and_one_that_saturates_early_is_not():
+    def stalled(step):  # the task learned to 0.4 by step 150, then stalled
+        return 0.1 + 0.3 * min(step, 150) / 150
+
+    def gaming(step):  # the format reward at 0.2 until step 200, then rising to 1.0 by step 350
+        return min(1.0, 0.2 + 0.8 * max(step - 200, 0) / 150)
+
+    for seed in range(5):
+        takeover = composed_run(gaming, stalled, seed=seed)
+        # until the format reward holds at 1.0: then it no longer varies
+        episode, *_ = [e for e in assess(takeover).episodes if e.name == "reward_composition"]
+        assert 250 <= episode.start <= 330 and episode.end <= 400, episode
+        assert "the auxiliary reward function format carries" in episode.message
+        assert "[alarms/reward_composition; warn_reward_composition=0.8, None switches it off]" in episode.message
+        # the task scores near 0 throughout, the format reward is learned to 0.85 (a mean of 0/1 scores near 0.02
+        # and one near 0.98 are as noisy: then the share is about 0.5)
+        dominated = composed_run(saturating(60, 0.85), lambda step: 0.02, seed=seed)
+        # from its 150th entry (the share near 0.85 may dip below 0.8 and end an episode for a while)
+        assert [e.start for e in assess(dominated).episodes if e.name == "reward_composition"][0] == 150
+        healthy = {
+            "saturated by step 60": composed_run(saturating(60), lambda step: 0.2 + 0.4 * step / 400, seed=seed),
+            "saturated by step 100": composed_run(saturating(100), lambda step: 0.1 + 0.2 * step / 400, seed=seed),
+            "both rising": composed_run(lambda step: 0.1 + 0.2 * step / 400, lambda step: 0.2 + 0.4 * step / 400),
+        }
+        for name, history in healthy.items():
+            assert "reward_composition" not in assess(history).alarms, (name, seed)
+
+
+def test_reward_composition_needs_an_auxiliary_and_a_task_function():
+    near_zero = lambda step: 0.02  # noqa: E731
+    runs = {
+        "one function": composed_run(saturating(60), None),
+        "none auxiliary": composed_run(None, near_zero, answer=saturating(60)),
+        "all auxiliary": composed_run(saturating(60), None, xml_tags=near_zero),
+    }
+    for name, history in runs.items():
+        assert "reward_composition" not in assess(history).alarms, name
+    # a threshold of 1 asks the auxiliary functions for all of the variation
+    monitor = AnomalyMonitor(reward_composition=1.0)
+    monitor.replay(composed_run(saturating(60, 0.85), near_zero))
+    assert "reward_composition" not in monitor.counts
+
+
+def test_reward_composition_carries_its_windows_across_a_resume_and_none_switches_it_off():
+    history = composed_run(saturating(60, 0.85), lambda step: 0.02)
+    whole = AnomalyMonitor()
+    whole.replay(history)
+    assert [e.start for e in whole.episodes if e.name == "reward_composition"][0] == 150
+    for cut in (100, 149, 155):  # before the rule is judged, the entry before its onset, in its episode
+        resumed = AnomalyMonitor()
+        resumed.replay(history[:cut])
+        warnings = [warning for entry in history[cut:] for warning in resumed.check(entry, warn=False)]
+        assert [(e.name, e.start, e.end) for e in resumed.episodes] == [
+            (e.name, e.start, e.end) for e in whole.episodes
+        ]
+        assert resumed.counts == whole.counts
+        given = len([e for e in whole.episodes if e.name == "reward_composition" and e.start > cut])
+        assert len([w for w in warnings if "alarms/reward_composition;" in w]) == given
+    off = AnomalyMonitor(reward_composition=None)
+    off.replay(history)
+    assert "reward_composition" not in off.counts and "reward_composition" not in [rule.name for rule in off.rules]
+
+
+def test_a_reward_function_mean_that_is_not_a_number_is_skipped_by_reward_composition():
+    clean, gappy = ALARMS["reward_composition"].build(0.8), ALARMS["reward_composition"].build(0.8)
+    task = reward_function_metric("correctness")
+    for entry in composed_run(saturating(60, 0.85), lambda step: 0.02, steps=200):
+        for skipped in ({reward_function_metric("format"): math.nan, task: math.nan}, {task: None}, {"loss": 0.1}):
+            assert gappy.judge(skipped) is None
+        assert gappy.judge({**entry, task: math.inf}) is not None  # the format's mean still counts
+        clean.judge(entry)
+    assert gappy.means["format"] == clean.means["format"] and "correctness" not in gappy.means

@@ -22,12 +22,7 @@ from benchmarks.health_scenarios import (  # noqa: E402
 from trl_grpo_ext.report.health import assess  # noqa: E402
 
 #: Sick scenarios this package does not flag yet with the kind injected: (generator, scenario) -> why.
-GAPS: dict[tuple[str, str], str] = {
-    # From the logged means alone both look like the peers' healthy runs, where a format reward saturates early and
-    # holds while the task's rises (docs/diagnostics.md, "Peer scenarios").
-    ("rl-doctor", "format_domination"): "no reward-composition check",
-    ("rlprobe", "format_gaming"): "no reward-composition check",
-}
+GAPS: dict[tuple[str, str], str] = {}
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +107,23 @@ def test_kl_growth_flags_the_peers_kl_blowups_no_later_than_rlprobe_and_no_healt
         assert episodes and rlprobe_onset is not None and episodes[0].start <= rlprobe_onset, (source, episodes)
     for history in (doctor["healthy"], probe["healthy"].history):
         assert "kl_growth" not in assess(history).alarms
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_reward_composition_flags_the_peers_format_takeovers_and_no_healthy_run(seed):
+    """rl-doctor's format domination (correctness near 0 under a noisy format reward) from its 150th step, rlprobe's
+    format gaming (the format rising from step 250 while correctness stalls) once the format's rise dominates."""
+    doctor = {
+        name: rldoctor_history(simulate(name, n_steps=400, seed=seed)[0]) for name in ("healthy", "format_domination")
+    }
+    probe = {
+        s.name: s.history for s in rlprobe_scenarios(seed=seed, pathologies=(None, "format_gaming"), judge_peer=False)
+    }
+    for history, earliest, latest in ((doctor["format_domination"], 149, 165), (probe["format_gaming"], 300, 335)):
+        episodes = [e for e in assess(history).episodes if e.name == "reward_composition"]
+        assert episodes and earliest <= episodes[0].start <= latest, episodes
+    for history in (doctor["healthy"], probe["healthy"]):
+        assert "reward_composition" not in assess(history).alarms
 
 
 def test_the_benchmark_table_has_a_row_per_scenario_and_a_column_per_tool():

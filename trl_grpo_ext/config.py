@@ -375,6 +375,7 @@ class GRPOConfigExt(GRPOConfig):
     warn_plateau_steps: int | None = ALARMS["plateau"].config_field()
     warn_reward_drop: float | None = ALARMS["reward_drop"].config_field()
     warn_kl_growth: float | None = ALARMS["kl_growth"].config_field()
+    warn_reward_composition: float | None = ALARMS["reward_composition"].config_field()
     warn_patience: int = field(
         default=3, metadata={"help": "Consecutive log steps a high clip fraction must last before its alarm. >= 1."}
     )

@@ -1,5 +1,6 @@
 """The alarm records on the run's course, the second part of `ALARMS`: what grows, drifts, collapses or stops
-improving over the logged history (the KL, entropy, the gradient norm, the length, the held-out metric, the reward).
+improving over the logged history (the KL, entropy, the gradient norm, the length, the held-out metric, the reward
+and its functions' shares).
 Each record is the one place of its alarm: rule, threshold field, default, range, help, and its row of
 docs/diagnostics.md's table.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 import math
 
 from .alarm import Alarm
-from .progress_rules import FlatGroupsRule, PlateauRule, RewardDropRule
+from .progress_rules import AUXILIARY_HINTS, FlatGroupsRule, PlateauRule, RewardCompositionRule, RewardDropRule
 from .step_rules import ClipAsymmetryRule
 from .trend_rules import (
     EntropyCollapseRule,
@@ -296,5 +297,39 @@ COURSE_ALARMS: tuple[Alarm, ...] = (
         "and collapsing back is flagged 50-65 log steps into its fall",
         suggests="a lower `learning_rate`, a higher `beta`, keep the best checkpoint (`metric_for_best_model`, "
         "`load_best_model_at_end`)",
+    ),
+    Alarm(
+        name="reward_composition",
+        rule=RewardCompositionRule,
+        field="warn_reward_composition",
+        # Over 10 seeds the peers' sick runs reach a share (the least of the window's and its last quarter's) of
+        # 0.94-0.98 (rl-doctor's format domination) and 0.99-1.0 (rlprobe's format gaming), their healthy runs 0.33
+        # and 0.16 at most: 0.8 flags the first at steps 149-161 and the second at 310-328 (the format rises from
+        # step 250), and is rl-doctor's 0.7 with room for a task reward near 0.5 whose noise is small.
+        default=0.8,
+        low=0.0,
+        high=1.0,
+        low_inclusive=False,
+        high_inclusive=True,
+        help="Alarm reward_composition: the reward functions named auxiliary (a name with "
+        f"{', '.join(AUXILIARY_HINTS)}) carry at least this share of the summed robust variance of every function's "
+        f"logged mean over the last {RewardCompositionRule.WINDOW} log steps and over the last "
+        f"{RewardCompositionRule.RECENT} (the form is learned, not the task). A run with one reward function, or "
+        "none named auxiliary, is never flagged.",
+        given_when="a reward function named auxiliary (`format`, `tag`, `xml`, `json`, `length`, `lang`, `style` or "
+        "`think` in its name) carries at least this share of the reward's variation: the summed squared robust spread "
+        "(1.4826 times the median absolute deviation) of the auxiliary functions' logged means "
+        "(`rewards/<function>/mean`) over that of every function, over the last 150 log steps and over the last 37 "
+        "of them (a format reward that saturated early carried the variation while it rose, not since). A task "
+        "reward stuck near 0 varies little (a mean of 0/1 scores is least noisy near 0 and 1), as does one that "
+        "stalls while the format reward rises. Judged from the 150th logged mean; a run with one reward function, or "
+        "none named auxiliary, is never flagged. Over 10 seeds: rl-doctor's format domination (correctness near 0.02, "
+        "format saturated at 0.97) reaches 0.94-0.98 and is flagged at steps 149-161, rlprobe's format gaming "
+        "(correctness stalled at 0.44 while the format rises to 1.0 from step 250) 0.99-1.0, flagged at 310-328; "
+        "their healthy runs 0.33 and 0.16 at most. A format reward still rising 150 log steps into the run while "
+        "the task's barely moves is flagged: one that saturates by about step 120 is not",
+        suggests="read completions that score on the auxiliary reward and not on the task's; make the auxiliary "
+        "reward harder to earn without solving the task or lower its weight (`reward_weights`); easier prompts if "
+        "the task reward stays near 0",
     ),
 )

@@ -1,5 +1,6 @@
-"""The alarm rules that judge whether the run is still making progress: the reward's plateau, and groups that stay
-without reward spread (too easy or too hard)."""
+"""The alarm rules that judge whether the run is still making progress: the reward's plateau, groups that stay
+without reward spread (too easy or too hard), a reward that gives back its gain, and an auxiliary reward function
+(format, tags, length) that carries the reward's variation while the task's does not."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import statistics
 from collections.abc import Mapping
 
-from ..metrics import REWARD, reward_function_of
+from ..metrics import REWARD, reward_function_metric, reward_function_of
 from .rule import ZERO_SPREAD_KEYS, Rule, Series, _first_number, _number
 
 
@@ -183,4 +184,97 @@ class RewardDropRule(Rule):
             f"steps), giving back {drop / gain:.0%} of what it gained since the start ({self.start:.3g}): the policy "
             "is unlearning (a collapse after too large updates, or a reward whose easy part is exhausted). Lower the "
             "learning_rate, raise beta, and keep the best checkpoint (metric_for_best_model, load_best_model_at_end)."
+        )
+
+
+#: Parts of a reward function's name that mark it as auxiliary (it scores the form of a completion, not whether it
+#: solves the task): `format_reward`, `xml_tags`, `think_length`, `language_consistency`...
+AUXILIARY_HINTS = ("format", "tag", "xml", "json", "length", "lang", "style", "think")
+
+
+def is_auxiliary(function: str) -> bool:
+    """Whether the reward function `function` is auxiliary by its name (`AUXILIARY_HINTS`)."""
+    return any(hint in function.lower() for hint in AUXILIARY_HINTS)
+
+
+def _spread(values: list[float]) -> float:
+    """A robust variance: the square of 1.4826 times the values' median absolute deviation."""
+    middle = statistics.median(values)
+    return (1.4826 * statistics.median(abs(value - middle) for value in values)) ** 2
+
+
+def auxiliary_share(windows: Mapping[str, list[float]]) -> float | None:
+    """The auxiliary functions' share of the reward functions' summed spread (`_spread`) over `windows` (function ->
+    its logged means); `None` when no function varies at all."""
+    spreads = {function: _spread(values) for function, values in windows.items()}
+    total = sum(spreads.values())
+    if total <= 0:
+        return None
+    return sum(spread for function, spread in spreads.items() if is_auxiliary(function)) / total
+
+
+class RewardCompositionRule(Rule):
+    """An auxiliary reward function (named as one, `AUXILIARY_HINTS`) carries the reward's variation: over the last
+    `WINDOW` log steps, and over the last `RECENT` of them, the auxiliary functions' share of the summed robust
+    variance of every function's logged mean (`rewards/<function>/mean`) is at least `threshold`:
+
+        spread(f) = (1.4826 * median |m_f(t) - median m_f|)^2   over the window's log steps t
+        share = sum of spread(f) over the auxiliary f / sum of spread(f) over every f
+
+    The policy gradient follows what varies between completions: a function whose per-step mean does not move (its
+    trend nor its noise) teaches nothing. A task reward that keeps scoring near 0 has little spread (the noise of a
+    mean of 0/1 scores, `sqrt(p (1 - p) / n)`, is small near 0 and near 1), as has one that stalls while the format
+    reward rises (format gaming); a task reward that is learned rises and, near the middle of its range, is noisy. A
+    format reward that saturates early (every recipe's) has carried the variation while it rose, and little after:
+    the share over the last `RECENT` log steps is what keeps that rise from counting once it is over, and `WINDOW`
+    (150) keeps a run's first steps from being judged. A format reward still rising steadily `WINDOW` log steps into
+    the run while the task's barely moves is flagged: that is format gaming as the logs show it.
+
+    A mean of 0/1 scores is as noisy near 0 as near 1: a task reward near 0.02 under a format reward saturated at
+    0.98 gives a share near 0.5 (that run's groups have no spread, `zero_std`'s and `flat_groups`' to flag); under a
+    format reward still short of its maximum (0.85) it is about 0.85.
+
+    Judged from the `WINDOW`th logged mean of at least one auxiliary and one other function; a run with one reward
+    function, or none named auxiliary (or all of them), is never flagged. A function's NaN mean (TRL's when it scored
+    nothing) is skipped. The peers' scenarios (docs/diagnostics.md, "Peer scenarios"): rl-doctor's format domination
+    (correctness near 0.02 under a format reward near 0.97 whose noise it draws 6 times as large as in its healthy
+    run: 0.06, not 0.01) reaches a share of 0.94-0.98 over 10 seeds and
+    rlprobe's format gaming (correctness stalled at 0.44 while the format rises from 0.19 to 1.0) 0.99-1.0; their
+    healthy runs stay at 0.33 and 0.16 at most."""
+
+    keys = (reward_function_metric("<function>"),)
+    WINDOW = 150  # log steps over which the shares are judged
+    RECENT = WINDOW // 4  # the last log steps whose share must be as large: not a rise that is over
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.means: dict[str, list[float]] = {}  # each function's last WINDOW logged means
+
+    def judge(self, entry):
+        means = {name: value for name, value in _function_means(entry).items() if math.isfinite(value)}
+        if not means:
+            return None
+        for name, value in means.items():
+            self.means[name] = (self.means.get(name, []) + [value])[-self.WINDOW :]
+        windows = {name: values for name, values in self.means.items() if len(values) == self.WINDOW}
+        auxiliary = sorted(name for name in windows if is_auxiliary(name))
+        if not auxiliary or len(auxiliary) == len(windows):
+            return False
+        share = auxiliary_share(windows)
+        recent = auxiliary_share({name: values[-self.RECENT :] for name, values in windows.items()})
+        if share is None or recent is None or min(share, recent) < self.threshold:
+            return False
+        task = ", ".join(
+            f"{name} {statistics.median(values[-self.RECENT :]):.3g}"
+            for name, values in sorted(windows.items())
+            if name not in auxiliary
+        )
+        return (
+            f"the auxiliary reward function{'s' if len(auxiliary) > 1 else ''} {', '.join(auxiliary)} carr"
+            f"{'y' if len(auxiliary) > 1 else 'ies'} {share:.0%} of the reward functions' variation over the last "
+            f"{self.WINDOW} log steps ({recent:.0%} over the last {self.RECENT}), while the task's barely moves "
+            f"(median of the last {self.RECENT}: {task}): the policy is learning the form, not the task (format "
+            "gaming, or a task reward too hard to score). Read completions that score on the one and not on the "
+            "other; make the auxiliary reward harder to earn without solving the task or lower its weight "
+            "(reward_weights); if the task reward stays near 0, use easier prompts."
         )

@@ -63,7 +63,7 @@ PANELS = (
     Panel(
         "reward",
         (REWARD, "rewards/*/mean", "heldout/*/mean@*"),
-        ("reward_vs_heldout", "plateau", "reward_drop"),
+        ("reward_vs_heldout", "plateau", "reward_drop", "reward_composition"),
         "reward",
     ),
     Panel(

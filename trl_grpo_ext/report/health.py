@@ -74,7 +74,7 @@ class Signal:
 
 
 SIGNALS = (
-    Signal("reward", (REWARD,), ("plateau", "reward_drop")),
+    Signal("reward", (REWARD,), ("plateau", "reward_drop", "reward_composition")),
     Signal("reward spread in groups", (REWARD_STD_GROUP_MEAN,), ("no_spread",)),
     Signal("groups without spread", (REWARD_STD_FRAC_ZERO_GROUPS, FRAC_REWARD_ZERO_STD), ("zero_std", "flat_groups")),
     Signal("unscored completions", (FRAC_REWARD_UNSCORED,), ("unscored",), kind="count"),
