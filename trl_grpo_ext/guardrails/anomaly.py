@@ -3,7 +3,8 @@
 It warns, once per episode and naming what to change, when most groups carry no learning signal, the rewards stay
 without spread, most completions are truncated (or a few, step after step), the clip fraction stays high, the
 importance-ratio tail explodes, the KL jumps or keeps growing, the entropy collapses, `grad_norm` spikes, the length
-follows the reward or grows over the run, or the training reward rises while a held-out metric falls. The rules
+follows the reward or grows over the run, the reward stops improving or falls back, an auxiliary reward function
+(a format reward) carries the reward's variation, or the training reward rises while a held-out metric falls. The rules
 themselves are in `alarms.py`; `trl_grpo_ext.report.health` replays a finished run through the same ones, with the
 run's own thresholds: `AlarmSettings` keeps them in the trainer state.
 """
