@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.sampling import heldout as heldout_module
+from trl_grpo_ext.sampling import heldout_scoring
 from trl_grpo_ext.sampling.generation import SamplingSettings, generate_completions, tokenize_prompts
 from trl_grpo_ext.sampling.heldout import heldout_records, pass_at_k, pool_heldout_records
 
@@ -132,14 +133,14 @@ def test_with_sharded_weights_every_process_makes_the_same_number_of_generate_ca
     dataset = heldout_dataset()  # 6 chunks: 2 or 1 over 4 processes
     unsynced = records(tiny_model, tiny_tokenizer, dataset, num_processes=4)
     calls = []
-    original = heldout_module.sample_batch
+    original = heldout_scoring.sample_batch
 
     def counting(*args, synced_gpus, **kwargs):
         assert synced_gpus
         calls[-1] += 1
         return original(*args, synced_gpus=False, **kwargs)  # one process here: nothing to synchronise with
 
-    monkeypatch.setattr(heldout_module, "sample_batch", counting)
+    monkeypatch.setattr(heldout_scoring, "sample_batch", counting)
     parts = []
     for rank in range(4):
         calls.append(0)

@@ -14,8 +14,8 @@ from helpers import constant_reward, half_constant_reward, tiny_grpo_args, tiny_
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-from trl_grpo_ext import trainer as trainer_module
 from trl_grpo_ext.ops import LOSS_TYPES, policy_objective
+from trl_grpo_ext.sampling import skipping as skipping_module
 from trl_grpo_ext.sampling.skipping import ZeroAdvantageRowSkipping
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -183,7 +183,7 @@ def test_skipping_does_nothing_and_says_why_once_where_it_would_change_the_gradi
     options, reason, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):
     args = GRPOConfigExt(**tiny_grpo_args(tmp_path, skip_zero_advantage_rows=True, loss_type="dapo", **options))
-    with mock.patch.object(trainer_module.logger, "warning") as warning:
+    with mock.patch.object(skipping_module.logger, "warning") as warning:
         trainer = GRPOTrainerExt(
             model=tiny_model_path,
             reward_funcs=half_constant_reward,

@@ -50,6 +50,7 @@ __all__ = [
     "OPTIONS_ADDED",
     "check_trl_version",
     "check_transformers_version",
+    "ignore_renamed_checkpointing_warnings",
     "options_missing_from_trl",
     "seed_before_model_init",
     "trl_has_fused_lm_head",
@@ -335,6 +336,21 @@ def check_trl_version(version: str) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def ignore_renamed_checkpointing_warnings() -> None:
+    """Silence the deprecation warnings of the model's gradient-checkpointing methods, which transformers 5.23 renamed.
+
+    TRL and PEFT call the old names themselves (`is_gradient_checkpointing` at every generation,
+    `gradient_checkpointing_enable` / `_disable` around it): warnings about nothing that a user of the trainer wrote
+    or can change. (The config field's rename still warns: that name is the user's.)
+    """
+    warnings.filterwarnings(
+        "ignore",
+        message="`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)` "
+        "is deprecated",
+        category=FutureWarning,
+    )
 
 
 def check_transformers_version(version: str) -> None:

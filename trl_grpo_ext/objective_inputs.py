@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
+from ._compat import FORWARD_KEYS
 from .ops.loss_types import LOSS_TYPES, LossType
 
-__all__ = ["ObjectiveInputs", "entropy_bonus", "gather_objective_inputs"]
+__all__ = ["ObjectiveInputs", "entropy_bonus", "gather_objective_inputs", "policy_logps_and_entropies"]
 
 
 @dataclass
@@ -114,6 +115,28 @@ def _denominator(trainer, record: LossType, inputs: dict[str, Any], num_rows: in
     if mode == "train":  # one accumulation window of it (in eval there is neither splitting nor accumulation)
         denominator = denominator * trainer.current_gradient_accumulation_steps / trainer.args.steps_per_generation
     return denominator
+
+
+def policy_logps_and_entropies(trainer, model, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """The policy's side of the objective for TRL's micro-batch `inputs`, through the trainer's log-prob hook
+    (`_get_per_token_logps_and_entropies`), called as TRL's `_compute_loss` calls it.
+
+    Returns:
+        Per-token log-probs `(N, T)` (with gradient) and entropies `(N, T)` of the completion tokens, and the
+        Mixture-of-Experts router loss (0-dim, `None` unless `aux_loss_enabled`).
+    """
+    completion_ids = inputs["completion_ids"]
+    input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    return trainer._get_per_token_logps_and_entropies(
+        model,
+        input_ids,
+        attention_mask,
+        completion_ids.size(1),
+        compute_entropy=True,
+        compute_aux_loss=trainer.aux_loss_enabled,
+        **{key: inputs.get(key) for key in FORWARD_KEYS},
+    )
 
 
 def gather_objective_inputs(

@@ -31,14 +31,13 @@ from typing import Any
 import torch
 import transformers
 import trl
-from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
 from ._compat import (
-    FORWARD_KEYS,
     check_transformers_version,
     check_trl_version,
+    ignore_renamed_checkpointing_warnings,
     options_missing_from_trl,
     seed_before_model_init,
 )
@@ -52,10 +51,10 @@ from .diagnostics.mismatch import sampler_mismatch
 from .forward import FORWARD_METRICS, PackedLogProbs, forward_counts
 from .guardrails import AnomalyMonitor, NonFiniteEnforcer, NonFiniteGuard
 from .guardrails.anomaly import AlarmSettings
-from .guardrails.launch import check_launch
+from .guardrails.launch import check_launch, check_train_dataset
 from .guardrails.reward_errors import guard_reward_funcs, reward_kwarg_names
 from .metrics import KL, LOSS, NONFINITE_SKIPPED_STEPS, SKIPPED_ROWS_FRACTION, VESPO_PHI_SEQ_MEAN
-from .objective_inputs import entropy_bonus, gather_objective_inputs
+from .objective_inputs import entropy_bonus, gather_objective_inputs, policy_logps_and_entropies
 from .ops import LOSS_TYPES, policy_objective, total_loss
 from .ops.validation import raise_problems
 from .report.alerts import TrackerAlerts
@@ -63,27 +62,16 @@ from .report.console import ConsoleCallback
 from .sampling.dynamic import DynamicSampler, ScoredBatch
 from .sampling.generation import eos_token_ids
 from .sampling.heldout import HeldoutEvaluator
-from .sampling.selective import SelectiveRollouts
-from .sampling.skipping import ZeroAdvantageRowSkipping, skipping_problems
+from .sampling.selective import SelectiveRollouts, selective_options
+from .sampling.skipping import row_skipping
 from .sampling.truncation import TruncationMatch, trainer_logps, truncation_warning
 
 # The hooks overridden below are those of the TRL and transformers releases `_compat` names.
 check_trl_version(trl.__version__)
 check_transformers_version(transformers.__version__)
-
-logger = logging.get_logger(__name__)
+ignore_renamed_checkpointing_warnings()
 
 __all__ = ["GRPOTrainerExt"]
-
-# transformers 5.23 renamed the model's gradient-checkpointing methods; TRL and PEFT call the old names themselves
-# (`is_gradient_checkpointing` at every generation, `gradient_checkpointing_enable` / `_disable` around it): warnings
-# about nothing that a user of this trainer wrote or can change. (The config field's rename still warns: that name is
-# the user's.)
-warnings.filterwarnings(
-    "ignore",
-    message="`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)` is deprecated",
-    category=FutureWarning,
-)
 
 _TRL_PARAMETERS = list(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # without `self`
 
@@ -155,7 +143,7 @@ class GRPOTrainerExt(GRPOTrainer):
         raise_problems(
             config_problems(args) + config_problems(args, only_after_trl=True) + options_missing_from_trl(args)
         )
-        _check_train_dataset(kwargs.get("train_dataset"), kwargs.get("environment_factory"))
+        check_train_dataset(kwargs.get("train_dataset"), kwargs.get("environment_factory"))
         heldout = HeldoutEvaluator(args, heldout_metrics, heldout_dataset, kwargs.get("eval_dataset"))
         if heldout.stands_in_for_eval_dataset:
             kwargs["eval_dataset"] = heldout.dataset
@@ -174,7 +162,7 @@ class GRPOTrainerExt(GRPOTrainer):
             option(args, "padding_free_row_tokens"),
             option(args, "shared_prompt_forward"),
         )
-        self._row_skipping = self._build_row_skipping(option(args, "skip_zero_advantage_rows"))
+        self._row_skipping = row_skipping(self, option(args, "skip_zero_advantage_rows"))
         self._diagnostics = {mode: self._build_diagnostics(mode) for mode in ("train", "eval")}
         if truncation_warning(args):
             warnings.warn(truncation_warning(args), UserWarning, stacklevel=2)
@@ -190,7 +178,7 @@ class GRPOTrainerExt(GRPOTrainer):
         self._nonfinite_steps = NonFiniteEnforcer(self, self._nonfinite_guard, self._checkpoints)
         self._selective, self._dynamic_sampler = None, None
         if option(args, "selective_rollouts"):
-            self._selective = SelectiveRollouts(self, **_selective_options(args))
+            self._selective = SelectiveRollouts(self, **selective_options(args))
             self._checkpoints.register("selective_rollouts", self._selective, rewind=True)
             self._checkpoints.register("prompt_stream", self._selective.stream, rewind=True)
         if option(args, "dynamic_sampling"):
@@ -209,18 +197,6 @@ class GRPOTrainerExt(GRPOTrainer):
             TrackerAlerts.install(self)  # each alarm as a trackio / W&B alert, where report_to names them
         if option(args, "console") == "compact":
             ConsoleCallback.install(self)
-
-    def _build_row_skipping(self, enabled: bool) -> ZeroAdvantageRowSkipping | None:
-        if not enabled:
-            return None
-        problems = skipping_problems(self)
-        if problems:
-            logger.warning(
-                "skip_zero_advantage_rows=True does nothing in this run: leaving zero-advantage rows out would "
-                "change the gradient, because " + "; ".join(problems) + "."
-            )
-            return None
-        return ZeroAdvantageRowSkipping(self.importance_sampling_level)
 
     def _build_diagnostics(self, mode: str) -> DiagnosticsAccumulator:
         loss_terms = ("policy", "kl_penalty")
@@ -249,7 +225,7 @@ class GRPOTrainerExt(GRPOTrainer):
         selection = None  # with skip_zero_advantage_rows: only the rows that can move the loss (sampling.skipping)
         if mode == "train" and self._row_skipping is not None:
             inputs, selection = self._row_skipping.select(inputs)
-        logps, entropies, aux_loss = self._policy_logps_and_entropies(model, inputs)
+        logps, entropies, aux_loss = policy_logps_and_entropies(self, model, inputs)
         num_rows = None if selection is None else selection.num_rows
         objective = gather_objective_inputs(self, inputs, logps, entropies, mode, num_rows=num_rows)
         out = policy_objective(
@@ -305,22 +281,6 @@ class GRPOTrainerExt(GRPOTrainer):
         optimizer_step = mode == "eval" or self.accelerator.sync_gradients
         self._diagnostics[mode].add_loss_step(out, entropies, terms, extras, optimizer_step, carrier=carrier)
         return loss
-
-    def _policy_logps_and_entropies(self, model, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """Per-token log-probs `(N, T)` (with gradient) and entropies `(N, T)` of the completion tokens, and the
-        Mixture-of-Experts router loss (0-dim, `None` unless `aux_loss_enabled`)."""
-        completion_ids = inputs["completion_ids"]
-        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
-        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        return self._get_per_token_logps_and_entropies(
-            model,
-            input_ids,
-            attention_mask,
-            completion_ids.size(1),
-            compute_entropy=True,
-            compute_aux_loss=self.aux_loss_enabled,
-            **{key: inputs.get(key) for key in FORWARD_KEYS},
-        )
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -506,25 +466,4 @@ class GRPOTrainerExt(GRPOTrainer):
             tags,
             lora_settings=self._user_lora_settings,
             card_metrics=self.card_metrics,
-        )
-
-
-def _selective_options(args) -> dict:
-    """`SelectiveRollouts`' options from the configuration's `selective_rollouts_*` fields."""
-    names = ("history", "target_zero_spread", "exploration", "exploration_min", "exploration_max", "exploration_step")
-    return {name: option(args, f"selective_rollouts_{name}") for name in names}
-
-
-def _check_train_dataset(train_dataset, environment_factory) -> None:
-    """Refuse, before any model is loaded, a training set that cannot produce a batch."""
-    from datasets import Dataset
-
-    if not isinstance(train_dataset, Dataset):
-        return  # an IterableDataset cannot be checked without reading it; None is TRL's to judge
-    if len(train_dataset) == 0:
-        raise ValueError("`train_dataset` is empty: GRPO needs at least one prompt.")
-    if environment_factory is None and "prompt" not in train_dataset.column_names:
-        raise ValueError(
-            f"`train_dataset` has no 'prompt' column (its columns are {train_dataset.column_names}); rename the "
-            "column holding the prompts to 'prompt'."
         )

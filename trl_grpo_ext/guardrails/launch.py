@@ -1,10 +1,13 @@
-"""A launch that accelerate did not join into one run.
+"""What a run cannot start with: a launch that accelerate did not join into one run, a training set without prompts.
 
 `accelerate launch` (torchrun) or an MPI launcher tells each process how many were started. Accelerate forms them
 into one process group only when it finds a backend for them: on a machine without GPUs (or with
 `CUDA_VISIBLE_DEVICES=""`) a config with `distributed_type: MULTI_GPU` gives each process `distributed_type` NO and
 `num_processes` 1 unless `use_cpu=True`. Each process then trains a model of its own and all of them write the same
 `output_dir`. `check_launch` refuses that.
+
+A training set that is empty, or that has no `prompt` column (and no `environment_factory` to make the prompts),
+cannot produce a batch: `check_train_dataset` refuses it before any model is loaded.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["LAUNCHER_WORLD_SIZE_VARIABLES", "check_launch", "launched_processes"]
+__all__ = ["LAUNCHER_WORLD_SIZE_VARIABLES", "check_launch", "check_train_dataset", "launched_processes"]
 
 # What launchers set to the number of processes they started: torchrun (`accelerate launch`), then the MPI launchers
 # that accelerate reads too (MPICH/Intel MPI, Open MPI, MVAPICH).
@@ -61,3 +64,26 @@ def check_launch(accelerator: Any, environ: Mapping[str, str] = os.environ) -> N
         "gloo. With GPUs, check that CUDA_VISIBLE_DEVICES shows them to every process and that the accelerate "
         "config's distributed_type and num_processes match the machine."
     )
+
+
+def check_train_dataset(train_dataset, environment_factory) -> None:
+    """Refuse, before any model is loaded, a training set that cannot produce a batch.
+
+    Args:
+        train_dataset: the trainer's `train_dataset` argument; only a `datasets.Dataset` is checked.
+        environment_factory: the trainer's `environment_factory` argument (with one, the prompts need no column).
+
+    Raises:
+        ValueError: for an empty `datasets.Dataset`, or one without a `prompt` column and no `environment_factory`.
+    """
+    from datasets import Dataset
+
+    if not isinstance(train_dataset, Dataset):
+        return  # an IterableDataset cannot be checked without reading it; None is TRL's to judge
+    if len(train_dataset) == 0:
+        raise ValueError("`train_dataset` is empty: GRPO needs at least one prompt.")
+    if environment_factory is None and "prompt" not in train_dataset.column_names:
+        raise ValueError(
+            f"`train_dataset` has no 'prompt' column (its columns are {train_dataset.column_names}); rename the "
+            "column holding the prompts to 'prompt'."
+        )

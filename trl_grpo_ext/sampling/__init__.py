@@ -1,7 +1,8 @@
 """What is generated and trained, one module each:
 
 - `generation`: sampling exactly as GRPO training samples (prompts, settings, stops, decoding);
-- `heldout`: held-out evaluation during training (mean@n, pass@k), independent of the reward;
+- `heldout`: held-out evaluation during training, independent of the reward: its checks, schedule and `evaluate()`;
+- `heldout_scoring`: the held-out prompts sampled and scored, per-prompt counts pooled into mean@n and pass@k;
 - `dynamic`: dynamic sampling (DAPO's), replacing the groups without reward spread;
 - `plan`: dynamic sampling's decisions, as functions of gathered tensors (alike on every process);
 - `selective`: selective rollouts, skipping before generation the prompts predicted to give no reward spread;

@@ -5,8 +5,8 @@ TRL's `GRPOTrainer` (its transformers generation path) tokenises a plain prompt 
 `GenerationConfig` built from the config's sampling fields and `generation_kwargs`, stops at every EOS id of the
 tokenizer and of the model's `generation_config`, and hands reward functions conversational completions
 (`[{"role": "assistant", "content": ...}]`) for conversational prompts. This module does the same, so that a held-out
-score (`heldout.py`, the recipe's evaluation) measures the policy that training sees, and a reward function written
-for TRL runs unchanged.
+score (`heldout_scoring.py`, the recipe's evaluation) measures the policy that training sees, and a reward function
+written for TRL runs unchanged.
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from ..config import option
 from ..metrics import (
     SELECTIVE_ROLLOUTS_EXPLORATION_PROBABILITY,
     SELECTIVE_ROLLOUTS_PRECISION,
@@ -61,10 +62,17 @@ from ..metrics import (
 )
 from .plan import PromptKeys, PromptStream, group_spread
 
-__all__ = ["INDEX_COLUMN", "SelectiveRollouts", "Selection", "strip_index"]
+__all__ = ["INDEX_COLUMN", "SelectiveRollouts", "Selection", "selective_options", "strip_index"]
 
 #: The training-set column that holds each row's index while selective rollouts are on.
 INDEX_COLUMN = "_trl_grpo_ext_prompt_index"
+
+
+def selective_options(args) -> dict:
+    """`SelectiveRollouts`' options from the configuration's `selective_rollouts_*` fields (a plain `trl.GRPOConfig`
+    gets their defaults)."""
+    names = ("history", "target_zero_spread", "exploration", "exploration_min", "exploration_max", "exploration_step")
+    return {name: option(args, f"selective_rollouts_{name}") for name in names}
 
 
 def strip_index(rows: list[dict]) -> list[dict]:

@@ -40,9 +40,24 @@ from transformers.utils import logging
 
 from .._compat import FORWARD_KEYS
 
-__all__ = ["RowSelection", "ZeroAdvantageRowSkipping", "skipping_problems"]
+__all__ = ["RowSelection", "ZeroAdvantageRowSkipping", "row_skipping", "skipping_problems"]
 
 logger = logging.get_logger(__name__)
+
+
+def row_skipping(trainer, enabled: bool) -> ZeroAdvantageRowSkipping | None:
+    """The row skipping of `trainer`'s run (`skip_zero_advantage_rows`, `enabled`): `None` when it is off, and, with
+    one warning saying why, when leaving zero-advantage rows out would change the gradient (`skipping_problems`)."""
+    if not enabled:
+        return None
+    problems = skipping_problems(trainer)
+    if problems:
+        logger.warning(
+            "skip_zero_advantage_rows=True does nothing in this run: leaving zero-advantage rows out would "
+            "change the gradient, because " + "; ".join(problems) + "."
+        )
+        return None
+    return ZeroAdvantageRowSkipping(trainer.importance_sampling_level)
 
 
 def skipping_problems(trainer) -> list[str]:
