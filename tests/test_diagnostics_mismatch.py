@@ -12,7 +12,7 @@ from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.diagnostics import DiagnosticsAccumulator
 from trl_grpo_ext.diagnostics.mismatch import SamplerMismatch, sampler_mismatch
 from trl_grpo_ext.ops.numerics import kl_estimator
-from trl_grpo_ext.sampling.truncation import truncation_warning
+from trl_grpo_ext.sampling.sampler_cuts import truncation_warning
 
 RAW = "sampling/importance_sampling_ratio_raw"
 VLLM = {"loss_type": "grpo", "beta": 0.04, "use_vllm": True, "vllm_mode": "colocate"}

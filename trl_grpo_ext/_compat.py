@@ -209,18 +209,18 @@ TRL_COPIES = (
         "trl_grpo_ext.ops.correction.correction_ratio",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (the importance-sampling weights of "
         "each vllm_importance_sampling_mode: truncated or masked at the bounds)",
-        "tests/test_sampling_truncation.py::test_the_correction_weights_and_their_metrics_are_trl_s",
+        "tests/test_sampling_sampler_cuts.py::test_the_correction_weights_and_their_metrics_are_trl_s",
     ),
     (
-        "trl_grpo_ext.sampling.truncation.correction_metrics",
+        "trl_grpo_ext.sampling.sampler_cuts.correction_metrics",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (the logged "
         "sampling/sampling_logp_difference/* and sampling/importance_sampling_ratio/*)",
-        "tests/test_sampling_truncation.py::test_the_correction_weights_and_their_metrics_are_trl_s",
+        "tests/test_sampling_sampler_cuts.py::test_the_correction_weights_and_their_metrics_are_trl_s",
     ),
     (
-        "trl_grpo_ext.sampling.truncation.trl_logit_transform",
+        "trl_grpo_ext.sampling.sampler_cuts.trl_logit_transform",
         "trl/trainer/utils.py: add_fused_lm_head (the backbone it runs, the logit scale and soft cap it reads)",
-        "tests/test_sampling_truncation.py::test_the_trainer_pass_gives_trl_s_log_probs_with_scaled_and_capped_logits",
+        "tests/test_sampling_sampler_cuts.py::test_the_trainer_pass_gives_trl_s_log_probs_with_scaled_and_capped_logits",
     ),
     (
         "trl_grpo_ext.sampling.heldout.sync_vllm_weights",

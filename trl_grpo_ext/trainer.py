@@ -62,9 +62,9 @@ from .report.console import ConsoleCallback
 from .sampling.dynamic import DynamicSampler, ScoredBatch
 from .sampling.generation import eos_token_ids
 from .sampling.heldout import HeldoutEvaluator
+from .sampling.sampler_cuts import TruncationMatch, trainer_logps, truncation_warning
 from .sampling.selective import SelectiveRollouts, selective_options
 from .sampling.skipping import row_skipping
-from .sampling.truncation import TruncationMatch, trainer_logps, truncation_warning
 
 # The hooks overridden below are those of the TRL and transformers releases `_compat` names.
 check_trl_version(trl.__version__)

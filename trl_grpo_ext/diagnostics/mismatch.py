@@ -8,9 +8,10 @@ misaligned; from the two it builds the correction `exp(old_logp - sampler_logp)`
 
 `sampler_mismatch` recomputes the raw ratios and which of them the bounds act on, as TRL defines them
 (`ops.correction`, the one recorded copy of TRL's bounds and modes, pinned by `tests/test_compat_drift.py` and
-`tests/test_sampling_truncation.py`). Without `old_per_token_logps`, the trainer computes its log-probs of the batch
-in one extra forward pass without gradient (`sampling.truncation.trainer_logps`) and passes them in: the metrics cost
-that pass, and training is unchanged. This module only observes: the correction that trains is `sampling.truncation`'s.
+`tests/test_sampling_sampler_cuts.py`). Without `old_per_token_logps`, the trainer computes its log-probs of the batch
+in one extra forward pass without gradient (`sampling.sampler_cuts.trainer_logps`) and passes them in: the metrics cost
+that pass, and training is unchanged. This module only observes: the correction that trains is
+`sampling.sampler_cuts`'s.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def sampler_mismatch(
         mode (`str`): TRL's `vllm_importance_sampling_mode`; `"sequence_*"` modes sum the log ratios per sequence.
         clip_min, clip_max (`float` or `None`): the correction's bounds.
         trainer_logps (`torch.Tensor` of shape `(N, T)`, *optional*): the trainer's log-probs of the sampled tokens
-            when the batch has no `old_per_token_logps` (see `sampling.truncation.trainer_logps`).
+            when the batch has no `old_per_token_logps` (see `sampling.sampler_cuts.trainer_logps`).
 
     Returns:
         [`SamplerMismatch`].

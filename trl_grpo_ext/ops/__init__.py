@@ -8,7 +8,7 @@
 - `numerics`: the exponential continued linearly above a threshold, the `exp(d) - d - 1` estimator;
 - `correction`: vLLM's importance-sampling correction as TRL builds it (raw log ratios, bounds, weights);
 - `ratio_statistics`: the importance ratios' count, moments, extremes and log-ratio histogram, as sums that merge;
-- `truncation`: the trainer's log-probs under a sampler's top_k/top_p/min_p cuts, renormalised over the kept tokens;
+- `sampler_cuts`: the trainer's log-probs under a sampler's top_k/top_p/min_p cuts, renormalised over the kept tokens;
 - `validation`: the checks on inputs and hyper-parameters;
 - `advantages`: group-relative advantages.
 """
@@ -17,7 +17,7 @@ from .advantages import NO_SPREAD_STD, group_relative_advantages, has_spread
 from .loss_types import LOSS_TYPES, LossType, register_loss_type, register_policy_term
 from .numerics import EXP_LINEAR_ABOVE
 from .objective import IMPLEMENTATIONS, GRPOLossOutput, grpo_loss, policy_objective, total_loss
-from .truncation import SamplerCuts, TruncatedLogProbs, truncated_log_probs, truncated_log_probs_from_hidden
+from .sampler_cuts import SamplerCuts, TruncatedLogProbs, truncated_log_probs, truncated_log_probs_from_hidden
 from .validation import hyperparameter_problems
 
 __all__ = [

@@ -1,7 +1,7 @@
 """vLLM's importance-sampling correction as TRL 1.16 builds it, on tensors: the raw log ratios of the trainer's and
 the sampler's log-probs, the entries outside the correction's bounds, and the weights the correction applies.
 
-The correction of the batch that trains (`sampling.truncation`) and the sampler-mismatch metrics
+The correction of the batch that trains (`sampling.sampler_cuts`) and the sampler-mismatch metrics
 (`diagnostics.mismatch`) both start from `sampler_log_ratios`: one definition of the ratio TRL corrects with. The
 definitions are TRL's (`trl/trainer/grpo_trainer.py`, `GRPOTrainer._generate_and_score_completions`), recorded in
 `_compat.TRL_COPIES`.

@@ -6,7 +6,10 @@
 - `dynamic`: dynamic sampling (DAPO's), replacing the groups without reward spread;
 - `plan`: dynamic sampling's decisions, as functions of gathered tensors (alike on every process);
 - `selective`: selective rollouts, skipping before generation the prompts predicted to give no reward spread;
-- `skipping`: exact skipping of the rows that cannot move the loss.
+- `skipping`: exact skipping of the rows that cannot move the loss;
+- `sampler_cuts`: `match_sampler_truncation`, the trainer's log-probs of the distribution vLLM's top_k/top_p/min_p
+  cuts leave, for the importance-sampling correction (the cut at `max_completion_length` is another matter: the
+  `truncation` alarms).
 """
 
 from .generation import (

@@ -1,12 +1,13 @@
-"""`ops.truncation`: the trainer's log-probs under vLLM's cuts against a brute-force reference (full softmax, the kept
-set built token by token), for top_k, top_p, min_p, their combinations, temperature, the logit transform and ties."""
+"""`ops.sampler_cuts`: the trainer's log-probs under vLLM's cuts against a brute-force reference (full softmax, the
+kept set built token by token), for top_k, top_p, min_p, their combinations, temperature, the logit transform and
+ties."""
 
 import math
 
 import pytest
 import torch
 
-from trl_grpo_ext.ops.truncation import SamplerCuts, truncated_log_probs, truncated_log_probs_from_hidden
+from trl_grpo_ext.ops.sampler_cuts import SamplerCuts, truncated_log_probs, truncated_log_probs_from_hidden
 
 
 def reference(logits: torch.Tensor, target: int, cuts: SamplerCuts) -> tuple[float, bool]:

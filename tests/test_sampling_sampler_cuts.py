@@ -22,8 +22,8 @@ from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.config import TRL_BEHAVIOUR, option
 from trl_grpo_ext.diagnostics.mismatch import sampler_mismatch
 from trl_grpo_ext.ops.correction import correction_ratio
-from trl_grpo_ext.ops.truncation import SamplerCuts, truncated_log_probs
-from trl_grpo_ext.sampling.truncation import (
+from trl_grpo_ext.ops.sampler_cuts import SamplerCuts, truncated_log_probs
+from trl_grpo_ext.sampling.sampler_cuts import (
     TRL_CORRECTION_METRICS,
     TruncationMatch,
     correction_metrics,

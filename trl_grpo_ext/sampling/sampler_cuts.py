@@ -8,7 +8,7 @@ trainer's log-probs of the same truncated distribution,
 
     log p_trunc(t) = log p(t) - log S,    S = the trainer's mass of the tokens vLLM's cuts keep
 
-(`ops.truncation`: the cuts, their order and the boundary cases), computed from the trainer's full-vocabulary logits
+(`ops.sampler_cuts`: the cuts, their order and the boundary cases), computed from the trainer's full-vocabulary logits
 at every completion position, in chunks, in one forward pass without gradient per generation batch (TRL's own
 `_get_per_token_logps_and_entropies`, with a hook on the backbone that projects its hidden states through the LM head
 chunk by chunk). Then, for the batch that trains:
@@ -54,7 +54,7 @@ from ..metrics import (
     TRUNCATION_OUTSIDE_CUT_FRACTION,
 )
 from ..ops.correction import correction_ratio, sampler_log_ratios
-from ..ops.truncation import SamplerCuts, TruncatedLogProbs, truncated_log_probs_from_hidden
+from ..ops.sampler_cuts import SamplerCuts, TruncatedLogProbs, truncated_log_probs_from_hidden
 from .generation import preserved_rng
 
 __all__ = [
@@ -95,7 +95,7 @@ def trainer_logps(trainer, output: dict[str, Any]) -> torch.Tensor:
     batch_size = args.per_device_train_batch_size if trainer.model.training else args.per_device_eval_batch_size
     completion_ids = output["completion_ids"]
     # TRL's padded forward (`GRPOTrainerExt` keeps it beside the padding-free one): the truncation match reads the
-    # backbone's hidden states in that layout (sampling.truncation).
+    # backbone's hidden states in that layout (sampling.sampler_cuts).
     forward = getattr(trainer, "_stock_logps_and_entropies", trainer._get_per_token_logps_and_entropies)
     with torch.no_grad(), paused, preserved_rng():
         logps, _, _ = forward(
@@ -213,7 +213,7 @@ def trainer_truncated_logps(
 
     One pass of `trainer_logps` (TRL's `_get_per_token_logps_and_entropies` without gradient,
     random state restored), during which a forward hook on the backbone projects each micro-batch's final hidden
-    states at the completion positions through the LM head, `ops.truncation.CHUNK_ELEMENTS` logits at a time.
+    states at the completion positions through the LM head, `ops.sampler_cuts.CHUNK_ELEMENTS` logits at a time.
 
     Returns:
         `(logps, truncated)`: TRL's log-probs of the sampled tokens, as it computes `old_per_token_logps`; and, from
