@@ -170,6 +170,7 @@ RENDERERS: dict[str, Renderer] = {
     "truncation": Renderer("truncation", _truncation),
     "learning-spread": Renderer("learning", _learning_epochs),
     "learning-demo": Renderer("learning", _learning_whole),
+    "learning-demo-epochs": Renderer("learning", _learning_epochs),
     "demo": Renderer("demo", _demo),
 }
 
