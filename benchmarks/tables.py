@@ -171,6 +171,7 @@ RENDERERS: dict[str, Renderer] = {
     "learning-spread": Renderer("learning", _learning_epochs),
     "learning-demo": Renderer("learning", _learning_whole),
     "learning-demo-epochs": Renderer("learning", _learning_epochs),
+    "learning-spread-forward": Renderer("learning", _learning_time_split),
     "demo": Renderer("demo", _demo),
 }
 
