@@ -172,6 +172,7 @@ RENDERERS: dict[str, Renderer] = {
     "learning-demo": Renderer("learning", _learning_whole),
     "learning-demo-epochs": Renderer("learning", _learning_epochs),
     "learning-spread-forward": Renderer("learning", _learning_time_split),
+    "learning-demo-rounds": Renderer("learning", _learning_rounds),
     "demo": Renderer("demo", _demo),
 }
 
