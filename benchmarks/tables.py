@@ -15,8 +15,9 @@ changed by rerunning the benchmark and this command, and a hand edit inside a re
 A new table: a `RENDERERS` entry (the JSON's suite key and a function of its results that returns Markdown), the
 JSON under `benchmarks/results/`, the markers in the document.
 
-A table of the package's records (`RECORD_TABLES`: the alarm table of docs/diagnostics.md, from the alarm records) is
-written the same way from the records themselves, with no results file: a new record changes it through this command.
+A table of the package's records (`RECORD_TABLES`: the alarm table of docs/diagnostics.md, from the alarm records;
+docs/objective.md's loss-type table, from the built-in loss-type records) is written the same way from the records
+themselves, with no results file: a new record changes it through this command.
 """
 
 from __future__ import annotations
@@ -201,8 +202,25 @@ def _alarms() -> str:
     return alarm_table(ALARMS.values())
 
 
+def _loss_types() -> str:
+    """docs/objective.md's loss-type table, from the built-in loss-type records (`trl_grpo_ext.ops.loss_types`), the
+    defaults of `GRPOConfigExt` and of TRL's `GRPOConfig` named in their rows."""
+    import trl
+
+    from trl_grpo_ext import GRPOConfigExt
+    from trl_grpo_ext.ops.loss_types import BUILTIN_LOSS_TYPES, LOSS_TYPES, loss_type_table
+
+    notes: dict[str, list[str]] = {}
+    defaults = ((GRPOConfigExt.loss_type, "this package's default"), (trl.GRPOConfig.loss_type, "TRL's default"))
+    for default, whose in defaults:
+        notes.setdefault(default, []).append(whose)
+    return loss_type_table(
+        (LOSS_TYPES[name] for name in BUILTIN_LOSS_TYPES), {name: "; ".join(whose) for name, whose in notes.items()}
+    )
+
+
 #: The tables written from the package's records, not from a results file: name -> a function that returns Markdown.
-RECORD_TABLES: dict[str, Callable[[], str]] = {"alarms": _alarms}
+RECORD_TABLES: dict[str, Callable[[], str]] = {"alarms": _alarms, "loss-types": _loss_types}
 
 
 def render(name: str, root: str = CHECKOUT) -> str:

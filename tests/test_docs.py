@@ -101,6 +101,29 @@ def test_a_stale_alarm_table_is_found_and_rewritten(tmp_path):
     assert rewritten == f"# Alarms\n\n<!-- table:alarms -->\n{written}<!-- /table -->\n"
 
 
+def test_the_loss_type_table_is_the_one_the_records_give():
+    """docs/objective.md's loss-type table is written from the built-in loss-type records and the two configurations'
+    defaults (`python -m benchmarks tables`): a changed record or default, or a hand edit of the table, fails here."""
+    from benchmarks import tables
+
+    text = (ROOT / "docs" / "objective.md").read_text()
+    regions = {match.group("name"): match.group("body") for match in tables.MARKED.finditer(text)}
+    assert regions["loss-types"] == tables.render("loss-types"), "run `python -m benchmarks tables`"
+    assert "| `grpo` (this package's default) |" in regions["loss-types"]
+    assert "| `dapo` (TRL's default) |" in regions["loss-types"]
+
+
+def test_a_stale_loss_type_table_is_found_and_rewritten():
+    from benchmarks import tables
+
+    written = tables.render("loss-types")
+    stale = written.replace("| `luspo` | `clipped` | `sequence_sum` |\n", "")
+    assert stale != written
+    rewritten, changed = tables.rewrite(f"# Objective\n\n<!-- table:loss-types -->\n{stale}<!-- /table -->\n")
+    assert changed == ["loss-types"]
+    assert rewritten == f"# Objective\n\n<!-- table:loss-types -->\n{written}<!-- /table -->\n"
+
+
 def test_the_report_s_signals_are_those_the_page_lists_with_their_alarms():
     """docs/diagnostics.md's paragraph on `report`'s signals names each signal's alarms, in the records' order, and
     every alarm belongs to one signal."""
