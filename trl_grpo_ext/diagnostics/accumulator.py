@@ -8,7 +8,7 @@ off the pooled sums. The vector has these parts, each a `FieldLayout`:
   averages per micro-batch over the log window itself;
 - one window row (`DiagnosticsAccumulator.window_layout`): the importance-ratio histogram of the loss's tokens
   (`LogRatioHistogram`), the loss terms in the units of the backward loss, and the optimizer steps they span;
-- with the ratio statistics, the length/reward correlation's three sums (`LENGTH_LAYOUT`);
+- with the ratio statistics, the length/reward correlation's three sums (`rewards.LENGTH_LAYOUT`);
 - with vLLM, one mismatch row: the histogram of the raw sampler/trainer ratios, how many lie outside the
   correction's bounds, the sums behind the sampler/trainer k3 KL and behind the effective sample size of the
   weights TRL's correction applies (`MISMATCH_SUMS`).
@@ -34,19 +34,19 @@ from ..metrics import (
     LOSS_PREFIX,
     RATIO_NAN_COUNT,
     RATIO_PREFIX,
-    REWARD_LENGTH_CORR,
-    REWARD_STD_FRAC_ZERO_GROUPS,
-    REWARD_STD_GROUP,
-    REWARD_STD_GROUP_MAX,
-    REWARD_STD_GROUP_MEAN,
-    REWARD_STD_GROUP_MIN,
     SAMPLER_K3_KL,
 )
-from ..ops.advantages import has_spread
 from ..ops.loss_types import CLIP_METRICS
 from ..ops.numerics import kl_estimator
 from .histogram import LogRatioHistogram, quantile_metric_name
 from .layout import FieldLayout
+from .rewards import (
+    LENGTH_LAYOUT,
+    group_reward_stds,
+    length_moments,
+    summarize_length_correlation,
+    summarize_reward_spread,
+)
 
 __all__ = ["LOSS_TERMS", "STEP_LAYOUT", "DiagnosticsAccumulator", "DiagnosticsSummary"]
 
@@ -67,8 +67,6 @@ STEP_LAYOUT = FieldLayout(
     ]
 )
 MISMATCH_PREFIX = IMPORTANCE_SAMPLING_RATIO_RAW
-# The length/reward correlation inside groups: this process's centred sums since the last log (`_length_moments`).
-LENGTH_LAYOUT = FieldLayout([("length_reward", "sum"), ("length_squares", "sum"), ("reward_squares", "sum")])
 # Beside the raw ratios' histogram: the units outside the bounds; sum of exp(d) - d - 1 over the tokens the sampler
 # scored and their number (d = trainer_logp - sampler_logp); the units, sum and sum of squares of the weights the
 # correction applies (none when it is off).
@@ -244,15 +242,12 @@ class DiagnosticsAccumulator:
         dtype = self._accumulator_dtype(rewards.device)
         grouped = rewards.detach().to(dtype).reshape(-1, num_generations)
         scored = ~torch.isnan(grouped)
-        count = scored.sum(dim=1)
-        mean = torch.where(scored, grouped, 0.0).sum(dim=1) / count.clamp(min=1)
-        squares = torch.where(scored, grouped - mean[:, None], 0.0).pow(2).sum(dim=1)
-        std = torch.where(count > 1, (squares / (count - 1).clamp(min=1)).sqrt(), math.nan)
+        std = group_reward_stds(grouped, scored)
         self._group_stds.append(std)
         total = torch.full((), scored.numel(), dtype=torch.int64, device=scored.device)
         self._unscored.append(torch.stack([(~scored).sum(), total]))
         if lengths is not None:
-            moments = _length_moments(grouped.flatten(), std, lengths, first_row, num_generations)
+            moments = length_moments(grouped.flatten(), std, lengths, first_row, num_generations)
             self._lengths = moments if self._lengths is None else self._lengths + moments
 
     def add_sampler_mismatch(self, mismatch) -> None:
@@ -313,16 +308,17 @@ class DiagnosticsAccumulator:
                 self._summarize_ratio_and_loss(window, summary)
                 rest = rest[:, self.window_layout.width :]
             if self.ratio_stats:
-                self._summarize_lengths(LENGTH_LAYOUT.reduce(rest[:, : LENGTH_LAYOUT.width]), summary)
+                summarize_length_correlation(LENGTH_LAYOUT.reduce(rest[:, : LENGTH_LAYOUT.width]), summary.scalars)
                 rest = rest[:, LENGTH_LAYOUT.width :]
             if self.sampler_mismatch:
                 self._summarize_mismatch(self.mismatch_layout.unpack(self.mismatch_layout.reduce(rest)), summary)
         if self._group_stds:
-            self._summarize_rewards(torch.cat(self._group_stds).to(torch.float64).cpu(), summary)
+            group_stds = torch.cat(self._group_stds).to(torch.float64).cpu()
+            summarize_reward_spread(group_stds, summary.scalars, summary.histograms if self.histograms else None)
             unscored, total = torch.stack(self._unscored).sum(dim=0).tolist()
             summary.scalars[FRAC_REWARD_UNSCORED] = unscored / total
         if gathered is None and self._lengths is not None:  # nothing gathered (no loss step): this process's own
-            self._summarize_lengths(self._lengths.to(torch.float64).cpu(), summary)
+            summarize_length_correlation(self._lengths.to(torch.float64).cpu(), summary.scalars)
         self.reset()
         return summary
 
@@ -394,80 +390,7 @@ class DiagnosticsAccumulator:
         if self.histograms:
             summary.histograms[MISMATCH_PREFIX] = ratio["histogram"]
 
-    def _summarize_lengths(self, moments: torch.Tensor, summary: DiagnosticsSummary) -> None:
-        cross, length_squares, reward_squares = LENGTH_LAYOUT.unpack(moments).values()
-        if length_squares.item() > 0 and reward_squares.item() > 0:
-            # r = sum (l - l_g)(R - R_g) / sqrt(sum (l - l_g)^2 * sum (R - R_g)^2), pooled over groups and processes
-            correlation = cross / (length_squares * reward_squares).sqrt()
-            summary.scalars[REWARD_LENGTH_CORR] = correlation.item()
-
-    def _summarize_rewards(self, group_stds: torch.Tensor, summary: DiagnosticsSummary) -> None:
-        # A group teaches nothing when its rewards are all equal (TRL's zero test: within 1e-8) or fewer than two of
-        # them were scored, whatever `scale_rewards` then divides by (TRL's `frac_reward_zero_std` uses the batch's
-        # std under scale_rewards="batch").
-        flat = ~has_spread(group_stds)
-        summary.scalars[REWARD_STD_FRAC_ZERO_GROUPS] = flat.to(torch.float64).mean().item()
-        valid = group_stds[~torch.isnan(group_stds)]
-        if valid.numel() == 0:
-            return
-        summary.scalars[REWARD_STD_GROUP_MEAN] = valid.mean().item()
-        summary.scalars[REWARD_STD_GROUP_MIN] = valid.min().item()
-        summary.scalars[REWARD_STD_GROUP_MAX] = valid.max().item()
-        if self.histograms:
-            summary.histograms[REWARD_STD_GROUP] = _value_histogram(valid)
-
-
-def _length_moments(
-    rewards: torch.Tensor, group_stds: torch.Tensor, lengths: torch.Tensor, first_row: int, num_generations: int
-) -> torch.Tensor:
-    """This process's `LENGTH_LAYOUT` sums for one generation batch. Device ops only.
-
-    Its rows `first_row ..` of the batch are centred on the means of their group's rows held here (all of the group
-    unless the group spans processes) and summed: `[sum l_c * R_c, sum l_c^2, sum R_c^2]`. Rows that no function
-    scored are left out, and so are groups without reward spread (TRL's zero std: within 1e-8 of 0): their
-    advantages are 0, they push no length either way, and their length spread would pull the correlation towards 0
-    by the share of such groups (rounding noise in equal rewards adds nothing either).
-
-    Args:
-        rewards (`torch.Tensor` of shape `(N,)`): the whole batch's total rewards, NaN for unscored rows.
-        group_stds (`torch.Tensor` of shape `(N / G,)`): each group's reward std.
-        lengths (`torch.Tensor` of shape `(n,)`): this process's completion lengths.
-        first_row (`int`): the batch row of `lengths[0]`.
-        num_generations (`int`): the group size G.
-    """
-    count = lengths.numel()
-    reward = rewards[first_row : first_row + count]
-    length = lengths.to(device=reward.device, dtype=reward.dtype)
-    first_group, last_group = first_row // num_generations, (first_row + count - 1) // num_generations
-    group = torch.arange(first_row, first_row + count, device=reward.device) // num_generations
-    local = group - first_group  # index among the groups this process holds (host integers: no sync)
-    scored = ~torch.isnan(reward)
-    weight = scored.to(reward.dtype)
-    zeros = reward.new_zeros(last_group - first_group + 1)
-    rows = zeros.index_add(0, local, weight).clamp(min=1)
-    reward_mean = zeros.index_add(0, local, torch.where(scored, reward, 0.0)) / rows
-    length_mean = zeros.index_add(0, local, torch.where(scored, length, 0.0)) / rows
-    varies = has_spread(group_stds[group])  # NaN (one scored row) is no spread either
-    counted = scored & varies
-    length_centred = torch.where(counted, length - length_mean[local], 0.0)
-    reward_centred = torch.where(counted, reward - reward_mean[local], 0.0)
-    return torch.stack(
-        [(length_centred * reward_centred).sum(), length_centred.pow(2).sum(), reward_centred.pow(2).sum()]
-    )
-
 
 def _ess(units: float, weight_sum: float, square_sum: float) -> float:
     """`(sum w)^2 / (N * sum w^2)`: the effective sample size of N weights as a share of N (0 if every weight is 0)."""
     return weight_sum**2 / (units * square_sum) if square_sum > 0 else 0.0
-
-
-def _value_histogram(values: torch.Tensor, num_buckets: int = 20) -> tuple:
-    """Histogram of a handful of values, in the tuple layout of `DiagnosticsSummary.histograms`."""
-    minimum, maximum = values.min().item(), values.max().item()
-    if maximum == minimum:
-        limits, counts = [maximum], [float(values.numel())]
-    else:
-        edges = torch.linspace(minimum, maximum, num_buckets + 1, dtype=torch.float64)
-        counts = torch.histc(values, bins=num_buckets, min=minimum, max=maximum).tolist()
-        limits = edges[1:].tolist()
-    return (limits, counts, minimum, maximum, float(values.numel()), values.sum().item(), values.pow(2).sum().item())

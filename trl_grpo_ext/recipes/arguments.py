@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-import re
 import socket
 import sys
 import urllib.parse
@@ -18,6 +17,7 @@ import urllib.parse
 from trl import TrlParser
 
 from ..config import GRPOConfigExt
+from .help_format import HelpAllAction, HelpFormatter, ShortHelpFormatter
 
 __all__ = [
     "CHECKED_LOGGERS",
@@ -151,61 +151,6 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Each field under its name only (`--learning_rate`, not also `--learning-rate`, which parses all the same)."""
-
-    def _format_action_invocation(self, action) -> str:
-        if not action.option_strings or action.dest == "help":
-            return super()._format_action_invocation(action)
-        if action.nargs == 0:
-            return action.option_strings[0]
-        metavar = self._format_args(action, self._get_default_metavar_for_optional(action))
-        return f"{action.option_strings[0]} {metavar}"
-
-
-#: The end of a help text's first sentence: a period after a word, then a capital (not "e.g. 'main'").
-_SENTENCE_END = re.compile(r"(?<=[\w)`'\]])\.\s+(?=[A-Z])")
-
-
-class _ShortHelpFormatter(_HelpFormatter):
-    """`--help`'s: a field on one line when it fits, else on two (the flag, then its help indented); its help text cut
-    to its first sentence (and to the line), then its default. `--help-all` shows every help text whole."""
-
-    def _format_action_invocation(self, action) -> str:
-        if not action.option_strings or action.dest == "help":
-            return super()._format_action_invocation(action)
-        flag = action.option_strings[0]
-        choices = f" {{{','.join(map(str, action.choices))}}}" if action.choices else ""
-        return flag + choices if self._current_indent + len(flag + choices) <= self._width else flag
-
-    def _format_action(self, action) -> str:
-        indent = " " * self._current_indent
-        flag, summary = self._format_action_invocation(action), self._summary(action)
-        if len(f"{indent}{flag}  {summary}") <= self._width:
-            return f"{indent}{flag}  {summary}\n"
-        return f"{indent}{flag}\n{indent}    {self._summary(action, self._width - len(indent) - 4)}\n"
-
-    def _summary(self, action, width: int | None = None) -> str:
-        text, default = self._expand_help(action), f" (default: {action.default})"
-        text, default = (text.removesuffix(default), default) if text.endswith(default) else (text, "")
-        sentences = _SENTENCE_END.split(text, maxsplit=1)
-        summary = sentences[0] + ("." if len(sentences) > 1 else "")
-        if width is not None and len(summary) + len(default) > width:
-            summary = summary[: max(width - len(default) - 3, 0)].rsplit(" ", 1)[0] + "..."
-        return summary + default
-
-
-class _HelpAllAction(argparse.Action):
-    """`--help-all`: print the help of every field, in full, and exit."""
-
-    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
-        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        sys.stdout.write(parser.format_help(full=True))
-        parser.exit()
-
-
 class RecipeParser(TrlParser):
     """`trl.TrlParser` (every dataclass field a flag, `--config <yaml>` for their values) for a person at a terminal:
 
@@ -231,11 +176,11 @@ class RecipeParser(TrlParser):
         short_help: set[str] | None = None,
         **kwargs,
     ):
-        kwargs.setdefault("formatter_class", _HelpFormatter)
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(dataclass_types, allow_abbrev=False, **kwargs)
         self.short_help = self.known_keys() if short_help is None else set(short_help)
         self.add_argument(
-            "--help-all", action=_HelpAllAction, dest=argparse.SUPPRESS, help="show every flag, in full, and exit"
+            "--help-all", action=HelpAllAction, dest=argparse.SUPPRESS, help="show every flag, in full, and exit"
         )
         for title, names in help_groups:
             group = self.add_argument_group(title)
@@ -254,7 +199,7 @@ class RecipeParser(TrlParser):
                 action.dest in self.short_help and action.option_strings[0] == f"--{action.dest}"
             )
 
-        formatter = _ShortHelpFormatter(self.prog)
+        formatter = ShortHelpFormatter(self.prog)
         formatter.add_usage(self.usage, [action for action in self._actions if shown(action)], [])
         formatter.add_text(self.description)
         for group in self._action_groups:
