@@ -9,8 +9,8 @@ from dataclasses import fields
 import pytest
 from trl import ModelConfig
 
-from trl_grpo_ext import GRPOConfigExt, cli
-from trl_grpo_ext.recipes import grpo
+from trl_grpo_ext import GRPOConfigExt
+from trl_grpo_ext.recipes import cli, grpo
 from trl_grpo_ext.recipes.arguments import (
     USUAL_MODEL_FIELDS,
     USUAL_TRAINING_FIELDS,

@@ -7,8 +7,7 @@ import subprocess
 import pytest
 from helpers import REPO
 
-from trl_grpo_ext import cli
-from trl_grpo_ext.recipes import grpo, slurm
+from trl_grpo_ext.recipes import cli, grpo, slurm
 from trl_grpo_ext.recipes.slurm import expand_hostlist
 
 FULL_CONFIG = os.path.join("recipes", "Qwen2.5-1.5B-Instruct", "grpo", "config_gsm8k_full.yaml")

@@ -8,8 +8,7 @@ import pytest
 from helpers import REPO
 from trl.scripts import vllm_serve
 
-from trl_grpo_ext import cli
-from trl_grpo_ext.recipes import slurm
+from trl_grpo_ext.recipes import cli, slurm
 
 ZERO2 = os.path.join("recipes", "accelerate_configs", "zero2.yaml")
 THREE_NODES = {"SLURM_JOB_NODELIST": "node[01-03]", "SLURM_JOB_NUM_NODES": "3", "SLURM_GPUS_ON_NODE": "8"}

@@ -7,7 +7,8 @@ import pytest
 from helpers import count_a_reward, tiny_grpo_args
 from trl import GRPOConfig, GRPOTrainer
 
-from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt, cli
+from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+from trl_grpo_ext.recipes import cli
 from trl_grpo_ext.report.command import find_trainer_state
 from trl_grpo_ext.report.health import SIGNALS, assess
 

@@ -132,7 +132,7 @@ def test_an_unreadable_folder_exits_1_whatever_fail_on_says(tmp_path, capsys):
 
 
 def test_the_help_names_the_formats_and_the_exit_codes(capsys):
-    from trl_grpo_ext import cli
+    from trl_grpo_ext.recipes import cli
 
     with pytest.raises(SystemExit):
         cli.main(["report", "--help"])

@@ -14,8 +14,7 @@ import pytest
 from helpers import RECIPE_CONFIGS, REPO
 from packaging.version import Version
 
-from trl_grpo_ext import cli
-from trl_grpo_ext.recipes import grpo
+from trl_grpo_ext.recipes import cli, grpo
 from trl_grpo_ext.recipes.demo import DEMO_DIR
 
 DEMO_FILES = ["config_demo.yaml", "base_model", "data"]
@@ -94,7 +93,7 @@ def test_the_demo_command_runs_where_tensorboard_cannot_be_imported(tmp_path):
         "import sys\n"
         "for name in ('tensorboard', 'tensorboardX', 'matplotlib'):\n"
         "    sys.modules[name] = None\n"
-        "from trl_grpo_ext.cli import main\n"
+        "from trl_grpo_ext.recipes.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
     command = [sys.executable, "-c", code, "demo", *PLAIN_DEMO_FLAGS]

@@ -8,7 +8,7 @@ import argparse
 import importlib
 import sys
 
-from . import __version__
+from .. import __version__
 
 __all__ = ["COMMANDS", "main"]
 
@@ -56,5 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    module = importlib.import_module(f".{COMMANDS[args.command][0]}", package=__package__)
+    # `..`: the modules of COMMANDS are named from `trl_grpo_ext`, the package above this one.
+    module = importlib.import_module(f"..{COMMANDS[args.command][0]}", package=__package__)
     return module.run(argv[1:], prog=f"trl-grpo-ext {args.command}")

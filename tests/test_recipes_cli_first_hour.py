@@ -11,8 +11,7 @@ import pytest
 from helpers import REPO
 
 import trl_grpo_ext
-from trl_grpo_ext import cli
-from trl_grpo_ext.recipes import grpo
+from trl_grpo_ext.recipes import cli, grpo
 from trl_grpo_ext.recipes.arguments import ConfigError
 from trl_grpo_ext.report import env
 
