@@ -1,5 +1,6 @@
 """The log-prob forward of every step: rows packed without padding (`logprobs`), the layout and the token counts of
-the waste it removes (`layout`)."""
+the waste it removes (`layout`); from the forward's log-probs and TRL's state to the objective's inputs
+(`objective_inputs`)."""
 
 from .layout import (
     FORWARD_METRICS,

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ._compat import FORWARD_KEYS
-from .ops.loss_types import LOSS_TYPES, LossType
+from .._compat import FORWARD_KEYS
+from ..ops.loss_types import LOSS_TYPES, LossType
 
 __all__ = ["ObjectiveInputs", "entropy_bonus", "gather_objective_inputs", "policy_logps_and_entropies"]
 
