@@ -39,6 +39,38 @@ def test_the_ops_layer_imports_without_trl_or_transformers():
     assert result.stdout.strip() == "[]"
 
 
+_CONFIG_ALONE = """
+import sys
+import trl_grpo_ext.config
+print(*sorted(name for name in sys.modules if name.startswith("trl_grpo_ext.guardrails.")))
+"""
+
+
+def test_the_config_loads_the_alarm_records_not_the_guardrails_that_act_on_them():
+    """`config` reads `guardrails.alarms` (the records); the guardrails package exports its names lazily, so that
+    importing the configuration does not load the monitor, the non-finite guard or the reward guards."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _CONFIG_ALONE], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    loaded = result.stdout.split()
+    assert "trl_grpo_ext.guardrails.alarms" in loaded
+    assert not {f"trl_grpo_ext.guardrails.{name}" for name in ("anomaly", "nonfinite", "reward_errors")} & set(loaded)
+
+
+def test_the_guardrails_export_their_names_on_first_use():
+    from trl_grpo_ext import guardrails
+    from trl_grpo_ext.guardrails import AnomalyMonitor, alarms, anomaly, nonfinite, reward_errors
+
+    assert AnomalyMonitor is anomaly.AnomalyMonitor
+    assert set(guardrails.__all__) <= set(dir(guardrails))
+    for name in guardrails.__all__:
+        value = getattr(guardrails, name)
+        assert any(getattr(home, name, None) is value for home in (alarms, anomaly, nonfinite, reward_errors)), name
+    assert not hasattr(guardrails, "NoSuchName")
+
+
 def test_the_package_has_no_import_cycles():
     import ast
     import pathlib
@@ -156,14 +188,17 @@ NAMES = "metrics"
 ALARM_RULES = ("guardrails.rule", "guardrails.step_rules", "guardrails.trend_rules", "guardrails.progress_rules")
 #: The alarm records (`guardrails.alarms` gathers them): they import their rules, their type and one another only.
 ALARM_RECORDS = ("guardrails.alarm", "guardrails.step_alarms", "guardrails.course_alarms")
+#: The metric records (the documents' metric tables, the report's signals, the console's line) and their type.
+METRIC_RECORDS = ("report.metric_record", "report.watch")
 
 
 def test_the_records_import_nothing_of_the_package():
     """What `config` and the features read their values from imports none of them (the alarm records their rules,
-    which import only one another)."""
-    records = ("choices", "guardrails.alarms", "_compat", *ALARM_RECORDS, *ALARM_RULES)
+    which import only one another; the metric records their type)."""
+    records = ("choices", "guardrails.alarms", "_compat", *ALARM_RECORDS, *ALARM_RULES, *METRIC_RECORDS)
     imported = {(module, target) for module, target, _ in _package_imports() if module in records}
-    assert all(target in (*ALARM_RULES, *ALARM_RECORDS, NAMES) for _, target in imported), imported
+    assert all(target in (*ALARM_RULES, *ALARM_RECORDS, *METRIC_RECORDS, NAMES) for _, target in imported), imported
+    assert ("report.watch", "report.metric_record") in imported  # the check sees the records' imports
 
 
 def test_the_metric_names_import_nothing_of_the_package():

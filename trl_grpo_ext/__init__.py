@@ -7,6 +7,7 @@ torch only, while `GRPOTrainerExt` and `GRPOConfigExt` import TRL and transforme
 from __future__ import annotations
 
 import importlib
+import sys
 
 __version__ = "0.1.0"
 
@@ -20,13 +21,25 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name], __name__), name)
-    globals()[name] = value
-    return value
+def _exported_lazily(package: str, homes: dict[str, str]):
+    """The `__getattr__` and `__dir__` of a package whose public names are loaded on first use (PEP 562).
+
+    Args:
+        package: the package's `__name__`.
+        homes: each public name -> the module that defines it, relative to `package` (`".trainer"`).
+    """
+
+    def __getattr__(name: str):
+        if name not in homes:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(homes[name], package), name)
+        setattr(sys.modules[package], name, value)  # found without this function from now on
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*vars(sys.modules[package]), *homes})
+
+    return __getattr__, __dir__
 
 
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = _exported_lazily(__name__, _HOMES)

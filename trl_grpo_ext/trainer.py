@@ -4,8 +4,8 @@ Generation, rewards, advantages, reference log-probs, PEFT and distributed train
 (and transformers `Trainer`) hook that the package overrides is overridden here, once (`_compat.OVERRIDDEN_HOOKS` pins
 their signatures against the installed TRL), and hands its concern to the helper that holds it:
 
-- `_compute_loss`: the objective (`objective_inputs.gather_objective_inputs`, `ops.policy_objective`), row skipping
-  (`sampling.skipping`) and the per-micro-batch diagnostics sums (`diagnostics`);
+- `_compute_loss`: the objective (`forward.objective_inputs.gather_objective_inputs`, `ops.policy_objective`), row
+  skipping (`sampling.skipping`) and the per-micro-batch diagnostics sums (`diagnostics`);
 - `_get_per_token_logps_and_entropies`: every log-prob forward, padding-free (`forward.PackedLogProbs`);
 - `_generate_and_score_completions`: selective rollouts (`sampling.selective.SelectiveRollouts`), dynamic sampling
   (`sampling.dynamic.DynamicSampler`), the per-group reward spread of the batch that trains, the sampler/trainer
@@ -49,12 +49,12 @@ from .diagnostics import DiagnosticsAccumulator
 from .diagnostics.loggers import write_histograms
 from .diagnostics.mismatch import sampler_mismatch
 from .forward import FORWARD_METRICS, PackedLogProbs, forward_counts
-from .guardrails import AnomalyMonitor, NonFiniteEnforcer, NonFiniteGuard
-from .guardrails.anomaly import AlarmSettings
+from .forward.objective_inputs import entropy_bonus, gather_objective_inputs, policy_logps_and_entropies
+from .guardrails.anomaly import AlarmSettings, AnomalyMonitor
 from .guardrails.launch import check_launch, check_train_dataset
+from .guardrails.nonfinite import NonFiniteEnforcer, NonFiniteGuard
 from .guardrails.reward_errors import guard_reward_funcs, reward_kwarg_names
 from .metrics import KL, LOSS, NONFINITE_SKIPPED_STEPS, SKIPPED_ROWS_FRACTION, VESPO_PHI_SEQ_MEAN
-from .objective_inputs import entropy_bonus, gather_objective_inputs, policy_logps_and_entropies
 from .ops import LOSS_TYPES, policy_objective, total_loss
 from .ops.validation import raise_problems
 from .report.alerts import TrackerAlerts

@@ -10,10 +10,9 @@
 - `launch`: refuses processes that a launcher started but that would train apart.
 """
 
-from .alarms import ALARM_FIELDS, ALARMS, Alarm
-from .anomaly import AnomalyMonitor, Episode
-from .nonfinite import NONFINITE_POLICIES, NonFiniteEnforcer, NonFiniteGuard, NonFiniteTrainingError, StepVerdict
-from .reward_errors import GuardedAsyncReward, GuardedReward, RewardFunctionError
+from __future__ import annotations
+
+from .. import _exported_lazily
 
 __all__ = [
     "ALARMS",
@@ -30,3 +29,24 @@ __all__ = [
     "RewardFunctionError",
     "StepVerdict",
 ]
+
+# The names are loaded on first use, as the package's own: `config` reads the alarm records (`guardrails.alarms`)
+# without loading the monitor, the non-finite guard and the reward guards.
+_HOMES = {
+    "ALARMS": ".alarms",
+    "ALARM_FIELDS": ".alarms",
+    "Alarm": ".alarms",
+    "AnomalyMonitor": ".anomaly",
+    "Episode": ".anomaly",
+    "NONFINITE_POLICIES": ".nonfinite",
+    "NonFiniteEnforcer": ".nonfinite",
+    "NonFiniteGuard": ".nonfinite",
+    "NonFiniteTrainingError": ".nonfinite",
+    "StepVerdict": ".nonfinite",
+    "GuardedAsyncReward": ".reward_errors",
+    "GuardedReward": ".reward_errors",
+    "RewardFunctionError": ".reward_errors",
+}
+
+
+__getattr__, __dir__ = _exported_lazily(__name__, _HOMES)
