@@ -200,6 +200,16 @@ class SamplerStandIn:
         return prompts, completions, logprobs, None
 
 
+#: TRL's `vllm_importance_sampling_mode` values; the fast pair covers token-level truncation and sequence-level
+#: masking, the other two are slow.
+CORRECTION_MODES = [
+    "token_truncate",
+    pytest.param("token_mask", marks=pytest.mark.slow),
+    pytest.param("sequence_truncate", marks=pytest.mark.slow),
+    "sequence_mask",
+]
+
+
 def use_sampler_stand_in(monkeypatch) -> None:
     """TRL builds a `SamplerStandIn` where `use_vllm=True` would start vLLM."""
     import trl.trainer.grpo_trainer

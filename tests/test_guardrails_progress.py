@@ -21,6 +21,18 @@ def noisy_run(curve, steps: int = 400, noise: float = 0.03, seed: int = 0) -> li
     ]
 
 
+def resumed_at(history: list[dict], cut: int, whole: AnomalyMonitor, alarm: str) -> int:
+    """Replays `history[:cut]` into a fresh monitor (a resume from a checkpoint), checks the rest live, asserts the
+    episodes and counts are those of `whole` (the run without a resume); returns how often `alarm` was given after
+    the cut."""
+    resumed = AnomalyMonitor()
+    resumed.replay(history[:cut])
+    warnings = [warning for entry in history[cut:] for warning in resumed.check(entry, warn=False)]
+    assert [(e.name, e.start, e.end) for e in resumed.episodes] == [(e.name, e.start, e.end) for e in whole.episodes]
+    assert resumed.counts == whole.counts
+    return len([warning for warning in warnings if f"alarms/{alarm};" in warning])
+
+
 def test_a_reward_that_never_improves_is_a_plateau_and_never_ok():
     for seed in range(5):
         health = assess(noisy_run(lambda step: 0.3, seed=seed))
@@ -186,14 +198,7 @@ def test_kl_growth_carries_its_window_across_a_resume_and_none_switches_it_off()
     whole = AnomalyMonitor()
     whole.replay(history)
     for cut in (60, 141, 200):  # before the rule is judged, the entry before its onset (step 142), in its episode
-        resumed = AnomalyMonitor()
-        resumed.replay(history[:cut])
-        warnings = [warning for entry in history[cut:] for warning in resumed.check(entry, warn=False)]
-        assert [(e.name, e.start, e.end) for e in resumed.episodes] == [
-            (e.name, e.start, e.end) for e in whole.episodes
-        ]
-        assert resumed.counts == whole.counts
-        assert len([w for w in warnings if "alarms/kl_growth;" in w]) == (1 if cut < 142 else 0)
+        assert resumed_at(history, cut, whole, "kl_growth") == (1 if cut < 142 else 0)
     off = AnomalyMonitor(kl_growth=None)
     off.replay(history)
     assert "kl_growth" not in off.counts and "kl_growth" not in [rule.name for rule in off.rules]
@@ -282,15 +287,8 @@ def test_reward_composition_carries_its_windows_across_a_resume_and_none_switche
     whole.replay(history)
     assert [e.start for e in whole.episodes if e.name == "reward_composition"][0] == 150
     for cut in (100, 149, 155):  # before the rule is judged, the entry before its onset, in its episode
-        resumed = AnomalyMonitor()
-        resumed.replay(history[:cut])
-        warnings = [warning for entry in history[cut:] for warning in resumed.check(entry, warn=False)]
-        assert [(e.name, e.start, e.end) for e in resumed.episodes] == [
-            (e.name, e.start, e.end) for e in whole.episodes
-        ]
-        assert resumed.counts == whole.counts
         given = len([e for e in whole.episodes if e.name == "reward_composition" and e.start > cut])
-        assert len([w for w in warnings if "alarms/reward_composition;" in w]) == given
+        assert resumed_at(history, cut, whole, "reward_composition") == given
     off = AnomalyMonitor(reward_composition=None)
     off.replay(history)
     assert "reward_composition" not in off.counts and "reward_composition" not in [rule.name for rule in off.rules]

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from helpers import (
+    CORRECTION_MODES,
     SamplerStandIn,
     assert_same_logs,
     make_trainer,
@@ -249,15 +250,7 @@ def test_without_a_cut_the_option_changes_nothing(
     assert all(KEPT_MASS not in entry for entry in matched)
 
 
-@pytest.mark.parametrize(
-    "mode",
-    [
-        "token_truncate",
-        pytest.param("token_mask", marks=pytest.mark.slow),
-        pytest.param("sequence_truncate", marks=pytest.mark.slow),
-        "sequence_mask",
-    ],
-)
+@pytest.mark.parametrize("mode", CORRECTION_MODES)
 def test_the_correction_weights_and_their_metrics_are_trl_s(
     mode, plain_engine, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path
 ):

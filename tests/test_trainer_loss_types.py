@@ -9,7 +9,7 @@ the only way the runs could drift further, would move `reward` by >= 0.1.
 
 import pytest
 import torch
-from helpers import assert_same_logs, count_a_reward, tiny_lora, train_logs, use_sampler_stand_in
+from helpers import CORRECTION_MODES, assert_same_logs, count_a_reward, tiny_lora, train_logs, use_sampler_stand_in
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOTrainerExt
@@ -120,15 +120,7 @@ def test_normalize_then_sum_of_several_rewards_trains_like_stock_trl(
     assert assert_same_logs(stock, ours) >= 40
 
 
-@pytest.mark.parametrize(
-    "mode",
-    [
-        "token_truncate",
-        pytest.param("token_mask", marks=pytest.mark.slow),
-        pytest.param("sequence_truncate", marks=pytest.mark.slow),
-        "sequence_mask",
-    ],
-)
+@pytest.mark.parametrize("mode", CORRECTION_MODES)
 def test_vllm_importance_sampling_correction_trains_like_stock_trl(
     mode, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, monkeypatch
 ):
