@@ -103,3 +103,13 @@ def test_a_line_that_leaves_the_frame_at_some_steps_is_a_note_too():
     ratio = panels(build_report_figure(entries))["importance ratio r = pi / pi_old"]
     assert labels(ratio) == ["p50", "min (lowest 0.9)"]
     assert ratio.texts[0].get_text() == "off scale: max (highest 9)"
+
+
+def test_every_alarm_is_shaded_on_one_panel_but_those_of_counts_without_a_panel():
+    from trl_grpo_ext.guardrails.alarms import ALARMS
+    from trl_grpo_ext.report.health import SIGNALS
+
+    shaded = [alarm for panel in PANELS for alarm in panel.alarms]
+    counted = {alarm for signal in SIGNALS if signal.kind == "count" for alarm in signal.alarms}
+    assert sorted(shaded) == sorted(set(ALARMS) - counted)
+    assert counted == {"unscored"}

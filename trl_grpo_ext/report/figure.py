@@ -93,7 +93,12 @@ PANELS = (
         ("truncation", "truncation_sustained", "length_drift", "length_growth", "length_in_group"),
         "tokens",
     ),
-    Panel("gradient norm", (GRAD_NORM,), ("grad_norm_spike", "vanishing_gradient"), "gradient norm (before clipping)"),
+    Panel(
+        "gradient norm",
+        (GRAD_NORM,),
+        ("grad_norm_spike", "no_gradient", "vanishing_gradient"),
+        "gradient norm (before clipping)",
+    ),
 )
 #: The label of the right axis of a panel that draws a share there.
 RIGHT_LABELS = {
