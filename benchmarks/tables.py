@@ -15,9 +15,10 @@ changed by rerunning the benchmark and this command, and a hand edit inside a re
 A new table: a `RENDERERS` entry (the JSON's suite key and a function of its results that returns Markdown), the
 JSON under `benchmarks/results/`, the markers in the document.
 
-A table of the package's records (`RECORD_TABLES`: the alarm table of docs/diagnostics.md, from the alarm records;
-docs/objective.md's loss-type table, from the built-in loss-type records) is written the same way from the records
-themselves, with no results file: a new record changes it through this command.
+A table of the package's records (`record_tables()`: the alarm table of docs/diagnostics.md, from the alarm records;
+docs/objective.md's loss-type table, from the built-in loss-type records; the metric tables of the README,
+docs/diagnostics.md and docs/sampling.md, from the metric records of `trl_grpo_ext.report.watch`) is written the
+same way from the records themselves, with no results file: a new record changes it through this command.
 """
 
 from __future__ import annotations
@@ -219,19 +220,45 @@ def _loss_types() -> str:
     )
 
 
-#: The tables written from the package's records, not from a results file: name -> a function that returns Markdown.
-RECORD_TABLES: dict[str, Callable[[], str]] = {"alarms": _alarms, "loss-types": _loss_types}
+def _metric_table(name: str) -> Callable[[], str]:
+    """A metric table of docs/diagnostics.md or docs/sampling.md, from the metric records
+    (`trl_grpo_ext.report.watch.WATCHED`)."""
+
+    def render() -> str:
+        from trl_grpo_ext.report.metric_record import metric_table
+        from trl_grpo_ext.report.watch import WATCHED
+
+        return metric_table(name, WATCHED)
+
+    return render
+
+
+def _readme_watch() -> str:
+    """The README's "What to watch" table, from the metric records with a README text."""
+    from trl_grpo_ext.report.metric_record import readme_table
+    from trl_grpo_ext.report.watch import WATCHED
+
+    return readme_table(WATCHED)
+
+
+def record_tables() -> dict[str, Callable[[], str]]:
+    """The tables written from the package's records, not from a results file: name -> a function that returns
+    Markdown (the package is imported on the first call, not with this module)."""
+    from trl_grpo_ext.report.metric_record import METRIC_TABLES, README_TABLE
+
+    tables = {"alarms": _alarms, "loss-types": _loss_types, README_TABLE: _readme_watch}
+    return tables | {name: _metric_table(name) for name in METRIC_TABLES}
 
 
 def render(name: str, root: str = CHECKOUT) -> str:
     """The body of the region `name`: the table of `benchmarks/results/<name>.json` and where its figures came from,
-    or a `RECORD_TABLES` table.
+    or a `record_tables()` table.
 
     Raises:
         `KeyError`: no renderer of that name. `FileNotFoundError`: no results file.
     """
-    if name in RECORD_TABLES:
-        return RECORD_TABLES[name]()
+    if name not in RENDERERS:
+        return record_tables()[name]()
     renderer = RENDERERS[name]
     path = os.path.join(RESULTS_DIR, f"{name}.json")
     with open(os.path.join(root, path)) as handle:
@@ -258,8 +285,8 @@ def rewrite(text: str, root: str = CHECKOUT) -> tuple[str, list[str]]:
 
     def replace(match: re.Match) -> str:
         name = match.group("name")
-        if name not in RENDERERS and name not in RECORD_TABLES:
-            known = ", ".join(sorted([*RENDERERS, *RECORD_TABLES]))
+        if name not in RENDERERS and name not in record_tables():
+            known = ", ".join(sorted([*RENDERERS, *record_tables()]))
             raise ValueError(f"<!-- table:{name} -->: no such table (known: {known})")
         body = render(name, root)
         if body != match.group("body"):

@@ -19,32 +19,14 @@ from collections.abc import Mapping
 from transformers import PrinterCallback, ProgressCallback
 
 from ..choices import CONSOLE_MODES
-from ..metrics import (
-    ALARMS_PREFIX,
-    CLIP_RATIO_REGION_MEAN,
-    COMPLETIONS_MEAN_LENGTH,
-    ENTROPY,
-    KL,
-    LOSS,
-    LOSS_PREFIX,
-    RATIO_P95,
-    REWARD,
-    REWARD_STD_GROUP_MEAN,
-)
+from ..metrics import ALARMS_PREFIX, LOSS, LOSS_PREFIX
 from .sampling import sampling_summary
+from .watch import WATCHED
 
 __all__ = ["CONSOLE_MODES", "CONSOLE_SIGNALS", "ConsoleCallback", "format_log_line"]
 
-#: (logged metric, its label on the line), in the order of the line.
-CONSOLE_SIGNALS = (
-    (REWARD, "reward"),
-    (REWARD_STD_GROUP_MEAN, "spread"),
-    (KL, "kl"),
-    (CLIP_RATIO_REGION_MEAN, "clip"),
-    (RATIO_P95, "ratio p95"),
-    (ENTROPY, "entropy"),
-    (COMPLETIONS_MEAN_LENGTH, "len"),
-)
+#: (logged metric, its label on the line), in the order of the line (written in `report.watch.WATCHED`).
+CONSOLE_SIGNALS = tuple(record.console for record in WATCHED if record.console is not None)
 MISSING = "-"  # a signal not logged at this step (rewards are logged only at the steps that generate)
 
 

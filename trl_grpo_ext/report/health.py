@@ -17,10 +17,7 @@ from ..guardrails.alarms import HELDOUT_KEY, SEVERITIES
 from ..guardrails.anomaly import AnomalyMonitor, Episode
 from ..metrics import (
     CLIP_RATIO_REGION_MEAN,
-    COMPLETIONS_MEAN_LENGTH,
-    ENTROPY,
     FRAC_REWARD_UNSCORED,
-    FRAC_REWARD_ZERO_STD,
     GRAD_NORM,
     KL,
     LOSS,
@@ -29,11 +26,12 @@ from ..metrics import (
     NONFINITE_SKIPPED_STEPS,
     RATIO_NAN_COUNT,
     RATIO_P95,
-    REWARD,
     REWARD_LENGTH_CORR,
     REWARD_STD_FRAC_ZERO_GROUPS,
     REWARD_STD_GROUP_MEAN,
 )
+from .metric_record import Signal
+from .watch import WATCHED
 
 __all__ = ["SEVERITIES", "SIGNALS", "RunHealth", "Signal", "SignalHealth", "assess", "highest_severity"]
 
@@ -54,45 +52,8 @@ MISSING_REASONS = {
 }
 
 
-@dataclass(frozen=True)
-class Signal:
-    """A row of the "What to watch" table.
-
-    Attributes:
-        name: the row's name.
-        keys: the metrics shown, in order of preference (the first one logged is summarised).
-        alarms: the alarms that judge it.
-        kind: `"alarms"` (judged by its alarms), `"count"` (fine while the metric is 0 and no alarm fired: a count
-            of events, shown with the steps where it was not 0) or `"shown"` (not judged: the loss, whose sign and
-            size say little; a NaN or infinite `loss` or `loss/*` value is a `FAIL` all the same).
-    """
-
-    name: str
-    keys: tuple[str, ...]
-    alarms: tuple[str, ...] = ()
-    kind: str = "alarms"
-
-
-SIGNALS = (
-    Signal("reward", (REWARD,), ("plateau", "reward_drop", "reward_composition")),
-    Signal("reward spread in groups", (REWARD_STD_GROUP_MEAN,), ("no_spread",)),
-    Signal("groups without spread", (REWARD_STD_FRAC_ZERO_GROUPS, FRAC_REWARD_ZERO_STD), ("zero_std", "flat_groups")),
-    Signal("unscored completions", (FRAC_REWARD_UNSCORED,), ("unscored",), kind="count"),
-    Signal("KL to the reference", (KL,), ("kl_jump", "kl_high", "kl_growth")),
-    Signal("loss split", (LOSS_POLICY, LOSS), kind="shown"),
-    Signal("clip fraction", (CLIP_RATIO_REGION_MEAN,), ("clip_fraction", "clip_asymmetry")),
-    Signal("importance ratio", (RATIO_P95,), ("ratio_p95", "ratio_max")),
-    Signal("NaN log ratios", (RATIO_NAN_COUNT,), kind="count"),
-    Signal("entropy", (ENTROPY,), ("entropy_collapse",)),
-    Signal(
-        "completion length",
-        (COMPLETIONS_MEAN_LENGTH,),
-        ("truncation", "truncation_sustained", "length_drift", "length_growth", "length_in_group"),
-    ),
-    Signal("skipped non-finite steps", (NONFINITE_SKIPPED_STEPS,), kind="count"),
-    Signal("gradient norm", (GRAD_NORM,), ("grad_norm_spike", "no_gradient", "vanishing_gradient")),
-    Signal("held-out metric", ("heldout/<metric>/mean@<k>",), ("reward_vs_heldout",)),
-)
+#: The signals judged, in the order of the metric table's rows (`report.watch.WATCHED`, where each is written).
+SIGNALS = tuple(record.signal for record in WATCHED if record.signal is not None)
 
 
 # `SEVERITIES` (the alarms' tiers) are the verdicts' too, lowest first; `--fail-on` of `report` takes the last three.
