@@ -282,11 +282,12 @@ def rewrite(text: str, root: str = CHECKOUT) -> tuple[str, list[str]]:
         `ValueError`: an opening marker without its closing one, or a name without a renderer.
     """
     changed: list[str] = []
+    records = record_tables()
 
     def replace(match: re.Match) -> str:
         name = match.group("name")
-        if name not in RENDERERS and name not in record_tables():
-            known = ", ".join(sorted([*RENDERERS, *record_tables()]))
+        if name not in RENDERERS and name not in records:
+            known = ", ".join(sorted([*RENDERERS, *records]))
             raise ValueError(f"<!-- table:{name} -->: no such table (known: {known})")
         body = render(name, root)
         if body != match.group("body"):
