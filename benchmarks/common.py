@@ -70,6 +70,9 @@ def environment() -> dict:
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
+        # The instruction set torch's CPU kernels were chosen for: another one rounds differently, and a run that
+        # gives the same result every time on one machine may end elsewhere on another.
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "device": "cpu",
     }
