@@ -34,7 +34,7 @@ $(STAMP): $(RECIPES_STAMP)
 
 setup: $(STAMP)
 
-# The offline demo recipe: ~3 minutes on a CPU; prints held-out accuracy before and after GRPO.
+# The offline demo recipe: ~2 minutes on a CPU; prints held-out accuracy before and after GRPO.
 demo: $(RECIPES_STAMP)
 	$(BIN)/python recipes/grpo.py --config recipes/tiny/config_demo.yaml
 

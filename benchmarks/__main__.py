@@ -9,7 +9,7 @@ on the demo task, several seeds per side; tens of minutes on one thread) is not 
 by `report`'s rules and by the peers that are installed: a scenario x tool table, seconds).
 
 `demo` runs the README's main command, `make demo` (the demo recipe), and records its wall time, held-out scores and
-alarms (about 3 minutes; not part of `all`).
+alarms (about 2 minutes; not part of `all`).
 
 `python -m benchmarks gpu [--out DIR] ...`: the prepared check on a GPU (see `gpu.py`; its own options).
 

@@ -17,7 +17,7 @@ COMMANDS = {
     "grpo": ("recipes.grpo", "train with GRPO from a YAML config (--config) and flags; every config field is a flag"),
     "demo": (
         "recipes.demo",
-        "the offline demo on a tiny shipped model (CPU, no network, ~3 minutes) into ./runs/tiny-demo",
+        "the offline demo on a tiny shipped model (CPU, no network, ~2 minutes) into ./runs/tiny-demo",
     ),
     "report": (
         "report.command",
