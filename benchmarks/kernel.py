@@ -145,7 +145,8 @@ def extra_peak_bytes(side: str, rows: int, tokens: int, dtype: torch.dtype) -> i
 
     On a GPU: `torch.cuda.max_memory_allocated`. On a CPU (Linux), in a fresh process whose allocator maps every
     block of 64 KiB or more from the system and returns it on free (`MALLOC_MMAP_THRESHOLD_`), so that the
-    resident-set high-water mark (`VmHWM`, reset through `/proc/self/clear_refs`) follows the live buffers.
+    resident-set high-water mark (`VmHWM`, reset through `/proc/self/clear_refs`) follows the live buffers; a
+    difference below zero (page-sized noise of the kernel's counters) is recorded as 0.
     """
     if torch.cuda.is_available():
         inputs = make_inputs(rows, tokens, dtype, "cuda")
@@ -179,9 +180,11 @@ def _measure_memory_here(side: str, rows: int, tokens: int, dtype_name: str) -> 
     logps = inputs["logps"].detach().clone().requires_grad_(True)
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5")  # reset VmHWM to the current resident set
-    before = _rss_bytes("VmRSS")
+    before = _rss_bytes("VmHWM")
     run(logps)
-    return _rss_bytes("VmHWM") - before
+    # The kernel's resident-set counters are approximate to a few pages (per-CPU counts folded in late): a call that
+    # allocates nothing beyond its inputs can read a page below the mark it started from. That is no allocation.
+    return max(0, _rss_bytes("VmHWM") - before)
 
 
 def memory_bandwidth(device: str, megabytes: int = 256, repeats: int = 5) -> float:
