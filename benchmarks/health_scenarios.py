@@ -7,8 +7,8 @@ The scenarios come from the peers' own generators, used as they are: rl-doctor's
 pathologies, 500 steps, a recording read back with `rlprobe.doctor.runview.RunView`). Each step becomes one entry of
 a `trainer_state.json` log history with TRL's metric names (one log step per training step, `logging_steps=1`),
 what a stock `trl.GRPOTrainer` run would have logged; a metric TRL has no name for is left out (rlprobe's advantage
-statistics, value head, token-position KL, repetition rate and step time), and a scenario whose pathology lives only
-in such metrics is listed with the reason it cannot be judged from TRL's logs.
+statistics, value head, token-position KL and repetition rate), and a scenario whose pathology lives only in such
+metrics, or only in the step time, which this package does not judge, is listed with the reason.
 
 A peer "flags" a scenario with a finding of its `warning` tier or above (rl-doctor's `INFO` findings, which it
 gives on its own healthy scenario too, are not counted). This package flags a scenario with an alarm of any tier or
@@ -63,13 +63,14 @@ EXPECTED_ALARMS: dict[str, tuple[str, ...]] = {
     "REWARD_HACK_LENGTH": ("length_growth", "length_drift", "length_in_group"),
 }
 
-#: rlprobe's pathologies whose signal no TRL metric carries, with why they are not judged here.
-NOT_IN_TRL_LOGS = {
+#: rlprobe's pathologies not judged here, with why: four live in metrics TRL does not log; the fifth in its step time.
+NOT_JUDGED = {
     "adv_collapse": "advantage mean and std: TRL does not log them",
     "value_divergence": "a PPO value head: GRPO has none",
     "repetition_spiral": "a repetition rate of the completions: TRL does not log one",
     "ref_drift_asymmetry": "KL per token-position bucket: TRL logs the mean KL only",
-    "throughput_rot": "step time: TRL logs no time per step",
+    "throughput_rot": "a creeping step time (TRL's `step_time`) is a cost, not a run that stops learning; rlprobe "
+    "files it below its warning tier too",
 }
 
 #: rlprobe's step-record field -> TRL's (or this package's) logged key.
@@ -89,6 +90,7 @@ _RLPROBE_KEYS = {
     "completion_len_mean": "completions/mean_length",
     "completion_len_max": "completions/max_length",
     "truncation_rate": "completions/clipped_ratio",
+    "step_time_s": "step_time",
 }
 
 #: rl-doctor's record keys that are already TRL's names; the others are left out or renamed below.
@@ -125,7 +127,7 @@ class Scenario:
         history: the log history, one entry per step, TRL's metric names.
         peer_kinds: the kinds of the peer's findings of its warning tier or above, on its own data (empty: healthy).
         peer_onset: the first step of the peer's first such finding, where it gives one.
-        skipped: why the scenario is not judged from TRL's logs (`None`: it is).
+        skipped: why the scenario is not judged (`None`: it is).
     """
 
     source: str
@@ -231,7 +233,7 @@ def rlprobe_scenarios(
                 onset = min(onsets) + 1 if onsets else None
         name = pathology or "healthy"
         scenarios.append(
-            Scenario("rlprobe", name, rlprobe_history(records), kinds, onset, skipped=NOT_IN_TRL_LOGS.get(name))
+            Scenario("rlprobe", name, rlprobe_history(records), kinds, onset, skipped=NOT_JUDGED.get(name))
         )
     return scenarios
 
@@ -277,9 +279,10 @@ def rldoctor_judge(history: list[dict]) -> dict:
     return _verdict([f.detector for f in diagnosis.findings if f.severity >= Severity.WARNING], [])
 
 
-def rlprobe_judge(history: list[dict]) -> dict:
+def rlprobe_judge(history: list[dict], tiers: tuple[str, ...] = ("warn", "critical")) -> dict:
     """rlprobe's doctor on a TRL log history: each entry as the step record its TRL callback would write (the keys of
-    `_RLPROBE_KEYS`, `rewards/<func>/mean` as reward components), findings of its `warn` or `critical` tier."""
+    `_RLPROBE_KEYS`, `rewards/<func>/mean` as reward components), its findings of `tiers` (`info`, `warn`,
+    `critical`)."""
     from rlprobe.doctor.engine import diagnose_view
     from rlprobe.doctor.runview import RunView
     from rlprobe.schemas import RunManifest, StepRecord
@@ -296,7 +299,7 @@ def rlprobe_judge(history: list[dict]) -> dict:
         }
         records.append(StepRecord(step=entry["step"], reward_components=components, **values))
     manifest = RunManifest(run_id="trl", created_at="", algorithm="grpo")
-    findings = [f for f in diagnose_view(RunView(manifest, records)) if f.severity in ("warn", "critical")]
+    findings = [f for f in diagnose_view(RunView(manifest, records)) if f.severity in tiers]
     return _verdict([f.signature_id for f in findings], [f.first_step for f in findings])
 
 

@@ -3,6 +3,8 @@ recordings (`rlprobe.testing.synth`), converted to TRL log histories (`benchmark
 by `report`'s rules. Every sick scenario is flagged with an alarm of the kind its generator injected, every healthy
 one stays quiet."""
 
+import statistics
+
 import pytest
 
 pytest.importorskip("rl_doctor")
@@ -56,7 +58,7 @@ SICK = [("rl-doctor", name) for name in SCENARIOS if name != "healthy"] + [("rlp
 def test_every_sick_peer_scenario_is_flagged_with_the_kind_injected(corpus, key):
     scenario = corpus[key]
     if scenario.skipped is not None:
-        pytest.skip(f"not judged from TRL's logs: {scenario.skipped}")
+        pytest.skip(f"not judged: {scenario.skipped}")
     assert scenario.ours["flagged"], f"{key}: nothing flagged"
     for kind in injected_kinds(*key):
         assert set(EXPECTED_ALARMS[kind]) & set(scenario.ours["alarms"]), (kind, scenario.ours["alarms"])
@@ -72,6 +74,15 @@ def test_the_peers_flag_their_own_sick_scenarios_and_the_corpus_covers_them(corp
         for kind in scenario.peer_kinds:
             if scenario.skipped is None:
                 assert kind in EXPECTED_ALARMS, f"{source}/{name}: {kind} has no answering alarm"
+
+
+def test_a_creeping_step_time_is_in_trl_s_logs_and_rlprobe_files_it_below_a_warning(corpus):
+    # Not judged here (NOT_JUDGED): TRL logs `step_time`, and rlprobe itself gives its creep as information only.
+    history = corpus["rlprobe", "throughput_rot"].history
+    times = [entry["step_time"] for entry in history]
+    assert statistics.median(times[-50:]) > 1.5 * statistics.median(times[:50])
+    assert "THROUGHPUT_ROT" in rlprobe_judge(history, tiers=("info",))["kinds"]
+    assert "THROUGHPUT_ROT" not in rlprobe_judge(history)["kinds"]
 
 
 def test_a_stock_trl_run_s_names_are_what_is_judged(corpus):

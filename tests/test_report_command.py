@@ -95,6 +95,7 @@ def test_report_on_a_finished_grpo_trainer_ext_run(tiny_model_path, tiny_tokeniz
     assert verdicts["completion length"] == "ALARM" and verdicts["importance ratio"] == "ok"
     assert verdicts["held-out metric"] == "missing" and verdicts["loss split"] == "shown"
     assert "truncation (steps 1-4): " in out and "Raise max_completion_length" in out
+    assert "Keys not recognised" not in out  # every key the run logged is documented (TRL's step_time included)
 
 
 def test_report_on_a_stock_trl_run_says_what_is_missing(
@@ -122,6 +123,7 @@ def test_report_on_a_stock_trl_run_says_what_is_missing(
     assert "not logged: ratio/p95 (GRPOTrainerExt logs it with log_diagnostics; stock TRL does not)" in out
     assert "not logged: kl (logged only when beta > 0" in out
     assert "panels without data: " in out and "importance ratio r = pi / pi_old (ratio/p50" in out
+    assert "Keys not recognised" not in out  # every key of stock TRL's is known (step_time included)
 
 
 def test_the_command_is_listed_and_has_help(capsys):

@@ -13,6 +13,7 @@ LOSS = "loss"  # (TRL) the training loss of the log step
 GRAD_NORM = "grad_norm"  # (TRL) the gradient norm before clipping
 LEARNING_RATE = "learning_rate"  # (TRL) the scheduler's learning rate
 NUM_TOKENS = "num_tokens"  # (TRL) the running total of prompt and completion tokens seen
+STEP_TIME = "step_time"  # (TRL) seconds of one optimizer step, generation included, averaged over the log step
 REWARD = "reward"  # (TRL) the mean total reward of the completions
 REWARD_STD = "reward_std"  # (TRL) the standard deviation of the total reward over the batch
 FRAC_REWARD_ZERO_STD = "frac_reward_zero_std"  # (TRL) share of completions in a group whose rewards all tie

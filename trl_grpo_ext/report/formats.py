@@ -41,6 +41,7 @@ from ..metrics import (
     SAMPLING_PREFIX,
     SELECTIVE_ROLLOUTS_PREFIX,
     SKIPPED_ROWS_PREFIX,
+    STEP_TIME,
 )
 from .health import RunHealth, SignalHealth, _episode_steps, _values, highest_severity
 
@@ -63,7 +64,7 @@ PACKING_WORTH_MENTIONING = 1.05
 #: docs/diagnostics.md); a logged key outside them is named as not recognised. `eval_` keys are their training key's.
 KNOWN_KEYS = frozenset(
     {
-        "step", "epoch", LEARNING_RATE, GRAD_NORM, "total_flos", NUM_TOKENS, LOSS, REWARD, REWARD_STD,
+        "step", "epoch", LEARNING_RATE, GRAD_NORM, "total_flos", NUM_TOKENS, STEP_TIME, LOSS, REWARD, REWARD_STD,
         KL, ENTROPY, FRAC_REWARD_ZERO_STD, FRAC_REWARD_UNSCORED, "clip_ratio", CISPO_CLIP_RATIO,
         "train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss",
         "eval_runtime", "eval_samples_per_second", "eval_steps_per_second",

@@ -59,6 +59,7 @@ from ..metrics import (
     SELECTIVE_ROLLOUTS_SKIPPED_PROMPTS,
     SELECTIVE_ROLLOUTS_ZERO_SPREAD,
     SKIPPED_ROWS_FRACTION,
+    STEP_TIME,
     TRUNCATION_KEPT_MASS,
     TRUNCATION_OUTSIDE_CUT_FRACTION,
     heldout_metric,
@@ -267,6 +268,13 @@ WATCHED = (
         worrying="spikes in `grad_norm` precede collapses",
         readme="from transformers; spikes in `grad_norm` precede collapses",
         signal=Signal("gradient norm", (GRAD_NORM,), ("grad_norm_spike", "no_gradient", "vanishing_gradient")),
+    ),
+    Watched(
+        metrics=(STEP_TIME,),
+        what="seconds of one optimizer step, generation and every gradient-accumulation micro-step included, averaged "
+        "over the log step (TRL; not judged: a slower step is a cost, not a run that stops learning)",
+        healthy="steady after the first steps, or growing with `completions/mean_length`",
+        worrying="growing while the completions do not: the host slows down (memory pressure, a throttled device)",
     ),
     Watched(
         metrics=(f"{ALARMS_PREFIX}<name>",),
