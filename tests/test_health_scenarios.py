@@ -3,6 +3,7 @@ recordings (`rlprobe.testing.synth`), converted to TRL log histories (`benchmark
 by `report`'s rules. Every sick scenario is flagged with an alarm of the kind its generator injected, every healthy
 one stays quiet."""
 
+import pathlib
 import statistics
 
 import pytest
@@ -20,6 +21,7 @@ from benchmarks.health_scenarios import (  # noqa: E402
     rldoctor_scenarios,
     rlprobe_judge,
     rlprobe_scenarios,
+    table,
 )
 from trl_grpo_ext.report.health import assess  # noqa: E402
 
@@ -146,3 +148,19 @@ def test_the_benchmark_table_has_a_row_per_scenario_and_a_column_per_tool():
     assert len(text.splitlines()) == 2 + len(SCENARIOS) + 1 + len(PATHOLOGIES)
     healthy = [row for row in results["scenarios"] if row["scenario"] == "healthy"]
     assert all(not row["trl-grpo-ext"]["flagged"] for row in healthy)
+
+
+def _first_two_columns(markdown: str) -> list[tuple[str, str]]:
+    rows = [line.split(" | ")[:2] for line in markdown.splitlines() if line.startswith("| r")]
+    return [(scenario.removeprefix("| "), ours) for scenario, ours in rows]
+
+
+def test_the_docs_peer_table_shows_what_this_package_flags_now(corpus):
+    # `python -m benchmarks health` writes the table; this package's column must follow every change to an alarm.
+    rows = [
+        {"source": s.source, "scenario": s.name, "skipped": s.skipped, "trl-grpo-ext": s.ours or None}
+        for s in corpus.values()
+    ]
+    document = (pathlib.Path(__file__).parents[1] / "docs" / "diagnostics.md").read_text()
+    documented = _first_two_columns(document.split("## Peer scenarios", 1)[1])
+    assert documented == _first_two_columns(table({"scenarios": rows})), "rerun `python -m benchmarks health`"
