@@ -94,6 +94,7 @@ def test_report_on_a_finished_grpo_trainer_ext_run(tiny_model_path, tiny_tokeniz
     assert list(verdicts) == [signal.name for signal in SIGNALS]  # one line per signal, in the table's order
     assert verdicts["completion length"] == "ALARM" and verdicts["importance ratio"] == "ok"
     assert verdicts["held-out metric"] == "missing" and verdicts["loss split"] == "shown"
+    assert "not logged: heldout/<metric>/mean@<k> (no held-out evaluation was logged during training)" in out
     assert "truncation (steps 1-4): " in out and "Raise max_completion_length" in out
     assert "Keys not recognised" not in out  # every key the run logged is documented (TRL's step_time included)
 

@@ -29,6 +29,7 @@ from ..metrics import (
     REWARD_LENGTH_CORR,
     REWARD_STD_FRAC_ZERO_GROUPS,
     REWARD_STD_GROUP_MEAN,
+    heldout_metric,
 )
 from .metric_record import Signal
 from .watch import WATCHED
@@ -48,7 +49,7 @@ MISSING_REASONS = {
     NONFINITE_SKIPPED_STEPS: "GRPOTrainerExt's non-finite guard logs it; stock TRL does not",
     KL: "logged only when beta > 0; TRL's default beta is 0.0",
     CLIP_RATIO_REGION_MEAN: "logged for the clipped-surrogate loss types; CISPO logs cispo_clip_ratio",
-    "heldout/<metric>/mean@<k>": "no held-out evaluation was logged during training",
+    heldout_metric("<metric>", "mean", "<k>"): "no held-out evaluation was logged during training",
 }
 
 
