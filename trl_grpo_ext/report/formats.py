@@ -17,23 +17,16 @@ from ..metrics import (
     CLIP_RATIO_PREFIX,
     COMPLETIONS_PREFIX,
     DYNAMIC_SAMPLING_PREFIX,
-    ENTROPY,
     FORWARD_PADDING_FRACTION,
     FORWARD_PREFIX,
     FORWARD_REPEATED_PROMPT_FRACTION,
     FORWARD_TOKENS_PER_DISTINCT,
-    FRAC_REWARD_UNSCORED,
-    FRAC_REWARD_ZERO_STD,
-    GRAD_NORM,
     HELDOUT_PREFIX,
-    KL,
-    LEARNING_RATE,
     LOSS,
     LOSS_PREFIX,
     NONFINITE_PREFIX,
     NUM_TOKENS,
     RATIO_PREFIX,
-    REWARD,
     REWARD_LENGTH_CORR_PREFIX,
     REWARD_STD,
     REWARD_STD_PREFIX,
@@ -41,9 +34,9 @@ from ..metrics import (
     SAMPLING_PREFIX,
     SELECTIVE_ROLLOUTS_PREFIX,
     SKIPPED_ROWS_PREFIX,
-    STEP_TIME,
 )
 from .health import RunHealth, SignalHealth, _episode_steps, _values, highest_severity
+from .watch import WATCHED
 
 __all__ = [
     "FORMATS",
@@ -60,15 +53,16 @@ FORWARD_KEYS = (FORWARD_PADDING_FRACTION, FORWARD_REPEATED_PROMPT_FRACTION, FORW
 #: Below this many tokens forwarded per distinct token, the padded forward wastes too little to mention packing.
 PACKING_WORTH_MENTIONING = 1.05
 
-#: Metric families that the report reads or knows to be TRL's or this package's (the metric table of
-#: docs/diagnostics.md); a logged key outside them is named as not recognised. `eval_` keys are their training key's.
+#: Metrics and families that the report reads or knows to be TRL's or this package's: every metric a row of the metric
+#: tables names (`report.watch.WATCHED`), the trainer's bookkeeping and the TRL metrics no row holds; a logged key
+#: outside them is named as not recognised. `eval_` keys are their training key's.
 KNOWN_KEYS = frozenset(
     {
-        "step", "epoch", LEARNING_RATE, GRAD_NORM, "total_flos", NUM_TOKENS, STEP_TIME, LOSS, REWARD, REWARD_STD,
-        KL, ENTROPY, FRAC_REWARD_ZERO_STD, FRAC_REWARD_UNSCORED, "clip_ratio", CISPO_CLIP_RATIO,
+        "step", "epoch", "total_flos", NUM_TOKENS, LOSS, REWARD_STD, "clip_ratio", CISPO_CLIP_RATIO,
         "train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss",
         "eval_runtime", "eval_samples_per_second", "eval_steps_per_second",
     }
+    | {name for record in WATCHED for name in record.metrics}
 )  # fmt: skip
 KNOWN_FAMILIES = (
     ALARMS_PREFIX, CLIP_RATIO_PREFIX, COMPLETIONS_PREFIX, DYNAMIC_SAMPLING_PREFIX, FORWARD_PREFIX, HELDOUT_PREFIX,
