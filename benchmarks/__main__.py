@@ -46,6 +46,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds: checks that it runs")
     parser.add_argument("--forward-steps", type=int, default=3, help="timed steps per side (forward)")
     parser.add_argument("--forward-groups", type=int, default=2, help="groups of 8 completions per micro-batch")
+    parser.add_argument(
+        "--attention",
+        default="sdpa",
+        choices=["sdpa", "eager", "flash_attention_2", "flash-emulated"],
+        help="forward: the attention implementation (flash-emulated: flash-attention's path on a CPU, exact kernels)",
+    )
     parser.add_argument("--e2e-steps", type=int, default=16, help="training steps per end-to-end run")
     parser.add_argument("--e2e-modes", default="full,lora", help="comma-separated: full, lora")
     parser.add_argument("--learning-steps", type=int, default=400, help="training steps per learning run (the demo's)")
@@ -127,7 +133,10 @@ def main(argv: list[str] | None = None) -> None:
         from . import forward
 
         results["forward"] = forward.run(
-            steps=1 if args.quick else args.forward_steps, groups=args.forward_groups, quick=args.quick
+            steps=1 if args.quick else args.forward_steps,
+            groups=args.forward_groups,
+            quick=args.quick,
+            attn_implementation=args.attention,
         )
         shape = results["forward"]["shape"]
         title = (

@@ -9,14 +9,22 @@ followed by the backward of the summed completion log-probs. Sides (`trl`: stock
 padding-free one of `GRPOTrainerExt` without shared prompts, `shared`: with them, `shared_prompt_forward=True`, the
 default) alternate, step by step, in one process.
 
+`attn_implementation`: `sdpa` (the default), `eager`, `flash_attention_2` (on a GPU with `flash_attn`), or
+`flash-emulated`: transformers' flash-attention path with exact stand-ins for the kernels (`benchmarks.emulation`),
+on a CPU: its times say nothing (the stand-ins attend one sequence at a time in Python), its log-prob differences and
+tokens are what flash-attention gives.
+
 Reported per side: the step time (median of `steps` after one warm-up, seconds), the activation memory of the
 policy forward (bytes of the tensors autograd saves for the backward, counted by `saved_tensors_hooks`: deterministic,
-unlike a CPU's resident memory), and the tokens forwarded per distinct token (each packed row's tail included).
+unlike a CPU's resident memory), the tokens forwarded per distinct token (each packed row's tail included), the
+largest log-prob difference from `trl`'s, and for the packed sides the host synchronisations and uploads of the
+package's code per chunk (`benchmarks.syncs.SyncCounter`; one chunk: TRL's `batch_size` is the micro-batch).
 Goals (issue: faster than TRL): time and activation memory of the default (`shared`) <= 0.5x and <= 0.6x `trl`'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import tempfile
 import time
@@ -53,6 +61,7 @@ def draw_rows(groups: int, generations: int, seed: int, vocab: int, quick: bool)
 
 
 def _trainer(quick: bool, tmp: str, device: str = "cpu", attn_implementation: str = "sdpa"):
+    """The trainer of the benchmark's model; `flash-emulated` loads it with sdpa (the caller switches it)."""
     from datasets import Dataset
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -86,7 +95,10 @@ def _trainer(quick: bool, tmp: str, device: str = "cpu", attn_implementation: st
         use_cpu=not cuda,
         bf16=cuda,
         max_steps=1,
-        model_init_kwargs={"attn_implementation": attn_implementation, **({"dtype": torch.bfloat16} if cuda else {})},
+        model_init_kwargs={
+            "attn_implementation": "sdpa" if attn_implementation == "flash-emulated" else attn_implementation,
+            **({"dtype": torch.bfloat16} if cuda else {}),
+        },
     )
     trainer = GRPOTrainerExt(
         model=f"{tmp}/model",
@@ -98,8 +110,8 @@ def _trainer(quick: bool, tmp: str, device: str = "cpu", attn_implementation: st
     return trainer, vocab, sum(p.numel() for p in trainer.model.parameters())
 
 
-def _step(trainer, hook, ids, mask, width) -> tuple[float, int]:
-    """One step of a side: (seconds, bytes saved for the backward by the policy forward)."""
+def _step(trainer, hook, ids, mask, width) -> tuple[float, int, int | None, torch.Tensor]:
+    """One step of a side: (seconds, bytes saved for the backward by the policy forward, peak bytes, log-probs)."""
     model = trainer.model
     saved = [0]
 
@@ -121,7 +133,19 @@ def _step(trainer, hook, ids, mask, width) -> tuple[float, int]:
     if cuda:
         torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() if cuda else None
-    return time.perf_counter() - start, saved[0], peak
+    return time.perf_counter() - start, saved[0], peak, logps.detach()
+
+
+def _syncs(trainer, ids, mask, width) -> dict:
+    """The package's host synchronisations and uploads in one packed policy forward (one chunk), on the device."""
+    from .syncs import SyncCounter
+
+    with SyncCounter(ids.device.type) as counter:
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, width, None, True)
+    ours = {site: n for (owner, _, site), n in counter.sites.items() if owner == "trl_grpo_ext"}
+    uploads = sum(n for site, n in ours.items() if site.endswith(" _upload"))
+    others = {f"{owner}": n for (owner, _), n in counter.counts.items() if owner not in ("trl_grpo_ext", "bench")}
+    return {"package": sum(ours.values()) - uploads, "uploads": uploads, "sites": ours, "others": others}
 
 
 def run(
@@ -132,56 +156,76 @@ def run(
     device: str = "cpu",
     attn_implementation: str = "sdpa",
 ) -> dict:
-    """Both sides on the drawn micro-batch (module docstring); `device` `"cuda"` runs in bfloat16 and also reports
-    each side's peak allocated memory (`peak_bytes`, `None` on the CPU)."""
-    from trl_grpo_ext.forward import forward_counts, pack_rows
-    from trl_grpo_ext.forward.logprobs import attention_weight, linear_parameters, row_budget
+    """The three sides on the drawn micro-batch (module docstring); `device` `"cuda"` runs in bfloat16 and also
+    reports each side's peak allocated memory (`peak_bytes`, `None` on the CPU)."""
+    from trl_grpo_ext.forward import forward_counts, row_spans
 
-    with tempfile.TemporaryDirectory() as tmp:
+    from .emulation import flash_attention_emulation, use_flash_attention
+
+    emulated = attn_implementation == "flash-emulated"
+    with tempfile.TemporaryDirectory() as tmp, flash_attention_emulation() if emulated else contextlib.nullcontext():
         trainer, vocab, parameters = _trainer(quick, tmp, device, attn_implementation)
+        if emulated:
+            use_flash_attention(trainer.model)
         ids, mask, width = draw_rows(groups, 8, seed, vocab, quick)
         counts = forward_counts(ids[:, :-width], mask[:, :-width], mask[:, -width:])
         ids, mask = ids.to(trainer.accelerator.device), mask.to(trainer.accelerator.device)
+        packed_forward = trainer._packed_forward
         packed = trainer._get_per_token_logps_and_entropies
         sides = {"trl": (trainer._stock_logps_and_entropies, False), "ext": (packed, False), "shared": (packed, True)}
-        times, memory, peaks = {side: [] for side in sides}, {}, {}
+        times, memory, peaks, logps = {side: [] for side in sides}, {}, {}, {}
         for step in range(steps + 1):
             for side, (hook, shared) in sides.items():
-                trainer._packed_forward.shared_prompts = shared
-                seconds, saved, peaks[side] = _step(trainer, hook, ids, mask, width)
+                packed_forward.shared_prompts = shared
+                seconds, saved, peaks[side], logps[side] = _step(trainer, hook, ids, mask, width)
                 memory[side] = saved
                 if step:  # the first is a warm-up
                     times[side].append(seconds)
-        check = trainer._packed_forward.self_check
-        shared = trainer._packed_forward._share(trainer.model, compute_aux_loss=False)
-        linear = linear_parameters(trainer.model)
-        budget = row_budget(trainer.model.config, linear, ids.size(1))
-        weight = attention_weight(trainer.model.config, linear)
-    # What each side forwards: TRL's padded rows, the packed rows (their tails included) as the trainer packs them.
-    forwarded = {
-        "trl": int(counts.forwarded),
-        "ext": pack_rows(ids, mask, width, budget, attention_weight=weight).input_ids.numel(),
-        "shared": pack_rows(
-            ids, mask, width, budget, shared_prompts=shared, attention_weight=weight
-        ).input_ids.numel(),
-    }
+        check = packed_forward.self_check
+        shared = packed_forward._share(trainer.model, compute_aux_loss=False)
+        syncs = {}
+        for side, share in (("ext", False), ("shared", shared)):
+            packed_forward.shared_prompts = share
+            syncs[side] = _syncs(trainer, ids, mask, width)
+        # What each side forwards: TRL's padded rows, the packed rows (their tails included) as the trainer packs them.
+        forwarded = {"trl": int(counts.forwarded)}
+        layouts = {}
+        for side, share in (("ext", False), ("shared", shared)):
+            spans = row_spans(mask, width, ids if share else None)
+            layouts[side] = packed_forward.layout(trainer.model, ids, mask, width, spans, share)
+            forwarded[side] = layouts[side].input_ids.numel()
+        completion = mask[:, -width:].bool()
+        difference = {
+            side: float((values.float() - logps["trl"].float()).abs()[completion].max())
+            for side, values in logps.items()
+        }
     config = {"steps": steps, "groups": groups, "generations": 8, "quick": quick, "parameters": parameters}
     return {
         "config": {**config, "device": device, "attn_implementation": attn_implementation},
-        "shape": {"rows": ids.size(0), "width": ids.size(1), "completion_width": width, "row_tokens": budget},
+        "shape": {
+            "rows": ids.size(0),
+            "width": ids.size(1),
+            "completion_width": width,
+            "packed_rows": {side: list(layout.input_ids.shape) for side, layout in layouts.items()},
+        },
         "tokens": {**forwarded, "distinct": int(counts.distinct)},
         "self_check": {
             "passed": check.passed,
             "difference": check.difference,
+            "floor": check.floor,
+            "tolerance": check.tolerance,
+            "dtype": str(check.dtype),
             "shared_passed": check.shared_passed,
             "shared_difference": check.shared_difference,
         },
+        "syncs_per_chunk": syncs,
         "sides": {
             side: {
                 "step_seconds": statistics.median(times[side]),
                 "activation_bytes": memory[side],
                 "peak_bytes": peaks[side],
                 "tokens_per_distinct": forwarded[side] / int(counts.distinct),
+                "max_abs_logp_difference": difference[side],
             }
             for side in sides
         },
@@ -200,7 +244,8 @@ def table(result: dict) -> str:
                 f"{values['activation_bytes'] / 2**20:.0f}",
                 f"{values['activation_bytes'] / trl['activation_bytes']:.2f}",
                 f"{values['tokens_per_distinct']:.2f}",
+                f"{values.get('max_abs_logp_difference', 0.0):.1e}",
             ]
         )
-    headers = ["side", "step s", "time / trl", "activations MiB", "memory / trl", "tokens / distinct"]
+    headers = ["side", "step s", "time / trl", "activations MiB", "memory / trl", "tokens / distinct", "max |dlogp|"]
     return format_table(headers, rows)

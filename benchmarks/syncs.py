@@ -7,9 +7,10 @@ is of the operations that would on a GPU, seen through a `TorchDispatchMode`: re
 (`aten._local_scalar_dense`, i.e. `.item()`/`float()`/`bool()`), data-dependent shapes (`nonzero`,
 `masked_select`, boolean indexing) and tensors made from host data (`aten.lift_fresh`: `torch.tensor(...)`,
 `new_tensor`), with the package's CPU-only shortcuts, which read a maximum on the host where that is free
-(`ops.numerics.all_at_most`), switched to a GPU's path. It misses `.tolist()`, `.cpu()` and `.to(device)`, which
-never reach the dispatcher for a CPU tensor, and counts `torch.tensor(...)` calls that a GPU run would keep on the
-host.
+(`ops.numerics.all_at_most`), switched to a GPU's path; `.tolist()` and `.numpy()`, which never reach the dispatcher
+for a CPU tensor, are counted where they are called. It misses `.cpu()` and `.to(device)`, and counts
+`torch.tensor(...)` calls that a GPU run would keep on the host or upload asynchronously (the packed forward's
+`_upload`: its site says so).
 
 Each event is attributed twice:
 
@@ -147,7 +148,21 @@ class SyncCounter:
             mode = _HostReadMode(self)
             mode.__enter__()
             self._stack.append(mode.__exit__)
+            for name in ("tolist", "numpy"):
+                self._count_calls(name)
         return self
+
+    def _count_calls(self, name: str) -> None:
+        """Count each call of the tensor method `name` (a read on the host that the dispatcher does not see)."""
+        original = getattr(torch.Tensor, name)
+        counter = self
+
+        def counted(tensor, *args, **kwargs):
+            counter.record()
+            return original(tensor, *args, **kwargs)
+
+        setattr(torch.Tensor, name, counted)
+        self._stack.append(lambda *exc: setattr(torch.Tensor, name, original))
 
     def __exit__(self, *exc) -> None:
         while self._stack:

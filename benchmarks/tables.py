@@ -68,11 +68,20 @@ def _forward(results: dict) -> str:
     """The log-prob forward's table as the suite prints it, the shape and the row budget after it."""
     from . import forward
 
-    shape = results["shape"]
-    return (
-        f"{forward.table(results)}\n\n{shape['rows']} rows of up to {shape['width']} tokens, packed rows of at most "
-        f"{shape['row_tokens']} tokens; median of {results['config']['steps']} timed steps per side."
+    shape, syncs = results["shape"], results.get("syncs_per_chunk", {}).get("shared")
+    rows = " and ".join(f"{side} {b} x {length}" for side, (b, length) in shape.get("packed_rows", {}).items())
+    attention = results["config"].get("attn_implementation", "sdpa")
+    said = (
+        f"{forward.table(results)}\n\n{attention} attention; {shape['rows']} rows of up to {shape['width']} tokens, "
+        f"packed into rows of {rows or 'at most ' + str(shape.get('row_tokens')) + ' tokens'}; median of "
+        f"{results['config']['steps']} timed steps per side."
     )
+    if syncs is not None:
+        said += (
+            f" Per chunk, the package's code waits for the device {syncs['package']} time(s) and uploads "
+            f"{syncs['uploads']} array(s) without waiting (`benchmarks.syncs`)."
+        )
+    return said
 
 
 def _comm(results: dict) -> str:

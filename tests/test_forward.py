@@ -10,7 +10,12 @@ from helpers import make_trainer, tiny_lora
 from trl_grpo_ext.forward import forward_counts, logprobs, pack_rows, row_spans, run_fallback_reason, unpackable_reason
 from trl_grpo_ext.forward import layout as layout_module
 from trl_grpo_ext.forward.layout import first_of_prompt, place_units, prompt_leaders
-from trl_grpo_ext.forward.logprobs import ATTENTION_SHARE, linear_parameters, row_budget, shared_fallback_reason
+from trl_grpo_ext.forward.logprobs import (
+    attention_weight,
+    default_row_tokens,
+    linear_parameters,
+    shared_fallback_reason,
+)
 
 P, C = 7, 9
 PROMPT_LENGTHS = [7, 3, 5, 7, 2, 4]
@@ -73,7 +78,7 @@ def test_the_shared_prompt_layout_forwards_each_prompt_once_and_each_completion_
     leaders = [SHARED_LEADERS.get(i, i) for i in range(6)]
     assert prompt_leaders(ids[:, :P], mask[:, :P]).tolist() == leaders
     assert [span.leader for span in row_spans(mask, C, ids)] == leaders
-    unit, branch = layout.branches
+    unit, branch = layout.units, layout.branches
     real = layout.input_ids != 0
     prompts = {i: ids[i, :P][mask[i, :P].bool()] for i in set(leaders)}
     if row_tokens is None:  # each prompt but its last token once, then per row its last prompt token and completion
@@ -106,7 +111,7 @@ def test_the_shared_prompt_layout_forwards_each_prompt_once_and_each_completion_
         assert all(int(r.sum()) <= max(row_tokens, len(prompts[0]) + 1 + C) for r in real)
 
 
-def test_the_default_row_budget_bounds_a_token_s_attention_by_its_linear_layers():
+def test_rows_are_no_longer_than_the_padded_ones_under_a_dense_mask_and_one_row_where_attention_is_per_sequence():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
@@ -118,11 +123,13 @@ def test_the_default_row_budget_bounds_a_token_s_attention_by_its_linear_layers(
     assert linear_parameters(untied) == total - 1000 * 64  # the looked-up embeddings are no multiply-add
     assert linear_parameters(tied) == sum(parameter.numel() for parameter in tied.parameters())  # the head counts
     parameters = linear_parameters(untied)
-    budget = row_budget(untied.config, parameters, padded_width=8)
-    # At the budget a token's attention (2 L h n multiply-adds) is ATTENTION_SHARE of its linear layers' (P).
-    assert abs(2 * budget * 4 * 16 * 3 - ATTENTION_SHARE * parameters) <= 2 * 4 * 16 * 3
-    assert row_budget(untied.config, parameters, padded_width=10**6) == 10**6  # never shorter than the padded rows
-    assert row_budget(object(), parameters, padded_width=77) == 77  # a config that does not say its attention's size
+    # A token's attention per attended token (2 h n multiply-adds) against its linear layers' (P).
+    assert attention_weight(untied.config, parameters) == pytest.approx(2 * 4 * 16 * 3 / parameters)
+    assert attention_weight(object(), parameters) == 0.0  # a config that does not say its attention's size
+    assert default_row_tokens("dense", padded_width=77) == 77
+    assert default_row_tokens(None, padded_width=77) == 77
+    assert default_row_tokens("varlen", padded_width=77) is None
+    assert default_row_tokens("flex", padded_width=77) is None
 
 
 def _sizes(units, placements):
@@ -170,19 +177,28 @@ def test_attention_s_cost_chooses_more_shorter_rows():
 
 def test_the_benchmark_s_rows_pack_with_little_waste():
     """The forward benchmark's micro-batch (`benchmarks/forward.py`, 2 groups of 8, one completion of each cut at
-    1,024) at its model's default budget: TRL forwards 3.4 tokens per distinct token; packed with shared prompts at
-    most 1.3 (docs/performance.md's table), packed without sharing at most 1.75 (a prompt per completion)."""
+    1,024), laid out as the default budgets lay it: TRL forwards 3.4 tokens per distinct token. Where attention runs
+    within sequences (one packed row) the shared-prompt layout forwards at most 1.1 (a prompt's last token once per
+    completion); under a dense mask (rows no longer than TRL's) at most 1.3 with shared prompts (docs/performance.md's
+    table), at most 2 without (a prompt per completion)."""
     from benchmarks.forward import draw_rows
 
     ids, mask, width = draw_rows(2, 8, seed=0, vocab=32000, quick=False)
     distinct = int(forward_counts(ids[:, :-width], mask[:, :-width], mask[:, -width:]).distinct)
-    weight = ATTENTION_SHARE / 2741  # 2 h n / P of the benchmark's model
-    shared = pack_rows(ids, mask, width, 2741, shared_prompts=True, attention_weight=weight)
-    alone = pack_rows(ids, mask, width, 2741, attention_weight=weight)
+    weight = 1 / 5482  # 2 h n / P of the benchmark's model
+    padded_width = ids.size(1)
+
+    def tokens(shared: bool, kind: str) -> float:
+        budget = default_row_tokens(kind, padded_width)
+        layout = pack_rows(ids, mask, width, budget, shared_prompts=shared, attention_weight=weight)
+        if budget is not None:
+            assert layout.input_ids.size(1) <= padded_width
+        return layout.input_ids.numel() / distinct
+
     assert ids.numel() / distinct > 3.3
-    assert shared.input_ids.numel() / distinct <= 1.3
-    assert alone.input_ids.numel() / distinct <= 1.75
-    assert max(shared.input_ids.size(1), alone.input_ids.size(1)) <= 2741
+    assert tokens(shared=True, kind="varlen") <= 1.1
+    assert tokens(shared=True, kind="dense") <= 1.3
+    assert tokens(shared=False, kind="dense") <= 2.0
 
 
 def test_rows_that_cannot_pack_are_named():
@@ -291,7 +307,7 @@ def test_a_model_that_ignores_the_4d_mask_packs_without_sharing_with_a_warning(t
         out = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
     check = trainer._packed_forward.self_check
     assert check.passed and check.shared_passed is False and check.shared_difference > 1e-3
-    assert "ignores the 4-D attention mask" in caplog.text
+    assert "does not keep a completion to its prompt and itself" in caplog.text
     monkeypatch.setattr(trainer.model, "forward", forward)
     padded, _, _ = trainer._stock_logps_and_entropies(trainer.model, ids, mask, C)
     completion = mask[:, P:].bool()
@@ -302,8 +318,10 @@ def test_what_cannot_share_a_prompt_is_named_and_said_once(trainer, monkeypatch,
     config = trainer.model.config
     assert shared_fallback_reason(config, compute_aux_loss=False) is None
     assert "router loss" in shared_fallback_reason(config, compute_aux_loss=True)
-    monkeypatch.setattr(config, "_attn_implementation", "flash_attention_2")
-    assert "flash_attention_2" in shared_fallback_reason(config, compute_aux_loss=False)
+    monkeypatch.setattr(config, "_attn_implementation", "flash_attention_2")  # boundaries per segment
+    assert shared_fallback_reason(config, compute_aux_loss=False) is None
+    monkeypatch.setattr(config, "_attn_implementation", "an_unknown_kernel")
+    assert "an_unknown_kernel" in shared_fallback_reason(config, compute_aux_loss=False)
     monkeypatch.setattr(config, "_attn_implementation", "sdpa")
     monkeypatch.setattr(config, "layer_types", ["full_attention", "sliding_attention"])
     assert "sliding-window" in shared_fallback_reason(config, compute_aux_loss=False)
@@ -369,7 +387,7 @@ def test_a_shared_prompt_run_trains_as_its_padded_twin(
 
     def recording(*args, **kwargs):
         layout = pack_rows(*args, **kwargs)
-        branches.append(0 if layout.branches is None else int(layout.branches[1].max()))
+        branches.append(int(layout.branches.max()))
         return layout
 
     monkeypatch.setattr(logprobs, "pack_rows", recording)
@@ -384,6 +402,7 @@ def test_a_shared_prompt_run_trains_as_its_padded_twin(
             prompt_dataset,
             peft_config=tiny_lora() if lora else None,
             padding_free=padding_free,
+            padding_free_row_tokens=64,  # rows that hold a prompt's 4 completions (the default: the padded width)
             max_steps=2,
             **setting,
         )
@@ -391,7 +410,7 @@ def test_a_shared_prompt_run_trains_as_its_padded_twin(
         if padding_free:
             assert trainer._packed_forward.self_check.shared_passed
             # The self-check (packed, then shared), then each forward of the run: a prompt's 4 completions share it.
-            assert branches[:2] == [0, 4] and set(branches[2:]) == {4}
+            assert branches[:2] == [0, 2] and set(branches[2:]) == {4}
         runs[padding_free] = [entry for entry in trainer.state.log_history if "loss" in entry]
     for key in ("loss", "grad_norm"):
         shared = torch.tensor([entry[key] for entry in runs[True]])

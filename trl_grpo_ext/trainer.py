@@ -222,6 +222,8 @@ class GRPOTrainerExt(GRPOTrainer):
 
     def _compute_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
         mode = "train" if self.model.training else "eval"
+        # What TRL's padded layout forwards for the whole micro-batch (forward/*), whatever rows are skipped.
+        counts = forward_counts(inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_mask"])
         selection = None  # with skip_zero_advantage_rows: only the rows that can move the loss (sampling.skipping)
         if mode == "train" and self._row_skipping is not None:
             inputs, selection = self._row_skipping.select(inputs)
@@ -274,7 +276,7 @@ class GRPOTrainerExt(GRPOTrainer):
         )
         # Each term in the units of the backward loss: summed over a step's micro-batches they give its loss.
         terms = {"policy": out.policy_loss, "kl_penalty": out.kl_penalty, **added}
-        extras.update(forward_counts(inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_mask"]).metrics())
+        extras.update(counts.metrics())
         if selection is not None:
             extras[SKIPPED_ROWS_FRACTION] = selection.skipped_fraction()
             out = selection.with_whole_batch_clip_counts(out)

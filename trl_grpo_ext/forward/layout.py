@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 
 from ..metrics import FORWARD_PADDING_FRACTION, FORWARD_REPEATED_PROMPT_FRACTION, FORWARD_TOKENS_PER_DISTINCT
+from .attention import PackedAttention
 
 __all__ = [
     "FORWARD_METRICS",
@@ -166,32 +167,74 @@ def unpackable_reason(spans: list[RowSpan], prompt_width: int) -> str | None:
 
 @dataclass(frozen=True)
 class PackedLayout:
-    """The packed layout of `N` padded rows (`pack_rows`); index tensors live on the rows' device."""
+    """The packed layout of `N` padded rows (`pack_rows`); its tensors live on the rows' device.
 
-    input_ids: torch.Tensor  #: `(B, L)` the forwarded tokens end to end, 0 after the last unit of a packed row
+    `K` is the number of completion tokens, `B` and `L` the packed rows' number and length.
+    """
+
+    input_ids: torch.Tensor  #: `(B, L)` the forwarded tokens end to end, 0 in a packed row's tail
     position_ids: torch.Tensor  #: `(B, L)` each token's position in its own sequence
-    keep: torch.Tensor  #: `(B, L)` bool: the positions whose logits score a completion token
-    targets: torch.Tensor  #: `(K,)` the completion tokens these logits score, in `keep`'s row-major order
-    rows: torch.Tensor  #: `(K,)` the padded row of each scored token
+    scored_rows: torch.Tensor  #: `(K,)` the packed row of the logit that scores each completion token
+    scored_columns: torch.Tensor  #: `(K,)` its column: the token it scores sits in the next one
+    rows: torch.Tensor  #: `(K,)` the padded row of each completion token
     columns: torch.Tensor  #: `(K,)` its column in the completion, `0 <= j < C`
+    units: torch.Tensor  #: `(B, L)` each token's unit (a row's tail is a unit of its own)
+    branches: torch.Tensor  #: `(B, L)` its branch in the unit: 0 for a shared prompt or a sequence of its own
+    segments: PackedAttention  #: the attention's segments, for varlen kernels
     num_sequences: int  #: `N`
-    #: `(B, L)` each token's unit and branch (0: the unit's shared prompt), for a shared-prompt layout; else `None`
-    branches: tuple[torch.Tensor, torch.Tensor] | None = None
+    shared_prompts: bool  #: whether the rows that share a prompt forward it once
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """`(K,)` the completion tokens, in the order of the scored logits."""
+        return self.input_ids[self.scored_rows, self.scored_columns + 1]
+
+    @property
+    def keep(self) -> torch.Tensor:
+        """`(B, L)` bool: the positions whose logits score a completion token."""
+        keep = torch.zeros_like(self.input_ids, dtype=torch.bool)
+        return keep.index_put((self.scored_rows, self.scored_columns), torch.ones_like(self.rows, dtype=torch.bool))
+
+    def labels(self) -> torch.Tensor:
+        """`(B, L)` the labels of a fused LM head: each completion token where it is scored, -100 elsewhere."""
+        labels = torch.full_like(self.input_ids, -100)
+        return labels.index_put((self.scored_rows, self.scored_columns + 1), self.targets)
+
+    def scores(self, values: torch.Tensor) -> torch.Tensor:
+        """`(K,)`: the values `(B, L - 1)` of a fused LM head (position `t` scores token `t + 1`) at the completion
+        tokens."""
+        return values[self.scored_rows, self.scored_columns]
 
     def unpack(self, values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         """`values` `(K,)` placed at their `(row, column)` in a zero tensor of `shape` `(N, C)`."""
         out = values.new_zeros(shape)
         return out.index_put((self.rows, self.columns), values)
 
+    def visible(self, query_unit, query_branch, key_unit, key_branch) -> torch.Tensor:
+        """Whether a query of this unit and branch may see a key of that one (both earlier keys and later ones: the
+        causal part is the caller's): the same unit, and the key in the unit's shared prompt or the query's branch."""
+        return (query_unit == key_unit) & ((key_branch == 0) | (query_branch == key_branch))
+
     def attention(self) -> torch.Tensor:
-        """`(B, 1, L, L)` bool, true where query `q` attends to key `k` (shared-prompt layouts only): `k <= q`, both
-        of one unit, and `k` in the unit's shared prompt or in the branch of `q`."""
-        unit, branch = self.branches
+        """`(B, 1, L, L)` bool, true where query `q` attends to key `k`: `k <= q` and `visible`."""
+        unit, branch = self.units, self.branches
         length = unit.size(1)
         causal = torch.ones(length, length, dtype=torch.bool, device=unit.device).tril()
-        same_unit = unit[:, :, None] == unit[:, None, :]
-        visible = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
-        return (causal & same_unit & visible)[:, None]
+        visible = self.visible(unit[:, :, None], branch[:, :, None], unit[:, None, :], branch[:, None, :])
+        return (causal & visible)[:, None]
+
+    def block_mask(self):
+        """The same as `attention`, as flex attention's `BlockMask` (built block by block from the units and
+        branches, without a dense mask)."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        unit, branch = self.units, self.branches
+
+        def mask_mod(b, h, q, k):
+            return (k <= q) & self.visible(unit[b, q], branch[b, q], unit[b, k], branch[b, k])
+
+        rows, length = unit.shape
+        return create_block_mask(mask_mod, rows, None, length, length, device=unit.device)
 
 
 Prefix = tuple[int, int, int]  #: a unit's shared prompt: (its leader row, first column, length)
@@ -312,6 +355,24 @@ def place_units(
     return [best[1][k] for k in order], [best[2][k] for k in order]
 
 
+def _ranges(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(piece, index)` of each element of the ranges `[start, start + length)`, laid end to end: `(total,)` each,
+    `total` the sum of `lengths` (given, so that nothing is read back from the device)."""
+    piece = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths, output_size=total)
+    first = torch.cumsum(lengths, 0) - lengths
+    return piece, starts[piece] + torch.arange(total, device=lengths.device) - first[piece]
+
+
+def _upload(values: list[int], device: torch.device) -> torch.Tensor:
+    """One host array to the device without waiting for it: from pinned memory, asynchronously, on a GPU."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def pack_rows(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -320,6 +381,7 @@ def pack_rows(
     spans: list[RowSpan] | None = None,
     shared_prompts: bool = False,
     attention_weight: float = 0.0,
+    anchor_position: int | None = None,
 ) -> PackedLayout:
     """Lay padded rows end to end (module docstring) in units, placed in packed rows of at most `row_tokens` tokens
     (`None`: one packed row) by `place_units`; a unit longer than that gets a row of its own. Rows must pack
@@ -330,7 +392,15 @@ def pack_rows(
     completion; a prompt whose completions are not placed together (a row too short for all of them, or a row's
     room filled with some of them) has further units, each with the prompt again.
 
-    One host synchronisation (`row_spans`, unless `spans` are given): the index tensors are built from them.
+    The tail of a packed row (after its last unit) is a sequence of its own, attending to nothing real, its positions
+    restarting at 0 (and again after each `P + C` tokens, so that they stay among the positions the padded forward
+    uses). With `anchor_position`, the last row's tail ends at that position (one more column where no row has a
+    tail), so that a model whose rotary embeddings depend on the forward's largest position sees the padded forward's
+    (`attention.length_dependent_rope`).
+
+    Built from per-piece arrays (a piece: a prompt, a branch or a sequence, copied in one span), on the host with
+    `spans`, then expanded per token on the device: no host synchronisation besides `row_spans` (not even that when
+    `spans` are given), and one asynchronous upload.
 
     Args:
         input_ids (`torch.Tensor` of shape `(N, P + C)`), attention_mask (`torch.Tensor` of shape `(N, P + C)`):
@@ -340,6 +410,8 @@ def pack_rows(
         spans: `row_spans(attention_mask, logits_to_keep, input_ids)`, when already read.
         shared_prompts (`bool`): forward each prompt once per unit.
         attention_weight (`float`): `place_units`'s cost of attention.
+        anchor_position (`int`, *optional*): a position the layout must hold (the padded forward's largest, `P + C -
+            1`).
     """
     device = input_ids.device
     width = attention_mask.size(1)
@@ -364,62 +436,130 @@ def pack_rows(
     else:
         groups = [(None, [(i, s.first, s.tokens, prompt_width - 1 - s.first)]) for i, s in enumerate(spans)]
     units, placements = place_units(groups, row_tokens, attention_weight)
-    sizes = [_unit_size(unit) for unit in units]
     num_rows = max(packed_row for packed_row, _ in placements) + 1
-    row_length = max(offset + size for (_, offset), size in zip(placements, sizes, strict=True))
-
-    # Token indices: where each token comes from in the padded rows (`src`) and goes in the packed ones (`dst`), its
-    # position, unit and branch; each scored position (`keep_dst`), its padded row and completion column.
-    src, dst, positions, unit_of, branch_of, keep_dst, rows, columns = [], [], [], [], [], [], [], []
-
-    def place(source: int, at: int, length: int, position: int, unit: int, branch: int) -> None:
-        src.extend(range(source, source + length))
-        dst.extend(range(at, at + length))
-        positions.extend(range(position, position + length))
-        unit_of.extend([unit] * length)
-        branch_of.extend([branch] * length)
-
-    for unit, ((prefix, branches), (packed_row, offset)) in enumerate(zip(units, placements, strict=True)):
-        at, start_position = packed_row * row_length + offset, 0
-        if prefix is not None:
-            leader, column, length = prefix
-            place(leader * width + column, at, length, 0, unit, 0)
-            at, start_position = at + length, length
-        for number, (i, column, length, scored) in enumerate(branches, start=1):
-            place(i * width + column, at, length, start_position, unit, number)
-            # Completion token j sits at padded column prompt_width + j; its logit at the column before it.
-            completion = spans[i].completion
-            keep_dst.extend(range(at + scored, at + scored + completion))
-            rows.extend([i] * completion)
-            columns.extend(range(completion))
-            at += length
-    src, dst, keep_dst = (torch.tensor(index, dtype=torch.long, device=device) for index in (src, dst, keep_dst))
-
-    flat_ids = input_ids.new_zeros(num_rows * row_length)
-    flat_ids[dst] = input_ids.reshape(-1)[src]
-    # The tail of a packed row counts from 0 as a sequence (and a unit) of its own: it attends to nothing real.
     ends = [0] * num_rows
-    for (packed_row, offset), size in zip(placements, sizes, strict=True):
-        ends[packed_row] = max(ends[packed_row], offset + size)
-    tail = torch.arange(row_length, device=device)[None, :] - torch.tensor(ends, device=device)[:, None]
-    flat_positions = tail.clamp(min=0).reshape(-1)
-    flat_positions[dst] = torch.tensor(positions, dtype=torch.long, device=device)
-    keep = torch.zeros(num_rows * row_length, dtype=torch.bool, device=device)
-    keep[keep_dst] = True
-    branches = None
+    for (packed_row, offset), unit in zip(placements, units, strict=True):
+        ends[packed_row] = max(ends[packed_row], offset + _unit_size(unit))
+    row_length = max(ends)
+    if anchor_position is not None and ends[-1] == row_length:
+        row_length += 1  # room for the anchor in the last row's tail
+
+    # Per piece (on the host): pieces (source, destination, length, position, unit, branch), in the flattened
+    # order of the packed rows; the completion tokens each branch scores (first scored destination, tokens, padded
+    # row); the attention's segments (query length, then its keys as (destination, length) spans).
+    pieces, scored, query_lengths, key_spans, key_lengths = [], [], [], [], []
+
+    def place(source: int, at: int, length: int, position: int, unit: int, branch: int, keys: list) -> None:
+        pieces.append((source, at, length, position, unit, branch))
+        query_lengths.append(length)
+        key_spans.extend(keys)
+        key_lengths.append(sum(span[1] for span in keys))
+
+    def tail(packed_row: int) -> None:
+        length = row_length - ends[packed_row]
+        if length:
+            query_lengths.append(length)
+            key_spans.append((packed_row * row_length + ends[packed_row], length))
+            key_lengths.append(length)
+
+    packed_row_before = 0
+    for unit, ((prefix, branches), (packed_row, offset)) in enumerate(zip(units, placements, strict=True)):
+        for finished in range(packed_row_before, packed_row):
+            tail(finished)
+        packed_row_before = packed_row
+        at, start_position, prefix_span = packed_row * row_length + offset, 0, []
+        if prefix is not None and prefix[2] > 0:
+            leader, column, length = prefix
+            prefix_span = [(at, length)]
+            place(leader * width + column, at, length, 0, unit, 0, prefix_span)
+            at, start_position = at + length, length
+        for number, (i, column, length, first_scored) in enumerate(branches, start=1):
+            place(
+                i * width + column,
+                at,
+                length,
+                start_position,
+                unit,
+                number if prefix else 0,
+                [*prefix_span, (at, length)],
+            )
+            # Completion token j sits at padded column prompt_width + j; its logit at the column before it.
+            scored.append((at + first_scored, spans[i].completion, i))
+            at += length
+    for finished in range(packed_row_before, num_rows):
+        tail(finished)
+    # Positions of the tails: 0, 1, ... from each row's end (modulo P + C); the anchor row's shifted to end there.
+    shifts = [0] * num_rows
+    if anchor_position is not None:
+        shifts[-1] = (anchor_position + 1 - (row_length - ends[-1]) % width) % width
+
+    host = [value for piece in pieces for value in piece]
+    host += [value for entry in scored for value in entry]
+    host += query_lengths + key_lengths + [value for span in key_spans for value in span] + ends + shifts
+    arrays = torch.split(
+        _upload(host, device),
+        [
+            6 * len(pieces),
+            3 * len(scored),
+            len(query_lengths),
+            len(key_lengths),
+            2 * len(key_spans),
+            num_rows,
+            num_rows,
+        ],
+    )
+    piece_array, scored_array = arrays[0].view(-1, 6), arrays[1].view(-1, 3)
+    source, destination, length, position, unit_of, branch_of = piece_array.unbind(1)
+    real = sum(piece[2] for piece in pieces)
+    completion_tokens = sum(entry[1] for entry in scored)
+
+    # Token by token, on the device: each real token's source and destination, position, unit and branch.
+    piece, token_source = _ranges(source, length, real)
+    token_destination = _ranges(destination, length, real)[1]
+    flat = num_rows * row_length
+    flat_ids = input_ids.new_zeros(flat)
+    flat_ids[token_destination] = input_ids.reshape(-1)[token_source]
+    columns = torch.arange(row_length, device=device)
+    row_ends, row_shifts = arrays[5], arrays[6]
+    flat_positions = ((columns[None, :] - row_ends[:, None] + row_shifts[:, None]).clamp(min=0) % width).reshape(-1)
+    flat_positions[token_destination] = position[piece] + token_destination - destination[piece]
+    flat_units = torch.arange(num_rows, device=device).repeat_interleave(row_length) + len(units)
+    flat_units[token_destination] = unit_of[piece]
+    flat_branches = torch.zeros(flat, dtype=torch.long, device=device)
+    flat_branches[token_destination] = branch_of[piece]
+
+    # The scored logits: each branch's, then the completion tokens' padded rows and columns.
+    scored_first, scored_count, scored_row = scored_array.unbind(1)
+    scored_piece, scored_flat = _ranges(scored_first, scored_count, completion_tokens)
+    completion_columns = scored_flat - scored_first[scored_piece]
+
+    # The attention's segments.
+    query_lengths_device, key_lengths_device = arrays[2], arrays[3]
+    key_span_array = arrays[4].view(-1, 2)
+    key_index = None
     if shared_prompts:
-        flat_units = torch.arange(num_rows, device=device).repeat_interleave(row_length) + len(units)
-        flat_units[dst] = torch.tensor(unit_of, dtype=torch.long, device=device)
-        flat_branches = torch.zeros(num_rows * row_length, dtype=torch.long, device=device)
-        flat_branches[dst] = torch.tensor(branch_of, dtype=torch.long, device=device)
-        branches = (flat_units.view(num_rows, row_length), flat_branches.view(num_rows, row_length))
+        key_index = _ranges(key_span_array[:, 0], key_span_array[:, 1], sum(key_lengths))[1]
+
+    def cumulative(lengths: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
+
+    segments = PackedAttention(
+        cu_seqlens_q=cumulative(query_lengths_device),
+        cu_seqlens_k=cumulative(key_lengths_device),
+        max_length_q=max(query_lengths),
+        max_length_k=max(key_lengths),
+        key_index=key_index,
+    )
     return PackedLayout(
         input_ids=flat_ids.view(num_rows, row_length),
         position_ids=flat_positions.view(num_rows, row_length),
-        keep=keep.view(num_rows, row_length),
-        targets=flat_ids[keep_dst + 1],  # the token after each kept position: the completion token it scores
-        rows=torch.tensor(rows, dtype=torch.long, device=device),
-        columns=torch.tensor(columns, dtype=torch.long, device=device),
+        scored_rows=torch.div(scored_flat, row_length, rounding_mode="floor"),
+        scored_columns=scored_flat % row_length,
+        rows=scored_row[scored_piece],
+        columns=completion_columns,
+        units=flat_units.view(num_rows, row_length),
+        branches=flat_branches.view(num_rows, row_length),
+        segments=segments,
         num_sequences=len(spans),
-        branches=branches,
+        shared_prompts=shared_prompts,
     )

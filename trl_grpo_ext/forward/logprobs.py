@@ -6,34 +6,33 @@ gradient, the old policy's, the reference's, LoRA's adapters-disabled reference 
 through the model as TRL runs it, with TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`: temperature, logit
 scale and soft cap, FSDP's sharded head, the router loss), scoring exactly the completion tokens; the per-token
 values are put back in TRL's `(N, C)` layout, zero where the completion mask is 0, as TRL's own are. The result is
-TRL's to rounding: the same tokens, each sequence attending to itself only, at the same relative positions (rotary
-embeddings see only differences of positions, so the left padding TRL adds changes nothing there).
+TRL's to rounding: the same tokens, each sequence attending to itself only (`attention`: explicit sequence
+boundaries for varlen kernels, a block mask for flex attention, a packed-sequence or 4-D mask for sdpa and eager), at
+the same relative positions (rotary embeddings see only differences of positions, so the left padding TRL adds
+changes nothing there; a model whose rotary embeddings depend on the forward's largest position sees the padded
+forward's, `attention.length_dependent_rope`).
 
-Never silently wrong. The first forward of a run is checked against TRL's padded one (`SelfCheck`): a model whose
-attention ignores `position_ids` or the packed-sequence mask (remote code, an architecture transformers does not
-pack, learned absolute positions) differs, and the run falls back to TRL's padded forward with one warning naming the
-model and the difference. What cannot pack falls back with one line saying why (`run_fallback_reason`,
-`layout.unpackable_reason`): vision-language inputs, `use_liger_kernel`, an integer `pad_to_multiple_of` (padded
-shapes asked for), TRL before 1.15 (no fused LM head), a row whose mask has a gap.
+With `shared_prompt_forward` the rows of a chunk that share a prompt forward it once (`layout.pack_rows`), each
+completion attending to the prompt and to itself. Where the model's attention cannot be told so exactly
+(`shared_fallback_reason`) the chunk packs without sharing, with one line saying why.
 
-With the router loss on, a chunk is one packed row (the loss counts every token of the forward, so no tail padding
-may enter it); otherwise a packed row holds at most `padding_free_row_tokens` tokens (a sequence longer than that
-has a row of its own), by default `row_budget`: attention without varlen kernels (sdpa, eager) costs the square of a
-row's length, so the budget is the longest row whose attention costs a token at most `ATTENTION_SHARE` of what the
-model's linear layers cost it, and never less than the chunk's padded width (rows no longer than TRL's padded ones,
-fewer of them, never cost more than those). A token's linear layers cost about one multiply-add per parameter
-(`P`, the input embeddings left out unless tied to the LM head); its attention in a row of `L` tokens about `2 L h n`
-(scores and values over `h = heads x head_dim` in each of `n` layers). Hence `L = ATTENTION_SHARE * P / (2 h n)`:
-about 2,500 tokens for the 23M-parameter model of `benchmarks/forward.py`, 9,000 for Qwen2.5-1.5B. Within that
-budget `layout.place_units` chooses the number and length of the packed rows (rows are padded to the longest) for
-the least cost of tokens forwarded, `B * L`, plus their attention, `B * L^2 * 2 h n / P` (`attention_weight`; 0 for
-varlen kernels, which attend within each sequence).
+Rows. With varlen kernels and flex attention a sequence's attention costs it alone, so a chunk is one packed row.
+sdpa and eager attend over the whole row through a dense mask (`(B, L, L)` scores, and a mask materialised per layer
+on a GPU), so their rows are no longer than TRL's padded ones (`default_row_tokens`): fewer of them, never a longer
+attention. `padding_free_row_tokens` sets another budget; `layout.place_units` chooses the rows within it.
 
-With `shared_prompt_forward` the rows of a chunk that share a prompt forward it once (`layout.pack_rows`,
-`shared_prompts`), through a 4-D attention mask that keeps each completion to the prompt and itself. Where that mask
-cannot be passed (`shared_fallback_reason`: flash or flex attention, sliding-window layers, the router loss, which
-counts every forwarded token) the chunk packs without sharing, with one line saying why. The self-check covers the
-shared layout too: a model whose attention ignores the 4-D mask packs without sharing.
+Never silently wrong. The first forward of a run is checked against TRL's padded one on the policy (`SelfCheck`): a
+few rows, truncated, packed in the training layout (two packed rows or more, several sequences in each, prompts
+shared as training shares them), compared at the precision the forward computes in, against the noise of the padded
+forward itself. A model whose attention ignores `position_ids`, the packed-sequence boundaries or the shared-prompt
+mask (remote code, an attention implementation this package does not know, learned absolute positions) differs, and
+the run falls back to TRL's padded forward, or packs without sharing, with one warning naming the difference. What
+cannot pack falls back with one line saying why (`run_fallback_reason`, `layout.unpackable_reason`):
+vision-language inputs, `use_liger_kernel`, an integer `pad_to_multiple_of` (padded shapes asked for), TRL before
+1.15 (no fused LM head), a row whose mask has a gap.
+
+The router loss (Mixture-of-Experts) counts every token of the forward, so a forward that computes it is one packed
+row without a tail; where that row is longer than the dense-mask budget, that forward runs padded.
 """
 
 from __future__ import annotations
@@ -45,7 +44,8 @@ import torch
 from transformers.utils import logging
 
 from .._compat import trl_has_fused_lm_head
-from .layout import PackedLayout, pack_rows, row_spans, unpackable_reason
+from .attention import DENSE, FLEX, KEYWORD, VARLEN, attention_kind, install_packed_attention, length_dependent_rope
+from .layout import PackedLayout, RowSpan, pack_rows, row_spans, unpackable_reason
 
 logger = logging.get_logger(__name__)
 
@@ -53,21 +53,11 @@ __all__ = [
     "PackedLogProbs",
     "SelfCheck",
     "attention_weight",
+    "default_row_tokens",
     "linear_parameters",
-    "row_budget",
     "run_fallback_reason",
     "shared_fallback_reason",
 ]
-
-#: The share of a token's linear-layer cost its attention may take in a packed row of the default budget.
-ATTENTION_SHARE = 0.5
-
-#: The attention implementations that take a prepared 4-D mask as transformers passes it (bool for sdpa, additive for
-#: eager): the shared-prompt layout needs one.
-MASKED_ATTENTION = ("sdpa", "eager")
-
-#: The attention implementations (name prefixes) whose cost is each packed sequence's alone, not the packed row's.
-VARLEN_ATTENTION = ("flash", "flex")
 
 
 def run_fallback_reason(trainer, forward_inputs: dict[str, Any]) -> str | None:
@@ -85,8 +75,8 @@ def run_fallback_reason(trainer, forward_inputs: dict[str, Any]) -> str | None:
 
 
 def linear_parameters(model) -> int:
-    """The parameters a token's forward multiplies by (module docstring): all but the input embeddings, which are
-    looked up (counted where the LM head shares them). ZeRO-3's partitioned parameters count whole (`ds_numel`)."""
+    """The parameters a token's forward multiplies by: all but the input embeddings, which are looked up (counted
+    where the LM head shares them). ZeRO-3's partitioned parameters count whole (`ds_numel`)."""
 
     def numel(parameter) -> int:
         return getattr(parameter, "ds_numel", None) or parameter.numel()
@@ -99,9 +89,10 @@ def linear_parameters(model) -> int:
 
 
 def attention_weight(config, parameters: int) -> float:
-    """Attention's cost per attended token relative to a token's linear layers (module docstring): `2 h n / P` for a
-    model with this `config` and `parameters` (`linear_parameters`); 0 where the config does not say its attention's
-    size."""
+    """Attention's cost per attended token relative to a token's linear layers, `2 h n / P` (scores and values over
+    `h = heads x head_dim` in each of `n` layers, against about one multiply-add per parameter `P`,
+    `linear_parameters`), for a model with this `config`; 0 where the config does not say its attention's size.
+    `layout.place_units` weighs a dense mask's rows with it."""
     layers, heads = getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None)
     hidden = getattr(config, "hidden_size", None)
     head_dim = getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else None)
@@ -110,78 +101,143 @@ def attention_weight(config, parameters: int) -> float:
     return 2 * heads * head_dim * layers / parameters
 
 
-def row_budget(config, parameters: int, padded_width: int) -> int:
-    """The default token budget of a packed row (module docstring) for a model with this `config` and `parameters`
-    (`linear_parameters`): `ATTENTION_SHARE / attention_weight`, at least `padded_width`; `padded_width` where the
-    config does not say its attention's size."""
-    weight = attention_weight(config, parameters)
-    if weight == 0:
-        return padded_width
-    return max(padded_width, int(ATTENTION_SHARE / weight))
+def default_row_tokens(kind: str | None, padded_width: int) -> int | None:
+    """The default token budget of a packed row (module docstring): `None` (one row) where attention runs within
+    sequences (`VARLEN`, `FLEX`), the chunk's padded width where it runs over a dense mask."""
+    return None if kind in (VARLEN, FLEX) else padded_width
+
+
+def _sliding(config) -> bool:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return any(kind != "full_attention" for kind in layer_types)
+    return getattr(config, "sliding_window", None) is not None
 
 
 def shared_fallback_reason(config, compute_aux_loss: bool) -> str | None:
     """Why a forward of a model with this `config` cannot share prompts (it packs without), `None` when it can."""
+    kind = attention_kind(config)
     implementation = getattr(config, "_attn_implementation", None)
-    if implementation not in MASKED_ATTENTION:
-        return f"attn_implementation={implementation!r} takes no 4-D attention mask (sdpa and eager do)"
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
-        return "the model has sliding-window or other non-full attention layers"
-    if layer_types is None and getattr(config, "sliding_window", None) is not None:
-        return "the model has a sliding attention window"
+    if kind is None:
+        return f"attn_implementation={implementation!r} is not one this package shares prompts with"
     if compute_aux_loss:
         return "the router loss counts every forwarded token, a shared prompt once instead of once per completion"
+    if kind == VARLEN:
+        return None  # boundaries per segment: sliding windows and router logits apply per sequence
+    if _sliding(config):
+        return f"the model has sliding-window layers, which a {implementation} mask of shared prompts would not keep"
+    if getattr(config, "output_router_logits", False):
+        return f"the model computes its router loss from the attention mask, which {implementation} would get as 4-D"
     return None
+
+
+#: The smallest tolerance of the self-check, on the largest absolute log-prob difference, per computing dtype: above
+#: what rounding alone gives on the tests' tiny model (1e-3 in bfloat16, 5e-7 in float32), below what that random
+#: model differs by where a completion attends to its siblings (about 0.018 at either precision; the demo's trained
+#: model, by about 4). Where the padded forward's own noise is larger, the tolerance follows it (`FLOOR_FACTOR`).
+MINIMUM_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+#: The tolerance as a multiple of the padded forward's own noise (`SelfCheck.floor`).
+FLOOR_FACTOR = 4.0
+#: The most the padded forward may move with its left padding alone, per computing dtype: beyond it the model reads
+#: absolute positions (learned position embeddings), which the packed layout restarts at 0 for every sequence.
+MAXIMUM_FLOOR = {torch.float64: 1e-6, torch.float32: 1e-3, torch.bfloat16: 0.5, torch.float16: 0.1}
 
 
 @dataclass
 class SelfCheck:
-    """The packed forward against TRL's padded one, once per run, on a few rows of the first forward.
+    """The packed forward against TRL's padded one, once per run, on a few rows of the first forward (module
+    docstring).
 
-    The check rows (`check_rows`) are the first rows' real tokens, all in one packed row (so that a model whose
-    attention crosses sequences differs), their padded copies with three extra columns of left padding (so that a
-    model that reads absolute positions differs even where the batch has no padding). `tolerance` is on the largest
-    absolute log-prob difference over the completion tokens: 1e-4 in float32, 0.1 in half precision.
+    The check rows (`check_sequences`): two prompts with two completions each, truncated to at most `tokens` tokens
+    each, left-padded by three more columns than needed (`padded`). The packed side runs through the training path,
+    in at least two packed rows. `floor` is the padded forward's own noise: the same rows without the three columns
+    (rounding moves with the positions, as it does in the packed rows, which start each sequence at 0). The
+    `tolerance` is `FLOOR_FACTOR` times it, at least `MINIMUM_TOLERANCE` of the dtype the forward computes in (`dtype`:
+    autocast's where it is on, else the weights'); a floor above `MAXIMUM_FLOOR` is a model that reads absolute
+    positions, which no packed layout reproduces.
     """
 
-    rows: int = 3
+    tokens: int = 32
     done: bool = False
     passed: bool = True
     difference: float = 0.0
-    #: the shared-prompt layout's check (its rows add a completion of the first prompt): `None` when not checked
+    floor: float = 0.0
+    tolerance: float = 0.0
+    dtype: torch.dtype | None = None
+    #: why the check failed, for the warning
+    cause: str = ""
+    #: the shared-prompt layout's check: `None` when not checked
     shared_passed: bool | None = None
     shared_difference: float = 0.0
 
-    @staticmethod
-    def tolerance(dtype: torch.dtype) -> float:
-        return 1e-4 if dtype == torch.float32 else 1e-1
-
-    def check_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, pad_id: int):
-        """`(input_ids, attention_mask, logits_to_keep)` of the check: each of the first `rows` rows' real tokens, the
-        first as a prompt and the rest as a completion (at least one token each), then the first row's prompt with the
-        last row's completion (so that a shared prompt has two completions), left-padded by three more columns than
-        needed."""
+    def check_sequences(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, pad_id: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (prompt, completion) pairs of the check (class docstring), from the first rows' real tokens: the first
+        row's prompt and another (the first that differs, else the first reversed), each with the first and last
+        rows' completions."""
         prompt_width = attention_mask.size(1) - logits_to_keep
-        sequences = []
-        for i in range(min(self.rows, input_ids.size(0))):
+        found = []
+        for i in range(min(4, input_ids.size(0))):
             real = input_ids[i][attention_mask[i].bool()]
             prompt = int(attention_mask[i, :prompt_width].sum())
             if real.numel() >= 2:
                 prompt = min(max(prompt, 1), real.numel() - 1)
-                sequences.append((real[:prompt], real[prompt:]))
-        if not sequences:  # rows of fewer than 2 real tokens: any two tokens still tell packing from padding
-            sequences = [(input_ids.new_tensor([pad_id]), input_ids.new_tensor([pad_id]))]
-        sequences.append((sequences[0][0], sequences[-1][1]))
-        prompt_width = max(len(p) for p, _ in sequences) + 3
+                found.append((real[:prompt][-self.tokens :], real[prompt:][: self.tokens]))
+        if not found:  # rows of fewer than 2 real tokens: any tokens still tell packing from padding
+            found = [(input_ids.new_tensor([pad_id, pad_id]), input_ids.new_tensor([pad_id]))]
+        first = found[0]
+        other = next((p for p, _ in found if not torch.equal(p, first[0])), first[0].flip(0))
+        completions = (first[1], found[-1][1] if len(found) > 1 else first[1].flip(0))
+        return [
+            (first[0], completions[0]),
+            (first[0], completions[1]),
+            (other, completions[1]),
+            (other, completions[0]),
+        ]
+
+    @staticmethod
+    def padded(sequences, pad_id: int, extra: int):
+        """`(input_ids, attention_mask, logits_to_keep)` of `sequences` as TRL pads them, with `extra` more columns
+        of left padding."""
+        prompt_width = max(len(p) for p, _ in sequences) + extra
         completion_width = max(len(c) for _, c in sequences)
-        ids = input_ids.new_full((len(sequences), prompt_width + completion_width), pad_id)
+        ids = sequences[0][0].new_full((len(sequences), prompt_width + completion_width), pad_id)
         mask = torch.zeros_like(ids)
         for i, (prompt, completion) in enumerate(sequences):
             ids[i, prompt_width - len(prompt) : prompt_width] = prompt
             ids[i, prompt_width : prompt_width + len(completion)] = completion
             mask[i, prompt_width - len(prompt) : prompt_width + len(completion)] = 1
         return ids, mask, completion_width
+
+    def judge(self, dtype: torch.dtype) -> None:
+        """Set `tolerance`, `passed` and `cause` from `difference` and `floor` at `dtype`."""
+        self.dtype = dtype
+        minimum = MINIMUM_TOLERANCE.get(dtype, MINIMUM_TOLERANCE[torch.bfloat16])
+        self.tolerance = max(minimum, FLOOR_FACTOR * self.floor)
+        if self.floor > MAXIMUM_FLOOR.get(dtype, MAXIMUM_FLOOR[torch.bfloat16]):
+            self.passed = False
+            self.cause = (
+                f"its padded log-probs move by {self.floor:.3g} with three columns of left padding alone: the model "
+                "reads absolute positions, which a packed row restarts at 0 for every sequence"
+            )
+        else:
+            self.passed = self.difference <= self.tolerance
+            self.cause = "its attention does not keep packed sequences apart, or its positions are not relative"
+        if self.shared_passed is not None:
+            self.shared_passed = self.passed and self.shared_difference <= self.tolerance
+
+    def describe(self) -> str:
+        precision = str(self.dtype).removeprefix("torch.")
+        return (
+            f"tolerance {self.tolerance:.2g} at {precision}: {FLOOR_FACTOR:g} times the padded forward's own noise "
+            f"under other left padding, {self.floor:.2g}, at least {MINIMUM_TOLERANCE.get(self.dtype, 0):.2g}"
+        )
+
+
+def _largest_difference(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    largest = (a.float() - b.float()).abs().masked_fill(~mask.bool(), 0).amax()
+    return float(largest) if torch.isfinite(largest) else float("inf")
 
 
 class PackedLogProbs:
@@ -190,7 +246,7 @@ class PackedLogProbs:
     Args:
         trainer (`GRPOTrainerExt`): the trainer whose forwards this computes (its model, accelerator, TRL hook).
         enabled (`bool`): `padding_free`.
-        row_tokens (`int` or `None`): `padding_free_row_tokens` (`None`: each chunk's padded width).
+        row_tokens (`int` or `None`): `padding_free_row_tokens` (`None`: `default_row_tokens`).
         shared_prompts (`bool`): `shared_prompt_forward`.
     """
 
@@ -199,31 +255,32 @@ class PackedLogProbs:
         self.enabled = enabled
         self.row_tokens = row_tokens
         self.shared_prompts = shared_prompts
-        self._parameters: int | None = None  # linear_parameters of the model, for the default row budget
+        self._parameters: int | None = None  # linear_parameters of the model, for place_units' cost of attention
         self.self_check = SelfCheck()
         self._said: set[str] = set()
 
+    def _say(self, message: str, warn: bool = True) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            (logger.warning if warn else logger.info)(message)
+
     def _fall_back(self, reason: str) -> None:
-        if reason not in self._said:
-            self._said.add(reason)
-            # The installed TRL is no mistake of the user's: said at info level; every other reason is a warning.
-            say = logger.info if "installed TRL" in reason else logger.warning
-            say(f"padding_free=True: this forward runs padded, as TRL runs it, because {reason}.")
+        # The installed TRL is no mistake of the user's: said at info level; every other reason is a warning.
+        message = f"padding_free=True: this forward runs padded, as TRL runs it, because {reason}."
+        self._say(message, warn="installed TRL" not in reason)
+
+    def _config(self, model):
+        return getattr(self.trainer.accelerator.unwrap_model(model), "config", None)
 
     def _share(self, model, compute_aux_loss: bool) -> bool:
         """Whether this forward shares prompts (`shared_prompt_forward`, where the model allows it: said once)."""
         if not self.shared_prompts:
             return False
-        config = getattr(self.trainer.accelerator.unwrap_model(model), "config", None)
-        reason = shared_fallback_reason(config, compute_aux_loss)
-        if reason is None and self.self_check.shared_passed is False:
-            return False  # warned once by the self-check
+        reason = shared_fallback_reason(self._config(model), compute_aux_loss)
         if reason is not None:
-            if reason not in self._said:
-                self._said.add(reason)
-                logger.warning(f"shared_prompt_forward=True: this forward packs without sharing prompts: {reason}.")
+            self._say(f"shared_prompt_forward=True: this forward packs without sharing prompts: {reason}.")
             return False
-        return True
+        return self.self_check.shared_passed is not False  # a failed check warned once
 
     def __call__(
         self,
@@ -242,7 +299,7 @@ class PackedLogProbs:
             return None
         reason = run_fallback_reason(self.trainer, forward_inputs)
         if reason is None and not self.self_check.done:
-            self._run_self_check(model, input_ids, attention_mask, logits_to_keep)
+            self._run_self_check(input_ids, attention_mask, logits_to_keep)
         if reason is None and not self.self_check.passed:
             return None  # warned once by the self-check
         share = reason is None and self._share(model, compute_aux_loss)
@@ -250,138 +307,178 @@ class PackedLogProbs:
         chunks = []
         for start in range(0, input_ids.size(0), batch_size):
             chunk = slice(start, start + batch_size)
-            # One host synchronisation per chunk.
+            # The one host synchronisation of a chunk: each row's span (and prompt leader).
             spans = row_spans(attention_mask[chunk], logits_to_keep, input_ids[chunk] if share else None)
             reason = reason or unpackable_reason(spans, attention_mask.size(1) - logits_to_keep)
+            if reason is None and compute_aux_loss:
+                reason = self._router_loss_reason(model, spans, attention_mask.size(1))
             chunks.append((chunk, spans))
         if reason is not None:
             self._fall_back(reason)
             return None
         logps, entropies, aux_losses = [], [], []
         for chunk, spans in chunks:
-            out = self._forward_chunk(
-                model,
-                input_ids[chunk],
-                attention_mask[chunk],
-                logits_to_keep,
-                compute_entropy,
-                compute_aux_loss,
-                spans,
-                share,
+            # With the router loss: one row without a tail (`_router_loss_reason` bounded it).
+            row_tokens = 0 if compute_aux_loss else -1
+            layout = self.layout(
+                model, input_ids[chunk], attention_mask[chunk], logits_to_keep, spans, share, row_tokens
             )
-            logps.append(out[0])
-            entropies.append(out[1])
-            aux_losses.append(out[2])
+            outputs = self._model_forward(model, layout, compute_aux_loss)
+            shape = (input_ids[chunk].size(0), logits_to_keep)
+            logps.append(layout.unpack(layout.scores(outputs.log_probs), shape))
+            if compute_entropy:
+                entropies.append(layout.unpack(layout.scores(outputs.entropy), shape))
+            aux_losses.append(outputs.aux_loss)
         return (
             torch.cat(logps),
             torch.cat(entropies) if compute_entropy else None,
             torch.stack(aux_losses).mean() if compute_aux_loss else None,
         )
 
-    def _forward_chunk(
-        self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, compute_aux_loss, spans, share
-    ):
+    def _router_loss_reason(self, model, spans: list[RowSpan], padded_width: int) -> str | None:
+        """Why a forward that computes the router loss cannot pack these rows: one row without a tail, no longer than
+        a dense mask's budget (module docstring)."""
+        config = self._config(model)
+        if length_dependent_rope(config):
+            return "the router loss would count the token that gives the rotary embeddings the padded width"
+        kind = attention_kind(config)
+        tokens = sum(span.tokens for span in spans)
+        budget = self.row_tokens or default_row_tokens(kind, padded_width)
+        if budget is not None and tokens > budget:
+            return (
+                f"the router loss needs a chunk's {tokens} tokens in one packed row, longer than the "
+                f"{budget} tokens a row of {kind or 'this'} attention may hold"
+            )
+        return None
+
+    def layout(
+        self,
+        model,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        spans: list[RowSpan],
+        share: bool,
+        row_tokens: int | None = -1,
+    ) -> PackedLayout:
+        """The packed layout of a chunk for `model`: `row_tokens` `-1` for the run's budget
+        (`padding_free_row_tokens` or `default_row_tokens`), `None` or `0` for one row."""
         unwrapped = self.trainer.accelerator.unwrap_model(model)
-        if self._parameters is None:  # counted once: the model's size does not change
-            self._parameters = linear_parameters(unwrapped)
         config = getattr(unwrapped, "config", None)
-        # Varlen kernels attend within each sequence: a packed row's length costs no attention there.
-        varlen = str(getattr(config, "_attn_implementation", None)).startswith(VARLEN_ATTENTION)
-        row_tokens = self.row_tokens
-        if row_tokens is None:
-            row_tokens = row_budget(config, self._parameters, input_ids.size(1))
-        if compute_aux_loss:
-            row_tokens = None
-        layout = pack_rows(
+        kind = attention_kind(config)
+        width = attention_mask.size(1)
+        if row_tokens == -1:
+            row_tokens = self.row_tokens or default_row_tokens(kind, width)
+        weight = 0.0
+        if kind not in (VARLEN, FLEX):
+            if self._parameters is None:  # counted once: the model's size does not change
+                self._parameters = linear_parameters(unwrapped)
+            weight = attention_weight(config, self._parameters)
+        return pack_rows(
             input_ids,
             attention_mask,
             logits_to_keep,
-            row_tokens,
+            row_tokens or None,
             spans,
             shared_prompts=share,
-            attention_weight=0.0 if varlen else attention_weight(config, self._parameters),
+            attention_weight=weight,
+            anchor_position=width - 1 if length_dependent_rope(config) else None,
         )
-        outputs = self._model_forward(model, layout, compute_aux_loss)
-        scored = layout.keep[:, :-1]  # the fused head scores token t + 1 at position t: (B, L - 1)
-        shape = (input_ids.size(0), logits_to_keep)
-        logps = layout.unpack(outputs.log_probs[scored], shape)
-        entropies = None
-        if compute_entropy:
-            entropies = layout.unpack(outputs.entropy[scored], shape)
-        return logps, entropies, outputs.aux_loss if compute_aux_loss else None
 
     def _model_forward(self, model, layout: PackedLayout, compute_aux_loss: bool):
-        labels = torch.full_like(layout.input_ids, -100)
-        labels[:, 1:][layout.keep[:, :-1]] = layout.targets
+        unwrapped = self.trainer.accelerator.unwrap_model(model)
+        kind = attention_kind(unwrapped.config)
         inputs = {"input_ids": layout.input_ids, "position_ids": layout.position_ids, "use_cache": False}
-        if layout.branches is not None:
-            inputs["attention_mask"] = self._attention_mask(model, layout)
+        if kind == VARLEN:
+            install_packed_attention(unwrapped.config._attn_implementation)
+            inputs[KEYWORD] = layout.segments
+        elif kind == FLEX:
+            inputs["attention_mask"] = layout.block_mask()
+        elif kind == DENSE and layout.shared_prompts:
+            inputs["attention_mask"] = self._dense_mask(unwrapped, layout)
         if compute_aux_loss:
             inputs["output_router_logits"] = True
         with self.trainer.accelerator.autocast():
-            return model(**inputs, labels=labels, fused_lm_head=True)
+            return model(**inputs, labels=layout.labels(), fused_lm_head=True)
 
-    def _attention_mask(self, model, layout: PackedLayout) -> torch.Tensor:
+    @staticmethod
+    def _dense_mask(unwrapped, layout: PackedLayout) -> torch.Tensor:
         """`layout.attention()` as the model's attention takes a prepared 4-D mask: bool for sdpa; for eager, additive
         in the dtype of its embeddings (0 where attended, the dtype's lowest value elsewhere), as transformers builds
         its own."""
         mask = layout.attention()
-        unwrapped = self.trainer.accelerator.unwrap_model(model)
         if unwrapped.config._attn_implementation == "sdpa":
             return mask
         dtype = unwrapped.get_input_embeddings().weight.dtype
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
-    def _run_self_check(self, model, input_ids, attention_mask, logits_to_keep) -> None:
+    def _compute_dtype(self, model) -> torch.dtype:
+        """The dtype the forward computes in: autocast's where the accelerator turns it on, else the weights'."""
+        device = self.trainer.accelerator.device.type
+        with self.trainer.accelerator.autocast():
+            if torch.is_autocast_enabled(device):
+                return torch.get_autocast_dtype(device)
+        parameter = next((p for p in model.parameters() if p.is_floating_point()), None)
+        return parameter.dtype if parameter is not None else torch.float32
+
+    def _run_self_check(self, input_ids, attention_mask, logits_to_keep) -> None:
         check = self.self_check
         check.done = True
+        model = self.trainer.model  # the policy, whichever model the first forward is for
         tokenizer = getattr(self.trainer.processing_class, "tokenizer", self.trainer.processing_class)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        ids, mask, width = check.check_rows(input_ids, attention_mask, logits_to_keep, pad_id)
+        sequences = check.check_sequences(input_ids, attention_mask, logits_to_keep, pad_id)
+        ids, mask, width = check.padded(sequences, pad_id, extra=3)
+        completion = mask[:, -width:]
+        # Two rows or more, several sequences in each: the training layout's boundaries between rows and within them.
+        two_rows = -(-int(mask.sum()) // 2)
+        share = self.shared_prompts and shared_fallback_reason(self._config(model), False) is None
         was_training = model.training
         model.eval()  # no dropout: both forwards see the same weights and the same computation
         try:
             with torch.no_grad():
                 padded, _, _ = self.trainer._stock_logps_and_entropies(model, ids, mask, width)
+                tight, _, _ = self.trainer._stock_logps_and_entropies(model, *check.padded(sequences, pad_id, 0))
+                check.floor = _largest_difference(tight, padded, completion)
 
-                def difference(shared_prompts: bool) -> float:
-                    layout = pack_rows(ids, mask, width, row_tokens=None, shared_prompts=shared_prompts)
+                def difference(share: bool) -> float:
+                    spans = row_spans(mask, width, ids if share else None)
+                    layout = self.layout(model, ids, mask, width, spans, share, row_tokens=two_rows)
                     outputs = self._model_forward(model, layout, compute_aux_loss=False)
-                    packed = layout.unpack(outputs.log_probs[layout.keep[:, :-1]], padded.shape)
-                    largest = (packed - padded).abs().masked_fill(~mask[:, -width:].bool(), 0).amax().float()
-                    return float(largest) if torch.isfinite(largest) else float("inf")
+                    packed = layout.unpack(layout.scores(outputs.log_probs), padded.shape)
+                    return _largest_difference(packed, padded, completion)
 
-                check.difference = difference(shared_prompts=False)
-                share = (
-                    self.shared_prompts
-                    and shared_fallback_reason(
-                        getattr(self.trainer.accelerator.unwrap_model(model), "config", None), compute_aux_loss=False
-                    )
-                    is None
-                )
+                check.difference = difference(share=False)
                 if share:
-                    check.shared_difference = difference(shared_prompts=True)
+                    check.shared_passed = True  # judged below
+                    check.shared_difference = difference(share=True)
         finally:
             model.train(was_training)
         # Each process decides on its own rows, without a collective: either way its log-probs are exact, and every
         # path runs one model forward per chunk, so that sharded engines gather their parameters alike.
-        dtype = getattr(self.trainer.model, "dtype", torch.float32)
-        tolerance = SelfCheck.tolerance(dtype)
-        check.passed = check.difference <= tolerance
-        name = getattr(getattr(self.trainer.model, "config", None), "_name_or_path", "") or type(model).__name__
-        if share and check.passed:
-            check.shared_passed = check.shared_difference <= tolerance
-            if not check.shared_passed:
-                logger.warning(
-                    f"shared_prompt_forward=True: the shared-prompt forward of {name} differs from the padded one by "
-                    f"{check.shared_difference:.3g} in log-prob (tolerance {tolerance:g}); its attention probably "
-                    "ignores the 4-D attention mask. This run packs without sharing prompts."
-                )
-        if check.passed:
-            logger.info(f"padding_free=True: packed log-probs match the padded ones (to {check.difference:.2e}).")
-        else:
+        check.judge(self._compute_dtype(model))
+        self._report_self_check(model)
+
+    def _report_self_check(self, model) -> None:
+        check = self.self_check
+        name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+        implementation = getattr(self._config(model), "_attn_implementation", None)
+        if not check.passed:
             logger.warning(
-                f"padding_free=True: the packed forward of {name} differs from the padded one by "
-                f"{check.difference:.3g} in log-prob (tolerance {tolerance:g}); its attention "
-                "probably ignores position_ids or the packed-sequence mask. This run forwards padded, as TRL does."
+                f"padding_free=True: the packed forward of {name} ({implementation} attention) differs from the "
+                f"padded one by {check.difference:.3g} in log-prob ({check.describe()}): {check.cause}. This run "
+                "forwards padded, as TRL does."
+            )
+        elif check.shared_passed is False:
+            logger.warning(
+                f"shared_prompt_forward=True: the shared-prompt forward of {name} ({implementation} attention) "
+                f"differs from the padded one by {check.shared_difference:.3g} in log-prob ({check.describe()}): "
+                "its attention does not keep a completion to its prompt and itself. This run packs without sharing "
+                "prompts."
+            )
+        else:
+            shared = f", shared prompts {check.shared_difference:.2g}" if check.shared_passed else ""
+            logger.info(
+                f"padding_free=True: packed log-probs of {name} ({implementation} attention) match the padded ones: "
+                f"largest difference {check.difference:.2g}{shared} ({check.describe()})."
             )

@@ -1,0 +1,110 @@
+"""A GPU's attention on a CPU: transformers' flash-attention code path with its kernels replaced by exact stand-ins.
+
+`flash_attention_emulation()` makes transformers' `flash_attention_forward` (what `attn_implementation=
+"flash_attention_2"`, `"flash_attention_3"` and hub kernels run) call `varlen_attention` and `dense_attention`
+instead of the `flash_attn` package's `flash_attn_varlen_func` and `flash_attn_func`, and `use_flash_attention(model)`
+sets a model's attention implementation to it without the package's availability checks. Everything transformers
+does around the kernels (unpadding TRL's padded rows, the varlen keywords, inferring packed sequences from
+`position_ids` for a batch of one row and only then) runs as it runs on a GPU. The stand-ins compute each sequence's
+attention with `torch.nn.functional.scaled_dot_product_attention`, causal bottom-right aligned as flash-attention 2.1
+and newer align it when a sequence has fewer queries than keys: exact, one sequence at a time.
+
+Used by the tests (`tests/test_forward_attention.py`) and `python -m benchmarks forward --attention flash-emulated`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+__all__ = ["dense_attention", "flash_attention_emulation", "use_flash_attention", "varlen_attention"]
+
+
+def _attend(q, k, v, softmax_scale, causal, window_size, softcap):
+    """One sequence: `q` `(Lq, H, D)`, `k`, `v` `(Lk, Hkv, D)` -> `(Lq, H, D)`."""
+    lq, lk = q.size(0), k.size(0)
+    scale = softmax_scale if softmax_scale is not None else q.size(-1) ** -0.5
+    heads, kv_heads = q.size(1), k.size(1)
+    k, v = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    query = torch.arange(lq, device=q.device)[:, None] + (lk - lq)  # bottom-right: the last query sees every key
+    key = torch.arange(lk, device=q.device)[None, :]
+    allowed = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed &= key <= query
+    left, right = window_size if window_size is not None else (-1, -1)
+    if left >= 0:
+        allowed &= key >= query - left
+    if right >= 0 and not causal:
+        allowed &= key <= query + right
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no key: 0, as the kernels give
+    return torch.einsum("hqk,khd->qhd", weights, v.float()).to(q.dtype)
+
+
+def varlen_attention(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    deterministic=False,
+):
+    """`flash_attn_varlen_func`'s contract: `q` `(total_q, H, D)`, `k`, `v` `(total_k, Hkv, D)`, sequence `i` the
+    rows `cu_seqlens[i]:cu_seqlens[i + 1]` of each."""
+    if dropout_p:
+        raise ValueError("the flash-attention stand-in has no dropout")
+    out = q.new_zeros(q.shape[:-1] + v.shape[-1:])
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for a, b, c, d in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:], strict=True):
+        if b > a:
+            out[a:b] = _attend(q[a:b], k[c:d], v[c:d], softmax_scale, causal, window_size, softcap)
+    return out
+
+
+def dense_attention(
+    q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, deterministic=False
+):
+    """`flash_attn_func`'s contract: `q` `(B, L, H, D)`, `k`, `v` `(B, L, Hkv, D)`, every row one sequence."""
+    if dropout_p:
+        raise ValueError("the flash-attention stand-in has no dropout")
+    rows = [_attend(q[i], k[i], v[i], softmax_scale, causal, window_size, softcap) for i in range(q.size(0))]
+    return torch.stack(rows)
+
+
+@contextlib.contextmanager
+def flash_attention_emulation():
+    """Within the context, transformers' flash-attention path runs the stand-ins (module docstring)."""
+    import transformers.modeling_flash_attention_utils as flash
+
+    imports = flash._lazy_imports
+
+    def stand_ins(implementation, attention_wrapper=None, allow_all_kernels=False):
+        return dense_attention, varlen_attention, None, flash._pad_input, flash._unpad_input
+
+    flash._lazy_imports, flash._loaded_implementation = stand_ins, None
+    try:
+        yield
+    finally:
+        flash._lazy_imports, flash._loaded_implementation = imports, None
+
+
+def use_flash_attention(*models, implementation: str = "flash_attention_2") -> None:
+    """Set each model's attention implementation to `implementation` (under `flash_attention_emulation`)."""
+    for model in models:
+        if model is None:
+            continue
+        for module in model.modules():
+            config = getattr(module, "config", None)
+            if config is not None and hasattr(config, "_attn_implementation"):
+                config._attn_implementation = implementation
