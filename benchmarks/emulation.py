@@ -18,7 +18,13 @@ import contextlib
 
 import torch
 
-__all__ = ["dense_attention", "flash_attention_emulation", "use_flash_attention", "varlen_attention"]
+__all__ = [
+    "dense_attention",
+    "flash_attention_emulation",
+    "torch_varlen_attn",
+    "use_flash_attention",
+    "varlen_attention",
+]
 
 
 def _attend(q, k, v, softmax_scale, causal, window_size, softcap):
@@ -80,6 +86,19 @@ def dense_attention(
         raise ValueError("the flash-attention stand-in has no dropout")
     rows = [_attend(q[i], k[i], v[i], softmax_scale, causal, window_size, softcap) for i in range(q.size(0))]
     return torch.stack(rows)
+
+
+def torch_varlen_attn(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+):
+    """`torch.nn.attention.varlen.varlen_attn`'s contract (a CUDA kernel) on the CPU: `window_size` `(-1, 0)` is
+    causal, bottom-right aligned."""
+    if key.size(1) != query.size(1) and not enable_gqa:
+        raise ValueError("grouped heads need enable_gqa=True")
+    causal = window_size[1] == 0
+    return varlen_attention(
+        query, key, value, cu_seq_q, cu_seq_k, softmax_scale=scale, causal=causal, window_size=(window_size[0], -1)
+    )
 
 
 @contextlib.contextmanager

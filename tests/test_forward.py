@@ -327,7 +327,9 @@ def test_what_cannot_share_a_prompt_is_named_and_said_once(trainer, monkeypatch,
     assert "sliding-window" in shared_fallback_reason(config, compute_aux_loss=False)
     monkeypatch.undo()
     # A reason the model gives (here, one stood in for the run's config): the forward packs without sharing.
-    monkeypatch.setattr(logprobs, "shared_fallback_reason", lambda config, compute_aux_loss: "the stand-in reason")
+    monkeypatch.setattr(
+        logprobs, "shared_fallback_reason", lambda config, compute_aux_loss, kind: "the stand-in reason"
+    )
     ids, mask = padded_rows(shared=True)
     with caplog.at_level(logging.WARNING):
         for _ in range(2):

@@ -398,3 +398,46 @@ def test_the_packed_layout_is_built_on_the_device_from_per_piece_arrays():
 
     short, long = host_bytes(ids, mask, C), host_bytes(long_ids, long_mask, C + 4000)
     assert len(spans) == 8 and long < 2 * short + 20_000
+
+
+def test_sdpa_in_half_precision_on_a_gpu_packs_through_torch_s_varlen_kernel():
+    """sdpa on CUDA in bf16 or fp16, where this torch has `varlen_attn`: no dense mask; in float32 (no flash kernel),
+    on a CPU, or with an attention soft cap, the dense mask."""
+    from transformers import Qwen2Config
+
+    from trl_grpo_ext.forward import attention
+
+    config = Qwen2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    config._attn_implementation = "sdpa"
+    available = attention.torch_varlen() is not None
+    assert attention_kind(config, "cuda", torch.bfloat16) == ("varlen" if available else "dense")
+    assert attention_kind(config, "cuda", torch.float32) == "dense"
+    assert attention_kind(config, "cpu", torch.bfloat16) == "dense"
+    assert attention_kind(config) == "dense"
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "packed"])
+def test_the_sdpa_varlen_route_is_the_padded_forward(trainer, monkeypatch, shared):
+    """The route of sdpa on a GPU (`attention.torch_varlen_attention`), run on the CPU with an exact stand-in for
+    PyTorch's varlen kernel: the queries and gathered keys as the kernel takes them, grouped heads, the scale, the
+    causal window; forward and gradient."""
+    from benchmarks.emulation import torch_varlen_attn
+    from trl_grpo_ext.forward import attention
+
+    monkeypatch.setattr(attention, "torch_varlen", lambda: torch_varlen_attn)
+    monkeypatch.setattr(type(trainer._packed_forward), "kind", lambda self, model: "varlen")
+    trainer._packed_forward.shared_prompts, trainer._packed_forward.row_tokens = shared, 12
+    ids, mask = padded_rows(10)
+    completion = mask[:, P:].float()
+
+    def forward(hook):
+        trainer.model.zero_grad()
+        logps, _, _ = hook(trainer.model, ids, mask, C)
+        (logps * completion).sum().backward()
+        return logps.detach(), torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+
+    padded, padded_gradient = forward(trainer._stock_logps_and_entropies)
+    packed, packed_gradient = forward(trainer._get_per_token_logps_and_entropies)
+    assert trainer._packed_forward.self_check.passed
+    torch.testing.assert_close(packed[completion.bool()], padded[completion.bool()], rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed_gradient, padded_gradient, rtol=1e-4, atol=1e-5)

@@ -121,33 +121,35 @@ class GRPOConfigExt(GRPOConfig):
         default=True,
         metadata={
             "help": "Compute every log-prob forward (policy, old policy, reference) on the real tokens only: each "
-            "chunk's rows packed end to end, position_ids restarting per sequence, as transformers packs sequences "
-            "for sdpa, eager, flex and flash attention; the log-probs, entropies and router loss are TRL's padded "
-            "forward's to rounding. The first forward of a run is checked against the padded one; a model that "
-            "does not pack exactly, vision-language inputs, use_liger_kernel or an integer pad_to_multiple_of fall "
-            "back to TRL's padded forward with one line saying why (forward.logprobs). forward/* metrics say what "
-            "padding and repeated prompts cost, with the option on or off."
+            "chunk's rows packed end to end, position_ids restarting per sequence, each sequence kept apart as its "
+            "attention implementation allows (explicit sequence boundaries for flash-attention's varlen kernels, a "
+            "block mask for flex attention, a packed-sequence mask for sdpa and eager); the log-probs, entropies and "
+            "router loss are TRL's padded forward's to rounding. The first forward of a run is checked against the "
+            "padded one on a few rows, at the precision the forward computes in; a model that does not pack exactly, "
+            "vision-language inputs, use_liger_kernel or an integer pad_to_multiple_of fall back to TRL's padded "
+            "forward with one line saying why (forward.logprobs). forward/* metrics say what padding and repeated "
+            "prompts cost, with the option on or off."
         },
     )
     padding_free_row_tokens: int | None = field(
         default=None,
         metadata={
             "help": "With padding_free: the most tokens in one packed row (a longer sequence has a row of its own). "
-            "Default: the longest row in which a token's attention costs at most half of what the model's linear "
-            "layers cost it (from the model's size: about 2,500 tokens for a 25M-parameter model, 9,000 for 1.5B), "
-            "and at least the chunk's padded width: attention without varlen kernels (sdpa, eager) costs the square "
-            "of a row's length (forward.logprobs). With flash-attention a larger budget costs nothing."
+            "Default: one row per chunk where attention runs within sequences (flash-attention, flex attention), "
+            "rows no longer than the chunk's padded width under a dense mask (sdpa, eager: attention over a row "
+            "costs the square of its length), so that no row attends over more than TRL's padded ones do."
         },
     )
     shared_prompt_forward: bool = field(
         default=True,
         metadata={
             "help": "Forward each prompt once for its completions in a chunk (the rows whose prompt tokens are "
-            "equal), each completion attending to the prompt and to itself only through a 4-D attention mask; "
-            "log-probs, entropies and gradients are the padded forward's to rounding. A layout of the padding-free "
-            "forward: padding_free=False forwards padded, as TRL does, whatever this says. sdpa and eager attention "
-            "only: flash or flex attention, sliding-window layers and the MoE router loss pack without sharing, "
-            "with one line saying why (forward.logprobs)."
+            "equal), each completion attending to the prompt and to itself only: with flash-attention as a query "
+            "segment whose keys are the prompt's and its own, with flex attention through a block mask, with sdpa "
+            "and eager through a 4-D mask; log-probs, entropies and gradients are the padded forward's to rounding. "
+            "A layout of the padding-free forward: padding_free=False forwards padded, as TRL does, whatever this "
+            "says. The MoE router loss, and with a mask sliding-window layers or router logits, pack without "
+            "sharing, with one line saying why (forward.logprobs)."
         },
     )
 

@@ -11,6 +11,9 @@ model depends on its attention implementation (`attention_kind`):
   (transformers infers them from `position_ids` only for a batch of one row). A completion of a shared prompt is a
   query segment of its own whose keys are the prompt's and its own, gathered once per branch (`PackedAttention`):
   fewer queries than keys, which flash-attention aligns bottom-right (the last query sees every key). No mask.
+  sdpa on a CUDA device in half precision takes the same route through PyTorch's own varlen flash kernel
+  (`torch.nn.attention.varlen.varlen_attn`, `torch_varlen_attention`): what sdpa itself runs without a mask, on
+  each sequence alone.
 - `FLEX` (flex attention): a block mask built from each token's unit and branch (`PackedLayout.block_mask`).
 - `DENSE` (sdpa, eager): transformers' packed-sequence mask, which it derives from `position_ids`, or, for shared
   prompts, a 4-D boolean mask `(B, 1, L, L)` (`PackedLayout.attention`); its attention costs the square of a row's
@@ -40,6 +43,9 @@ __all__ = [
     "attention_kind",
     "install_packed_attention",
     "length_dependent_rope",
+    "sliding_window_layers",
+    "torch_varlen",
+    "torch_varlen_attention",
 ]
 
 VARLEN = "varlen"
@@ -88,15 +94,79 @@ class PackedAttention:
         return flat.index_select(0, self.key_index).unsqueeze(0).transpose(1, 2)
 
 
+def torch_varlen():
+    """PyTorch's varlen flash-attention kernel (`torch.nn.attention.varlen.varlen_attn`, CUDA), `None` where this
+    torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def torch_varlen_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, softcap=None, **kwargs
+):
+    """sdpa's attention of a packed forward through `torch_varlen()` (module docstring): `query` `(B, H, L, D)`,
+    `key`, `value` `(B, Hkv, Lk, D)` (`Lk` the gathered keys' count, `B = 1`, where prompts are shared) ->
+    `((B, L, H, D), None)`, as transformers' attention functions return."""
+    segments: PackedAttention = kwargs[KEYWORD]
+    if softcap is not None or (module.training and dropout):
+        raise ValueError("the packed sdpa route has no attention soft cap or dropout (shared_fallback_reason)")
+    batch, heads, length, dim = query.shape
+    q = query.transpose(1, 2).reshape(batch * length, heads, dim)
+    k, v = (x.transpose(1, 2).reshape(-1, x.size(1), x.size(-1)) for x in (key, value))
+    options = _torch_varlen_options(heads, k.size(1), sliding_window)
+    if options.pop("repeat", 1) > 1:
+        k, v = (x.repeat_interleave(heads // x.size(1), dim=1) for x in (k, v))
+    out = torch_varlen()(
+        q,
+        k,
+        v,
+        segments.cu_seqlens_q,
+        segments.cu_seqlens_k,
+        segments.max_length_q,
+        segments.max_length_k,
+        scale=scaling,
+        **options,
+    )
+    return out.view(batch, length, heads, -1), None
+
+
+def _torch_varlen_options(heads: int, kv_heads: int, sliding_window: int | None) -> dict:
+    """The causal window and grouped heads as this torch's `varlen_attn` takes them (its keywords changed)."""
+    import inspect
+
+    parameters = inspect.signature(torch_varlen()).parameters
+    options = {}
+    if "window_size" in parameters:
+        options["window_size"] = (sliding_window - 1 if sliding_window else -1, 0)  # causal: no key after the query
+    else:
+        if sliding_window:
+            raise ValueError("this torch's varlen_attn has no sliding window")
+        options["is_causal"] = True
+    if heads != kv_heads:
+        if "enable_gqa" in parameters:
+            options["enable_gqa"] = True
+        else:
+            options["repeat"] = heads // kv_heads
+    return options
+
+
 def _registered(implementation: str | None):
     """The attention function registered for `implementation`, looked through this module's wrapper."""
     function = ALL_ATTENTION_FUNCTIONS.get(implementation) if implementation else None
     return getattr(function, "__wrapped__", function)
 
 
-def attention_kind(config) -> str | None:
-    """`VARLEN`, `FLEX`, `DENSE` or `None` (module docstring) for a model with this `config`."""
+def attention_kind(config, device_type: str | None = None, dtype: torch.dtype | None = None) -> str | None:
+    """`VARLEN`, `FLEX`, `DENSE` or `None` (module docstring) for a model with this `config`, computing in `dtype` on
+    a device of `device_type`."""
     implementation = getattr(config, "_attn_implementation", None)
+    if implementation == "sdpa" and device_type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        plain = getattr(config, "attn_logit_softcapping", None) is None and not sliding_window_layers(config)
+        if torch_varlen() is not None and plain:
+            return VARLEN
     if implementation in ("sdpa", "eager"):
         return DENSE
     if implementation == "flex_attention":
@@ -106,8 +176,16 @@ def attention_kind(config) -> str | None:
     return None
 
 
+def sliding_window_layers(config) -> bool:
+    """Whether the model has sliding-window (or other not full) attention layers."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return any(kind != "full_attention" for kind in layer_types)
+    return getattr(config, "sliding_window", None) is not None
+
+
 def install_packed_attention(implementation: str) -> None:
-    """Register `packed_attention` around the attention function of `implementation` (a varlen one), once."""
+    """Register `packed_attention` around the attention function of `implementation` (a varlen one, or sdpa), once."""
     original = ALL_ATTENTION_FUNCTIONS.get(implementation)
     if getattr(original, "__wrapped__", None) is not None:
         return
@@ -117,6 +195,10 @@ def install_packed_attention(implementation: str) -> None:
             return original(module, query, key, value, attention_mask, *args, **kwargs)
         if packed_attention.key_index is not None:
             key, value = packed_attention.gather(key), packed_attention.gather(value)
+        if implementation == "sdpa":
+            return torch_varlen_attention(
+                module, query, key, value, None, *args, packed_attention=packed_attention, **kwargs
+            )
         # The boundaries are the segments': no padding mask, and transformers' own inference from position_ids
         # (which it makes only for one row) is not needed.
         kwargs.update(packed_attention.varlen_keywords())

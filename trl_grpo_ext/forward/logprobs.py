@@ -44,7 +44,16 @@ import torch
 from transformers.utils import logging
 
 from .._compat import trl_has_fused_lm_head
-from .attention import DENSE, FLEX, KEYWORD, VARLEN, attention_kind, install_packed_attention, length_dependent_rope
+from .attention import (
+    DENSE,
+    FLEX,
+    KEYWORD,
+    VARLEN,
+    attention_kind,
+    install_packed_attention,
+    length_dependent_rope,
+    sliding_window_layers,
+)
 from .layout import PackedLayout, RowSpan, pack_rows, row_spans, unpackable_reason
 
 logger = logging.get_logger(__name__)
@@ -107,16 +116,14 @@ def default_row_tokens(kind: str | None, padded_width: int) -> int | None:
     return None if kind in (VARLEN, FLEX) else padded_width
 
 
-def _sliding(config) -> bool:
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return any(kind != "full_attention" for kind in layer_types)
-    return getattr(config, "sliding_window", None) is not None
+_FROM_CONFIG = object()
 
 
-def shared_fallback_reason(config, compute_aux_loss: bool) -> str | None:
-    """Why a forward of a model with this `config` cannot share prompts (it packs without), `None` when it can."""
-    kind = attention_kind(config)
+def shared_fallback_reason(config, compute_aux_loss: bool, kind=_FROM_CONFIG) -> str | None:
+    """Why a forward of a model with this `config`, whose attention is of `kind` (`attention.attention_kind`; by
+    default read from the config alone), cannot share prompts (it packs without), `None` when it can."""
+    if kind is _FROM_CONFIG:
+        kind = attention_kind(config)
     implementation = getattr(config, "_attn_implementation", None)
     if kind is None:
         return f"attn_implementation={implementation!r} is not one this package shares prompts with"
@@ -124,7 +131,7 @@ def shared_fallback_reason(config, compute_aux_loss: bool) -> str | None:
         return "the router loss counts every forwarded token, a shared prompt once instead of once per completion"
     if kind == VARLEN:
         return None  # boundaries per segment: sliding windows and router logits apply per sequence
-    if _sliding(config):
+    if sliding_window_layers(config):
         return f"the model has sliding-window layers, which a {implementation} mask of shared prompts would not keep"
     if getattr(config, "output_router_logits", False):
         return f"the model computes its router loss from the attention mask, which {implementation} would get as 4-D"
@@ -258,6 +265,7 @@ class PackedLogProbs:
         self._parameters: int | None = None  # linear_parameters of the model, for place_units' cost of attention
         self.self_check = SelfCheck()
         self._said: set[str] = set()
+        self._kinds: dict[tuple, str | None] = {}  # attention kind per model (`kind`)
 
     def _say(self, message: str, warn: bool = True) -> None:
         if message not in self._said:
@@ -276,7 +284,7 @@ class PackedLogProbs:
         """Whether this forward shares prompts (`shared_prompt_forward`, where the model allows it: said once)."""
         if not self.shared_prompts:
             return False
-        reason = shared_fallback_reason(self._config(model), compute_aux_loss)
+        reason = shared_fallback_reason(self._config(model), compute_aux_loss, self.kind(model))
         if reason is not None:
             self._say(f"shared_prompt_forward=True: this forward packs without sharing prompts: {reason}.")
             return False
@@ -341,7 +349,7 @@ class PackedLogProbs:
         config = self._config(model)
         if length_dependent_rope(config):
             return "the router loss would count the token that gives the rotary embeddings the padded width"
-        kind = attention_kind(config)
+        kind = self.kind(model)
         tokens = sum(span.tokens for span in spans)
         budget = self.row_tokens or default_row_tokens(kind, padded_width)
         if budget is not None and tokens > budget:
@@ -365,7 +373,7 @@ class PackedLogProbs:
         (`padding_free_row_tokens` or `default_row_tokens`), `None` or `0` for one row."""
         unwrapped = self.trainer.accelerator.unwrap_model(model)
         config = getattr(unwrapped, "config", None)
-        kind = attention_kind(config)
+        kind = self.kind(model)
         width = attention_mask.size(1)
         if row_tokens == -1:
             row_tokens = self.row_tokens or default_row_tokens(kind, width)
@@ -387,7 +395,7 @@ class PackedLogProbs:
 
     def _model_forward(self, model, layout: PackedLayout, compute_aux_loss: bool):
         unwrapped = self.trainer.accelerator.unwrap_model(model)
-        kind = attention_kind(unwrapped.config)
+        kind = self.kind(model)
         inputs = {"input_ids": layout.input_ids, "position_ids": layout.position_ids, "use_cache": False}
         if kind == VARLEN:
             install_packed_attention(unwrapped.config._attn_implementation)
@@ -412,14 +420,23 @@ class PackedLogProbs:
         dtype = unwrapped.get_input_embeddings().weight.dtype
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
-    def _compute_dtype(self, model) -> torch.dtype:
-        """The dtype the forward computes in: autocast's where the accelerator turns it on, else the weights'."""
+    def compute_dtype(self, model) -> torch.dtype:
+        """The dtype `model`'s forward computes in: autocast's where the accelerator turns it on, else the weights'."""
         device = self.trainer.accelerator.device.type
         with self.trainer.accelerator.autocast():
             if torch.is_autocast_enabled(device):
                 return torch.get_autocast_dtype(device)
         parameter = next((p for p in model.parameters() if p.is_floating_point()), None)
         return parameter.dtype if parameter is not None else torch.float32
+
+    def kind(self, model) -> str | None:
+        """The attention kind of `model`'s packed forwards (`attention.attention_kind`), found once per model."""
+        unwrapped = self.trainer.accelerator.unwrap_model(model)
+        key = id(unwrapped), getattr(getattr(unwrapped, "config", None), "_attn_implementation", None)
+        if key not in self._kinds:
+            device = self.trainer.accelerator.device.type
+            self._kinds[key] = attention_kind(getattr(unwrapped, "config", None), device, self.compute_dtype(model))
+        return self._kinds[key]
 
     def _run_self_check(self, input_ids, attention_mask, logits_to_keep) -> None:
         check = self.self_check
@@ -432,7 +449,7 @@ class PackedLogProbs:
         completion = mask[:, -width:]
         # Two rows or more, several sequences in each: the training layout's boundaries between rows and within them.
         two_rows = -(-int(mask.sum()) // 2)
-        share = self.shared_prompts and shared_fallback_reason(self._config(model), False) is None
+        share = self.shared_prompts and shared_fallback_reason(self._config(model), False, self.kind(model)) is None
         was_training = model.training
         model.eval()  # no dropout: both forwards see the same weights and the same computation
         try:
@@ -456,7 +473,7 @@ class PackedLogProbs:
             model.train(was_training)
         # Each process decides on its own rows, without a collective: either way its log-probs are exact, and every
         # path runs one model forward per chunk, so that sharded engines gather their parameters alike.
-        check.judge(self._compute_dtype(model))
+        check.judge(self.compute_dtype(model))
         self._report_self_check(model)
 
     def _report_self_check(self, model) -> None:
