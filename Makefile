@@ -107,13 +107,13 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 # Wheels that a GPU machine without network access needs for `python -m benchmarks gpu` (Python 3.12, x86-64): the
-# pinned versions this project is tested with, of every package that machine lacks or has older (torch, accelerate,
-# huggingface_hub, tokenizers and the rest are there). Into .whl/ (git-ignored, ~17 MB), which travels with the
-# working tree; installed there, then run from the repository root (the working folder is on the path, so
-# benchmarks/ and trl_grpo_ext/ are imported from the checkout), with
+# pinned versions this project is tested with, of the packages that machine lacks (trl, datasets, and datasets' dill
+# and multiprocess). Its own torch, transformers (5.17 when last seen), accelerate, peft, pandas, pyarrow and the rest
+# are used as they are: the check runs on the stack users have there. Into .whl/ (git-ignored, ~2 MB), which travels
+# with the working tree; installed there, then run from the repository root, with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-#   PYTHONPATH=/tmp/site python3 -m benchmarks gpu
-GPU_WHEELS ?= trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 transformers==5.24.0 peft==0.21.2
+#   PYTHONPATH=/tmp/site:$PWD python3 -m benchmarks gpu --out bench-gpu
+GPU_WHEELS ?= trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 GPU_PYTHON_VERSION ?= 3.12
 WHEEL_DIR ?= .whl
 

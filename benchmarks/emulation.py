@@ -10,11 +10,18 @@ attention with `torch.nn.functional.scaled_dot_product_attention`, causal bottom
 and newer align it when a sequence has fewer queries than keys: exact, one sequence at a time.
 
 Used by the tests (`tests/test_forward_attention.py`) and `python -m benchmarks forward --attention flash-emulated`.
+
+`torch_flash_attention()` does the same with real kernels on a CUDA device without the `flash_attn` package: torch's
+own flash-attention 2 kernel, through `torch.nn.attention.varlen.varlen_attn` (`torch_varlen_available`), for both
+contracts (a dense batch is one varlen call over equal segments). `python -m benchmarks gpu` times and checks
+transformers' flash-attention path with it where `flash_attn` is missing, and says so.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import math
 
 import torch
 
@@ -22,6 +29,10 @@ __all__ = [
     "dense_attention",
     "flash_attention_emulation",
     "torch_varlen_attn",
+    "torch_dense_attention",
+    "torch_flash_attention",
+    "torch_varlen_attention",
+    "torch_varlen_available",
     "use_flash_attention",
     "varlen_attention",
 ]
@@ -101,21 +112,124 @@ def torch_varlen_attn(
     )
 
 
+def torch_varlen_available() -> bool:
+    """Whether torch has its own varlen flash-attention entry point (`torch.nn.attention.varlen.varlen_attn`) and a
+    CUDA device to run it on."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def torch_varlen_attention(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    deterministic=False,
+):
+    """`flash_attn_varlen_func`'s contract on torch's own flash kernel (`varlen_attn`; its keywords moved between
+    torch releases: a causal flag or a window, grouped-query heads natively or not, so they are read from its
+    signature). Causal attention with fewer queries than keys is bottom-right aligned as flash-attention 2.1 and newer
+    align it, torch's kernel among them (`python -m benchmarks gpu`'s exactness section checks it with shared prompts).
+    """
+    from torch.nn.attention.varlen import varlen_attn
+
+    if dropout_p:
+        raise ValueError("torch's varlen attention has no dropout")
+    if softcap:
+        raise ValueError("torch's varlen attention has no soft cap")
+    parameters = inspect.signature(varlen_attn).parameters
+    left, right = window_size if window_size is not None else (-1, -1)
+    keywords = {}
+    if "scale" in parameters:
+        keywords["scale"] = softmax_scale
+    elif softmax_scale is not None and not math.isclose(softmax_scale, q.size(-1) ** -0.5):
+        raise ValueError("this torch's varlen attention takes no scale")
+    if "window_size" in parameters:
+        keywords["window_size"] = (left, 0 if causal else right)
+    elif left >= 0 or right >= 0:
+        raise ValueError("this torch's varlen attention has no sliding window")
+    else:
+        keywords["is_causal"] = causal
+    if q.size(1) != k.size(1):
+        if "enable_gqa" in parameters:
+            keywords["enable_gqa"] = True
+        else:  # the same arithmetic with the key and value heads repeated
+            k, v = (x.repeat_interleave(q.size(1) // k.size(1), dim=1) for x in (k, v))
+    return varlen_attn(
+        q,
+        k,
+        v,
+        cu_seqlens_q.to(torch.int32),
+        cu_seqlens_k.to(torch.int32),
+        int(max_seqlen_q),
+        int(max_seqlen_k),
+        **keywords,
+    )
+
+
+def torch_dense_attention(
+    q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, deterministic=False
+):
+    """`flash_attn_func`'s contract on torch's varlen kernel: the batch's rows as equal segments."""
+    batch, length_q, length_k = q.size(0), q.size(1), k.size(1)
+
+    def bounds(length: int) -> torch.Tensor:
+        return torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=q.device)
+
+    out = torch_varlen_attention(
+        q.flatten(0, 1),
+        k.flatten(0, 1),
+        v.flatten(0, 1),
+        bounds(length_q),
+        bounds(length_k),
+        length_q,
+        length_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        deterministic,
+    )
+    return out.view(batch, length_q, *out.shape[-2:])
+
+
 @contextlib.contextmanager
-def flash_attention_emulation():
-    """Within the context, transformers' flash-attention path runs the stand-ins (module docstring)."""
+def _flash_kernels(dense, varlen):
+    """Within the context, transformers' flash-attention path calls `dense` and `varlen` as its kernels."""
     import transformers.modeling_flash_attention_utils as flash
 
     imports = flash._lazy_imports
 
     def stand_ins(implementation, attention_wrapper=None, allow_all_kernels=False):
-        return dense_attention, varlen_attention, None, flash._pad_input, flash._unpad_input
+        return dense, varlen, None, flash._pad_input, flash._unpad_input
 
     flash._lazy_imports, flash._loaded_implementation = stand_ins, None
     try:
         yield
     finally:
         flash._lazy_imports, flash._loaded_implementation = imports, None
+
+
+def flash_attention_emulation():
+    """Within the context, transformers' flash-attention path runs the exact stand-ins (module docstring)."""
+    return _flash_kernels(dense_attention, varlen_attention)
+
+
+def torch_flash_attention():
+    """Within the context, transformers' flash-attention path runs torch's own flash kernel (module docstring)."""
+    return _flash_kernels(torch_dense_attention, torch_varlen_attention)
 
 
 def use_flash_attention(*models, implementation: str = "flash_attention_2") -> None:

@@ -50,6 +50,7 @@ PACKAGES = (
     "dill",
     "multiprocess",
     "fsspec",
+    "flash_attn",
 )
 
 
@@ -68,11 +69,15 @@ def section_environment(ctx: Context, allotted: float, result: dict) -> dict:
     locations = {}
     for name in ("trl", "transformers", "peft", "datasets", "trl_grpo_ext"):
         locations[name] = os.path.dirname(importlib.import_module(name).__file__)
+    from .gpu_packing import flash_kernels
+
     result.update(
         {
             "python": platform.python_version(),
             "packages": packages,
             "imported_from": locations,
+            "flash_attention_2": flash_kernels(ctx.cuda),
+            "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
             "cpu_count": os.cpu_count(),
             "device": ctx.device,
             "sizes": ctx.sizes.label,

@@ -1,8 +1,9 @@
-"""What the sections of `python -m benchmarks gpu` share: sizes, the run's context, the local model, trainers.
+"""What the sections of `python -m benchmarks gpu` share: sizes, the run's context, the local models, trainers.
 
-The model is Qwen2.5-0.5B's configuration, randomly initialised and saved locally with a character tokenizer padded
-to its vocabulary (no Hub access); at `QUICK` sizes (no CUDA device, or `--quick`) it is a two-layer model of width
-32 and every section runs in seconds.
+The models are randomly initialised from published configurations and saved locally with a character tokenizer
+padded to their vocabulary (no Hub access): Qwen2.5-1.5B's for the log-prob forward's sections (`Sizes.check_model`),
+Qwen2.5-0.5B's for the training sections (`Sizes.model`); at `QUICK` sizes (no CUDA device, or `--quick`) both are a
+two-layer model of width 32 and every section runs in seconds.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __all__ = [
     "GPU",
     "QUICK",
     "QWEN25_05B_CONFIG",
+    "QWEN25_15B_CONFIG",
     "STOCK_EQUIVALENT",
     "SectionTimeout",
     "Sizes",
@@ -28,6 +30,7 @@ __all__ = [
     "free_memory",
     "loss_logs",
     "make_trainer",
+    "prompts",
     "text_hash_reward",
 ]
 
@@ -44,6 +47,15 @@ QWEN25_05B_CONFIG = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)
+# Qwen2.5-1.5B's published configuration, written out: 1,543M parameters.
+QWEN25_15B_CONFIG = dict(
+    QWEN25_05B_CONFIG,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
 )
 ALPHABET = "abcdefghij="
 # A random model puts ~1/vocab of its mass on <eos>: completions would all run to the length limit, and the
@@ -66,7 +78,8 @@ class Sizes:
     """Problem sizes of one kind of run."""
 
     label: str
-    model: dict
+    model: dict  # the training sections' model
+    check_model: dict  # the log-prob forward's sections' model (`gpu_packing`)
     completion_length: int  # max_completion_length of the equivalence, sync and end-to-end runs
     batch: int  # per_device_train_batch_size of the equivalence and sync runs
     num_generations: int
@@ -82,8 +95,9 @@ class Sizes:
 
 
 GPU = Sizes(
-    label="Qwen2.5-0.5B configuration",
+    label="Qwen2.5-1.5B configuration (forward sections), Qwen2.5-0.5B (training sections)",
     model=QWEN25_05B_CONFIG,
+    check_model=QWEN25_15B_CONFIG,
     completion_length=64,
     batch=8,
     num_generations=8,
@@ -97,18 +111,20 @@ GPU = Sizes(
     kernel_inner=10,
     agreement_shape=(64, 4096),
 )
+_TINY = dict(
+    QWEN25_05B_CONFIG,
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 QUICK = Sizes(
     label="quick: 2 layers, width 32, vocabulary 256",
-    model=dict(
-        QWEN25_05B_CONFIG,
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    ),
+    model=_TINY,
+    check_model=_TINY,
     completion_length=8,
     batch=8,
     num_generations=4,
@@ -137,23 +153,27 @@ class Context:
     layers: int | None = None  # overrides the model's number of layers
     save: Callable[[], None] = lambda: None  # writes the results so far (sections call it after each part)
     estimates: dict = field(default_factory=dict)  # measured costs that later sections plan with
-    _model: tuple | None = None
+    state: dict = field(default_factory=dict)  # objects that later sections reuse (the forward sections' trainer)
+    _models: dict = field(default_factory=dict)
 
     @property
     def cuda(self) -> bool:
         return self.device == "cuda"
 
-    def model(self) -> tuple[str, str]:
-        """`(model folder, tokenizer folder)`, built on first use."""
-        if self._model is None:
-            config = dict(self.sizes.model)
-            if self.layers:
-                config["num_hidden_layers"] = self.layers
+    def model(self, kind: str = "model") -> tuple[str, str]:
+        """`(model folder, tokenizer folder)` of `Sizes.model` (`kind="model"`) or `Sizes.check_model`
+        (`"check_model"`), built on first use; one folder for both where they are the same configuration."""
+        config = dict(getattr(self.sizes, kind))
+        if self.layers:
+            config["num_hidden_layers"] = self.layers
+        key = repr(sorted(config.items()))
+        if key not in self._models:
             begin = time.monotonic()
-            self._model = build_model_folder(os.path.join(self.workdir, "model"), config, self.device)
-            self.estimates["model_build_s"] = time.monotonic() - begin
-            self.log(f"built and saved the model in {self.estimates['model_build_s']:.1f} s")
-        return self._model
+            folder = os.path.join(self.workdir, f"model-{len(self._models)}")
+            self._models[key] = build_model_folder(folder, config, self.device)
+            self.estimates[f"{kind}_build_s"] = time.monotonic() - begin
+            self.log(f"built and saved the {kind.replace('_', ' ')} in {self.estimates[f'{kind}_build_s']:.1f} s")
+        return self._models[key]
 
 
 def build_model_folder(folder: str, model_config: dict, device: str, seed: int = 0) -> tuple[str, str]:
@@ -196,7 +216,8 @@ def text_hash_reward(completions, **kwargs) -> list[float]:
     return [zlib.crc32(completion.encode()) % 1000 / 1000 for completion in completions]
 
 
-def _prompts(count: int) -> list[str]:
+def prompts(count: int) -> list[str]:
+    """`count` four-character prompts of the training sections' task (three letters and `=`)."""
     return [ALPHABET[i % 10] + ALPHABET[(3 * i + 1) % 10] + ALPHABET[(7 * i + 2) % 10] + "=" for i in range(count)]
 
 
@@ -241,7 +262,7 @@ def make_trainer(ctx: Context, side: str, output_dir: str, lora: bool, trainer_c
         model=model_path,
         reward_funcs=text_hash_reward,
         args=config,
-        train_dataset=Dataset.from_dict({"prompt": _prompts(64)}),
+        train_dataset=Dataset.from_dict({"prompt": prompts(64)}),
         processing_class=AutoTokenizer.from_pretrained(tokenizer_path),
         peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear") if lora else None,
         callbacks=list(callbacks),

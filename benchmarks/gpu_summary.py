@@ -41,7 +41,207 @@ def _environment(result: dict) -> list[str]:
             f"compute capability {gpu['capability']}, CUDA {gpu['cuda']}."
         )
     lines.append(f"Imported from: {', '.join(f'{k} {v}' for k, v in result['imported_from'].items())}.")
+    flash = result.get("flash_attention_2")
+    if flash:
+        lines += ["", f"flash-attention 2: {flash.get('description') or flash.get('reason')}."]
     return lines
+
+
+def _gib(value) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f}"
+
+
+def _engagement(result: dict) -> list[str]:
+    rows = []
+    for name, setup in result["setups"].items():
+        check = setup["self_check"]
+        rows.append(
+            [
+                name,
+                setup["weights"],
+                _number(setup["bf16"]),
+                setup["attn_implementation"],
+                f"{setup['packed_forwards']}/{setup['forwards']}",
+                _number(not setup["fell_back"]),
+                _number(check["passed"]),
+                check["dtype"],
+                f"{check['difference']:.3g}",
+                f"{check['floor']:.3g}",
+                f"{check['tolerance']:.3g}",
+                "-"
+                if check["shared_passed"] is None
+                else f"{_number(check['shared_passed'])} ({check['shared_difference']:.3g})",
+            ]
+        )
+    headers = [
+        "setup",
+        "weights",
+        "bf16",
+        "attention",
+        "forwards packed",
+        "engaged",
+        "self-check passed",
+        "at",
+        "difference",
+        "floor",
+        "tolerance",
+        "shared passed (difference)",
+    ]
+    lines = [format_table(headers, rows), ""]
+    for name, setup in result["setups"].items():
+        lines += [f"- {name}: {message}" for message in setup["messages"]]
+    return lines
+
+
+def _exactness(result: dict) -> list[str]:
+    batch = result["batch"]
+    lines = [
+        f"{batch['label']}: {batch['rows']} rows of {batch['width']} columns, {batch['real_tokens']} real tokens, "
+        f"padding_free_row_tokens={batch['padding_free_row_tokens']}. Tolerance: {result['floor_factor']:g} x the "
+        "floor (TRL's padded forward against itself with 7 more columns of left padding), at least the dtype's "
+        "minimum.",
+        "",
+    ]
+    rows = []
+    for run in result["runs"]:
+        floor = run["floor"]
+        for side, entry in run["sides"].items():
+            rows.append(
+                [
+                    run["attention"],
+                    run["precision"],
+                    side,
+                    entry["packed_rows"],
+                    f"{entry['max']:.3g}",
+                    f"{entry['p99.9']:.3g}",
+                    f"{floor['max']:.3g}",
+                    f"{floor['p99.9']:.3g}",
+                    f"{run['tolerance']:.3g}",
+                    _number(entry["within_tolerance"]),
+                ]
+            )
+    headers = ["attention", "precision", "side", "packed rows", "max", "p99.9", "floor max", "floor p99.9"]
+    lines += [format_table([*headers, "tolerance", "within"], rows), ""]
+    lines += [f"- {run['attention']}: {run['kernels']}." for run in result["runs"] if run["precision"] != "float32"]
+    return lines
+
+
+def _attention(result: dict) -> list[str]:
+    rows = [
+        [label, ", ".join(entry["classes"]) or "none", "; ".join(entry["attention_kernels"][:3])[:200]]
+        for label, entry in result["kernels"].items()
+    ]
+    lines = [format_table(["side/attention", "attention kernel", "kernels (first 3)"], rows), ""]
+    rows = []
+    for case in result["throughput"]:
+        for name in ("masked", "causal_no_mask", "gemm"):
+            rows.append(
+                [
+                    case["length"],
+                    name,
+                    f"{case[name]['forward_s'] * 1e3:.3g}",
+                    f"{case[name]['forward_tflops']:.3g}",
+                    f"{case[name]['forward_backward_s'] * 1e3:.3g}",
+                    f"{case[name]['forward_backward_tflops']:.3g}",
+                ]
+            )
+    headers = ["L", "kernel", "forward ms", "TFLOP/s", "forward + backward ms", "TFLOP/s"]
+    lines += [format_table(headers, rows), ""]
+    decision = result.get("decision")
+    if decision:
+        lines.append(
+            f"Masked sdpa at {decision['masked_over_gemm']:.2f} of GEMM throughput "
+            f"(L={decision['masked_over_gemm_at_length']}, forward + backward): attention costs a token "
+            f"{decision['attention_share_measured']:.3g} of its linear layers at the padded width "
+            f"{decision['padded_width']} (the package's price: "
+            f"{decision['attention_share_at_gemm_throughput']:.3g}); the dense layout's tails are "
+            f"{decision['dense_layout_tail_share']:.3g} of its tokens. Verdict: {decision['verdict']}."
+        )
+    return lines
+
+
+def _memory(result: dict) -> list[str]:
+    rows = []
+    for label, runs in result["runs"].items():
+        row = [label]
+        for key in ("checkpointing_on", "checkpointing_off"):
+            run = runs.get(key)
+            if run is None:
+                row += ["-", "-", "-"]
+            elif "out_of_memory" in run:
+                row += ["out of memory", "-", "-"]
+            else:
+                row += [
+                    _gib(run.get("peak_bytes")),
+                    _gib(run.get("peak_above_start_bytes")),
+                    f"{run['saved_bytes'] / 2**20:.1f}",
+                ]
+        rows.append(row)
+    headers = ["side"]
+    for state in ("on", "off"):
+        headers += [f"checkpointing {state}: peak GiB", "above start GiB", "saved for backward MiB"]
+    check = result.get("self_check", {})
+    return [
+        f"{result['batch']['label']}.",
+        "",
+        format_table(headers, rows),
+        "",
+        f"The step-1 self-check alone: {check.get('seconds', 0):.2f} s, "
+        f"{_gib(check.get('peak_above_start_bytes'))} GiB above the start, passed {_number(check.get('passed'))}.",
+    ]
+
+
+def _speed(result: dict) -> list[str]:
+    batch = result["batch"]
+    rows = []
+    for label, entry in result["sides"].items():
+        if "out_of_memory" in entry:
+            rows.append([label, "out of memory", "-", "-", "-", "-"])
+            continue
+        rows.append(
+            [
+                label,
+                _span(entry["seconds"]),
+                _number(entry.get("time_over_trl_sdpa"), 3),
+                entry["tokens_forwarded"],
+                f"{entry['tokens_per_real_token']:.2f}",
+                _gib(entry["peak_bytes"]),
+            ]
+        )
+    headers = ["side", "forward + backward s", "/ trl sdpa", "tokens forwarded", "per real token", "peak GiB"]
+    return [
+        f"{batch['label']}: {batch['rows']} rows of {batch['width']} columns, {batch['real_tokens']} real tokens; "
+        f"{result['precision']}, gradient checkpointing on.",
+        "",
+        format_table(headers, rows),
+    ]
+
+
+def _host(result: dict) -> list[str]:
+    rows = []
+    for label, entry in result["sides"].items():
+        rows.append(
+            [
+                label,
+                f"{entry['host_s'] * 1e3:.2f}",
+                "-" if "device_gap_s" not in entry else f"{entry['device_gap_s'] * 1e3:.2f}",
+                entry["package_syncs_per_chunk"],
+                "; ".join(f"{site} x{n}" for site, n in entry["sync_sites"].items())[:160],
+            ]
+        )
+    headers = ["side", "host ms before the model", "device gap ms", "package syncs / chunk", "sites"]
+    return [format_table(headers, rows)]
+
+
+def _truncation(result: dict) -> list[str]:
+    if "error" in result:
+        return [f"Not timed: `{result['error']}` (the match's API changed?)."]
+    return [
+        f"{result['batch']['label']}, {result['cuts']}, vocabulary {result['vocab']}: the match "
+        f"{result['match_s']:.3f} s against one forward's {result['forward_s']:.3f} s "
+        f"({result['match_over_forward']:.2f}x); {result['extra_s_per_1000_positions']:.3g} s more per 1,000 "
+        f"completion positions, {result['extra_s_at_64x8192']:.3g} s at 64 x 8,192."
+    ]
 
 
 def _equivalence(result: dict) -> list[str]:
@@ -218,12 +418,19 @@ def _forward(result: dict) -> list[str]:
 
 RENDERERS = {
     "environment": ("Environment", _environment),
+    "engagement": ("1. Does packing engage? (self-check, fallback)", _engagement),
+    "exactness": ("2. |packed - padded| log-prob on several packed rows", _exactness),
+    "attention": ("3. Attention kernels and masked-attention throughput", _attention),
+    "memory": ("4. Peak memory", _memory),
+    "speed": ("5. Forward + backward time", _speed),
+    "host": ("6. Host time before each forward, host syncs", _host),
+    "truncation": ("7. The truncation match's cost", _truncation),
     "equivalence": ("Equivalence with stock TRL", _equivalence),
     "syncs": ("Host synchronisations", _syncs),
     "kernels": ("Loss kernels", _kernels),
     "nonfinite": ("Non-finite guard", _nonfinite),
     "e2e": ("End to end (GRPOTrainerExt / stock TRL)", _e2e),
-    "forward": ("The log-prob forward (padding-free / TRL's padded)", _forward),
+    "forward": ("The log-prob forward on a small model (padding-free / TRL's padded)", _forward),
 }
 
 
