@@ -143,7 +143,7 @@ def _syncs(trainer, ids, mask, width) -> dict:
     with SyncCounter(ids.device.type) as counter:
         trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, width, None, True)
     ours = {site: n for (owner, _, site), n in counter.sites.items() if owner == "trl_grpo_ext"}
-    uploads = sum(n for site, n in ours.items() if site.endswith(" _upload"))
+    uploads = sum(n for site, n in ours.items() if site.endswith(" upload"))
     others = {f"{owner}": n for (owner, _), n in counter.counts.items() if owner not in ("trl_grpo_ext", "bench")}
     return {"package": sum(ours.values()) - uploads, "uploads": uploads, "sites": ours, "others": others}
 

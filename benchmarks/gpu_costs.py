@@ -318,7 +318,7 @@ def section_host(ctx: Context, allotted: float, result: dict) -> dict:
             with SyncCounter(ctx.device) as counter, torch.no_grad():
                 b.logps(side, ids, mask, width)
         ours = {site: n for (owner, _, site), n in counter.sites.items() if owner == "trl_grpo_ext"}
-        uploads = sum(n for site, n in ours.items() if site.endswith(" _upload"))
+        uploads = sum(n for site, n in ours.items() if site.endswith(" upload"))
         entry = {
             "host_s": statistics.median(t["host_s"] for t in times),
             "package_syncs_per_chunk": sum(ours.values()) - (uploads if not ctx.cuda else 0),

@@ -297,12 +297,28 @@ def section_syncs(ctx: Context, allotted: float, result: dict) -> dict:
         free_memory()
         ctx.save()
     ours = result["runs"]["ext"]
+    # The packed forward's designed read of each chunk's row spans, and its asynchronous upload of the layout
+    # (`forward.layout`), are counted apart; so is its self-check, once per run.
+    sites = {(entry["phase"], entry["site"]): entry["count"] for entry in ours["trl_grpo_ext_sites"]}
+    chunk_reads = sum(n for (_, site), n in sites.items() if site.endswith(" row_spans"))
+    uploads = sum(n for (_, site), n in sites.items() if site.endswith(" upload"))
+    once = sum(n for (_, site), n in sites.items() if site.startswith("logprobs.py"))
+    other = {
+        phase: sum(
+            n
+            for (where, site), n in sites.items()
+            if where == phase and not site.endswith((" row_spans", " upload")) and not site.startswith("logprobs.py")
+        )
+        for phase in ("loss", "micro_batch", "generation")
+    }
+    result["packed_forward"] = {"chunk_reads": chunk_reads, "uploads": uploads, "self_check_events": once}
     # The loss and the diagnostics' accumulation (per micro-batch) and the reward statistics (per generation).
-    result["checks"]["ext_loss_and_diagnostics_no_sync_per_micro_batch"] = (
-        ours["trl_grpo_ext_per_micro_batch"]["loss"] == 0
-        and ours["trl_grpo_ext_per_micro_batch"]["micro_batch"] == 0
-        and ours["trl_grpo_ext_per_log_step"]["generation"] == 0
-    )
+    result["checks"]["ext_loss_and_diagnostics_no_sync_per_micro_batch"] = not any(other.values())
+    # In the loss, each packed chunk reads its spans once and uploads its layout once (generation adds the rewards'
+    # uploads and the self-check).
+    loss_reads = sum(n for (where, site), n in sites.items() if where == "loss" and site.endswith(" row_spans"))
+    loss_uploads = sum(n for (where, site), n in sites.items() if where == "loss" and site.endswith(" upload"))
+    result["checks"]["ext_packed_forward_one_sync_per_chunk"] = loss_reads == loss_uploads > 0
     if ctx.cuda:
         per_log = ours["trl_grpo_ext_per_log_step"]["log"]
         result["targets"]["ext_syncs_per_log_step"] = {"value": per_log, "limit": 1, "met": per_log <= 1}

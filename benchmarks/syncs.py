@@ -10,7 +10,7 @@ is of the operations that would on a GPU, seen through a `TorchDispatchMode`: re
 (`ops.numerics.all_at_most`), switched to a GPU's path; `.tolist()` and `.numpy()`, which never reach the dispatcher
 for a CPU tensor, are counted where they are called. It misses `.cpu()` and `.to(device)`, and counts
 `torch.tensor(...)` calls that a GPU run would keep on the host or upload asynchronously (the packed forward's
-`_upload`: its site says so).
+`upload`: its site says so).
 
 Each event is attributed twice:
 

@@ -351,7 +351,7 @@ def test_one_host_synchronisation_per_chunk_and_one_asynchronous_upload(trainer)
     with SyncCounter("cpu") as counter:
         trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C, batch_size=3, compute_entropy=True)
     ours = {site: n for (owner, _, site), n in counter.sites.items() if owner == "trl_grpo_ext"}
-    uploads = sum(n for site, n in ours.items() if site.endswith(" _upload"))
+    uploads = sum(n for site, n in ours.items() if site.endswith(" upload"))
     assert uploads == 3, ours
     assert sum(ours.values()) - uploads == 3, ours  # row_spans' read of each chunk
 

@@ -49,6 +49,7 @@ from .diagnostics import DiagnosticsAccumulator
 from .diagnostics.loggers import write_histograms
 from .diagnostics.mismatch import sampler_mismatch
 from .forward import FORWARD_METRICS, PackedLogProbs, forward_counts
+from .forward.layout import upload
 from .forward.objective_inputs import entropy_bonus, gather_objective_inputs, policy_logps_and_entropies
 from .guardrails.anomaly import AlarmSettings, AnomalyMonitor
 from .guardrails.launch import check_launch, check_train_dataset
@@ -368,9 +369,10 @@ class GRPOTrainerExt(GRPOTrainer):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         # This process's completion lengths are the rows of its slice (TRL's `process_slice`) of the rewards.
         device = rewards_per_func.device
-        lengths = torch.tensor([len(ids) for ids in completion_ids_list], device=device)
         ends = self._completion_ends
-        truncated = torch.tensor([not ids or ids[-1] not in ends for ids in completion_ids_list], device=device)
+        # Uploaded without waiting for the device (from host lists: a blocking copy otherwise).
+        lengths = upload([len(ids) for ids in completion_ids_list], device)
+        truncated = upload([not ids or ids[-1] not in ends for ids in completion_ids_list], device, torch.bool)
         first_row = self.accelerator.process_index * len(prompts)
         self._scored = ScoredBatch(rewards_per_func, lengths, first_row, truncated)
         return rewards_per_func

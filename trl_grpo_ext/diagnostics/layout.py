@@ -45,14 +45,25 @@ class FieldLayout:
             start += width
         self.width = start
         self._reductions = reductions
+        self._mask_cache: dict[str, dict[str, torch.Tensor]] = {}
 
     def fields(self, prefix: str = "") -> list[tuple[str, str, int]]:
         """The `(name, reduction, size)` of every field, names prefixed: to build a larger layout from this one."""
         return [(prefix + name, self.reductions[name], self.sizes[name]) for name in self.names]
 
     def _masks(self, device: torch.device) -> dict[str, torch.Tensor]:
-        kinds = torch.tensor([REDUCTIONS.index(reduction) for reduction in self._reductions], device=device)
-        return {reduction: kinds == index for index, reduction in enumerate(REDUCTIONS)}
+        # Filled on the device (a tensor made from host data is a blocking copy on a GPU), once: merge runs per
+        # micro-batch.
+        key = str(device)
+        if key not in self._mask_cache:
+            kinds = torch.cat(
+                [
+                    torch.full((self.sizes[name],), REDUCTIONS.index(self.reductions[name]), device=device)
+                    for name in self.names
+                ]
+            )
+            self._mask_cache[key] = {reduction: kinds == index for index, reduction in enumerate(REDUCTIONS)}
+        return self._mask_cache[key]
 
     def pack(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
         """One vector from `values` (a 0-dim tensor per scalar field, a `(size,)` one per block), in field order."""

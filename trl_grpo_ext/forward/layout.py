@@ -52,6 +52,7 @@ __all__ = [
     "prompt_leaders",
     "row_spans",
     "unpackable_reason",
+    "upload",
 ]
 
 
@@ -104,7 +105,8 @@ def forward_counts(
     """
     prompt_tokens = prompt_mask.sum(-1)  # (N,)
     real = prompt_tokens.sum() + completion_mask.sum()
-    forwarded = torch.tensor(prompt_mask.numel() + completion_mask.numel(), device=prompt_mask.device)
+    # Filled on the device from a Python number: a tensor made from host data would be a blocking copy on a GPU.
+    forwarded = torch.full((), prompt_mask.numel() + completion_mask.numel(), device=prompt_mask.device)
     repeated = (prompt_tokens * ~first_of_prompt(prompt_ids, prompt_mask)).sum()
     return ForwardCounts(
         forwarded=forwarded.float(),
@@ -363,9 +365,9 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> tuple[to
     return piece, starts[piece] + torch.arange(total, device=lengths.device) - first[piece]
 
 
-def _upload(values: list[int], device: torch.device) -> torch.Tensor:
+def upload(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """One host array to the device without waiting for it: from pinned memory, asynchronously, on a GPU."""
-    host = torch.tensor(values, dtype=torch.long)
+    host = torch.tensor(values, dtype=dtype)
     if device.type == "cpu":
         return host
     if device.type == "cuda":
@@ -497,7 +499,7 @@ def pack_rows(
     host += [value for entry in scored for value in entry]
     host += query_lengths + key_lengths + [value for span in key_spans for value in span] + ends + shifts
     arrays = torch.split(
-        _upload(host, device),
+        upload(host, device),
         [
             6 * len(pieces),
             3 * len(scored),
