@@ -296,6 +296,24 @@ def test_only_the_positions_no_bound_covers_are_sorted(monkeypatch):
     assert topk == [] and sort == []
 
 
+def test_the_rows_left_by_the_first_bound_are_copied_and_sorted_a_group_at_a_time(monkeypatch):
+    """A full sort holds 24 bytes per logit: past the first bound (which reads the chunk in place), rows go through
+    the next bound and the sort in groups of `SORT_ELEMENTS // V` rows, with the same result."""
+    import trl_grpo_ext.ops.sampler_cuts as module
+
+    generator = torch.Generator().manual_seed(5)
+    sizes = [1, 9, 20, 33, 50, 40, 12, 2, 35, 36, 37, 3]
+    logits = torch.stack([nucleus_row(size, 0.7, generator) for size in sizes])
+    targets = torch.arange(len(logits))
+    expected = truncated_log_probs(logits, targets, SamplerCuts(top_p=0.7), top_p_bounds=())
+    monkeypatch.setattr(module, "SORT_ELEMENTS", 4 * VOCAB)
+    topk, sort = counting(monkeypatch, "topk"), counting(monkeypatch, "sort")
+    out = truncated_log_probs(logits, targets, SamplerCuts(top_p=0.7), top_p_bounds=BOUNDS)
+    assert topk == [12, 4, 4, 1] and sort == [4, 2]  # 9 rows past 8 tokens, 6 of them past 32
+    for got, want in zip(out, expected, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_at_qwen_s_vocabulary_the_head_is_read_once_per_110_positions(monkeypatch):
     vocab = 151_936
     generator = torch.Generator().manual_seed(4)

@@ -25,10 +25,11 @@ order as the first `K` of a full sort; their cumulative sums are the nucleus's p
 all `K` (the predecessors of the `K + 1`-th) is already `>= top_p`, the `K + 1`-th token and every later one are
 dropped, so the nucleus lies inside the `K` and is the one the full sort gives. The other positions (a nucleus of
 more than `K` tokens: a flat distribution) go on to the next, wider bound of `TOP_P_BOUNDS`, and those it does not
-cover either to the full sort of their row. Both paths read the kept mass off the same cumulative sums, so the
-result does not depend on which path a position took (on the CPU bit for bit: a row's cumulative sum runs in
-order, its first `K` sums are the prefix's; a GPU's parallel scan may round the two differently, within float
-rounding of `top_p`, as any two implementations of the cut do). `top_p_bounds=()` sorts every position.
+cover either to the full sort of their row (`SORT_ELEMENTS` logits at a time). Both paths read the kept mass off the
+same cumulative sums, so the result does not depend on which path a position took (on the CPU bit for bit: a row's
+cumulative sum runs in order, its first `K` sums are the prefix's; a GPU's parallel scan may round the two
+differently, within float rounding of `top_p`, as any two implementations of the cut do). `top_p_bounds=()` sorts
+every position.
 
 Nothing here imports TRL or transformers; the full `(R, V)` logits are built `chunk_size` positions at a time.
 """
@@ -43,6 +44,7 @@ import torch
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "SORT_ELEMENTS",
     "TOP_P_BOUNDS",
     "SamplerCuts",
     "TruncatedLogProbs",
@@ -56,6 +58,9 @@ __all__ = [
 CHUNK_ELEMENTS = 1 << 24
 #: The widths of the top-k bounds tried, in turn, on the top-p cut before a position's row is sorted in full.
 TOP_P_BOUNDS = (256, 4096)
+#: Logit elements per full sort (27 rows at Qwen's vocabulary): the rows that no bound covers are sorted a group at a
+#: time, since a sort holds its values, int64 indices and cumulative sums at once (24 bytes per logit).
+SORT_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -114,20 +119,29 @@ def _nucleus(ordered: torch.Tensor, top_p: float) -> _Nucleus:
 def _top_p_cut(q: torch.Tensor, top_p: float, bounds: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept mass and the least likely kept `q` of each row of `q` `(R, V)` under top-p: through the top-k
     bounds first, then the full sort of the rows that none covers (see the module docstring)."""
-    mass, smallest = q.new_empty(q.shape[0]), q.new_empty(q.shape[0])
-    pending = torch.arange(q.shape[0], device=q.device)
-    for width in bounds:
-        if width >= q.shape[-1] or pending.numel() == 0:
+    rows, vocab = q.shape
+    mass, smallest = q.new_empty(rows), q.new_empty(rows)
+    group = max(1, SORT_ELEMENTS // vocab)
+    pending = torch.arange(rows, device=q.device)
+    for width in [width for width in bounds if width < vocab] + [vocab]:
+        full = width == vocab
+        if pending.numel() == rows and not full:  # every row: no copy of the chunk
+            parts = [(pending, q)]
+        else:  # a copy of the rows left, a group at a time
+            parts = ((index, q[index]) for index in pending.split(group))
+        left = []
+        for index, values in parts:
+            if full:
+                ordered = torch.sort(values, dim=-1, descending=True).values
+            else:
+                ordered = torch.topk(values, width, dim=-1).values
+            cut = _nucleus(ordered, top_p)
+            done = torch.ones_like(cut.covered) if full else cut.covered
+            mass[index[done]], smallest[index[done]] = cut.mass[done], cut.smallest[done]
+            left.append(index[~done])  # one host synchronisation per bound and group
+        pending = torch.cat(left)
+        if pending.numel() == 0:
             break
-        rows = q if pending.numel() == q.shape[0] else q[pending]
-        cut = _nucleus(torch.topk(rows, width, dim=-1).values, top_p)
-        done = pending[cut.covered]
-        mass[done], smallest[done] = cut.mass[cut.covered], cut.smallest[cut.covered]
-        pending = pending[~cut.covered]  # one host synchronisation per bound and chunk
-    if pending.numel():
-        rows = q if pending.numel() == q.shape[0] else q[pending]
-        cut = _nucleus(torch.sort(rows, dim=-1, descending=True).values, top_p)
-        mass[pending], smallest[pending] = cut.mass, cut.smallest
     return mass, smallest
 
 
