@@ -125,7 +125,7 @@ def _top_p_cut(q: torch.Tensor, top_p: float, bounds: tuple[int, ...]) -> tuple[
     pending = torch.arange(rows, device=q.device)
     for width in [width for width in bounds if width < vocab] + [vocab]:
         full = width == vocab
-        if pending.numel() == rows and not full:  # every row: no copy of the chunk
+        if pending.numel() == rows and (not full or rows <= group):  # every row: no copy of the chunk
             parts = [(pending, q)]
         else:  # a copy of the rows left, a group at a time
             parts = ((index, q[index]) for index in pending.split(group))
