@@ -6,7 +6,7 @@ min/max. See each module's docstring for what it measures. `learning` (held-out 
 on the demo task, several seeds per side; tens of minutes on one thread) is not part of `all`, nor is `truncation`
 (vLLM's importance-sampling ratio under truncated sampling, on a real engine: run it from the vLLM environment,
 `.venv-vllm/bin/python -m benchmarks truncation`; a few minutes), nor is `truncation-cost` (that match's cost at
-Qwen's vocabulary against TRL's log-prob forward; about 5 minutes on one thread), nor is `health` (the peers' scenario
+Qwen's vocabulary against TRL's log-prob forward; about 10 minutes on one thread), nor is `health` (the peers' scenario
 corpus judged by `report`'s rules and by the peers that are installed: a scenario x tool table, seconds).
 
 `demo` runs the README's main command, `make demo` (the demo recipe), and records its wall time, held-out scores and
