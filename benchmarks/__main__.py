@@ -1,12 +1,13 @@
-"""`python -m benchmarks {e2e,kernel,comm,forward,learning,truncation,health,all} [--json PATH]`: benchmarks that print
-tables and write JSON.
+"""`python -m benchmarks {e2e,kernel,comm,forward,learning,truncation,truncation-cost,health,all} [--json PATH]`:
+benchmarks that print tables and write JSON.
 
 Every comparison runs its sides alternately in one invocation, with pinned CPU threads, and reports medians with
 min/max. See each module's docstring for what it measures. `learning` (held-out exact match against training time
 on the demo task, several seeds per side; tens of minutes on one thread) is not part of `all`, nor is `truncation`
 (vLLM's importance-sampling ratio under truncated sampling, on a real engine: run it from the vLLM environment,
-`.venv-vllm/bin/python -m benchmarks truncation`; a few minutes), nor is `health` (the peers' scenario corpus judged
-by `report`'s rules and by the peers that are installed: a scenario x tool table, seconds).
+`.venv-vllm/bin/python -m benchmarks truncation`; a few minutes), nor is `truncation-cost` (that match's cost at
+Qwen's vocabulary against TRL's log-prob forward; about 10 minutes on one thread), nor is `health` (the peers' scenario
+corpus judged by `report`'s rules and by the peers that are installed: a scenario x tool table, seconds).
 
 `demo` runs the README's main command, `make demo` (the demo recipe), and records its wall time, held-out scores and
 alarms (about 2 minutes; not part of `all`).
@@ -37,7 +38,8 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(tables_main(argv[1:]))
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    suites = ["e2e", "kernel", "comm", "forward", "learning", "truncation", "health", "demo", "all", "gpu", "tables"]
+    suites = ["e2e", "kernel", "comm", "forward", "learning", "truncation", "truncation-cost", "health", "demo", "all"]
+    suites += ["gpu", "tables"]
     parser.add_argument("suite", choices=suites)
     parser.add_argument("--json", default=None, help="where to write the results (default: bench-<suite>.json)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 was fastest for small models)")
@@ -200,6 +202,17 @@ def main(argv: list[str] | None = None) -> None:
             "median over the steps, min-max)"
         )
         tables.append(title + "\n" + truncation.table(results["truncation"]))
+
+    if args.suite == "truncation-cost":
+        from . import truncation
+
+        results["truncation_cost"] = truncation.run_cost(repeats=1 if args.quick else 3, quick=args.quick)
+        cost = results["truncation_cost"]
+        title = (
+            f"match_sampler_truncation's cost at a {cost['model']['vocab_size']:,}-token vocabulary against TRL's "
+            f"log-prob forward ({cost['forward_s']['median']:.2f} s), top_p={cost['top_p']}"
+        )
+        tables.append(title + "\n" + truncation.cost_table(cost))
 
     if args.suite == "health":
         from . import health_scenarios

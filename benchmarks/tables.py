@@ -102,6 +102,22 @@ def _truncation(results: dict) -> str:
     )
 
 
+def _truncation_cost(results: dict) -> str:
+    """The truncation match's cost table as the suite prints it, the forward, model and batch after it."""
+    from . import truncation
+
+    batch, model, forward = results["batch"], results["model"], results["forward_s"]["median"]
+    return (
+        f"{truncation.cost_table(results)}\n\nTRL's log-prob forward of the batch: {forward:.2f} s "
+        f"(median of {results['repeats']}); {batch['rows']} completions of up to {batch['width']} tokens "
+        f"({batch['completion_tokens']} completion tokens) after {batch['prompt']} prompt tokens; hidden size "
+        f"{model['hidden_size']}, {model['num_hidden_layers']} layers, the LM head "
+        f"{results['lm_head_flop_share']:.0%} of the forward's matmul FLOPs; top_p={results['top_p']}, bounds "
+        f"{', '.join(f'{width:,}' for width in results['top_p_bounds'])}; "
+        f"{results['chunk_positions']['before']} and {results['chunk_positions']['after']} positions per chunk."
+    )
+
+
 def _learning_epochs(results: dict) -> str:
     """The learning benchmark's multi-epoch runs: the summary table, held-out exact match every 100 steps, and the
     groups' flatness."""
@@ -179,6 +195,7 @@ RENDERERS: dict[str, Renderer] = {
     "forward": Renderer("forward", _forward),
     "comm": Renderer("comm", _comm),
     "truncation": Renderer("truncation", _truncation),
+    "truncation-cost": Renderer("truncation_cost", _truncation_cost),
     "learning-spread": Renderer("learning", _learning_epochs),
     "learning-demo": Renderer("learning", _learning_whole),
     "learning-demo-epochs": Renderer("learning", _learning_epochs),

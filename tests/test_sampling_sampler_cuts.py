@@ -324,3 +324,50 @@ def test_the_match_acts_only_with_vllm_a_cut_and_the_option(
     assert built(**VLLM, top_k=-1)._truncation_match is None  # vLLM's "no top-k"
     match = built(**VLLM, generation_kwargs={"top_p": 0.95})._truncation_match
     assert isinstance(match, TruncationMatch) and match.cuts == SamplerCuts(top_p=0.95)
+
+
+def test_the_trainer_pass_projects_only_the_scored_tokens(
+    plain_engine, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, monkeypatch
+):
+    """Completion padding and tool output are never projected through the head: over micro-batches of 4 and 2 rows,
+    the projected positions are the scored tokens, their kept mass that of the whole padded batch's logits; the
+    other positions keep TRL's log-probs with a log kept mass of 0."""
+    import trl_grpo_ext.sampling.sampler_cuts as module
+
+    args = GRPOConfig(**tiny_grpo_args(tmp_path / "out", per_device_eval_batch_size=4), **VLLM, top_p=0.6)
+    trainer = make_trainer(args.output_dir, tiny_model_path, tiny_tokenizer, prompt_dataset, args=args)
+    generator = torch.Generator().manual_seed(1)
+    completion_mask = torch.ones(6, 7, dtype=torch.long)
+    for row, length in enumerate([7, 3, 5, 0, 1, 6]):
+        completion_mask[row, length:] = 0
+    tool_mask = torch.ones(6, 7, dtype=torch.long)
+    tool_mask[0, 2:4] = 0  # tool output inside the first completion
+    output = {
+        "prompt_ids": torch.randint(3, 20, (6, 5), generator=generator),
+        "prompt_mask": torch.ones(6, 5, dtype=torch.long),
+        "completion_ids": torch.randint(3, 20, (6, 7), generator=generator),
+        "completion_mask": completion_mask,
+        "tool_mask": tool_mask,
+    }
+    projected = []
+    original = module.truncated_log_probs_from_hidden
+
+    def counted(hidden, *args, **kwargs):
+        projected.append(hidden.shape[0])
+        return original(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(module, "truncated_log_probs_from_hidden", counted)
+    cuts = SamplerCuts(top_p=0.6)
+    logps, truncated = trainer_truncated_logps(trainer, output, cuts)
+    scored = completion_mask.bool() & tool_mask.bool()
+    assert projected == [int(scored[:4].sum()), int(scored[4:].sum())] and sum(projected) == 20
+    ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+    with torch.no_grad():
+        logits = trainer.model(input_ids=ids).logits[:, 4:-1]
+    expected = truncated_log_probs(logits, output["completion_ids"], cuts)
+    torch.testing.assert_close(truncated.log_kept_mass[scored], expected.log_kept_mass[scored], rtol=0, atol=1e-5)
+    assert torch.equal(truncated.kept[scored], expected.kept[scored])
+    assert (truncated.log_kept_mass[scored] < 0).any()
+    assert (truncated.log_kept_mass[~scored] == 0).all() and truncated.kept[~scored].all()
+    assert torch.equal(truncated.logps[~scored], logps[~scored])
+    torch.testing.assert_close(truncated.logps, logps, rtol=0, atol=1e-5)

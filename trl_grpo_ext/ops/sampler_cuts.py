@@ -19,7 +19,19 @@ Ties at the top-p boundary: vLLM sorts without a tie order, so which of several 
 it keeps is arbitrary; their mass is not, and `S` does not depend on it. A sampled token whose probability equals
 the smallest kept one counts as kept.
 
-Nothing here imports TRL or transformers; the full `(N, V)` logits are built `chunk_size` positions at a time.
+The top-p cut without sorting the vocabulary. The nucleus is a prefix of the survivors in decreasing order of `q`,
+and only that prefix is needed. `torch.topk` gives the `K` largest `q` of a position, the same numbers in the same
+order as the first `K` of a full sort; their cumulative sums are the nucleus's predecessor masses. Where the mass of
+all `K` (the predecessors of the `K + 1`-th) is already `>= top_p`, the `K + 1`-th token and every later one are
+dropped, so the nucleus lies inside the `K` and is the one the full sort gives. The other positions (a nucleus of
+more than `K` tokens: a flat distribution) go on to the next, wider bound of `TOP_P_BOUNDS`, and those it does not
+cover either to the full sort of their row (`SORT_ELEMENTS` logits at a time). Both paths read the kept mass off the
+same cumulative sums, so the result does not depend on which path a position took (on the CPU bit for bit: a row's
+cumulative sum runs in order, its first `K` sums are the prefix's; a GPU's parallel scan may round the two
+differently, within float rounding of `top_p`, as any two implementations of the cut do). `top_p_bounds=()` sorts
+every position.
+
+Nothing here imports TRL or transformers; the full `(R, V)` logits are built `chunk_size` positions at a time.
 """
 
 from __future__ import annotations
@@ -30,10 +42,25 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["SamplerCuts", "TruncatedLogProbs", "truncated_log_probs", "truncated_log_probs_from_hidden"]
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "SORT_ELEMENTS",
+    "TOP_P_BOUNDS",
+    "SamplerCuts",
+    "TruncatedLogProbs",
+    "truncated_log_probs",
+    "truncated_log_probs_from_hidden",
+]
 
-#: Logit elements per chunk when no `chunk_size` is given (16 MiB of float32 per intermediate tensor).
-CHUNK_ELEMENTS = 1 << 22
+#: Logit elements per chunk when no `chunk_size` is given: 64 MiB of float32 per `(R, V)` intermediate, 110 positions
+#: at Qwen's 151,936-token vocabulary. The LM head is read once per chunk: a 7B model's bfloat16 head (1.1 GB) is
+#: about what 110 positions' dozen passes over their float32 logits move; at 27 positions it was four times that.
+CHUNK_ELEMENTS = 1 << 24
+#: The widths of the top-k bounds tried, in turn, on the top-p cut before a position's row is sorted in full.
+TOP_P_BOUNDS = (256, 4096)
+#: Logit elements per full sort (27 rows at Qwen's vocabulary): the rows that no bound covers are sorted a group at a
+#: time, since a sort holds its values, int64 indices and cumulative sums at once (24 bytes per logit).
+SORT_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -71,41 +98,91 @@ class TruncatedLogProbs(NamedTuple):
         return self.logps - self.log_kept_mass
 
 
-def _kept_mass(z: torch.Tensor, targets: torch.Tensor, cuts: SamplerCuts) -> TruncatedLogProbs:
+class _Nucleus(NamedTuple):
+    """The top-p cut over a prefix of `q` in decreasing order, per row: `mass` (the kept `q`), `smallest` (the
+    least likely kept `q`), `covered` (the prefix holds the whole nucleus: the mass before the token after it is
+    already `>= top_p`)."""
+
+    mass: torch.Tensor
+    smallest: torch.Tensor
+    covered: torch.Tensor
+
+
+def _nucleus(ordered: torch.Tensor, top_p: float) -> _Nucleus:
+    """`ordered` `(R, K)`: the `K` largest `q` of each row, in decreasing order (a whole row sorted when `K = V`)."""
+    total = ordered.cumsum(dim=-1)
+    # Token i is kept where its predecessors' mass, total[i - 1], is < top_p; the first always (top_p > 0).
+    size = 1 + (total[:, :-1] < top_p).sum(dim=-1, keepdim=True)
+    return _Nucleus(total.gather(-1, size - 1)[:, 0], ordered.gather(-1, size - 1)[:, 0], total[:, -1] >= top_p)
+
+
+def _top_p_cut(q: torch.Tensor, top_p: float, bounds: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept mass and the least likely kept `q` of each row of `q` `(R, V)` under top-p: through the top-k
+    bounds first, then the full sort of the rows that none covers (see the module docstring)."""
+    rows, vocab = q.shape
+    mass, smallest = q.new_empty(rows), q.new_empty(rows)
+    group = max(1, SORT_ELEMENTS // vocab)
+    pending = torch.arange(rows, device=q.device)
+    for width in [width for width in bounds if width < vocab] + [vocab]:
+        full = width == vocab
+        if pending.numel() == rows and (not full or rows <= group):  # every row: no copy of the chunk
+            parts = [(pending, q)]
+        else:  # a copy of the rows left, a group at a time
+            parts = ((index, q[index]) for index in pending.split(group))
+        left = []
+        for index, values in parts:
+            if full:
+                ordered = torch.sort(values, dim=-1, descending=True).values
+            else:
+                ordered = torch.topk(values, width, dim=-1).values
+            cut = _nucleus(ordered, top_p)
+            done = torch.ones_like(cut.covered) if full else cut.covered
+            mass[index[done]], smallest[index[done]] = cut.mass[done], cut.smallest[done]
+            left.append(index[~done])  # one host synchronisation per bound and group
+        pending = torch.cat(left)
+        if pending.numel() == 0:
+            break
+    return mass, smallest
+
+
+def _kept_mass(
+    z: torch.Tensor, targets: torch.Tensor, cuts: SamplerCuts, bounds: tuple[int, ...]
+) -> TruncatedLogProbs:
     """One chunk: `z` `(R, V)` float32 tempered logits, `targets` `(R,)`."""
     log_total = torch.logsumexp(z, dim=-1)
     target_logit = z.gather(-1, targets[:, None])[:, 0]
     logps = target_logit - log_total
     vocab = z.shape[-1]
-    allowed = torch.ones_like(z, dtype=torch.bool)
-    if cuts.min_p > 0.0:
-        # p(t) / max p = exp(z_t - max z)
-        allowed = torch.exp(z - z.amax(dim=-1, keepdim=True)) >= cuts.min_p
-    if 0 < cuts.top_k < vocab:
+    if cuts.min_p > 0.0 or 0 < cuts.top_k < vocab:
+        allowed = torch.ones_like(z, dtype=torch.bool)
+        if cuts.min_p > 0.0:
+            # p(t) / max p = exp(z_t - max z)
+            allowed = torch.exp(z - z.amax(dim=-1, keepdim=True)) >= cuts.min_p
+        if 0 < cuts.top_k < vocab:
+            survivors = z.masked_fill(~allowed, -math.inf)
+            kth = survivors.topk(cuts.top_k, dim=-1).values[:, -1:]
+            allowed = allowed & (survivors >= kth)
         survivors = z.masked_fill(~allowed, -math.inf)
-        kth = survivors.topk(cuts.top_k, dim=-1).values[:, -1:]
-        allowed = allowed & (survivors >= kth)
-    survivors = z.masked_fill(~allowed, -math.inf)
-    log_mass = torch.logsumexp(survivors, dim=-1) - log_total  # log of p's mass after min_p and top_k
-    kept = allowed.gather(-1, targets[:, None])[:, 0]
+        log_mass = torch.logsumexp(survivors, dim=-1) - log_total  # log of p's mass after min_p and top_k
+        kept = allowed.gather(-1, targets[:, None])[:, 0]
+    else:  # every token survives: the mass is 1 (two passes over the logits saved)
+        survivors, log_mass, kept = z, torch.zeros_like(logps), torch.ones_like(targets, dtype=torch.bool)
     if cuts.top_p < 1.0:
         q = torch.softmax(survivors, dim=-1)
-        ordered = q.sort(dim=-1, descending=True).values
-        before = ordered.cumsum(dim=-1) - ordered  # the mass of each token's predecessors
-        keep = before < cuts.top_p
-        keep[:, 0] = True
-        log_mass = log_mass + torch.log((ordered * keep).sum(dim=-1))
-        smallest_kept = ordered.gather(-1, (keep.sum(dim=-1, keepdim=True) - 1))[:, 0]
-        kept = kept & (q.gather(-1, targets[:, None])[:, 0] >= smallest_kept)
+        mass, smallest = _top_p_cut(q, cuts.top_p, bounds)
+        log_mass = log_mass + torch.log(mass)
+        kept = kept & (q.gather(-1, targets[:, None])[:, 0] >= smallest)
     # A sampled token outside the trainer's cut joins the kept set: S + p(t).
     log_mass = torch.where(kept, log_mass, torch.logaddexp(log_mass, logps))
     return TruncatedLogProbs(logps, log_mass, kept)
 
 
-def _over_chunks(count: int, step: int, tempered_logits, targets: torch.Tensor, cuts: SamplerCuts):
+def _over_chunks(
+    count: int, step: int, tempered_logits, targets: torch.Tensor, cuts: SamplerCuts, bounds: tuple[int, ...]
+):
     """`_kept_mass` over positions `[0, count)` in chunks of `step`; `tempered_logits(start, stop)` builds a chunk."""
     parts = [
-        _kept_mass(tempered_logits(start, min(start + step, count)), targets[start : start + step], cuts)
+        _kept_mass(tempered_logits(start, min(start + step, count)), targets[start : start + step], cuts, bounds)
         for start in range(0, count, step)
     ]
     if not parts:
@@ -115,7 +192,12 @@ def _over_chunks(count: int, step: int, tempered_logits, targets: torch.Tensor, 
 
 
 def truncated_log_probs(
-    logits: torch.Tensor, targets: torch.Tensor, cuts: SamplerCuts, *, chunk_size: int | None = None
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    cuts: SamplerCuts,
+    *,
+    chunk_size: int | None = None,
+    top_p_bounds: tuple[int, ...] = TOP_P_BOUNDS,
 ) -> TruncatedLogProbs:
     """log p(t), log S and whether the cut kept `t`, from full tempered logits (see the module docstring).
 
@@ -125,6 +207,8 @@ def truncated_log_probs(
         targets (`torch.Tensor` of shape `(...)`): the token ids whose log-probs are wanted (the sampled ones).
         cuts (`SamplerCuts`): the sampler's cuts.
         chunk_size (`int`, *optional*): positions per chunk; default `CHUNK_ELEMENTS // V` (at least 1).
+        top_p_bounds (`tuple[int, ...]`, *optional*, defaults to `TOP_P_BOUNDS`): the widths of the top-k bounds tried
+            on the top-p cut before a full sort, increasing; `()` sorts every position (the same result).
 
     Returns:
         [`TruncatedLogProbs`], each of shape `(...)`, float32 (`kept` bool).
@@ -133,7 +217,9 @@ def truncated_log_probs(
         raise ValueError(f"`targets` must have shape {tuple(logits.shape[:-1])}, got {tuple(targets.shape)}.")
     flat = logits.reshape(-1, logits.shape[-1])
     step = chunk_size or max(1, CHUNK_ELEMENTS // logits.shape[-1])
-    out = _over_chunks(flat.shape[0], step, lambda start, stop: flat[start:stop].float(), targets.reshape(-1), cuts)
+    out = _over_chunks(
+        flat.shape[0], step, lambda start, stop: flat[start:stop].float(), targets.reshape(-1), cuts, top_p_bounds
+    )
     return TruncatedLogProbs(*(field.reshape(targets.shape) for field in out))
 
 
@@ -148,18 +234,20 @@ def truncated_log_probs_from_hidden(
     logit_scale: float = 1.0,
     softcap: float | None = None,
     chunk_size: int | None = None,
+    top_p_bounds: tuple[int, ...] = TOP_P_BOUNDS,
 ) -> TruncatedLogProbs:
     """`truncated_log_probs` from hidden states and the LM head, without building the `(N, V)` logits at once.
 
     Per chunk of positions, the logits of TRL's fused LM head: `y = logit_scale * (h W^T + b)` (the matmul in the
     dtype of `hidden` and `weight`, the rest in float32), `y = softcap * tanh(y / softcap)` when `softcap` is set, and
-    `z = y * (1 / temperature)`.
+    `z = y * (1 / temperature)`. Pass only the positions whose log kept mass is wanted (the scored completion
+    tokens, not padding): each costs a projection through the head and passes over `V` logits.
 
     Args:
         hidden (`torch.Tensor` of shape `(..., H)`): final hidden states at the positions that predict `targets`.
         weight (`torch.Tensor` of shape `(V, H)`), bias (`(V,)` or `None`): the LM head.
         targets (`torch.Tensor` of shape `(...)`): the predicted token ids.
-        cuts, chunk_size: see `truncated_log_probs`.
+        cuts, chunk_size, top_p_bounds: see `truncated_log_probs`.
         temperature, logit_scale, softcap: the logit transform.
 
     Returns:
@@ -177,5 +265,5 @@ def truncated_log_probs_from_hidden(
         return y * inverse_temperature
 
     step = chunk_size or max(1, CHUNK_ELEMENTS // weight.shape[0])
-    out = _over_chunks(flat.shape[0], step, tempered_logits, targets.reshape(-1), cuts)
+    out = _over_chunks(flat.shape[0], step, tempered_logits, targets.reshape(-1), cuts, top_p_bounds)
     return TruncatedLogProbs(*(field.reshape(targets.shape) for field in out))

@@ -8,10 +8,12 @@ trainer's log-probs of the same truncated distribution,
 
     log p_trunc(t) = log p(t) - log S,    S = the trainer's mass of the tokens vLLM's cuts keep
 
-(`ops.sampler_cuts`: the cuts, their order and the boundary cases), computed from the trainer's full-vocabulary logits
-at every completion position, in chunks, in one forward pass without gradient per generation batch (TRL's own
+(`ops.sampler_cuts`: the cuts, their order and the boundary cases, the top-p cut without a sort of the vocabulary),
+computed from the trainer's full-vocabulary logits at the scored tokens only (completion tokens outside tool output,
+not padding), in chunks, in one forward pass without gradient per generation batch (TRL's padded
 `_get_per_token_logps_and_entropies`, with a hook on the backbone that projects its hidden states through the LM head
-chunk by chunk). Then, for the batch that trains:
+chunk by chunk). That pass is a forward of the batch on top of the one in which TRL computes `old_per_token_logps`:
+the log-prob forward (`forward/`) hands no hidden states out. Then, for the batch that trains:
 
 - `importance_sampling_ratio` (the correction's weights) is recomputed from `log p_trunc - sampler_logp` in the run's
   `vllm_importance_sampling_mode` and bounds (`ops.correction.correction_ratio`);
@@ -213,40 +215,56 @@ def trainer_truncated_logps(
 
     One pass of `trainer_logps` (TRL's `_get_per_token_logps_and_entropies` without gradient,
     random state restored), during which a forward hook on the backbone projects each micro-batch's final hidden
-    states at the completion positions through the LM head, `ops.sampler_cuts.CHUNK_ELEMENTS` logits at a time.
+    states at the scored tokens (completion tokens outside tool output: padding and tool output are never projected)
+    through the LM head, `ops.sampler_cuts.CHUNK_ELEMENTS` logits at a time.
 
     Returns:
-        `(logps, truncated)`: TRL's log-probs of the sampled tokens, as it computes `old_per_token_logps`; and, from
-        the hook's own projection, [`TruncatedLogProbs`] (`truncated.logps` agrees with `logps` to float rounding).
+        `(logps, truncated)`: TRL's log-probs of the sampled tokens, as it computes `old_per_token_logps`; and
+        [`TruncatedLogProbs`] `(N, T)`: at the scored tokens from the hook's own projection (`truncated.logps` agrees
+        with `logps` to float rounding), elsewhere TRL's log-probs, a log kept mass of 0 and `kept` true.
     """
     model = trainer.model.get_base_model() if is_peft_model(trainer.model) else trainer.model
     backbone, transform = trl_logit_transform(model)
     length = output["completion_ids"].size(1)
+    scored = _scored_tokens(output)
     cast_to_fp32 = bool(getattr(trainer.args, "cast_lm_head_to_fp32", False))
     parts: list[TruncatedLogProbs] = []
+    seen = 0  # rows of the batch projected so far: TRL forwards its micro-batches in order
 
     def project(module, args, kwargs, result):
+        nonlocal seen
         input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
         hidden = result.last_hidden_state if hasattr(result, "last_hidden_state") else result[0]
-        hidden = hidden[:, -length - 1 : -1]
+        rows = scored[seen : seen + input_ids.size(0)].to(hidden.device)
+        seen += input_ids.size(0)
         head = model.get_output_embeddings()
         autocast = torch.autocast(hidden.device.type, enabled=False) if cast_to_fp32 else nullcontext()
         with torch.no_grad(), _gathered_lm_head(head), autocast:
             weight, bias = _lm_head_weights(head, cast_to_fp32)
+            hidden = hidden[:, -length - 1 : -1][rows].to(weight.device)  # (M, H): the scored tokens only
             if cast_to_fp32:
                 hidden = hidden.float()
-            parts.append(
-                truncated_log_probs_from_hidden(
-                    hidden, weight, bias, input_ids[:, -length:], cuts, temperature=trainer.temperature, **transform
-                )
+            targets = input_ids[:, -length:][rows.to(input_ids.device)].to(weight.device)
+            part = truncated_log_probs_from_hidden(
+                hidden, weight, bias, targets, cuts, temperature=trainer.temperature, **transform
             )
+        parts.append(TruncatedLogProbs(*(field.to(scored.device) for field in part)))
 
     handle = backbone.register_forward_hook(project, with_kwargs=True)
     try:
         logps = trainer_logps(trainer, output)
     finally:
         handle.remove()
-    return logps, TruncatedLogProbs(*(torch.cat(field) for field in zip(*parts, strict=True)))
+    if seen != scored.size(0):
+        raise RuntimeError(f"The truncation match projected {seen} rows of a batch of {scored.size(0)}.")
+    flat = TruncatedLogProbs(*(torch.cat(field) for field in zip(*parts, strict=True)))
+    # The rows' scored tokens in row-major order, micro-batch after micro-batch: what masked_scatter fills.
+    truncated = TruncatedLogProbs(
+        logps.masked_scatter(scored, flat.logps.to(logps.dtype)),
+        torch.zeros(scored.shape, device=scored.device).masked_scatter(scored, flat.log_kept_mass),
+        torch.ones_like(scored).masked_scatter(scored, flat.kept),
+    )
+    return logps, truncated
 
 
 def _scored_tokens(output: dict[str, Any]) -> torch.Tensor:
