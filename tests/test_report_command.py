@@ -221,3 +221,37 @@ def test_the_image_is_drawn_with_the_run_s_own_thresholds(tmp_path, capsys, monk
     write_state(tmp_path / "stock", 1, state["log_history"])
     assert report(tmp_path / "run", capsys)[0] == 0 and report(tmp_path / "stock", capsys)[0] == 0
     assert [kwargs["thresholds"] for kwargs in drawn] == [{"kl_max": 0.5}, None]  # None: GRPOConfigExt's defaults
+
+
+def test_a_run_with_infinite_values_is_reported_without_a_traceback(tmp_path, capsys):
+    """A reward of +inf and -inf a few steps apart, infinite ratio quantiles and KL, NaN elsewhere: `report` reads
+    any log, draws it and exits 0 (2 with --fail-on: every such run fails)."""
+    inf = float("inf")
+    history = []
+    for step in range(1, 41):
+        odd = {3: inf, 7: -inf, 11: inf, 12: float("nan")}
+        history.append(
+            {
+                "loss": 0.1 if step != 12 else inf,
+                "step": step,
+                "reward": odd.get(step, 0.2 + step / 100),
+                "kl": odd.get(step + 1, 0.01),
+                "ratio/p05": -inf if step == 5 else 0.9,
+                "ratio/p50": 1.0,
+                "ratio/p95": odd.get(step, 1.1),
+                "ratio/max": inf,
+                "forward/tokens_per_distinct": odd.get(step, 1.5),
+                "reward_std/frac_zero_groups": odd.get(step, 0.3),
+                "grad_norm": odd.get(step - 1, 1.0),
+            }
+        )
+    write_state(tmp_path, 40, history)
+    for form in ("text", "markdown", "json"):
+        status, out, err = report(tmp_path, capsys, "--format", form)
+        assert status == 0 and out and "Traceback" not in err, (form, err)
+    assert json.loads(out)["severity"] == "critical"
+    assert report(tmp_path, capsys, "--fail-on", "critical")[0] == 2
+    # finite values at the edge of the float range, which no axis can frame: the image is not drawn, and says why
+    write_state(tmp_path, 40, [{**entry, "ratio/p05": -1e308, "ratio/p95": 1e308} for entry in history])
+    status, out, _ = report(tmp_path, capsys)
+    assert status == 0 and "report.png: not written, " in out

@@ -9,7 +9,7 @@ import statistics
 from collections.abc import Mapping
 
 from ..metrics import REWARD, reward_function_metric, reward_function_of
-from .rule import ZERO_SPREAD_KEYS, Rule, Series, _first_number, _number
+from .rule import ZERO_SPREAD_KEYS, Rule, Series, _first_number, _number, mean
 
 
 def slope_t(values: list[float]) -> float:
@@ -19,10 +19,11 @@ def slope_t(values: list[float]) -> float:
     n = len(values)
     if n < 3:
         return 0.0
-    mean_i, mean_v = (n - 1) / 2, statistics.fmean(values)
+    mean_i, mean_v = (n - 1) / 2, mean(values)
     sxx = sum((i - mean_i) ** 2 for i in range(n))
     slope = sum((i - mean_i) * (v - mean_v) for i, v in enumerate(values)) / sxx
-    residual = sum((v - mean_v - slope * (i - mean_i)) ** 2 for i, v in enumerate(values)) / (n - 2)
+    residuals = [v - mean_v - slope * (i - mean_i) for i, v in enumerate(values)]
+    residual = sum(r * r for r in residuals) / (n - 2)
     if residual <= 1e-24:
         return 0.0 if abs(slope) <= 1e-12 else math.copysign(math.inf, slope)
     return slope / math.sqrt(residual / sxx)
@@ -200,7 +201,8 @@ def is_auxiliary(function: str) -> bool:
 def _spread(values: list[float]) -> float:
     """A robust variance: the square of 1.4826 times the values' median absolute deviation."""
     middle = statistics.median(values)
-    return (1.4826 * statistics.median(abs(value - middle) for value in values)) ** 2
+    scatter = 1.4826 * statistics.median(abs(value - middle) for value in values)
+    return scatter * scatter
 
 
 def auxiliary_share(windows: Mapping[str, list[float]]) -> float | None:

@@ -37,11 +37,21 @@ HELDOUT_KEY = re.compile(r"^(?:eval_)?heldout/(?P<metric>.+)/mean@(?P<k>\d+)$")
 
 
 def _number(entry: Mapping, key: str) -> float | None:
-    """`entry[key]` when it is a logged number (`None` also for NaN: TRL logs `None` or NaN for "no value")."""
+    """`entry[key]` when it is a logged finite number; `None` otherwise: NaN (TRL logs `None` or NaN for "no value"),
+    an infinite value (the rules of a level read those from the entry themselves: `RatioRule`, `KLHighRule`,
+    `GradNormSpikeRule`; `report` fails the signal), or no number at all. Statistics over a history are taken over
+    finite values only."""
     value = entry.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)
+
+
+def mean(values) -> float:
+    """The arithmetic mean in plain float arithmetic: values near the float range overflow to inf, where
+    `statistics.fmean`'s exact sum raises (a log holds whatever a run wrote)."""
+    values = list(values)
+    return sum(values) / len(values)
 
 
 #: The share of groups without reward spread: this package's, judged on each group (`reward_std/frac_zero_groups`),
@@ -70,11 +80,11 @@ def pearson(xs: list[float], ys: list[float]) -> float | None:
     """
     if len(xs) < 2:
         return None
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    mean_x, mean_y = mean(xs), mean(ys)
     sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    syy = sum((y - mean_y) ** 2 for y in ys)
-    if sxx <= 0 or syy <= 0:
+    sxx = sum((x - mean_x) * (x - mean_x) for x in xs)
+    syy = sum((y - mean_y) * (y - mean_y) for y in ys)
+    if not sxx > 0 or not syy > 0 or not math.isfinite(sxx * syy):
         return None
     return sxy / math.sqrt(sxx * syy)
 

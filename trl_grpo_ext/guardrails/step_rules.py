@@ -16,7 +16,7 @@ from ..metrics import (
     KL,
     reward_function_of,
 )
-from .rule import TRUNCATION_KEYS, ZERO_SPREAD_KEYS, Rule, _first_number, _not_a_number, _number
+from .rule import TRUNCATION_KEYS, ZERO_SPREAD_KEYS, Rule, _first_number, _not_a_number, _number, mean
 
 
 class ZeroStdRule(Rule):
@@ -273,7 +273,7 @@ class NoSpreadRule(Rule):
                 "Whether truncation is the cause is unknown (completions/clipped_ratio was not logged). Check the "
                 "reward function on a few completions, and max_completion_length."
             )
-        share = statistics.fmean(self.truncated)
+        share = mean(self.truncated)
         if share >= self.CAUSE:
             return text + (
                 f"Truncation is the likely cause: {share:.0%} of the completions were cut at max_completion_length, "

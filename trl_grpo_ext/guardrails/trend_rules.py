@@ -17,7 +17,7 @@ from ..metrics import (
     REWARD,
     REWARD_LENGTH_CORR,
 )
-from .rule import HELDOUT_KEY, SKIPPED_STEPS_KEY, Rule, Series, _first_number, _number, pearson
+from .rule import HELDOUT_KEY, SKIPPED_STEPS_KEY, Rule, Series, _first_number, _number, mean, pearson
 
 
 class EntropyCollapseRule(Rule):
@@ -35,7 +35,7 @@ class EntropyCollapseRule(Rule):
         if len(self.first) < self.BASELINE:
             self.first.append(value)
             return False
-        baseline = statistics.fmean(self.first)
+        baseline = mean(self.first)
         if baseline <= 0 or value >= self.threshold * baseline:
             return False
         return (
@@ -171,8 +171,8 @@ class LengthDriftRule(Rule):
             return False
         rewards, lengths = [pair[0] for pair in self.pairs], [pair[1] for pair in self.pairs]
         half = len(self.pairs) // 2
-        length_before, length_after = statistics.fmean(lengths[:half]), statistics.fmean(lengths[-half:])
-        reward_before, reward_after = statistics.fmean(rewards[:half]), statistics.fmean(rewards[-half:])
+        length_before, length_after = mean(lengths[:half]), mean(lengths[-half:])
+        reward_before, reward_after = mean(rewards[:half]), mean(rewards[-half:])
         change = (length_after - length_before) / max(abs(length_before), 1e-8)
         correlation = pearson(rewards, lengths)
         if (
@@ -279,7 +279,7 @@ class RewardVsHeldoutRule(Rule):
         self.best: dict[str, tuple[float, float | None, float | None, int | None]] = {}
 
     def _recent_reward(self) -> float | None:
-        return statistics.fmean(self.rewards[-self.RECENT :]) if self.rewards else None
+        return mean(self.rewards[-self.RECENT :]) if self.rewards else None
 
     def judge(self, entry):
         reward = _number(entry, REWARD)

@@ -257,6 +257,8 @@ def _draw(history: list[dict], output: str, run_dir: str, episodes, thresholds: 
         )
     except ImportError:
         return "report.png: not written, matplotlib is not installed (pip install matplotlib)"
+    except (ArithmeticError, ValueError, OSError) as error:  # values matplotlib cannot frame; a folder not writable
+        return f"report.png: not written, {type(error).__name__}: {error}"
     if written is None:
         return "report.png: not written, no training step was logged"
     missing = figure.missing_panels(history)

@@ -121,10 +121,13 @@ def missing_panels(log_history: list[dict]) -> list[tuple[str, tuple[str, ...]]]
 
 
 def _series(log_history: list[dict], key: str) -> tuple[list[float], list[float]]:
+    """The steps and values of `key`, finite values only: an infinite one cannot be drawn (nor framed), a NaN is no
+    value; the report's lines name the steps of both."""
     steps, values = [], []
     for entry in log_history:
         value = entry.get(key)
-        if isinstance(value, (int, float)) and "step" in entry:
+        drawable = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if drawable and "step" in entry:
             steps.append(entry["step"])
             values.append(value)
     return steps, values
@@ -369,7 +372,10 @@ def _ratio_panel(ax, log_history: list[dict], clip_range: tuple[float, float]) -
         spread = max(high) - min(low)
         bottom = min(min(low), 1 - epsilon_low) - 0.25 * spread - 0.05
         top = max(max(high), 1 + epsilon_high) + 0.25 * spread + 0.05
-        ax.set_ylim(bottom, top)
+        if math.isfinite(bottom) and math.isfinite(top):  # values near the float range overflow the margin
+            ax.set_ylim(bottom, top)
+        else:
+            bottom = top = None
     off_scale = []
     for key, extreme in ((RATIO_MIN, min), (RATIO_MAX, max)):
         steps, values = _series(log_history, key)

@@ -244,4 +244,15 @@ def _json(report: Report) -> str:
         "sampling": report.sampling,
         "unrecognised_keys": report.unrecognised,
     }
-    return json.dumps(document, indent=2, allow_nan=False)
+    return json.dumps(_finite(document), indent=2, allow_nan=False)
+
+
+def _finite(value):
+    """`value` with every NaN or infinite number as `None` (JSON has no such numbers; a log may hold them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value

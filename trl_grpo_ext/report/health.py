@@ -150,6 +150,11 @@ def _values(log_history: list[dict], key: str) -> list[tuple[int | None, float]]
     return pairs
 
 
+def _nan_steps(log_history: list[dict], key: str) -> list[int | None]:
+    """The steps of the entries holding `key` as NaN: logged, without a value (not the same as not logged)."""
+    return [entry.get("step") for entry in log_history if isinstance(entry.get(key), float) and math.isnan(entry[key])]
+
+
 def _nonfinite_losses(log_history: list[dict]) -> dict[str, list[int | None]]:
     """The steps at which `loss` or a `loss/*` value was logged as NaN or infinite, per key (first seen first)."""
     steps: dict[str, list[int | None]] = {}
@@ -175,13 +180,20 @@ def _span(steps: list) -> str:
     return f"step {known[0]}" if known[0] == known[-1] else f"steps {known[0]}-{known[-1]}"
 
 
-def _summary(key: str, pairs: list[tuple[int | None, float]]) -> str:
-    """`key first -> last (min .. max), steps a-b`."""
+def _summary(key: str, pairs: list[tuple[int | None, float]], nan_steps: list | None = None) -> str:
+    """`key first -> last (min .. max), steps a-b`, and how many of the logged steps held NaN; with no number logged,
+    `key NaN at every logged step (steps a-b)`."""
+    nan_steps = nan_steps or []
+    if not pairs:
+        return f"{key} NaN at every logged step ({_span(nan_steps)})"
     values = [value for _, value in pairs]
     text = f"{key} {values[0]:.3g} -> {values[-1]:.3g}"
     if len(values) > 2:
         text += f" (min {min(values):.3g}, max {max(values):.3g})"
-    return f"{text}, {_span([step for step, _ in pairs])}"
+    text += f", {_span([step for step, _ in pairs])}"
+    if nan_steps:
+        text += f"; NaN at {len(nan_steps)} of {len(nan_steps) + len(pairs)} logged steps, from {_span(nan_steps[:1])}"
+    return text
 
 
 #: The last logged `grad_norm` at or above this many times the run's median is named (`note`): a run that ends
@@ -219,37 +231,38 @@ def _failure(signal: Signal, key: str, pairs: list[tuple[int | None, float]]) ->
     return None
 
 
-def _no_finite_gradient(signal: Signal, log_history: list[dict]) -> SignalHealth | None:
-    """`grad_norm` logged, and NaN at every step that logged it: no update reached the weights (the non-finite guard
-    skipped each one, which `grad_norm_spike` does not count as a spike) or every one was broken."""
-    if signal.keys != (GRAD_NORM,):
-        return None
-    steps = [
-        entry.get("step")
-        for entry in log_history
-        if isinstance(entry.get(GRAD_NORM), float) and math.isnan(entry[GRAD_NORM])
-    ]
-    if not steps or _values(log_history, GRAD_NORM):
-        return None
-    return SignalHealth(
-        signal,
-        "FAIL",
-        f"grad_norm NaN at every logged step ({_span(steps)}): no update reached the weights, or every one was "
-        "broken (see nonfinite/skipped_steps)",
-        onset=_first_step(steps),
-    )
+#: What a metric logged as NaN at every step means, where more can be said than that nothing was measured.
+NAN_THROUGHOUT = {
+    GRAD_NORM: "no update reached the weights, or every one was broken (see nonfinite/skipped_steps)",
+}
+
+
+def _nan_throughout(signal: Signal, key: str, nan_steps: list) -> SignalHealth:
+    """`key` logged, and NaN at every step that logged it: whatever it measures was never measured, so the run cannot
+    be judged on it and cannot have trained well (a `grad_norm` NaN throughout: the non-finite guard skipped every
+    update, which `grad_norm_spike` does not count as a spike, or every one was broken)."""
+    why = NAN_THROUGHOUT.get(key, "the run cannot have trained well with it")
+    return SignalHealth(signal, "FAIL", f"{_summary(key, [], nan_steps)}: {why}", onset=_first_step(nan_steps))
 
 
 def _judge(signal: Signal, log_history: list[dict], monitor: AnomalyMonitor) -> SignalHealth:
     keys = _heldout_keys(log_history) if signal.keys == ("heldout/<metric>/mean@<k>",) else list(signal.keys)
-    logged = [(key, pairs) for key in keys if (pairs := _values(log_history, key))]
+    # The first key logged at all, as a number or as NaN: a metric logged as NaN is logged, without a value.
+    logged = []
+    for key in keys:
+        pairs, nan_steps = _values(log_history, key), _nan_steps(log_history, key)
+        if pairs or nan_steps:
+            logged.append((key, pairs, nan_steps))
     episodes = [episode for episode in monitor.episodes if episode.name in signal.alarms]
     judged = [name for name in signal.alarms if name in monitor.judged]
     shown = _summary(*logged[0]) if logged else ""
-    failure = _failure(signal, *logged[0]) if logged and signal.kind != "shown" else None
-    failure = failure or _no_finite_gradient(signal, log_history)
+    failure = None
+    if logged and signal.kind != "shown":
+        key, pairs, nan_steps = logged[0]
+        failure = _failure(signal, key, pairs) if pairs else _nan_throughout(signal, key, nan_steps)
     if failure is not None and not episodes:
         return failure
+    logged = [(key, pairs) for key, pairs, _ in logged if pairs]
     if signal.kind == "count" and not episodes:
         if not logged:
             if signal.keys == (RATIO_NAN_COUNT,) and _values(log_history, RATIO_P95):
