@@ -197,7 +197,7 @@ def test_the_report_judges_with_the_run_s_own_thresholds(
 ):
     truncated_run(tmp_path / "off", tiny_model_path, tiny_tokenizer, prompt_dataset, warn_truncated_fraction=None)
     status, out, _ = report(tmp_path / "off", capsys)
-    assert status == 0 and "Thresholds: the run's own warn_* values." in out
+    assert status == 0 and "Thresholds: the run's own warn_* values (from its trainer state)." in out
     assert "truncation (" not in out  # the run switched that alarm off
     truncated_run(tmp_path / "quiet", tiny_model_path, tiny_tokenizer, prompt_dataset, warn_on_anomalies=False)
     status, out, _ = report(tmp_path / "quiet", capsys)
