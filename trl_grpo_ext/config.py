@@ -379,6 +379,14 @@ class GRPOConfigExt(GRPOConfig):
     warn_patience: int = field(
         default=3, metadata={"help": "Consecutive log steps a high clip fraction must last before its alarm. >= 1."}
     )
+    warn_auxiliary_rewards: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Alarm reward_composition: the reward functions that score the form of a completion rather than "
+            "the task, by the names they are logged under (rewards/<name>/mean), e.g. ['format_reward']. None: "
+            "those with format, tag, xml, json, length, lang, style or think as a word of their name."
+        },
+    )
 
     def __post_init__(self):
         if self.gradient_checkpointing is None and self.activation_checkpointing is None:
