@@ -6,6 +6,8 @@ an auxiliary reward function that takes over."""
 import math
 import random
 
+import pytest
+
 from trl_grpo_ext.guardrails import ALARMS, AnomalyMonitor
 from trl_grpo_ext.guardrails.progress_rules import slope_t
 from trl_grpo_ext.metrics import reward_function_metric
@@ -303,3 +305,43 @@ def test_a_reward_function_mean_that_is_not_a_number_is_skipped_by_reward_compos
         assert gappy.judge({**entry, task: math.inf}) is not None  # the format's mean still counts
         clean.judge(entry)
     assert gappy.means["format"] == clean.means["format"] and "correctness" not in gappy.means
+
+
+def test_auxiliary_reward_functions_are_told_by_whole_words_of_their_names():
+    from trl_grpo_ext.guardrails.progress_rules import is_auxiliary
+
+    auxiliary = ["format_reward", "soft_format_reward_func", "xmlcount_reward_func", "XMLTagReward", "thinkLength"]
+    auxiliary += ["language_consistency", "reward-len-2", "json_schema", "tags", "formatting_bonus", "style"]
+    task = ["information_gain", "stage_bonus", "percentage_correct", "accuracy", "correctness_reward_func"]
+    task += ["voltage_error", "contagious", "sql_exec", "slang_judge", "platform_success"]
+    assert [name for name in auxiliary if not is_auxiliary(name)] == []
+    assert [name for name in task if is_auxiliary(name)] == []
+
+
+def gaming(step):  # the format reward at 0.2 until step 200, then rising to 1.0 by step 350
+    return min(1.0, 0.2 + 0.8 * max(step - 200, 0) / 150)
+
+
+def stalled(step):  # the task learned to 0.4 by step 150, then stalled
+    return 0.1 + 0.3 * min(step, 150) / 150
+
+
+def test_a_task_reward_whose_name_contains_a_hint_is_not_taken_for_an_auxiliary_one():
+    # `information` holds "format": with both functions taken as auxiliary the alarm could never fire
+    history = composed_run(gaming, None, information_gain=stalled)
+    assert "reward_composition" in assess(history).alarms
+
+
+def test_the_auxiliary_reward_functions_can_be_named():
+    history = composed_run(None, stalled, brevity=gaming)  # `brevity` carries no hint in its name
+    assert "reward_composition" not in assess(history).alarms
+    named = AnomalyMonitor(auxiliary_rewards=["brevity"])
+    named.replay(history)
+    (episode, *_) = [e for e in named.episodes if e.name == "reward_composition"]
+    assert "the auxiliary reward function brevity carries" in episode.message
+    # named, they replace the names' words: none named, none auxiliary, `format` included
+    monitor = AnomalyMonitor(auxiliary_rewards=[])
+    monitor.replay(composed_run(gaming, stalled))
+    assert "reward_composition" not in monitor.counts
+    with pytest.raises(TypeError, match="auxiliary_rewards must be a list of reward function names"):
+        AnomalyMonitor(auxiliary_rewards=[1, 2])

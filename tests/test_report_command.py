@@ -255,3 +255,30 @@ def test_a_run_with_infinite_values_is_reported_without_a_traceback(tmp_path, ca
     write_state(tmp_path, 40, [{**entry, "ratio/p05": -1e308, "ratio/p95": 1e308} for entry in history])
     status, out, _ = report(tmp_path, capsys)
     assert status == 0 and "report.png: not written, " in out
+
+
+def test_the_auxiliary_reward_functions_are_the_run_s_or_those_named_on_the_command_line(tmp_path, capsys):
+    from test_guardrails_progress import composed_run, gaming, stalled
+
+    history = composed_run(None, stalled, brevity=gaming)  # `brevity`'s name says nothing of what it scores
+    write_state(tmp_path / "stock", 400, history)
+    assert "reward_composition (" not in report(tmp_path / "stock", capsys)[1]
+    status, out, _ = report(tmp_path / "stock", capsys, "--auxiliary-rewards", "brevity")
+    assert status == 0 and "reward_composition (steps " in out
+    assert "Auxiliary reward functions (for reward_composition): brevity, from --auxiliary-rewards." in out
+    settings = {"args": {"enabled": True, "patience": 3, "thresholds": {}, "auxiliary_rewards": ["brevity"]}}
+    state = {"global_step": 400, "log_history": history, "stateful_callbacks": {"AlarmSettings": settings}}
+    (tmp_path / "ext").mkdir()
+    (tmp_path / "ext" / "trainer_state.json").write_text(json.dumps(state))
+    status, out, _ = report(tmp_path / "ext", capsys)
+    assert "reward_composition (steps " in out and "brevity, from the run's warn_auxiliary_rewards." in out
+
+
+def test_the_auxiliary_reward_functions_travel_from_the_configuration_to_the_trainer_state(tmp_path):
+    from trl_grpo_ext.guardrails.anomaly import AlarmSettings
+
+    for given, kept in ((["brevity", "tags"], ("brevity", "tags")), ("brevity", ("brevity",)), (None, None)):
+        args = GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, report_to="none", warn_auxiliary_rewards=given)
+        state = {"stateful_callbacks": {"AlarmSettings": AlarmSettings.from_config(args).state()}}
+        restored = AlarmSettings.from_trainer_state(json.loads(json.dumps(state)))
+        assert restored.auxiliary_rewards == kept and restored.monitor().auxiliary_rewards == kept

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from .alarm import Alarm
-from .progress_rules import AUXILIARY_HINTS, FlatGroupsRule, PlateauRule, RewardCompositionRule, RewardDropRule
+from .progress_rules import FlatGroupsRule, PlateauRule, RewardCompositionRule, RewardDropRule
 from .step_rules import ClipAsymmetryRule
 from .trend_rules import (
     EntropyCollapseRule,
@@ -311,19 +311,23 @@ COURSE_ALARMS: tuple[Alarm, ...] = (
         high=1.0,
         low_inclusive=False,
         high_inclusive=True,
-        help="Alarm reward_composition: the reward functions named auxiliary (a name with "
-        f"{', '.join(AUXILIARY_HINTS)}) carry at least this share of the summed robust variance of every function's "
+        help="Alarm reward_composition: the auxiliary reward functions (warn_auxiliary_rewards, else those with "
+        "format, tag, xml, json, length, lang, style or think as a word of their name) carry at least this share of "
+        "the summed robust variance of every function's "
         f"logged mean over the last {RewardCompositionRule.WINDOW} log steps and over the last "
         f"{RewardCompositionRule.RECENT} (the form is learned, not the task). A run with one reward function, or "
-        "none named auxiliary, is never flagged.",
-        given_when="a reward function named auxiliary (`format`, `tag`, `xml`, `json`, `length`, `lang`, `style` or "
-        "`think` in its name) carries at least this share of the reward's variation: the summed squared robust spread "
+        "none auxiliary, is never flagged.",
+        given_when="an auxiliary reward function (named in `warn_auxiliary_rewards`; where that is `None`, one with "
+        "`format`, `tag`, `xml`, `json`, `length`, `lang`, `style` or `think` as a whole word of its name, split at "
+        "`_`, `-`, digits and camelCase, with their plural and `-ing` forms and `len`, `language`, `xmlcount`: "
+        "`information_gain` is none) carries at least this share of the reward's variation: the summed squared "
+        "robust spread "
         "(1.4826 times the median absolute deviation) of the auxiliary functions' logged means "
         "(`rewards/<function>/mean`) over that of every function, over the last 150 log steps and over the last 37 "
         "of them (a format reward that saturated early carried the variation while it rose, not since). A task "
         "reward stuck near 0 varies little (a mean of 0/1 scores is least noisy near 0 and 1), as does one that "
         "stalls while the format reward rises. Judged from the 150th logged mean; a run with one reward function, or "
-        "none named auxiliary, is never flagged. Over 10 seeds: rl-doctor's format domination (correctness near 0.02, "
+        "none auxiliary, is never flagged. Over 10 seeds: rl-doctor's format domination (correctness near 0.02, "
         "format saturated at 0.97) reaches 0.94-0.98 and is flagged at steps 149-161, rlprobe's format gaming "
         "(correctness stalled at 0.44 while the format rises to 1.0 from step 250) 0.99-1.0, flagged at 310-328; "
         "their healthy runs 0.33 and 0.16 at most. A format reward still rising 150 log steps into the run while "

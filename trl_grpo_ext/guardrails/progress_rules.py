@@ -5,8 +5,9 @@ without reward spread (too easy or too hard), a reward that gives back its gain,
 from __future__ import annotations
 
 import math
+import re
 import statistics
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from ..metrics import REWARD, reward_function_metric, reward_function_of
 from .rule import ZERO_SPREAD_KEYS, Rule, Series, _first_number, _number, mean
@@ -188,14 +189,33 @@ class RewardDropRule(Rule):
         )
 
 
-#: Parts of a reward function's name that mark it as auxiliary (it scores the form of a completion, not whether it
-#: solves the task): `format_reward`, `xml_tags`, `think_length`, `language_consistency`...
-AUXILIARY_HINTS = ("format", "tag", "xml", "json", "length", "lang", "style", "think")
+#: Words of a reward function's name that mark it as auxiliary (it scores the form of a completion, not whether it
+#: solves the task): `format_reward`, `xml_tags`, `think_length`, `language_consistency`... `xmlcount` is one word in
+#: the function names of the GRPO script most recipes copied (`xmlcount_reward_func`).
+AUXILIARY_WORDS = frozenset(
+    {
+        "format", "formats", "formatted", "formatting", "tag", "tags", "xml", "xmlcount", "json", "length", "len",
+        "lang", "language", "style", "think", "thinking",
+    }
+)  # fmt: skip
+
+#: A word of a name: a run of capitals (an acronym, `XML`), or an optional capital and lower-case letters.
+_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+")
 
 
-def is_auxiliary(function: str) -> bool:
-    """Whether the reward function `function` is auxiliary by its name (`AUXILIARY_HINTS`)."""
-    return any(hint in function.lower() for hint in AUXILIARY_HINTS)
+def name_words(function: str) -> list[str]:
+    """The words of a reward function's name, lower-cased: split at `_`, `-`, any other sign, digits and camelCase
+    (`XMLTagReward` -> `xml`, `tag`, `reward`)."""
+    return [word.lower() for word in _WORD.findall(function)]
+
+
+def is_auxiliary(function: str, named: Collection[str] | None = None) -> bool:
+    """Whether the reward function `function` is auxiliary: one of `named` where the run names its auxiliary functions
+    (`warn_auxiliary_rewards`), else by a whole word of its name (`AUXILIARY_WORDS`): `information_gain` holds the
+    letters of "format" and no such word."""
+    if named is not None:
+        return function in named
+    return not AUXILIARY_WORDS.isdisjoint(name_words(function))
 
 
 def _spread(values: list[float]) -> float:
@@ -205,18 +225,19 @@ def _spread(values: list[float]) -> float:
     return scatter * scatter
 
 
-def auxiliary_share(windows: Mapping[str, list[float]]) -> float | None:
-    """The auxiliary functions' share of the reward functions' summed spread (`_spread`) over `windows` (function ->
-    its logged means); `None` when no function varies at all."""
+def auxiliary_share(windows: Mapping[str, list[float]], auxiliary: Collection[str]) -> float | None:
+    """The share of the functions `auxiliary` in the reward functions' summed spread (`_spread`) over `windows`
+    (function -> its logged means); `None` when no function varies at all."""
     spreads = {function: _spread(values) for function, values in windows.items()}
     total = sum(spreads.values())
-    if total <= 0:
+    if not total > 0:
         return None
-    return sum(spread for function, spread in spreads.items() if is_auxiliary(function)) / total
+    return sum(spread for function, spread in spreads.items() if function in auxiliary) / total
 
 
 class RewardCompositionRule(Rule):
-    """An auxiliary reward function (named as one, `AUXILIARY_HINTS`) carries the reward's variation: over the last
+    """An auxiliary reward function (named as one by the run, `warn_auxiliary_rewards`, else by a word of its name,
+    `AUXILIARY_WORDS`) carries the reward's variation: over the last
     `WINDOW` log steps, and over the last `RECENT` of them, the auxiliary functions' share of the summed robust
     variance of every function's logged mean (`rewards/<function>/mean`) is at least `threshold`:
 
@@ -248,8 +269,9 @@ class RewardCompositionRule(Rule):
     WINDOW = 150  # log steps over which the shares are judged
     RECENT = WINDOW // 4  # the last log steps whose share must be as large: not a rise that is over
 
-    def __init__(self, threshold: float):
+    def __init__(self, threshold: float, auxiliary: Collection[str] | None = None):
         super().__init__(threshold)
+        self.auxiliary = None if auxiliary is None else frozenset(auxiliary)  # None: told by the names' words
         self.means: dict[str, list[float]] = {}  # each function's last WINDOW logged means
 
     def judge(self, entry):
@@ -259,11 +281,11 @@ class RewardCompositionRule(Rule):
         for name, value in means.items():
             self.means[name] = (self.means.get(name, []) + [value])[-self.WINDOW :]
         windows = {name: values for name, values in self.means.items() if len(values) == self.WINDOW}
-        auxiliary = sorted(name for name in windows if is_auxiliary(name))
+        auxiliary = sorted(name for name in windows if is_auxiliary(name, self.auxiliary))
         if not auxiliary or len(auxiliary) == len(windows):
             return False
-        share = auxiliary_share(windows)
-        recent = auxiliary_share({name: values[-self.RECENT :] for name, values in windows.items()})
+        share = auxiliary_share(windows, auxiliary)
+        recent = auxiliary_share({name: values[-self.RECENT :] for name, values in windows.items()}, auxiliary)
         if share is None or recent is None or min(share, recent) < self.threshold:
             return False
         task = ", ".join(

@@ -185,6 +185,15 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
         help="text (default), markdown (a CI step summary) or json (findings with verdict, severity, onset step)",
     )
     parser.add_argument(
+        "--auxiliary-rewards",
+        nargs="*",
+        metavar="NAME",
+        default=None,
+        help="the reward functions that score the form of a completion, not the task, as logged in "
+        "rewards/<NAME>/mean (for reward_composition; default: the run's warn_auxiliary_rewards, else those with "
+        "format, tag, xml, json, length, lang, style or think as a word of their name)",
+    )
+    parser.add_argument(
         "--fail-on",
         choices=FAIL_ON,
         default=None,
@@ -205,7 +214,10 @@ def run(argv: list[str] | None = None, prog: str | None = None) -> int:
     state = found.state
     history = state["log_history"]
     settings = AlarmSettings.from_trainer_state(state)
-    health = assess(history, settings.monitor() if settings is not None else None)
+    judged_with = settings if settings is not None else AlarmSettings()  # GRPOConfigExt's defaults
+    if args.auxiliary_rewards is not None:
+        judged_with.auxiliary_rewards = tuple(args.auxiliary_rewards)
+    health = assess(history, judged_with.monitor())
     read = os.path.relpath(found.path, args.run_dir)
     what = f"TensorBoard event files in {read}" if found.source == "tensorboard" else read
     notes = [
@@ -232,6 +244,10 @@ def run(argv: list[str] | None = None, prog: str | None = None) -> int:
         )
     else:
         notes.append(f"Thresholds: the run's own warn_* values (from {recorded}).")
+    if judged_with.auxiliary_rewards is not None:
+        given = "--auxiliary-rewards" if args.auxiliary_rewards is not None else "the run's warn_auxiliary_rewards"
+        names = ", ".join(judged_with.auxiliary_rewards) or "none"
+        notes.append(f"Auxiliary reward functions (for reward_composition): {names}, from {given}.")
     unrecognised = unrecognised_keys(history)
     if unrecognised:
         notes.append(f"Keys not recognised (not judged): {', '.join(unrecognised)}")
