@@ -76,6 +76,17 @@ def test_slope_t_is_large_on_a_trend_and_small_on_noise():
     assert slope_t([1.0] * 20) == 0.0 and slope_t([0.0, 1.0]) == 0.0
 
 
+def test_curvature_t_is_large_on_an_acceleration_near_0_on_a_line_and_negative_where_a_rise_stops():
+    from trl_grpo_ext.guardrails.rule import curvature_t
+
+    rng = random.Random(0)
+    assert curvature_t([0.01 * 1.05**i * (1 + rng.gauss(0, 0.05)) for i in range(70)]) > 5
+    assert abs(curvature_t([0.01 * i * (1 + rng.gauss(0, 0.05)) for i in range(70)])) < 3
+    assert curvature_t([min(i, 40) * (1 + rng.gauss(0, 0.05)) for i in range(70)]) < -5
+    assert curvature_t([0.5 * i for i in range(70)]) == 0.0 and curvature_t([1.0, 2.0, 4.0]) == 0.0
+    assert curvature_t([i * i for i in range(10)]) == math.inf
+
+
 def flat_run(share: float, reward: float, steps: int = 30) -> list[dict]:
     return [
         {"step": s, "reward": reward, "frac_reward_zero_std": share, "grad_norm": 1.0} for s in range(1, steps + 1)
@@ -193,6 +204,25 @@ def test_a_kl_growing_slower_than_the_threshold_or_below_the_floor_or_only_at_th
     monitor = AnomalyMonitor(kl_growth=3.0)
     monitor.replay(kl_run(doubling_kl))
     assert "kl_growth" not in monitor.counts
+
+
+def test_a_kl_rise_that_stopped_is_no_growth():
+    """Every run's KL rises from 0 as the policy leaves the reference; a rise that ends, however late in the first
+    100 log steps, and at whatever level, is none (the rule waits for 70 logged values: most of such a rise is in its
+    windows when it first judges)."""
+
+    def rise(end: int, level: float):  # from 0 to `level` over `end` log steps, then held
+        return lambda step: level * min(step, end) / end
+
+    # the case found in review: a rise that stopped at step 60, judged from step 70
+    assert "kl_growth" not in assess(kl_run(rise(60, 0.5), steps=300)).alarms
+    flagged = {}
+    for noise in (0.1, 0.3):
+        for end in (50, 60, 70, 80, 90, 100):
+            for level in (0.2, 0.5):
+                runs = [kl_run(rise(end, level), steps=300, noise=noise, seed=seed) for seed in range(20)]
+                flagged[noise, end, level] = sum("kl_growth" in assess(history).alarms for history in runs)
+    assert max(flagged.values()) == 0, flagged
 
 
 def test_kl_growth_carries_its_window_across_a_resume_and_none_switches_it_off():

@@ -26,6 +26,8 @@ __all__ = [
     "TRUNCATION_KEYS",
     "ZERO_SPREAD_KEYS",
     "Rule",
+    "curvature_t",
+    "mean",
     "pearson",
 ]
 
@@ -87,6 +89,31 @@ def pearson(xs: list[float], ys: list[float]) -> float | None:
     if not sxx > 0 or not syy > 0 or not math.isfinite(sxx * syy):
         return None
     return sxy / math.sqrt(sxx * syy)
+
+
+def curvature_t(values: list[float]) -> float:
+    """The t statistic of the curvature of `values` against their index: the coefficient `c` of a least-squares fit
+    `a + b x + c (x^2 - mean x^2)` (x the index, centred: the three terms are orthogonal) over its standard error
+    `s / sqrt(sum((x^2 - mean x^2)^2))`, `s^2` the residuals' variance over `n - 3`. Positive where the series
+    accelerates (an exponential or quadratic rise), about 0 for a straight line however steep, negative where a rise
+    slows or stops. 0 for fewer than 4 values or an exact line; +-inf for an exact curve."""
+    n = len(values)
+    if n < 4:
+        return 0.0
+    middle = (n - 1) / 2
+    xs = [i - middle for i in range(n)]
+    mean_square = sum(x * x for x in xs) / n
+    squares = [x * x - mean_square for x in xs]
+    level = mean(values)
+    slope = sum(x * y for x, y in zip(xs, values, strict=True)) / sum(x * x for x in xs)
+    spread = sum(q * q for q in squares)
+    curvature = sum(q * y for q, y in zip(squares, values, strict=True)) / spread
+    residuals = [y - level - slope * x - curvature * q for x, q, y in zip(xs, squares, values, strict=True)]
+    error = math.sqrt(sum(r * r for r in residuals) / (n - 3) / spread)
+    scale = max(abs(value) for value in values)
+    if not error > 1e-12 * scale:  # an exact line or curve: rounding decides nothing
+        return 0.0 if abs(curvature) <= 1e-12 * scale else math.copysign(math.inf, curvature)
+    return curvature / error
 
 
 class Series:

@@ -17,7 +17,7 @@ from ..metrics import (
     REWARD,
     REWARD_LENGTH_CORR,
 )
-from .rule import HELDOUT_KEY, SKIPPED_STEPS_KEY, Rule, Series, _first_number, _number, mean, pearson
+from .rule import HELDOUT_KEY, SKIPPED_STEPS_KEY, Rule, Series, _first_number, _number, curvature_t, mean, pearson
 
 
 class EntropyCollapseRule(Rule):
@@ -93,12 +93,14 @@ class GradNormSpikeRule(Rule):
 
 
 class KLGrowthRule(Rule):
-    """`kl` keeps growing: its running median has multiplied by at least `threshold` over the last `LAG` log steps, by
-    at least its square root over the last `LAG / 2` of them (still growing, not a rise that has stopped), and is at
-    least `FLOOR`:
+    """`kl` keeps growing, faster and faster: its running median has multiplied by at least `threshold` over the last
+    `LAG` log steps, by at least its square root over the last `LAG / 2` of them, is at least `FLOOR`, and the episode
+    starts only where the KL accelerates (the curvature of its last `LAG + SMOOTH` values is positive by at least
+    `CURVATURE_T` standard errors; it goes on while the growth holds):
 
         now = median(kl[t - SMOOTH + 1 .. t]),  m(d) = the same median d log steps earlier
-        fires when now >= threshold * m(LAG) and now >= sqrt(threshold) * m(LAG / 2) and now >= FLOOR
+        grows when now >= threshold * m(LAG) and now >= sqrt(threshold) * m(LAG / 2) and now >= FLOOR
+        starts when it grows and curvature_t(kl[t - LAG - SMOOTH + 1 .. t]) >= CURVATURE_T
         (judged from the (LAG + SMOOTH)th logged kl)
 
     `KLJumpRule` compares one value with the last 10 and `KLHighRule` waits for a level (1.0): a KL that doubles
@@ -106,28 +108,35 @@ class KLGrowthRule(Rule):
     flagged at steps 85-86 and 303-307 over 10 seeds; rlprobe flags them at 114-121 and 308-313, `kl_high` at about
     213 and 424 (docs/diagnostics.md, "Peer scenarios").
 
+    Every run's KL rises from 0 as the policy leaves the reference, and such a rise stops; medians over 20 log steps
+    lag it, so that ratios of them alone still read growth 10 log steps after a rise stopped (a rise from 0 that ends
+    between steps 60 and 100 was flagged in 19-20 of 20 simulated runs, at step 70). A blow-up accelerates (rlprobe's
+    grows exponentially, rl-doctor's quadratically); a rise from 0 is a straight line at best, and one that stops
+    bends down: the curvature tells them apart (3 standard errors: no such rise, ending at steps 50-100 at a level of
+    0.2 to 1.0 under 0-30% noise per step, is flagged over 20 seeds; the peers' blow-ups are flagged at the same
+    steps as by the ratios alone).
+
     `FLOOR`: a KL growing linearly from near 0 doubles over any 50 log steps while it is small (rl-doctor's healthy
     run, 0.02 to 0.37 over 400 steps, while below 0.086): above 0.1 its ratio stays below 1.7 over 10 seeds.
-    `SMOOTH` is 20, not 10: one step's KL is noisy (the demo logged at every step: 0.2 to 0.9 late in its run), and
-    every run's KL rises from 0 at its start, as the policy leaves the reference; a median over 20 log steps takes in
-    most of that rise. Logged at every step, the demo grows at most 1.7x over 50 log steps with 20 (with 10 it is
-    flagged at steps 79 and 84). The second half's growth keeps a rise from 0 to 0.2 over the first 40 log steps that
-    then holds from being flagged (3 of 20 simulated runs with 30% noise per step, 20 of 20 without it). rlprobe's
-    blow-up grows 1.5x per 25 steps; rl-doctor's (quadratic) slows below 1.4x per 25 steps near a KL of 0.8, where
-    its episode may end and start again until `kl_high` takes over."""
+    `SMOOTH` is 20, not 10: one step's KL is noisy (the demo logged at every step: 0.2 to 0.9 late in its run); a
+    median over 20 log steps takes in most of a run's rise from 0. rlprobe's blow-up grows 1.5x per 25 steps;
+    rl-doctor's (quadratic) slows below 1.4x per 25 steps near a KL of 0.8, where its episode may end and start again
+    until `kl_high` takes over."""
 
     keys = (KL,)
     SMOOTH = 20  # log steps per running median
     LAG = 50  # log steps between the two medians compared
     FLOOR = 0.1  # the least running median that counts as a blow-up in the making
+    CURVATURE_T = 3.0  # standard errors of positive curvature that start an episode
 
     def __init__(self, threshold: float):
         super().__init__(threshold)
         self.values: list[float] = []  # the last LAG + SMOOTH logged values
+        self.growing = False  # in an episode: the growth held at the last judged entry
 
     def judge(self, entry):
         value = _number(entry, KL)
-        if value is None or not math.isfinite(value):  # a non-finite KL is `KLHighRule`'s
+        if value is None:  # a non-finite KL is `KLHighRule`'s
             return None
         self.values = (self.values + [value])[-(self.LAG + self.SMOOTH) :]
         if len(self.values) < self.LAG + self.SMOOTH:
@@ -136,7 +145,9 @@ class KLGrowthRule(Rule):
         then = statistics.median(self.values[: self.SMOOTH])
         halfway = statistics.median(self.values[half : half + self.SMOOTH])
         now = statistics.median(self.values[-self.SMOOTH :])
-        if now < self.FLOOR or now < self.threshold * then or now < math.sqrt(self.threshold) * halfway:
+        grows = now >= self.FLOOR and now >= self.threshold * then and now >= math.sqrt(self.threshold) * halfway
+        self.growing = grows and (self.growing or curvature_t(self.values) >= self.CURVATURE_T)
+        if not self.growing:
             return False
         factor = f" ({now / then:.1f}x)" if then > 0 else ""
         return (
