@@ -332,7 +332,7 @@ def test_a_reward_function_mean_that_is_not_a_number_is_skipped_by_reward_compos
     for entry in composed_run(saturating(60, 0.85), lambda step: 0.02, steps=200):
         for skipped in ({reward_function_metric("format"): math.nan, task: math.nan}, {task: None}, {"loss": 0.1}):
             assert gappy.judge(skipped) is None
-        assert gappy.judge({**entry, task: math.inf}) is not None  # the format's mean still counts
+        gappy.judge({**entry, task: math.inf})  # the format's mean still counts
         clean.judge(entry)
     assert gappy.means["format"] == clean.means["format"] and "correctness" not in gappy.means
 
@@ -375,3 +375,53 @@ def test_the_auxiliary_reward_functions_can_be_named():
     assert "reward_composition" not in monitor.counts
     with pytest.raises(TypeError, match="auxiliary_rewards must be a list of reward function names"):
         AnomalyMonitor(auxiliary_rewards=[1, 2])
+
+
+def logged_every(interval: int, curve, steps: int = 400, noise: float = 0.03, seed: int = 0) -> list[dict]:
+    """A run logged every `interval` steps as TRL logs it: each entry holds the mean of its `interval` steps' values
+    (`curve(step)` plus normal noise), at the step it ends."""
+    rng = random.Random(seed)
+    history = []
+    for end in range(interval, steps + 1, interval):
+        rewards = [curve(step) + rng.gauss(0, noise) for step in range(end - interval + 1, end + 1)]
+        history.append({"step": end, "loss": 0.1, "grad_norm": 1.0, "reward": sum(rewards) / interval})
+    return history
+
+
+def test_a_reward_that_never_improves_is_a_plateau_whether_logged_every_1_10_or_50_steps():
+    # 400 steps: 400 or 40 log entries (800 steps logged every 50: 16); the plateau's length (warn_plateau_steps,
+    # 150) counts training steps
+    for interval, steps in ((1, 400), (10, 400), (50, 800)):
+        for seed in range(5):
+            health = assess(logged_every(interval, lambda step: 0.3, steps=steps, seed=seed))
+            assert "plateau" in health.alarms and not health.ok, (interval, seed)
+            (episode, *_) = [e for e in health.episodes if e.name == "plateau"]
+            assert episode.start <= steps and "has not improved for" in episode.message
+    # 400 steps logged every 50 are 8 entries: too short to tell, never "ok"
+    for seed in range(5):
+        health = assess(logged_every(50, lambda step: 0.3, seed=seed))
+        assert health.signals[0].verdict == "short" and not health.ok
+
+
+def test_a_reward_that_rises_is_no_plateau_whether_logged_every_1_10_or_50_steps():
+    for interval in (1, 10, 50):
+        for seed in range(5):
+            health = assess(logged_every(interval, lambda step: 0.2 + step / 1000, steps=800, seed=seed))
+            reward = health.signals[0]
+            assert "plateau" not in health.alarms and reward.verdict == "ok", (interval, seed, reward)
+            assert "no alarm (plateau" in reward.detail
+
+
+def test_a_run_too_short_to_judge_says_so_and_is_not_ok():
+    # the README's example: 10 steps logged every 5, a reward that moves a little, a KL of 1e-9
+    history = [
+        {"step": step, "loss": 0.0, "grad_norm": 0.5, "reward": reward, "kl": 1e-9, "entropy": 1.2}
+        for step, reward in ((5, -2.1), (10, -1.9))
+    ]
+    health = assess(history)
+    reward = health.signals[0]
+    assert reward.verdict == "short" and reward.detail.startswith("too short to judge")
+    assert reward.severity == "note" and not health.ok
+    # a flat reward over 100 steps is not long enough for a plateau of 150, and learned nothing: not ok either
+    flat = assess(logged_every(1, lambda step: 0.3, steps=100))
+    assert flat.signals[0].verdict == "short" and not flat.ok

@@ -17,6 +17,7 @@ from rlprobe.testing.synth import PATHOLOGIES  # noqa: E402
 from benchmarks.health_scenarios import (  # noqa: E402
     EXPECTED_ALARMS,
     judge,
+    logged_every,
     rldoctor_history,
     rldoctor_scenarios,
     rlprobe_judge,
@@ -137,6 +138,41 @@ def test_reward_composition_flags_the_peers_format_takeovers_and_no_healthy_run(
         assert episodes and earliest <= episodes[0].start <= latest, episodes
     for history in (doctor["healthy"], probe["healthy"]):
         assert "reward_composition" not in assess(history).alarms
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_plateau_flags_rl_doctor_s_plateau_and_no_healthy_run_logged_every_1_10_or_50_steps(seed):
+    """The plateau's length counts training steps: a run logged every 10 or 50 steps (TRL's means over each interval)
+    is judged as one logged at every step. rl-doctor's plateau (the reward flat from about step 100 of 400) is flagged
+    from step 255 on, logged every step or every 10; neither peer's healthy run raises any alarm, however often it
+    logs (logged every 50 steps, its 8 or 10 entries may be too short to tell whether it learned: never "ok" by
+    default)."""
+    plateau = rldoctor_history(simulate("plateau", n_steps=400, seed=seed)[0])
+    for steps in (1, 10):
+        episodes = [e for e in assess(logged_every(plateau, steps)).episodes if e.name == "plateau"]
+        assert episodes and 255 <= episodes[0].start <= 400, (steps, episodes)
+    healthy = [rldoctor_history(simulate("healthy", n_steps=400, seed=seed)[0])]
+    healthy += [s.history for s in rlprobe_scenarios(seed=seed, pathologies=(None,), judge_peer=False)]
+    for history in healthy:
+        for steps in (1, 10, 50):
+            health = assess(logged_every(history, steps))
+            verdicts = ("ok", "short") if steps == 50 else ("ok",)
+            assert not health.alarms and health.signals[0].verdict in verdicts, (steps, health.alarms)
+
+
+#: Sick scenarios whose pathology a run logged every 10 steps does not show: transformers logs the gradient norm of
+#: the last step of each interval, so spikes between log steps are not in the log.
+UNSEEN_EVERY_10 = {("rl-doctor", "grad_spikes"): "spikes between log steps"}
+
+
+def test_every_sick_peer_scenario_logged_every_10_steps_is_flagged_with_the_kind_injected(corpus):
+    for key in SICK:
+        scenario = corpus[key]
+        if scenario.skipped is not None or key in UNSEEN_EVERY_10:
+            continue
+        verdict = judge(logged_every(scenario.history, 10))
+        for kind in injected_kinds(*key):
+            assert set(EXPECTED_ALARMS[kind]) & set(verdict["alarms"]), (key, kind, verdict["alarms"])
 
 
 def test_the_benchmark_table_has_a_row_per_scenario_and_a_column_per_tool():

@@ -175,3 +175,26 @@ def test_keys_the_report_does_not_know_are_named():
     history = [{"loss": 0.1, "step": 1, "eval_reward": 0.2, "rewards/acc/mean": 1.0, "my_custom": 3, "Loss": 1.0}]
     assert unrecognised_keys(history) == ["Loss", "my_custom"]
     assert unrecognised_keys(healthy_history()) == []
+
+
+def test_a_stock_run_logged_every_10_steps_that_learned_nothing_fails_on_note(tmp_path, capsys):
+    from test_guardrails_progress import logged_every
+
+    # 400 steps, logging_steps=10, a flat reward: what TRL's defaults log
+    history = [
+        {**entry, "entropy": 1.0, "completions/mean_length": 40.0, "frac_reward_zero_std": 0.3}
+        for entry in logged_every(10, lambda step: 0.3)
+    ]
+    write_state(tmp_path, 400, history)
+    status, out, _ = report(tmp_path, capsys, "--fail-on", "note")
+    assert status == 2 and "plateau" in out and "No alarm was raised" not in out
+
+
+def test_a_run_too_short_to_judge_says_so(tmp_path, capsys):
+    history = [{"step": step, "loss": 0.0, "grad_norm": 0.5, "reward": -2.0, "kl": 1e-9} for step in (5, 10)]
+    write_state(tmp_path, 10, history)
+    status, out, _ = report(tmp_path, capsys)
+    assert status == 0 and "too short to judge" in out and "No alarm was raised" not in out
+    document = json.loads(report(tmp_path, capsys, "--format", "json")[1])
+    reward = next(finding for finding in document["findings"] if finding["name"] == "reward")
+    assert reward["verdict"] == "short" and reward["message"].startswith("too short to judge")

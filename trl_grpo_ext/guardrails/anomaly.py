@@ -129,9 +129,12 @@ class AnomalyMonitor(TrainerCallback):
             warn: also log each warning through the transformers logger (only the main process should).
         """
         step = logs.get("step") if step is None else step
+        # The rules that count training steps read the step from the entry: `log_history`'s entries hold it, the
+        # `logs` of a live `on_log` do not.
+        entry = logs if step is None or logs.get("step") == step else {**logs, "step": step}
         started = []
         for rule in self.rules:
-            verdict = rule.judge(logs)
+            verdict = rule.judge(entry)
             if verdict is None:
                 continue  # not logged in this entry: the episode (or its absence) goes on
             first = self.judged.get(rule.name, (step, step))[0]

@@ -240,15 +240,17 @@ COURSE_ALARMS: tuple[Alarm, ...] = (
         high=1.0,
         low_inclusive=False,
         high_inclusive=True,
-        help="Alarm flat_groups (a note): at least this share of groups has no reward spread at each of "
-        f"{FlatGroupsRule.WINDOW} log steps in a row; the warning says whether they are too easy or too hard "
-        "where every reward lies in [0, 1].",
+        help="Alarm flat_groups (a note): at least this share of groups has no reward spread at each log step of "
+        f"the last {FlatGroupsRule.WINDOW} steps (at least {FlatGroupsRule.MIN_WINDOW} log entries); the warning "
+        "says whether they are too easy or too hard where every reward lies in [0, 1].",
         given_when="a `note`: the share of groups without reward spread (as `zero_std` reads it) is at least this at "
-        "each of 10 log steps in a row. Where every logged `reward` lies in [0, 1], the warning says which way they "
-        "are flat, from the mean reward `r` and the flat share `z`: at least `r - (1 - z)` of the groups scored the "
-        "maximum on every completion (too easy), at least `z - r` the minimum (too hard), the larger naming the side. "
-        "rlprobe's degenerate-groups scenario (rising to 75%) is flagged about step 460 of 500, rl-doctor's too-easy "
-        "and too-hard runs at about steps 230 and 10, no healthy peer scenario (at most 20%); the demo ends at 44%",
+        "each log step of the last 10 training steps (at least 3 log entries: 10 at one entry per step, 3 at one per "
+        "10 or 50, each a mean over its steps). Where every logged `reward` lies in [0, 1], the warning says which "
+        "way they are flat, from the mean reward `r` and the flat share `z`: at least `r - (1 - z)` of the groups "
+        "scored the maximum on every completion (too easy), at least `z - r` the minimum (too hard), the larger "
+        "naming the side. rlprobe's degenerate-groups scenario (rising to 75%) is flagged about step 460 of 500, "
+        "rl-doctor's too-easy and too-hard runs at about steps 230 and 10, no healthy peer scenario (at most 20%); "
+        "the demo ends at 44%",
         suggests="too easy: harder prompts, or `dynamic_sampling=True`; too hard: easier prompts, more "
         "`num_generations` or `temperature`, partial credit",
     ),
@@ -257,22 +259,30 @@ COURSE_ALARMS: tuple[Alarm, ...] = (
         rule=PlateauRule,
         field="warn_plateau_steps",
         # rl-doctor's plateau scenario (reward flat from about step 100 of 400, one entry per step) is flagged at
-        # steps 265-381 over 10 seeds; its healthy scenario (still rising slowly at its end) never, nor rlprobe's,
+        # steps 262-377 over 10 seeds; its healthy scenario (still rising slowly at its end) never, nor rlprobe's,
         # which converges (93% of its final reward at step 450 of 500) and was flagged at step 456 of one seed of
-        # 10 with 100. A run logged every 10 steps waits 1,500 steps: a slow riser is no plateau.
+        # 10 with 100. Training steps, not log steps: a run logged every 10 steps is judged as one logged at every
+        # step (tests/test_health_scenarios.py).
         default=150,
         low=1,
         high=math.inf,
         low_inclusive=True,
         high_inclusive=False,
         help="Alarm plateau (a note): the reward's running median (over "
-        f"{PlateauRule.SMOOTH} log steps) has not risen above its best by more than its noise for this many log "
-        "steps (the run converged or stopped learning).",
-        given_when="a `note`: the reward's running median (over 10 log steps) has not risen above its best by more "
-        "than 1.5 standard errors of such a median (from the scatter of its last 10 values) for this many log steps; "
-        "a run whose reward never improves is a plateau from its start. rl-doctor's plateau scenario (flat from about "
-        "step 100 of 400, one entry per step) is flagged at steps 265-381 over 10 seeds, its healthy scenario never; "
-        "with 100, rlprobe's healthy run (93% of its final reward at step 450 of 500) was flagged once in 10 seeds",
+        f"{PlateauRule.SMOOTH} steps, at least {PlateauRule.MIN_SMOOTH} log entries) has not risen above its best "
+        "by more than its noise for this many training steps (and at least "
+        f"{PlateauRule.MIN_PATIENCE} log entries): the run converged or stopped learning.",
+        given_when="a `note`: the reward's running median (over 10 steps, at least 5 log entries: 10 at one entry "
+        "per step, 5 at one per 10 or 50) has not risen above its best by more than 1.75 standard errors of such a "
+        "median for this many training steps (at least 4 log entries): a run whose reward never improves is a plateau "
+        "from its start. Steps, not log entries: a run logged every 10 steps is judged as one logged at every step "
+        "(the standard error is that of a 10-step median logged step by step, from the scatter of the reward's "
+        "successive differences, which a trend does not inflate). Until the reward gained 3 standard errors over its "
+        "first running median, or plateaued, the run is too short to judge (`report`'s `short`). rl-doctor's "
+        "plateau scenario (flat from about step 100 of 400) is flagged at steps 262-377 over 10 seeds logged at every "
+        "step, 260-400 logged every 10; no healthy peer run, logged every 1, 10 or 50 steps "
+        "(`tests/test_health_scenarios.py`); with 100, rlprobe's healthy run (93% of its final reward at step 450 of "
+        "500) was flagged once in 10 seeds",
         suggests="if the held-out metric is flat too, stop the run (it converged) or change what limits it: harder "
         "prompts, a higher `learning_rate`, more `num_generations` or `temperature`",
         whole=True,
@@ -318,25 +328,26 @@ COURSE_ALARMS: tuple[Alarm, ...] = (
         high_inclusive=True,
         help="Alarm reward_composition: the auxiliary reward functions (warn_auxiliary_rewards, else those with "
         "format, tag, xml, json, length, lang, style or think as a word of their name) carry at least this share of "
-        "the summed robust variance of every function's "
-        f"logged mean over the last {RewardCompositionRule.WINDOW} log steps and over the last "
-        f"{RewardCompositionRule.RECENT} (the form is learned, not the task). A run with one reward function, or "
-        "none auxiliary, is never flagged.",
+        "the summed robust variance of every function's logged mean over the last "
+        f"{RewardCompositionRule.WINDOW} steps (at least {RewardCompositionRule.MIN_WINDOW} log entries) and over "
+        "their last quarter (the form is learned, not the task). A run with one reward function, or none auxiliary, "
+        "is never flagged.",
         given_when="an auxiliary reward function (named in `warn_auxiliary_rewards`; where that is `None`, one with "
         "`format`, `tag`, `xml`, `json`, `length`, `lang`, `style` or `think` as a whole word of its name, split at "
         "`_`, `-`, digits and camelCase, with their plural and `-ing` forms and `len`, `language`, `xmlcount`: "
         "`information_gain` is none) carries at least this share of the reward's variation: the summed squared "
-        "robust spread "
-        "(1.4826 times the median absolute deviation) of the auxiliary functions' logged means "
-        "(`rewards/<function>/mean`) over that of every function, over the last 150 log steps and over the last 37 "
-        "of them (a format reward that saturated early carried the variation while it rose, not since). A task "
-        "reward stuck near 0 varies little (a mean of 0/1 scores is least noisy near 0 and 1), as does one that "
-        "stalls while the format reward rises. Judged from the 150th logged mean; a run with one reward function, or "
-        "none auxiliary, is never flagged. Over 10 seeds: rl-doctor's format domination (correctness near 0.02, "
-        "format saturated at 0.97) reaches 0.94-0.98 and is flagged at steps 149-161, rlprobe's format gaming "
-        "(correctness stalled at 0.44 while the format rises to 1.0 from step 250) 0.99-1.0, flagged at 310-328; "
-        "their healthy runs 0.33 and 0.16 at most. A format reward still rising 150 log steps into the run while "
-        "the task's barely moves is flagged: one that saturates by about step 120 is not",
+        "robust spread (1.4826 times the median absolute deviation) of the auxiliary functions' logged means "
+        "(`rewards/<function>/mean`) over that of every function, over the log entries of the last 150 steps (at "
+        "least 20: 150 at one entry per step, 20 at one per 10 or 50) and over their last quarter (a format reward "
+        "that saturated early carried the variation while it rose, not since). A task reward stuck near 0 varies "
+        "little (a mean of 0/1 scores is least noisy near 0 and 1), as does one that stalls while the format reward "
+        "rises. Judged from a window's logged means on; a run with one reward function, or none auxiliary, is never "
+        "flagged; both peers' runs logged every 10 steps are flagged, and neither healthy one. Over 10 seeds: "
+        "rl-doctor's format domination (correctness near 0.02, format saturated at 0.97) reaches 0.94-0.98 and is "
+        "flagged at steps 149-161, rlprobe's format gaming (correctness stalled at 0.44 while the format rises to "
+        "1.0 from step 250) 0.99-1.0, flagged at 310-328; their healthy runs 0.33 and 0.16 at most. A format reward "
+        "still rising 150 log steps into the run while the task's barely moves is flagged: one that saturates by "
+        "about step 120 is not",
         suggests="read completions that score on the auxiliary reward and not on the task's; make the auxiliary "
         "reward harder to earn without solving the task or lower its weight (`reward_weights`); easier prompts if "
         "the task reward stays near 0",

@@ -20,6 +20,7 @@ from ..metrics import (
 )
 
 __all__ = [
+    "Cadence",
     "HELDOUT_KEY",
     "SEVERITIES",
     "SKIPPED_STEPS_KEY",
@@ -47,6 +48,15 @@ def _number(entry: Mapping, key: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)
+
+
+def _step(entry: Mapping) -> float | None:
+    """The entry's training step (`step`: `log_history`'s, or the one `AnomalyMonitor.check` adds live), `None` when
+    it holds none."""
+    step = entry.get("step")
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
+        return None
+    return step
 
 
 def mean(values) -> float:
@@ -116,6 +126,35 @@ def curvature_t(values: list[float]) -> float:
     return curvature / error
 
 
+class Cadence:
+    """How many training steps lie between a metric's log entries. A run logs every `logging_steps` (1, 10, 50...),
+    and TRL logs each metric's mean over the steps since the last entry; a window stated in training steps spans
+    `entries(steps, least)` entries: at one entry per step that many, and never fewer than `least`, the entries a
+    median and a scatter need. The interval is the median of the last gaps between the metric's entries (1 until
+    two entries with a step are seen)."""
+
+    GAPS = 10
+
+    def __init__(self):
+        self.last: float | None = None
+        self.gaps: list[float] = []
+
+    def add(self, step: float | None) -> None:
+        """Count an entry of the metric logged at `step` (`None`: an entry without a step, which tells nothing)."""
+        if step is None:
+            return
+        if self.last is not None and step > self.last:
+            self.gaps = (self.gaps + [step - self.last])[-self.GAPS :]
+        self.last = step
+
+    def interval(self) -> float:
+        return statistics.median(self.gaps) if self.gaps else 1.0
+
+    def entries(self, steps: int, least: int) -> int:
+        """The log entries a window of `steps` training steps spans, at least `least`."""
+        return max(least, math.ceil(steps / self.interval()))
+
+
 class Series:
     """A logged series as the trend rules read it: its first `first_size` values (those `add` admits to the start)
     and its last `last_size`, and how many were added."""
@@ -165,6 +204,11 @@ class Rule:
 
     def judge(self, entry: Mapping) -> str | bool | None:
         raise NotImplementedError
+
+    def pending(self) -> str:
+        """What the rule needs before it judges, for a run that ended before it did (`report`'s "too short to
+        judge")."""
+        return "more log entries"
 
     def tag(self) -> str:
         """The suffix of every warning: the metric that counts it and the field that sets (or switches off) it."""

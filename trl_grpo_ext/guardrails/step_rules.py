@@ -168,7 +168,9 @@ class KLJumpRule(Rule):
             return None
         baseline = statistics.median(self.history) if len(self.history) >= self.MIN_HISTORY else None
         self.history = (self.history + [value])[-self.HISTORY :]
-        if baseline is None or value <= self.threshold * max(baseline, self.FLOOR):
+        if baseline is None:
+            return None  # too few values to judge yet
+        if value <= self.threshold * max(baseline, self.FLOOR):
             return False
         return (
             f"kl jumped to {value:.3g}, more than {self.threshold:g}x its recent median {baseline:.3g}: the policy is "
@@ -226,7 +228,9 @@ class SustainedTruncationRule(Rule):
             return None
         self.shares = (self.shares + [value])[-self.WINDOW :]
         low = min(self.shares)
-        if len(self.shares) < self.WINDOW or low < self.threshold:
+        if len(self.shares) < self.WINDOW:
+            return None  # too few values to judge yet
+        if low < self.threshold:
             return False
         severe = min(self.SEVERE * self.threshold, 1.0)
         self.severity = "warning" if low >= severe else "note"

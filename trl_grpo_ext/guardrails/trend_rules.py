@@ -34,7 +34,7 @@ class EntropyCollapseRule(Rule):
             return None
         if len(self.first) < self.BASELINE:
             self.first.append(value)
-            return False
+            return None  # the baseline, not judged
         baseline = mean(self.first)
         if baseline <= 0 or value >= self.threshold * baseline:
             return False
@@ -83,7 +83,9 @@ class GradNormSpikeRule(Rule):
         baseline = statistics.median(self.history) if len(self.history) >= self.MIN_HISTORY else None
         if value > self.FLOOR:
             self.history = (self.history + [value])[-self.HISTORY :]
-        if baseline is None or value <= self.threshold * max(baseline, self.FLOOR):
+        if baseline is None:
+            return None  # too few values to judge yet
+        if value <= self.threshold * max(baseline, self.FLOOR):
             return False
         return (
             f"grad_norm spiked to {value:.3g}, {value / max(baseline, self.FLOOR):.0f}x its running median "
@@ -140,7 +142,7 @@ class KLGrowthRule(Rule):
             return None
         self.values = (self.values + [value])[-(self.LAG + self.SMOOTH) :]
         if len(self.values) < self.LAG + self.SMOOTH:
-            return False
+            return None  # too few values to judge yet
         half = self.LAG // 2
         then = statistics.median(self.values[: self.SMOOTH])
         halfway = statistics.median(self.values[half : half + self.SMOOTH])
@@ -179,7 +181,7 @@ class LengthDriftRule(Rule):
             return None
         self.pairs = (self.pairs + [(reward, length)])[-self.WINDOW :]
         if len(self.pairs) < self.MIN_WINDOW:
-            return False
+            return None  # too few values to judge yet
         rewards, lengths = [pair[0] for pair in self.pairs], [pair[1] for pair in self.pairs]
         half = len(self.pairs) // 2
         length_before, length_after = mean(lengths[:half]), mean(lengths[-half:])
@@ -221,7 +223,7 @@ class LengthGrowthRule(Rule):
             return None
         self.lengths.add(length)
         if self.lengths.seen < self.BASELINE + self.RECENT:
-            return False
+            return None  # too few values to judge yet
         start, now = self.lengths.start(), self.lengths.now()
         if start <= 0 or now < (1 + self.threshold) * start:
             return False
@@ -353,7 +355,7 @@ class VanishingGradientRule(Rule):
             return None
         self.norms.add(value, start=value > 0)
         if not self.norms.full():
-            return False
+            return None  # too few values to judge yet
         start, now = self.norms.start(), self.norms.now()
         if now <= 0 or now >= self.threshold * start:
             return False

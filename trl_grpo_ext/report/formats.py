@@ -48,6 +48,13 @@ __all__ = [
 ]
 
 FORMATS = ("text", "markdown", "json")
+#: The summary's last word on a run with no finding.
+HEALTHY = "No alarm was raised and no health check failed."
+#: ... and on one whose only findings are signals too short to judge.
+TOO_SHORT = (
+    "Too short to judge: no alarm was raised, but the run logged too few entries to tell whether it learned "
+    "(train longer, or log more often: logging_steps):"
+)
 #: The log-prob forward's waste metrics (`forward.layout.FORWARD_METRICS`), as `report` names them.
 FORWARD_KEYS = (FORWARD_PADDING_FRACTION, FORWARD_REPEATED_PROMPT_FRACTION, FORWARD_TOKENS_PER_DISTINCT)
 #: Below this many tokens forwarded per distinct token, the padded forward wastes too little to mention packing.
@@ -198,11 +205,13 @@ def _text(report: Report) -> str:
     lines += [f"  {line}" for line in report.health.lines()]
     lines += [f"  {summary['message']}" for summary in (report.forward, report.sampling) if summary is not None]
     problems = report.health.problem_lines()
-    if problems:
+    if report.health.too_short:
+        lines += ["", TOO_SHORT] + [f"  {line}" for line in problems]
+    elif problems:
         alarms = f"{len(report.health.alarms)} alarm(s) raised" if report.health.alarms else "no alarm raised"
         lines += ["", f"Problems found ({alarms}), with what to change:"] + [f"  {line}" for line in problems]
     else:
-        lines += ["", "No alarm was raised and no health check failed."]
+        lines += ["", HEALTHY]
     return "\n".join(lines)
 
 
@@ -223,8 +232,10 @@ def _markdown(report: Report) -> str:
     if alarms:
         lines += ["", f"**{len(alarms)} alarm(s) raised**, with what to change:", ""]
         lines += [f"- `{alarm['name']}` ({alarm['steps']}): {_cell(alarm['message'])}" for alarm in alarms]
+    elif report.health.too_short:
+        lines += ["", TOO_SHORT, ""] + [f"- {_cell(line)}" for line in report.health.problem_lines()]
     elif report.health.ok:
-        lines += ["", "No alarm was raised and no health check failed."]
+        lines += ["", HEALTHY]
     return "\n".join(lines)
 
 

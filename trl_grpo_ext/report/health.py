@@ -58,7 +58,9 @@ SIGNALS = tuple(record.signal for record in WATCHED if record.signal is not None
 
 
 # `SEVERITIES` (the alarms' tiers) are the verdicts' too, lowest first; `--fail-on` of `report` takes the last three.
-_SEVERITY = {"FAIL": "critical", "note": "note"}
+#: The verdicts that keep a run from being called healthy (with any alarm).
+PROBLEMS = ("FAIL", "note", "short")
+_SEVERITY = {"FAIL": "critical", "note": "note", "short": "note"}
 
 
 @dataclass
@@ -69,7 +71,9 @@ class SignalHealth:
         signal: the row.
         verdict: `"ALARM"` (an alarm was raised), `"FAIL"` (the history shows a run that cannot have trained well:
             a value that is not finite, no gradient at any step), `"note"` (a count was not 0; the last step's
-            gradient norm far above the run's), `"ok"`, `"shown"` (not judged) or `"missing"` (not logged).
+            gradient norm far above the run's), `"short"` (logged, but too few entries for its alarms to judge: a
+            note, so that a run too short to tell whether it learned is not called fine), `"ok"`, `"shown"` (not
+            judged) or `"missing"` (not logged).
         detail: what the values did, which alarms fired at which steps, or why nothing was logged.
         episodes: the alarm episodes concerned.
         onset: the first step the verdict is about (the first alarm episode's, the first non-finite value's, the
@@ -85,7 +89,7 @@ class SignalHealth:
     @property
     def severity(self) -> str:
         """The verdict's tier of `SEVERITIES`: `FAIL` is critical, `ALARM` the highest tier of its episodes (a
-        warning but for an alarm with tiers), `note` a note, others ok."""
+        warning but for an alarm with tiers), `note` and `short` a note, others ok."""
         if self.verdict == "ALARM":
             return highest_severity(episode.severity for episode in self.episodes)
         return _SEVERITY.get(self.verdict, "ok")
@@ -113,16 +117,23 @@ class RunHealth:
 
     @property
     def ok(self) -> bool:
-        """No alarm was raised and no signal failed or needs a look."""
-        return not self.episodes and not any(signal.verdict in ("FAIL", "note") for signal in self.signals)
+        """No alarm was raised, no signal failed or needs a look, and the run was long enough to judge."""
+        return not self.episodes and not any(signal.verdict in PROBLEMS for signal in self.signals)
+
+    @property
+    def too_short(self) -> bool:
+        """Nothing is wrong but that some signals could not be judged yet: the run is too short to tell."""
+        verdicts = {signal.verdict for signal in self.signals}
+        return not self.episodes and "short" in verdicts and not verdicts & {"FAIL", "note"}
 
     def problem_lines(self) -> list[str]:
-        """`alarm_lines`, then one line per signal whose verdict is `FAIL` or `note` and that no alarm explains."""
+        """`alarm_lines`, then one line per signal whose verdict is `FAIL`, `note` or `short` and that no alarm
+        explains."""
         lines = self.alarm_lines()
         lines += [
             f"{signal.signal.name}: {signal.detail}"
             for signal in self.signals
-            if signal.verdict in ("FAIL", "note") and not signal.episodes
+            if signal.verdict in PROBLEMS and not signal.episodes
         ]
         return lines
 
@@ -307,6 +318,17 @@ def _judge(signal: Signal, log_history: list[dict], monitor: AnomalyMonitor) -> 
         )
     if not logged and not judged:
         return SignalHealth(signal, "missing", _missing(keys[0] if keys else signal.keys[0]))
+    # A signal is judged when its required alarms that are on judged (the reward's plateau: did the run learn at
+    # all?), else when one of its alarms did; logged, but with none of that, it is too short to judge, not fine.
+    rules = {rule.name: rule for rule in monitor.rules}
+    waiting = [name for name in signal.required if name in rules and name not in judged]
+    if signal.alarms and rules.keys() & set(signal.alarms) and (waiting or not judged):
+        waiting = waiting or [name for name in signal.alarms if name in rules]
+        needs = "; ".join(f"{name} needs {rules[name].pending()}" for name in waiting)
+        entries = len(logged[0][1]) if logged else 0
+        return SignalHealth(
+            signal, "short", f"too short to judge ({entries} log entries): {needs} | {shown or _missing(keys[0])}"
+        )
     if not judged:
         return SignalHealth(signal, "ok", shown)
     first = min(monitor.judged[name][0] for name in judged)

@@ -78,7 +78,7 @@ WATCHED = (
         healthy="trends up",
         worrying="flat from the start: no learning signal (see below) or a reward bug",
         readme="mean total reward and each function's mean; should trend up",
-        signal=Signal("reward", (REWARD,), ("plateau", "reward_drop", "reward_composition")),
+        signal=Signal("reward", (REWARD,), ("plateau", "reward_drop", "reward_composition"), required=("plateau",)),
         console=(REWARD, "reward"),
     ),
     Watched(
