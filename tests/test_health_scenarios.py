@@ -16,6 +16,7 @@ from rlprobe.testing.synth import PATHOLOGIES  # noqa: E402
 
 from benchmarks.health_scenarios import (  # noqa: E402
     EXPECTED_ALARMS,
+    HELDOUT_ACCURACY,
     judge,
     logged_every,
     rldoctor_history,
@@ -158,6 +159,30 @@ def test_plateau_flags_rl_doctor_s_plateau_and_no_healthy_run_logged_every_1_10_
             health = assess(logged_every(history, steps))
             verdicts = ("ok", "short") if steps == 50 else ("ok",)
             assert not health.alarms and health.signals[0].verdict in verdicts, (steps, health.alarms)
+
+
+def evaluated_every(history: list[dict], steps: int) -> list[dict]:
+    """rl-doctor's history with its held-out score at every `steps`-th step only (from the first) and without its
+    sample size: what a run that evaluates every `steps` steps and logs no `scored@` key (a stock or older one)
+    leaves."""
+    size_key = HELDOUT_ACCURACY.replace("/mean@", "/scored@")
+    entries = []
+    for entry in history:
+        kept = {key: value for key, value in entry.items() if key != size_key}
+        if (entry["step"] - 1) % steps:
+            kept.pop(HELDOUT_ACCURACY, None)
+        entries.append(kept)
+    return entries
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_reward_vs_heldout_without_a_sample_size_allows_for_the_series_own_spread(seed):
+    """rl-doctor's healthy run evaluated every 25 steps (0.15 -> 0.59, with dips such as 0.214 -> 0.183 at step 101)
+    raises no alarm; its reward-hacking run (held-out falling while the reward rises) still does."""
+    healthy = evaluated_every(rldoctor_history(simulate("healthy", n_steps=400, seed=seed)[0]), 25)
+    assert "reward_vs_heldout" not in assess(healthy).alarms
+    hacking = evaluated_every(rldoctor_history(simulate("reward_hacking", n_steps=400, seed=seed)[0]), 25)
+    assert "reward_vs_heldout" in assess(hacking).alarms
 
 
 #: Sick scenarios whose pathology a run logged every 10 steps does not show: transformers logs the gradient norm of

@@ -140,9 +140,9 @@ def test_health_verdicts_of_counts_and_of_a_held_out_metric_that_falls():
     history = [
         {"loss": 0.0, "step": 1, "reward": 0.1, "frac_reward_unscored": 0.0, "nonfinite/skipped_steps": 0},
         {"loss": 0.0, "step": 2, "reward": 0.2, "frac_reward_unscored": 0.25, "nonfinite/skipped_steps": 1},
-        {"step": 2, "heldout/accuracy/mean@4": 0.6},
+        {"step": 2, "heldout/accuracy/mean@4": 0.6, "heldout/accuracy/scored@4": 200},
         {"loss": 0.0, "step": 3, "reward": 0.5, "frac_reward_unscored": 0.0, "nonfinite/skipped_steps": 1},
-        {"step": 3, "heldout/accuracy/mean@4": 0.3},
+        {"step": 3, "heldout/accuracy/mean@4": 0.3, "heldout/accuracy/scored@4": 200},
     ]
     health = {signal.signal.name: signal for signal in assess(history).signals}
     unscored, skipped = health["unscored completions"], health["skipped non-finite steps"]

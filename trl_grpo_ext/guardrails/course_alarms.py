@@ -168,10 +168,10 @@ COURSE_ALARMS: tuple[Alarm, ...] = (
         low_inclusive=False,
         high_inclusive=False,
         help="Alarm reward_vs_heldout: a logged held-out metric (heldout/<metric>/mean@<k>) falls by this "
-        "fraction of its best value, and by more than "
+        "fraction of its best value, and by more than the evaluation's noise ("
         f"{RewardVsHeldoutRule.NOISE_SE:g} standard errors of the difference where the evaluation's sample "
-        "size is logged (heldout/<metric>/scored@<k>), while the training reward is above its level at that "
-        "best.",
+        "size is logged, heldout/<metric>/scored@<k>; else as many standard deviations of the differences between "
+        "its successive evaluations), while the training reward is above its level at that best.",
         given_when="a held-out metric `heldout/<metric>/mean@<k>` (logged by held-out evaluation during training, in "
         "any entry) is below its best so far by at least this fraction of that best and, where the evaluation logged "
         "its sample size (`heldout/<metric>/scored@<k>`, `n` completions), by more than 3 standard errors of the "
@@ -179,9 +179,12 @@ COURSE_ALARMS: tuple[Alarm, ...] = (
         "[0, 1] score with that mean can have). 3, not 2: the best is the highest of every evaluation, lucky by its "
         "noise, and with 2 a run whose accuracy did not move fired in 40% to 80% of simulated runs of 10 to 20 "
         "evaluations (3: 5% to 20%); 0.6 -> 0.3 over 50 completions (3.2 standard errors) is still flagged. Without a "
-        "logged sample size (a stock or older run) or for a mean outside [0, 1], the relative drop alone decides, as "
-        "before, while the training reward (mean of its last 3 logged values) is above its level at that best: reward "
-        "hacking",
+        "logged sample size (a stock or older run) or for a mean outside [0, 1], the series' own spread is the noise: "
+        "3 standard deviations of the differences between its successive evaluations before this one, judged from "
+        "the 6th evaluation (a trend moves every difference alike). The relative drop alone flagged rl-doctor's "
+        "healthy run evaluated every 25 steps in 7 of 10 seeds (0.214 -> 0.183 at step 101); with its spread none, "
+        "and its reward-hacking run in all 10 (`tests/test_health_scenarios.py`). All while the training reward (mean "
+        "of its last 3 logged values) is above its level at that best: reward hacking",
         suggests="read completions for loopholes the reward pays for, a higher `beta`, keep the best checkpoint "
         "(`metric_for_best_model`, `load_best_model_at_end`)",
     ),

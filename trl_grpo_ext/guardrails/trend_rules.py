@@ -273,26 +273,50 @@ def _heldout_noise(value: float, size: float | None) -> float | None:
 
 class RewardVsHeldoutRule(Rule):
     """The training reward rises while a held-out metric (`heldout/<metric>/mean@<k>`) falls from its best by more
-    than `threshold` of that best and, where the evaluation's sample size was logged (`heldout/<metric>/scored@<k>`),
-    by more than `NOISE_SE` standard errors of the difference: sqrt(p_best (1 - p_best) / n_best + p (1 - p) / n).
+    than `threshold` of that best and by more than the evaluation's noise:
+
+    - where the evaluation's sample size was logged (`heldout/<metric>/scored@<k>`) and the metric lies in [0, 1],
+      `NOISE_SE` standard errors of the difference: sqrt(p_best (1 - p_best) / n_best + p (1 - p) / n);
+    - else the series' own spread: `NOISE_SE` standard deviations of the differences between successive
+      evaluations before this one (a difference of two evaluations is what the drop is), judged once `MIN_SPREAD`
+      such differences are there (before, the evaluation does not tell: `None`). A trend moves every difference
+      alike and adds nothing to their spread.
 
     The best is the highest of every evaluation so far, so it carries the luck of the best draw: with 2 standard
     errors a run whose held-out accuracy does not move fired in 40% (10 evaluations) to 80% (20) of simulated
     runs, with 3 in 5% to 20%. 3 still flags 0.6 -> 0.3 over 50 completions (3.2 standard errors) and over 200
-    (6.3)."""
+    (6.3). The relative drop alone flagged rl-doctor's healthy run evaluated every 25 steps in 7 of 10 seeds (0.214 ->
+    0.183 at step 101, within its noise); with the series' spread none, and its reward-hacking run in all 10
+    (tests/test_health_scenarios.py)."""
 
     keys = ("heldout/<metric>/mean@<k>", REWARD)
     RECENT = 3  # training rewards averaged around a held-out evaluation
-    NOISE_SE = 3.0  # standard errors of the difference a drop must exceed, where the sample sizes are logged
+    NOISE_SE = 3.0  # standard errors (or deviations of the differences) a drop must exceed
+    MIN_SPREAD = 4  # differences between successive evaluations before the series' spread is known
+    HISTORY = 50  # evaluations whose differences make the spread
 
     def __init__(self, threshold: float):
         super().__init__(threshold)
         self.rewards: list[float] = []
         #: key -> (value, its noise variance or None, the reward then, step)
         self.best: dict[str, tuple[float, float | None, float | None, int | None]] = {}
+        self.series: dict[str, list[float]] = {}  # key -> its last HISTORY evaluations
 
     def _recent_reward(self) -> float | None:
         return mean(self.rewards[-self.RECENT :]) if self.rewards else None
+
+    def _allowance(self, key: str, noise: float | None, best_noise: float | None) -> tuple[float, str] | None:
+        """How far below its best an evaluation of `key` may fall by its noise alone, and how that was measured;
+        `None` while it cannot be known (no sample size, too few evaluations before this one)."""
+        if noise is not None and best_noise is not None:
+            return self.NOISE_SE * math.sqrt(noise + best_noise), f"{self.NOISE_SE:g} standard errors"
+        before = self.series[key][:-1]
+        if len(before) <= self.MIN_SPREAD:
+            return None
+        differences = [later - earlier for earlier, later in zip(before, before[1:], strict=False)]
+        centre = mean(differences)
+        spread = math.sqrt(sum((d - centre) * (d - centre) for d in differences) / (len(differences) - 1))
+        return self.NOISE_SE * spread, f"{self.NOISE_SE:g} standard deviations of its successive differences"
 
     def judge(self, entry):
         reward = _number(entry, REWARD)
@@ -303,34 +327,31 @@ class RewardVsHeldoutRule(Rule):
             match = HELDOUT_KEY.match(key)
             if match is None or _number(entry, key) is None:
                 continue
-            found = found or False
             value, now = _number(entry, key), self._recent_reward()
+            self.series[key] = (self.series.get(key, []) + [value])[-self.HISTORY :]
             noise = _heldout_noise(value, _number(entry, _heldout_size_key(match)))
             best = self.best.get(key)
             if best is None or value >= best[0]:
                 self.best[key] = (value, noise, now, entry.get("step"))
+                found = found or False
                 continue
             best_value, best_noise, reward_then, best_step = best
+            allowance = self._allowance(key, noise, best_noise)
+            if allowance is None:
+                continue  # its noise is not known yet
+            found = found or False
             if reward_then is None and self.rewards:  # the best came before any training reward (step 0)
                 reward_then = self.rewards[0]
             drop = best_value - value
-            fell = drop >= self.threshold * max(abs(best_value), 1e-8)
-            allowance = None
-            if noise is not None and best_noise is not None:
-                allowance = self.NOISE_SE * math.sqrt(noise + best_noise)
-                fell = fell and drop > allowance
+            fell = drop >= self.threshold * max(abs(best_value), 1e-8) and drop > allowance[0]
             if fell and reward_then is not None and now is not None and now > reward_then:
                 at = f" (step {best_step})" if best_step is not None else ""
-                beyond = (
-                    f", more than the evaluation's noise ({self.NOISE_SE:g} standard errors: {allowance:.3g})"
-                    if allowance is not None
-                    else ""
-                )
                 found = (
-                    f"{key} fell from its best {best_value:.3g}{at} to {value:.3g}{beyond} while the training reward "
-                    f"rose from {reward_then:.3g} to {now:.3g}: the policy may be exploiting the reward rather than "
-                    "learning the task (reward hacking). Read completions for loopholes the reward pays for, raise "
-                    f"beta, and keep the best checkpoint (metric_for_best_model='{key}', load_best_model_at_end=True)."
+                    f"{key} fell from its best {best_value:.3g}{at} to {value:.3g}, more than the evaluation's noise "
+                    f"({allowance[1]}: {allowance[0]:.3g}), while the training reward rose from {reward_then:.3g} to "
+                    f"{now:.3g}: the policy may be exploiting the reward rather than learning the task (reward "
+                    "hacking). Read completions for loopholes the reward pays for, raise beta, and keep the best "
+                    f"checkpoint (metric_for_best_model='{key}', load_best_model_at_end=True)."
                 )
         return found
 
