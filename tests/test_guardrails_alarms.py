@@ -127,6 +127,12 @@ STREAMS = {
         + [{FORMAT: (0.2, 0.5, 0.8)[i % 3], TASK: 0.5} for i in range(20)],
         [149, 199],
     ),
+    "reward_scale": (
+        # a steady spread of 0.5 for 20 entries, then tenfold: given once the last 3 entries' median is 5.0 (the 20
+        # entries before it steady); back to 0.5, the history steady again after 20 entries, then tenfold again
+        [{"reward_std": value} for value in [0.5] * 20 + [5.0] * 6 + [0.5] * 30 + [5.0] * 3],
+        [22, 57],
+    ),
     "reward_vs_heldout": (
         [
             {"reward": 0.1, "heldout/acc/mean@4": 0.5, "heldout/acc/scored@4": 200},

@@ -425,3 +425,62 @@ def test_a_run_too_short_to_judge_says_so_and_is_not_ok():
     # a flat reward over 100 steps is not long enough for a plateau of 150, and learned nothing: not ok either
     flat = assess(logged_every(1, lambda step: 0.3, steps=100))
     assert flat.signals[0].verdict == "short" and not flat.ok
+
+
+def scale_jump_run(jump_at: int = 110, steps: int = 200, seed: int = 0) -> list[dict]:
+    """rlwatch's reward-variance explosion as TRL logs it: the reward's spread near 0.5, then tenfold from `jump_at` on
+    and staying there (a reward function whose scale changed)."""
+    rng = random.Random(seed)
+    return [
+        {
+            "step": step,
+            "loss": 0.1,
+            "reward_std": (5.0 + abs(rng.gauss(0, 0.5))) if step >= jump_at else (0.5 + abs(rng.gauss(0, 0.02))),
+        }
+        for step in range(1, steps + 1)
+    ]
+
+
+def learning_spread_run(start: float, speed: int, steps: int = 400, seed: int = 0) -> list[dict]:
+    """A 0/1 reward learned from a pass rate `start` to 0.6 along a logistic curve centred on step 150 (`speed` steps
+    from about 12% to 88% of the way), 16 groups of 8 completions per step: the mean std inside the groups."""
+    rng = random.Random(seed)
+    history = []
+    for step in range(1, steps + 1):
+        rate = start + (0.6 - start) / (1 + math.exp(-4 * (step - 150) / speed))
+        stds = []
+        for _ in range(16):
+            scores = [float(rng.random() < rate) for _ in range(8)]
+            centre = sum(scores) / 8
+            stds.append(math.sqrt(sum((s - centre) ** 2 for s in scores) / 7))
+        history.append({"step": step, "loss": 0.1, "reward_std/group_mean": sum(stds) / 16})
+    return history
+
+
+def test_a_reward_whose_spread_jumps_tenfold_is_flagged_within_a_few_log_steps():
+    from benchmarks.health_scenarios import logged_every as every
+
+    for seed in range(5):
+        health = assess(scale_jump_run(seed=seed))
+        (episode,) = [e for e in health.episodes if e.name == "reward_scale"]
+        assert 110 <= episode.start <= 112 and "reward_std jumped from" in episode.message, episode
+        spread = next(signal for signal in health.signals if signal.signal.name == "reward spread in groups")
+        assert spread.verdict == "ALARM" and "reward_scale at" in spread.detail
+        # logged every 10 steps: the first entry holding the jump
+        (episode,) = [e for e in assess(every(scale_jump_run(seed=seed), 10)).episodes if e.name == "reward_scale"]
+        assert episode.start == 120, episode
+
+
+def test_the_slow_growth_of_a_learned_0_1_reward_s_spread_is_no_jump():
+    from benchmarks.health_scenarios import logged_every as every
+
+    for start in (0.005, 0.02, 0.05):
+        for speed in (20, 50, 100):
+            for seed in range(3):
+                history = learning_spread_run(start, speed, seed=seed)
+                for steps in (1, 10):
+                    alarms = assess(every(history, steps)).alarms
+                    assert "reward_scale" not in alarms, (start, speed, seed, steps)
+    monitor = AnomalyMonitor(reward_scale=None)
+    monitor.replay(scale_jump_run())
+    assert "reward_scale" not in monitor.counts

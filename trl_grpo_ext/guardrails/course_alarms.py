@@ -19,6 +19,7 @@ from .trend_rules import (
     LengthDriftRule,
     LengthGrowthRule,
     LengthInGroupRule,
+    RewardScaleRule,
     RewardVsHeldoutRule,
     VanishingGradientRule,
 )
@@ -187,6 +188,35 @@ COURSE_ALARMS: tuple[Alarm, ...] = (
         "of its last 3 logged values) is above its level at that best: reward hacking",
         suggests="read completions for loopholes the reward pays for, a higher `beta`, keep the best checkpoint "
         "(`metric_for_best_model`, `load_best_model_at_end`)",
+    ),
+    Alarm(
+        name="reward_scale",
+        rule=RewardScaleRule,
+        field="warn_reward_scale",
+        # rlwatch's reward-variance explosion (0.5 to 5.4, 10x) is flagged within 3 steps of the jump; a 0/1 reward
+        # learned from a pass rate of 0.5-5% to 60% over 20-100 steps (a 15-fold growth of its spread) never, logged
+        # every step or every 10 (tests/test_guardrails_progress.py).
+        default=4.0,
+        low=1.0,
+        high=math.inf,
+        low_inclusive=False,
+        high_inclusive=False,
+        help="Alarm reward_scale: the reward's spread (reward_std/group_mean, else reward_std) over the last "
+        f"{RewardScaleRule.RECENT} steps is at least this many times its largest over the "
+        f"{RewardScaleRule.HISTORY} steps before (at least {RewardScaleRule.MIN_HISTORY} log entries, a steady "
+        "history): the reward's scale changed.",
+        given_when="the reward's spread (`reward_std/group_mean`, else TRL's `reward_std`), its median over the last "
+        "3 steps (at least one log entry), is at least this many times its largest over the 20 steps before (at least "
+        "10 log entries), that history steady (above 0, its largest at most 3 times its median): an abrupt jump "
+        "against its own recent history. Learning a bounded reward moves its spread slowly and within bounds (a 0/1 "
+        "reward's inside a group of 8 cannot exceed 0.53); a spread that multiplies within a few steps and stays is "
+        "a reward whose scale changed. rlwatch's scenario (0.5 to 5.4 at step 110) is flagged within 3 steps of the "
+        "jump (at the first entry holding it, logged every 10 steps); a 0/1 reward learned from a pass rate of 0.5-5% "
+        "to 60% over 20 to 100 steps (its spread growing about 15-fold) never, logged every step or every 10 "
+        "(`tests/test_guardrails_progress.py`); learned within 10 steps from 0.5%, it is flagged logged every 10",
+        suggests="check the reward functions for a change of scale (an edit, a reward model swapped, outlier "
+        "scores) and `reward_weights`; with several functions the one whose scale grew outweighs the others, with "
+        '`scale_rewards="none"` the advantages grew as much',
     ),
     Alarm(
         name="vanishing_gradient",

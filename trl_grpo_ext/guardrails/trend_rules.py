@@ -16,8 +16,22 @@ from ..metrics import (
     KL,
     REWARD,
     REWARD_LENGTH_CORR,
+    REWARD_STD,
+    REWARD_STD_GROUP_MEAN,
 )
-from .rule import HELDOUT_KEY, SKIPPED_STEPS_KEY, Rule, Series, _first_number, _number, curvature_t, mean, pearson
+from .rule import (
+    HELDOUT_KEY,
+    SKIPPED_STEPS_KEY,
+    Cadence,
+    Rule,
+    Series,
+    _first_number,
+    _number,
+    _step,
+    curvature_t,
+    mean,
+    pearson,
+)
 
 
 class EntropyCollapseRule(Rule):
@@ -354,6 +368,54 @@ class RewardVsHeldoutRule(Rule):
                     f"checkpoint (metric_for_best_model='{key}', load_best_model_at_end=True)."
                 )
         return found
+
+
+class RewardScaleRule(Rule):
+    """The reward's spread jumps against its own recent history: the median of its last `RECENT` training steps (at
+    least one log entry) is at least `threshold` times the largest of the `HISTORY` steps before them (at least
+    `MIN_HISTORY` entries), that history being steady (above 0, its largest at most `STEADY` times its median). The
+    spread is this package's `reward_std/group_mean` (inside groups), else TRL's `reward_std` (over the batch).
+
+    Learning a bounded reward moves its spread slowly and within its bounds (a 0/1 reward's std inside a group of 8
+    cannot exceed 0.53: learned from a pass rate of 0.5% to 60% over 20 to 100 steps, it grows about 15-fold, but
+    never 4-fold past the largest of the steps before within 3 steps, logged every step or every 10); a spread that
+    multiplies within a few steps and stays is the mark of a reward whose scale changed (rlwatch's scenario: 0.5 to
+    5.4 at step 110). A history without a steady scale (a too-hard run's spread near 0, most groups flat) has none to
+    jump from. The episode ends once the history has caught up with the new level."""
+
+    keys = (REWARD_STD_GROUP_MEAN, REWARD_STD)
+    RECENT = 3  # training steps of the new level
+    HISTORY = 20  # training steps before them
+    MIN_HISTORY = 10  # log entries of the history, at least
+    STEADY = 3.0  # the history's largest value at most this many times its median
+
+    def __init__(self, threshold: float):
+        super().__init__(threshold)
+        self.cadence = Cadence()
+        self.values: list[float] = []
+
+    def judge(self, entry):
+        key, value = _first_number(entry, self.keys)
+        if value is None:
+            return None
+        self.cadence.add(_step(entry))
+        recent = self.cadence.entries(self.RECENT, 1)
+        history = self.cadence.entries(self.HISTORY, self.MIN_HISTORY)
+        self.values = (self.values + [value])[-(max(self.HISTORY, self.MIN_HISTORY) + self.RECENT) :]
+        if len(self.values) < recent + history:
+            return None  # too few values to judge yet
+        before = self.values[-(recent + history) : -recent]
+        now, usual, largest = statistics.median(self.values[-recent:]), statistics.median(before), max(before)
+        if not usual > 0 or largest > self.STEADY * usual or now < self.threshold * largest:
+            return False
+        return (
+            f"{key} jumped from {usual:.3g} (at most {largest:.3g} over the {history} log steps before) to "
+            f"{now:.3g} ({now / largest:.1f}x) within {recent} log step{'s' if recent > 1 else ''}: learning moves a "
+            "bounded reward's spread slowly (a 0/1 reward's inside a group cannot exceed 0.53), so the reward's scale "
+            "changed: a reward function edited or rescaled, a reward model swapped, a function scoring outliers. "
+            "Check the reward functions and reward_weights; with several functions the one whose scale grew now "
+            "outweighs the others, and with scale_rewards='none' the advantages (the step size) grew as much."
+        )
 
 
 class VanishingGradientRule(Rule):

@@ -69,7 +69,7 @@ PANELS = (
     Panel(
         "reward spread: std inside each group",
         (REWARD_STD_GROUP_MEAN, *ZERO_SPREAD_KEYS),
-        ("zero_std", "no_spread", "flat_groups"),
+        ("zero_std", "no_spread", "flat_groups", "reward_scale"),
         "std of the rewards of a group",
     ),
     Panel("KL to the reference", (KL,), ("kl_jump", "kl_high", "kl_growth"), "KL (mean per token)"),

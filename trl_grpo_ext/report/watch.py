@@ -88,7 +88,7 @@ WATCHED = (
         healthy="clearly above 0",
         worrying="near 0: every completion of a prompt scores the same",
         readme="reward spread inside each group of completions of one prompt; near 0 means no learning signal",
-        signal=Signal("reward spread in groups", (REWARD_STD_GROUP_MEAN,), ("no_spread",)),
+        signal=Signal("reward spread in groups", (REWARD_STD_GROUP_MEAN,), ("no_spread", "reward_scale")),
         console=(REWARD_STD_GROUP_MEAN, "spread"),
     ),
     Watched(
