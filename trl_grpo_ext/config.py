@@ -369,6 +369,7 @@ class GRPOConfigExt(GRPOConfig):
     warn_length_growth: float | None = ALARMS["length_growth"].config_field()
     warn_length_group_corr: float | None = ALARMS["length_in_group"].config_field()
     warn_heldout_drop: float | None = ALARMS["reward_vs_heldout"].config_field()
+    warn_reward_scale: float | None = ALARMS["reward_scale"].config_field()
     warn_grad_norm_vanish: float | None = ALARMS["vanishing_gradient"].config_field()
     warn_clip_asymmetry: float | None = ALARMS["clip_asymmetry"].config_field()
     warn_flat_groups: float | None = ALARMS["flat_groups"].config_field()
