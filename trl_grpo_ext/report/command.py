@@ -34,7 +34,7 @@ from ..guardrails.alarms import ALARMS
 from ..guardrails.anomaly import AlarmSettings
 from . import figure
 from .formats import FORMATS, Report, forward_summary, render, unrecognised_keys
-from .health import SEVERITIES, assess
+from .health import SEVERITIES, RunHealth, assess
 from .sampling import sampling_summary
 from .tensorboard import event_files, read_event_files
 
@@ -81,12 +81,15 @@ class FoundRun:
         source (`str`): `"trainer_state"`, or `"tensorboard"` when the folder holds no trainer state and `path` is
             the folder of the TensorBoard event files read (`state` is then rebuilt from them: its `log_history`
             and `global_step`, the last step logged).
+        args (`dict`, *optional*): the run's training arguments where the folder records them (transformers' `args`
+            text in the event files); `None` for a trainer state, which does not.
     """
 
     path: str
     state: dict
     other_runs: list[tuple[str, int]] = field(default_factory=list)
     source: str = "trainer_state"
+    args: dict | None = None
 
 
 _CHECKPOINT = re.compile(r"^checkpoint-\d+$")
@@ -150,7 +153,7 @@ def _tensorboard_run(run_dir: str, events: list[str]) -> FoundRun:
         settings = AlarmSettings.from_config(SimpleNamespace(**read.args))
         state["stateful_callbacks"] = {AlarmSettings.__name__: settings.state()}
     others = [(os.path.dirname(path), step) for path, step in read.others]
-    return FoundRun(folder, state, others, source="tensorboard")
+    return FoundRun(folder, state, others, source="tensorboard", args=read.args)
 
 
 def _step_of(path: str) -> int:
@@ -234,7 +237,7 @@ def run(argv: list[str] | None = None, prog: str | None = None) -> int:
     recorded = "the arguments its event files record" if found.source == "tensorboard" else "its trainer state"
     if settings is None:
         notes.append(
-            f"Thresholds: GRPOConfigExt's defaults ({recorded} hold no warn_* values: a stock TRL run, or one of an "
+            f"Thresholds: GRPOConfigExt's defaults (no warn_* values in {recorded}: a stock TRL run, or one of an "
             "older release)."
         )
     elif not settings.enabled:
@@ -261,11 +264,11 @@ def run(argv: list[str] | None = None, prog: str | None = None) -> int:
             history,
             args.output or os.path.join(args.run_dir, "report.png"),
             args.run_dir,
-            health.episodes,
+            health,
             settings.thresholds if settings is not None else None,
         ),
         health=health,
-        forward=forward_summary(history),
+        forward=forward_summary(history, _forward_options(found.args)),
         sampling=sampling_summary(history),
         unrecognised=unrecognised,
     )
@@ -275,16 +278,23 @@ def run(argv: list[str] | None = None, prog: str | None = None) -> int:
     return EXIT_OK
 
 
-def _draw(history: list[dict], output: str, run_dir: str, episodes, thresholds: dict | None) -> str:
-    """Write the report image (its alarm thresholds the run's, `None`: the defaults); one line saying what was written
-    and which panels had nothing to draw."""
+def _forward_options(args: dict | None) -> dict | None:
+    """The run's `padding_free` and `shared_prompt_forward`, where its recorded arguments hold both."""
+    names = ("padding_free", "shared_prompt_forward")
+    return {name: bool(args[name]) for name in names} if args is not None and all(n in args for n in names) else None
+
+
+def _draw(history: list[dict], output: str, run_dir: str, health: RunHealth, thresholds: dict | None) -> str:
+    """Write the report image (its alarm thresholds the run's, `None`: the defaults; the verdict under its title); one
+    line saying what was written and which panels had nothing to draw."""
     try:
         written = figure.plot_training_report(
             history,
             output,
             title=os.path.basename(os.path.normpath(run_dir)),
-            episodes=episodes,
+            episodes=health.episodes,
             thresholds=thresholds,
+            verdict=health.headline(),
         )
     except ImportError:
         return "report.png: not written, matplotlib is not installed (pip install matplotlib)"

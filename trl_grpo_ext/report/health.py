@@ -34,7 +34,17 @@ from ..metrics import (
 from .metric_record import Signal
 from .watch import WATCHED
 
-__all__ = ["SEVERITIES", "SIGNALS", "RunHealth", "Signal", "SignalHealth", "assess", "highest_severity"]
+__all__ = [
+    "HEALTHY",
+    "SEVERITIES",
+    "SIGNALS",
+    "TOO_SHORT",
+    "RunHealth",
+    "Signal",
+    "SignalHealth",
+    "assess",
+    "highest_severity",
+]
 
 DIAGNOSTICS = "GRPOTrainerExt logs it with log_diagnostics; stock TRL does not"
 #: Why a metric may be missing from a history (shown when a signal was not logged).
@@ -60,6 +70,13 @@ SIGNALS = tuple(record.signal for record in WATCHED if record.signal is not None
 # `SEVERITIES` (the alarms' tiers) are the verdicts' too, lowest first; `--fail-on` of `report` takes the last three.
 #: The verdicts that keep a run from being called healthy (with any alarm).
 PROBLEMS = ("FAIL", "note", "short")
+#: The last word on a run with no finding.
+HEALTHY = "No alarm was raised and no health check failed."
+#: ... and on one whose only findings are signals too short to judge.
+TOO_SHORT = (
+    "Too short to judge: no alarm was raised, but the run logged too few entries to tell whether it learned "
+    "(train longer, or log more often: logging_steps):"
+)
 _SEVERITY = {"FAIL": "critical", "note": "note", "short": "note"}
 
 
@@ -125,6 +142,26 @@ class RunHealth:
         """Nothing is wrong but that some signals could not be judged yet: the run is too short to tell."""
         verdicts = {signal.verdict for signal in self.signals}
         return not self.episodes and "short" in verdicts and not verdicts & {"FAIL", "note"}
+
+    def headline(self) -> str:
+        """The run's verdict in one line: `HEALTHY`, too short to judge, or what was found (`report.png`'s, under its
+        title)."""
+        if self.ok:
+            return HEALTHY
+        if self.too_short:
+            return "Too short to judge: too few log entries to tell whether the run learned"
+        found = []
+        if self.alarms:
+            found.append(
+                f"{len(self.alarms)} alarm{'s' if len(self.alarms) > 1 else ''} raised: {', '.join(self.alarms)}"
+            )
+        for verdict, words in (("FAIL", "failed"), ("note", "worth a look"), ("short", "too short to judge")):
+            names = [
+                signal.signal.name for signal in self.signals if signal.verdict == verdict and not signal.episodes
+            ]
+            if names:
+                found.append(f"{words}: {', '.join(names)}")
+        return "; ".join(found)
 
     def problem_lines(self) -> list[str]:
         """`alarm_lines`, then one line per signal whose verdict is `FAIL`, `note` or `short` and that no alarm
