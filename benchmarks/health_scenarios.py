@@ -28,6 +28,7 @@ __all__ = [
     "EXPECTED_ALARMS",
     "Scenario",
     "judge",
+    "logged_every",
     "peer_available",
     "rldoctor_scenarios",
     "rlprobe_scenarios",
@@ -169,6 +170,33 @@ def rldoctor_history(records: list[dict]) -> list[dict]:
         entry["step"] = int(record["step"]) + 1
         history.append(entry)
     return history
+
+
+#: What transformers logs of the last step of a logging interval, not a mean over it: the gradient norm of the last
+#: optimizer step, the learning rate then.
+_LAST_OF_INTERVAL = ("grad_norm", "learning_rate")
+
+
+def logged_every(history: list[dict], steps: int) -> list[dict]:
+    """A history of one entry per step as the same run logs it with `logging_steps=steps`: one entry at every
+    `steps`-th step, holding the mean of each metric over the steps since the last entry (TRL's metrics and
+    transformers' loss are such means, NaN left out), the last step's gradient norm and learning rate, and a held-out
+    evaluation's last value."""
+    entries = []
+    for end in range(steps, len(history) + 1, steps):
+        interval = history[end - steps : end]
+        entry = {"step": interval[-1]["step"]}
+        for key in dict.fromkeys(key for record in interval for key in record if key != "step"):
+            values = [record[key] for record in interval if isinstance(record.get(key), (int, float))]
+            numbers = [value for value in values if not math.isnan(value)]
+            if not values:
+                continue
+            if key in _LAST_OF_INTERVAL or key.startswith("heldout/"):
+                entry[key] = values[-1]
+            else:
+                entry[key] = sum(numbers) / len(numbers) if numbers else math.nan
+        entries.append(entry)
+    return entries
 
 
 def rldoctor_scenarios(steps: int = 400, seed: int = 0, judge_peer: bool = True) -> list[Scenario]:

@@ -127,15 +127,22 @@ STREAMS = {
         + [{FORMAT: (0.2, 0.5, 0.8)[i % 3], TASK: 0.5} for i in range(20)],
         [149, 199],
     ),
+    "reward_scale": (
+        # a steady spread of 0.5 for 20 entries, then tenfold: given once the last 3 entries' median is 5.0 (the 20
+        # entries before it steady); back to 0.5, the history steady again after 20 entries, then tenfold again
+        [{"reward_std": value} for value in [0.5] * 20 + [5.0] * 6 + [0.5] * 30 + [5.0] * 3],
+        [22, 57],
+    ),
     "reward_vs_heldout": (
         [
-            {"reward": 0.1, "heldout/acc/mean@4": 0.5},
+            {"reward": 0.1, "heldout/acc/mean@4": 0.5, "heldout/acc/scored@4": 200},
             {"reward": 0.3},
-            {"reward": 0.5, "heldout/acc/mean@4": 0.3},  # held-out fell 40% from its best, reward up
+            # held-out fell 40% from its best, 4 standard errors of the difference over 200 completions; reward up
+            {"reward": 0.5, "heldout/acc/mean@4": 0.3, "heldout/acc/scored@4": 200},
             {"reward": 0.6},  # no held-out value: the episode goes on
-            {"reward": 0.6, "heldout/acc/mean@4": 0.6},  # a new best: cleared
+            {"reward": 0.6, "heldout/acc/mean@4": 0.6, "heldout/acc/scored@4": 200},  # a new best: cleared
             {"reward": 0.9},
-            {"heldout/acc/mean@4": 0.4},  # an evaluation logged in its own entry
+            {"heldout/acc/mean@4": 0.4, "heldout/acc/scored@4": 200},  # an evaluation logged in its own entry
         ],
         [2, 6],
     ),
@@ -594,9 +601,21 @@ def test_a_held_out_drop_within_the_evaluation_s_noise_raises_no_alarm(scenario)
     monitor.replay(heldout_run(values, size))
     assert "reward_vs_heldout" in monitor.judged and not monitor.episodes
     assert assess(heldout_run(values, size)).signals[-1].verdict == "ok"
-    # Without the sample size (a stock or older run's log) the rule judges as before: the relative drop alone.
+    # Without the sample size (a stock or older run's log) the series' own spread is the noise: no alarm either.
     monitor.replay(heldout_run(values, None))
-    assert [episode.name for episode in monitor.episodes] == ["reward_vs_heldout"]
+    assert not monitor.episodes
+
+
+def test_without_a_sample_size_the_held_out_series_own_spread_is_the_noise():
+    # the drop of rl-doctor's healthy run (0.214 -> 0.183 at its 5th evaluation): too few evaluations to know the
+    # noise yet, not judged; the same drop after steady evaluations whose differences scatter by 0.01: an alarm
+    early = heldout_run([0.151, 0.176, 0.197, 0.214, 0.183], None)
+    assert not assess(early).episodes and "reward_vs_heldout" not in AnomalyMonitor().judged
+    steady = [0.10, 0.13, 0.15, 0.19, 0.21, 0.24, 0.26, 0.30, 0.18]
+    (episode,) = assess(heldout_run(steady, None)).episodes
+    assert episode.start == 400 and "more than the evaluation's noise (3 standard deviations" in episode.message
+    noisy = [0.10, 0.18, 0.12, 0.22, 0.16, 0.26, 0.20, 0.30, 0.22]  # the same drop within its own scatter
+    assert not assess(heldout_run(noisy, None)).episodes
 
 
 def test_a_held_out_drop_beyond_the_evaluation_s_noise_raises_the_alarm_live_and_in_the_report():
@@ -617,8 +636,11 @@ def test_the_noise_allowance_is_3_standard_errors_of_the_difference():
         {key.replace("heldout/", "eval_heldout/"): v for key, v in e.items()} for e in heldout_run([0.6, 0.46], 200)
     ]
     assert not assess(evaluations).episodes  # an evaluate()'s entry: its eval_heldout/acc/scored@1 is read alike
-    # A metric on another scale than [0, 1] has no known noise: the relative drop alone decides, as before.
-    assert [e.name for e in assess(heldout_run([6.0, 4.0], 200)).episodes] == ["reward_vs_heldout"]
+    # A metric on another scale than [0, 1] has no binomial noise: its series' own spread is its noise.
+    assert [e.name for e in assess(heldout_run([6.0, 6.2, 6.1, 6.3, 6.2, 6.25, 4.0], 200)).episodes] == [
+        "reward_vs_heldout"
+    ]
+    assert not assess(heldout_run([6.0, 4.0], 200)).episodes  # two evaluations: no noise known yet
 
 
 def test_a_run_that_learns_nothing_is_never_ok_however_noisy_its_held_out_metric():

@@ -6,6 +6,8 @@ an auxiliary reward function that takes over."""
 import math
 import random
 
+import pytest
+
 from trl_grpo_ext.guardrails import ALARMS, AnomalyMonitor
 from trl_grpo_ext.guardrails.progress_rules import slope_t
 from trl_grpo_ext.metrics import reward_function_metric
@@ -72,6 +74,17 @@ def test_slope_t_is_large_on_a_trend_and_small_on_noise():
     assert slope_t([0.01 * i + rng.gauss(0, 0.01) for i in range(20)]) > 5
     assert abs(slope_t([rng.gauss(0, 0.01) for _ in range(20)])) < 3
     assert slope_t([1.0] * 20) == 0.0 and slope_t([0.0, 1.0]) == 0.0
+
+
+def test_curvature_t_is_large_on_an_acceleration_near_0_on_a_line_and_negative_where_a_rise_stops():
+    from trl_grpo_ext.guardrails.rule import curvature_t
+
+    rng = random.Random(0)
+    assert curvature_t([0.01 * 1.05**i * (1 + rng.gauss(0, 0.05)) for i in range(70)]) > 5
+    assert abs(curvature_t([0.01 * i * (1 + rng.gauss(0, 0.05)) for i in range(70)])) < 3
+    assert curvature_t([min(i, 40) * (1 + rng.gauss(0, 0.05)) for i in range(70)]) < -5
+    assert curvature_t([0.5 * i for i in range(70)]) == 0.0 and curvature_t([1.0, 2.0, 4.0]) == 0.0
+    assert curvature_t([i * i for i in range(10)]) == math.inf
 
 
 def flat_run(share: float, reward: float, steps: int = 30) -> list[dict]:
@@ -193,6 +206,25 @@ def test_a_kl_growing_slower_than_the_threshold_or_below_the_floor_or_only_at_th
     assert "kl_growth" not in monitor.counts
 
 
+def test_a_kl_rise_that_stopped_is_no_growth():
+    """Every run's KL rises from 0 as the policy leaves the reference; a rise that ends, however late in the first
+    100 log steps, and at whatever level, is none (the rule waits for 70 logged values: most of such a rise is in its
+    windows when it first judges)."""
+
+    def rise(end: int, level: float):  # from 0 to `level` over `end` log steps, then held
+        return lambda step: level * min(step, end) / end
+
+    # the case found in review: a rise that stopped at step 60, judged from step 70
+    assert "kl_growth" not in assess(kl_run(rise(60, 0.5), steps=300)).alarms
+    flagged = {}
+    for noise in (0.1, 0.3):
+        for end in (50, 60, 70, 80, 90, 100):
+            for level in (0.2, 0.5):
+                runs = [kl_run(rise(end, level), steps=300, noise=noise, seed=seed) for seed in range(20)]
+                flagged[noise, end, level] = sum("kl_growth" in assess(history).alarms for history in runs)
+    assert max(flagged.values()) == 0, flagged
+
+
 def test_kl_growth_carries_its_window_across_a_resume_and_none_switches_it_off():
     history = kl_run(doubling_kl, noise=0.05)
     whole = AnomalyMonitor()
@@ -300,6 +332,155 @@ def test_a_reward_function_mean_that_is_not_a_number_is_skipped_by_reward_compos
     for entry in composed_run(saturating(60, 0.85), lambda step: 0.02, steps=200):
         for skipped in ({reward_function_metric("format"): math.nan, task: math.nan}, {task: None}, {"loss": 0.1}):
             assert gappy.judge(skipped) is None
-        assert gappy.judge({**entry, task: math.inf}) is not None  # the format's mean still counts
+        gappy.judge({**entry, task: math.inf})  # the format's mean still counts
         clean.judge(entry)
     assert gappy.means["format"] == clean.means["format"] and "correctness" not in gappy.means
+
+
+def test_auxiliary_reward_functions_are_told_by_whole_words_of_their_names():
+    from trl_grpo_ext.guardrails.progress_rules import is_auxiliary
+
+    auxiliary = ["format_reward", "soft_format_reward_func", "xmlcount_reward_func", "XMLTagReward", "thinkLength"]
+    auxiliary += ["language_consistency", "reward-len-2", "json_schema", "tags", "formatting_bonus", "style"]
+    task = ["information_gain", "stage_bonus", "percentage_correct", "accuracy", "correctness_reward_func"]
+    task += ["voltage_error", "contagious", "sql_exec", "slang_judge", "platform_success"]
+    assert [name for name in auxiliary if not is_auxiliary(name)] == []
+    assert [name for name in task if is_auxiliary(name)] == []
+
+
+def gaming(step):  # the format reward at 0.2 until step 200, then rising to 1.0 by step 350
+    return min(1.0, 0.2 + 0.8 * max(step - 200, 0) / 150)
+
+
+def stalled(step):  # the task learned to 0.4 by step 150, then stalled
+    return 0.1 + 0.3 * min(step, 150) / 150
+
+
+def test_a_task_reward_whose_name_contains_a_hint_is_not_taken_for_an_auxiliary_one():
+    # `information` holds "format": with both functions taken as auxiliary the alarm could never fire
+    history = composed_run(gaming, None, information_gain=stalled)
+    assert "reward_composition" in assess(history).alarms
+
+
+def test_the_auxiliary_reward_functions_can_be_named():
+    history = composed_run(None, stalled, brevity=gaming)  # `brevity` carries no hint in its name
+    assert "reward_composition" not in assess(history).alarms
+    named = AnomalyMonitor(auxiliary_rewards=["brevity"])
+    named.replay(history)
+    (episode, *_) = [e for e in named.episodes if e.name == "reward_composition"]
+    assert "the auxiliary reward function brevity carries" in episode.message
+    # named, they replace the names' words: none named, none auxiliary, `format` included
+    monitor = AnomalyMonitor(auxiliary_rewards=[])
+    monitor.replay(composed_run(gaming, stalled))
+    assert "reward_composition" not in monitor.counts
+    with pytest.raises(TypeError, match="auxiliary_rewards must be a list of reward function names"):
+        AnomalyMonitor(auxiliary_rewards=[1, 2])
+
+
+def logged_every(interval: int, curve, steps: int = 400, noise: float = 0.03, seed: int = 0) -> list[dict]:
+    """A run logged every `interval` steps as TRL logs it: each entry holds the mean of its `interval` steps' values
+    (`curve(step)` plus normal noise), at the step it ends."""
+    rng = random.Random(seed)
+    history = []
+    for end in range(interval, steps + 1, interval):
+        rewards = [curve(step) + rng.gauss(0, noise) for step in range(end - interval + 1, end + 1)]
+        history.append({"step": end, "loss": 0.1, "grad_norm": 1.0, "reward": sum(rewards) / interval})
+    return history
+
+
+def test_a_reward_that_never_improves_is_a_plateau_whether_logged_every_1_10_or_50_steps():
+    # 400 steps: 400 or 40 log entries (800 steps logged every 50: 16); the plateau's length (warn_plateau_steps,
+    # 150) counts training steps
+    for interval, steps in ((1, 400), (10, 400), (50, 800)):
+        for seed in range(5):
+            health = assess(logged_every(interval, lambda step: 0.3, steps=steps, seed=seed))
+            assert "plateau" in health.alarms and not health.ok, (interval, seed)
+            (episode, *_) = [e for e in health.episodes if e.name == "plateau"]
+            assert episode.start <= steps and "has not improved for" in episode.message
+    # 400 steps logged every 50 are 8 entries: too short to tell, never "ok"
+    for seed in range(5):
+        health = assess(logged_every(50, lambda step: 0.3, seed=seed))
+        assert health.signals[0].verdict == "short" and not health.ok
+
+
+def test_a_reward_that_rises_is_no_plateau_whether_logged_every_1_10_or_50_steps():
+    for interval in (1, 10, 50):
+        for seed in range(5):
+            health = assess(logged_every(interval, lambda step: 0.2 + step / 1000, steps=800, seed=seed))
+            reward = health.signals[0]
+            assert "plateau" not in health.alarms and reward.verdict == "ok", (interval, seed, reward)
+            assert "no alarm (plateau" in reward.detail
+
+
+def test_a_run_too_short_to_judge_says_so_and_is_not_ok():
+    # the README's example: 10 steps logged every 5, a reward that moves a little, a KL of 1e-9
+    history = [
+        {"step": step, "loss": 0.0, "grad_norm": 0.5, "reward": reward, "kl": 1e-9, "entropy": 1.2}
+        for step, reward in ((5, -2.1), (10, -1.9))
+    ]
+    health = assess(history)
+    reward = health.signals[0]
+    assert reward.verdict == "short" and reward.detail.startswith("too short to judge")
+    assert reward.severity == "note" and not health.ok
+    # a flat reward over 100 steps is not long enough for a plateau of 150, and learned nothing: not ok either
+    flat = assess(logged_every(1, lambda step: 0.3, steps=100))
+    assert flat.signals[0].verdict == "short" and not flat.ok
+
+
+def scale_jump_run(jump_at: int = 110, steps: int = 200, seed: int = 0) -> list[dict]:
+    """rlwatch's reward-variance explosion as TRL logs it: the reward's spread near 0.5, then tenfold from `jump_at` on
+    and staying there (a reward function whose scale changed)."""
+    rng = random.Random(seed)
+    return [
+        {
+            "step": step,
+            "loss": 0.1,
+            "reward_std": (5.0 + abs(rng.gauss(0, 0.5))) if step >= jump_at else (0.5 + abs(rng.gauss(0, 0.02))),
+        }
+        for step in range(1, steps + 1)
+    ]
+
+
+def learning_spread_run(start: float, speed: int, steps: int = 400, seed: int = 0) -> list[dict]:
+    """A 0/1 reward learned from a pass rate `start` to 0.6 along a logistic curve centred on step 150 (`speed` steps
+    from about 12% to 88% of the way), 16 groups of 8 completions per step: the mean std inside the groups."""
+    rng = random.Random(seed)
+    history = []
+    for step in range(1, steps + 1):
+        rate = start + (0.6 - start) / (1 + math.exp(-4 * (step - 150) / speed))
+        stds = []
+        for _ in range(16):
+            scores = [float(rng.random() < rate) for _ in range(8)]
+            centre = sum(scores) / 8
+            stds.append(math.sqrt(sum((s - centre) ** 2 for s in scores) / 7))
+        history.append({"step": step, "loss": 0.1, "reward_std/group_mean": sum(stds) / 16})
+    return history
+
+
+def test_a_reward_whose_spread_jumps_tenfold_is_flagged_within_a_few_log_steps():
+    from benchmarks.health_scenarios import logged_every as every
+
+    for seed in range(5):
+        health = assess(scale_jump_run(seed=seed))
+        (episode,) = [e for e in health.episodes if e.name == "reward_scale"]
+        assert 110 <= episode.start <= 112 and "reward_std jumped from" in episode.message, episode
+        spread = next(signal for signal in health.signals if signal.signal.name == "reward spread in groups")
+        assert spread.verdict == "ALARM" and "reward_scale at" in spread.detail
+        # logged every 10 steps: the first entry holding the jump
+        (episode,) = [e for e in assess(every(scale_jump_run(seed=seed), 10)).episodes if e.name == "reward_scale"]
+        assert episode.start == 120, episode
+
+
+def test_the_slow_growth_of_a_learned_0_1_reward_s_spread_is_no_jump():
+    from benchmarks.health_scenarios import logged_every as every
+
+    for start in (0.005, 0.02, 0.05):
+        for speed in (20, 50, 100):
+            for seed in range(3):
+                history = learning_spread_run(start, speed, seed=seed)
+                for steps in (1, 10):
+                    alarms = assess(every(history, steps)).alarms
+                    assert "reward_scale" not in alarms, (start, speed, seed, steps)
+    monitor = AnomalyMonitor(reward_scale=None)
+    monitor.replay(scale_jump_run())
+    assert "reward_scale" not in monitor.counts

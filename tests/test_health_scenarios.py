@@ -16,7 +16,9 @@ from rlprobe.testing.synth import PATHOLOGIES  # noqa: E402
 
 from benchmarks.health_scenarios import (  # noqa: E402
     EXPECTED_ALARMS,
+    HELDOUT_ACCURACY,
     judge,
+    logged_every,
     rldoctor_history,
     rldoctor_scenarios,
     rlprobe_judge,
@@ -137,6 +139,65 @@ def test_reward_composition_flags_the_peers_format_takeovers_and_no_healthy_run(
         assert episodes and earliest <= episodes[0].start <= latest, episodes
     for history in (doctor["healthy"], probe["healthy"]):
         assert "reward_composition" not in assess(history).alarms
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_plateau_flags_rl_doctor_s_plateau_and_no_healthy_run_logged_every_1_10_or_50_steps(seed):
+    """The plateau's length counts training steps: a run logged every 10 or 50 steps (TRL's means over each interval)
+    is judged as one logged at every step. rl-doctor's plateau (the reward flat from about step 100 of 400) is flagged
+    from step 255 on, logged every step or every 10; neither peer's healthy run raises any alarm, however often it
+    logs (logged every 50 steps, its 8 or 10 entries may be too short to tell whether it learned: never "ok" by
+    default)."""
+    plateau = rldoctor_history(simulate("plateau", n_steps=400, seed=seed)[0])
+    for steps in (1, 10):
+        episodes = [e for e in assess(logged_every(plateau, steps)).episodes if e.name == "plateau"]
+        assert episodes and 255 <= episodes[0].start <= 400, (steps, episodes)
+    healthy = [rldoctor_history(simulate("healthy", n_steps=400, seed=seed)[0])]
+    healthy += [s.history for s in rlprobe_scenarios(seed=seed, pathologies=(None,), judge_peer=False)]
+    for history in healthy:
+        for steps in (1, 10, 50):
+            health = assess(logged_every(history, steps))
+            verdicts = ("ok", "short") if steps == 50 else ("ok",)
+            assert not health.alarms and health.signals[0].verdict in verdicts, (steps, health.alarms)
+
+
+def evaluated_every(history: list[dict], steps: int) -> list[dict]:
+    """rl-doctor's history with its held-out score at every `steps`-th step only (from the first) and without its
+    sample size: what a run that evaluates every `steps` steps and logs no `scored@` key (a stock or older one)
+    leaves."""
+    size_key = HELDOUT_ACCURACY.replace("/mean@", "/scored@")
+    entries = []
+    for entry in history:
+        kept = {key: value for key, value in entry.items() if key != size_key}
+        if (entry["step"] - 1) % steps:
+            kept.pop(HELDOUT_ACCURACY, None)
+        entries.append(kept)
+    return entries
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_reward_vs_heldout_without_a_sample_size_allows_for_the_series_own_spread(seed):
+    """rl-doctor's healthy run evaluated every 25 steps (0.15 -> 0.59, with dips such as 0.214 -> 0.183 at step 101)
+    raises no alarm; its reward-hacking run (held-out falling while the reward rises) still does."""
+    healthy = evaluated_every(rldoctor_history(simulate("healthy", n_steps=400, seed=seed)[0]), 25)
+    assert "reward_vs_heldout" not in assess(healthy).alarms
+    hacking = evaluated_every(rldoctor_history(simulate("reward_hacking", n_steps=400, seed=seed)[0]), 25)
+    assert "reward_vs_heldout" in assess(hacking).alarms
+
+
+#: Sick scenarios whose pathology a run logged every 10 steps does not show: transformers logs the gradient norm of
+#: the last step of each interval, so spikes between log steps are not in the log.
+UNSEEN_EVERY_10 = {("rl-doctor", "grad_spikes"): "spikes between log steps"}
+
+
+def test_every_sick_peer_scenario_logged_every_10_steps_is_flagged_with_the_kind_injected(corpus):
+    for key in SICK:
+        scenario = corpus[key]
+        if scenario.skipped is not None or key in UNSEEN_EVERY_10:
+            continue
+        verdict = judge(logged_every(scenario.history, 10))
+        for kind in injected_kinds(*key):
+            assert set(EXPECTED_ALARMS[kind]) & set(verdict["alarms"]), (key, kind, verdict["alarms"])
 
 
 def test_the_benchmark_table_has_a_row_per_scenario_and_a_column_per_tool():

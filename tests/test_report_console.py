@@ -128,4 +128,7 @@ def test_the_end_of_training_prints_the_sampling_line_once_it_has_flat_shares(tm
     state.log_history = [{"frac_reward_zero_std": 0.5, "epoch": 6.0, "step": 1}]
     console.on_train_end(args, state, control)
     (line,) = capsys.readouterr().out.splitlines()
-    assert line.startswith("sampling: 50% of the groups generated had no reward spread") and "prompts recur" in line
+    assert line.startswith("sampling: in 50% of the groups generated") and "the prompts recur" in line
+    state.log_history = [{"frac_reward_zero_std": 0.1, "epoch": 6.0, "step": 1}]
+    console.on_train_end(args, state, control)  # few flat groups: nothing to change, no line
+    assert capsys.readouterr().out == ""

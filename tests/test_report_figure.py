@@ -125,7 +125,7 @@ def test_the_spread_panel_reads_the_share_of_groups_without_spread_against_its_a
     shares = [line for line in right.get_lines() if line.get_label() == "reward_std/frac_zero_groups (right)"]
     assert list(shares[0].get_ydata()) == [entry["reward_std/frac_zero_groups"] for entry in demo_history()]
     (alarm,) = [line for line in right.get_lines() if line.get_label() == "zero_std alarm (right)"]
-    assert list(alarm.get_ydata()) == [0.8, 0.8]
+    assert list(alarm.get_ydata()) == [0.8]
     # TRL's frac_reward_zero_std says the same here: not drawn a second time.
     assert not [line for ax in figure.axes for line in ax.get_lines() if "frac_reward_zero_std" in line.get_label()]
     reading = spread.get_legend().get_title().get_text()
@@ -175,3 +175,39 @@ def test_each_panel_has_one_legend_above_its_axes_and_below_its_title():
         "alarm truncation",
         "completions/clipped_ratio (right)",
     ]
+
+
+def test_the_image_states_the_run_s_verdict_under_its_title():
+    history = [{**entry, "completions/clipped_ratio": 0.9} for entry in demo_history()]
+    health = assess(history)
+    figure = build_report_figure(history, title="run", episodes=health.episodes, verdict=health.headline())
+    texts = [text.get_text() for text in figure.texts]
+    assert health.headline() in texts and health.headline().startswith("2 alarms raised: truncation")
+    assert assess(demo_history()).headline() == "No alarm was raised and no health check failed."
+
+
+def _extent(artist):
+    return artist.get_window_extent(artist.figure.canvas.get_renderer())
+
+
+def test_the_figure_title_and_verdict_sit_clear_above_every_panel_s_title_and_legend():
+    # the middle panel's title and legend are the highest (two lines of reading in its legend's title); the figure's
+    # title sat 8 pixels above it, read as one block with it
+    history = demo_history()
+    for verdict in (None, assess(history).headline()):
+        figure = build_report_figure(history, title="tiny-demo", verdict=verdict)
+        figure.canvas.draw()
+        lowest = min(_extent(text).y0 for text in [figure._suptitle, *figure.texts])
+        clear = 12 * figure.dpi / 72  # 12 points
+        for ax in figure.axes:
+            for artist in (ax.title, ax.get_legend()):
+                if artist is not None and (ax.get_title() or artist is not ax.title):
+                    assert _extent(artist).y1 + clear <= lowest, ax.get_title()
+
+
+def test_the_zero_std_threshold_is_marked_on_the_right_axis_and_crosses_no_curve():
+    figure = build_report_figure(demo_history(), thresholds={"zero_std_fraction": 0.8})
+    (right,) = [ax for ax in figure.axes if ax.get_ylabel() == "share of groups"]
+    (alarm,) = [line for line in right.get_lines() if line.get_label() == "zero_std alarm (right)"]
+    # a mark at the right edge, at the threshold on the right axis: no line across the left axis' curves
+    assert min(alarm.get_xdata()) >= 0.97 and list(alarm.get_ydata()) == [0.8] * len(alarm.get_xdata())

@@ -202,3 +202,57 @@ def test_an_infinite_loss_logged_once_is_a_failure_and_a_finite_one_is_not():
     assert loss.verdict == "FAIL" and loss.onset == 7 and "loss/kl_penalty at step 7" in loss.detail
     healthy = next(signal for signal in assess(nan_loss_history(None)).signals if signal.signal.name == "loss split")
     assert healthy.verdict == "shown" and healthy.onset is None and healthy.severity == "ok"
+
+
+def test_a_metric_logged_as_nan_at_every_step_is_named_as_nan_not_as_missing():
+    history = [{"loss": 0.1, "step": step, "kl": math.nan, "entropy": math.nan} for step in range(1, 21)]
+    health = {signal.signal.name: signal for signal in assess(history).signals}
+    kl, entropy = health["KL to the reference"], health["entropy"]
+    # kl_high counts a NaN KL as not finite; the line says what was logged, not "not logged"
+    assert kl.verdict == "ALARM" and "kl_high at steps 1-20" in kl.detail
+    assert "not logged" not in kl.detail and "kl NaN at every logged step (steps 1-20)" in kl.detail
+    # no rule reads a NaN entropy: logged NaN throughout is a run that cannot have trained well
+    assert entropy.verdict == "FAIL" and entropy.onset == 1
+    assert "entropy NaN at every logged step (steps 1-20)" in entropy.detail
+    some = [{"loss": 0.1, "step": step, "entropy": math.nan if step % 2 else 1.0} for step in range(1, 21)]
+    entropy = next(signal for signal in assess(some).signals if signal.signal.name == "entropy")
+    assert entropy.verdict != "FAIL" and "NaN at 10 of 20 logged steps" in entropy.detail
+
+
+def test_a_history_with_infinite_and_nan_values_everywhere_is_judged_without_an_error():
+    """`report` reads any log: +inf, -inf, NaN, None, a bool or a string in any metric, at any step."""
+    import random
+
+    from trl_grpo_ext.metrics import heldout_metric, reward_function_metric
+    from trl_grpo_ext.report.formats import Report, forward_summary, render
+    from trl_grpo_ext.report.sampling import sampling_summary
+    from trl_grpo_ext.report.watch import WATCHED
+
+    keys = sorted(
+        {name for record in WATCHED for name in record.metrics if "<" not in name}
+        | {reward_function_metric("format_reward"), reward_function_metric("accuracy"), "reward_std"}
+        | {heldout_metric("accuracy", "mean", 4), "heldout/accuracy/scored@4", "epoch", "step_time"}
+    )
+    odd = [math.inf, -math.inf, math.nan, None, True, "x", 0.0, -1.0, 1e308]
+    rng = random.Random(0)
+    for case in range(40):
+        history = []
+        for step in range(1, rng.randint(1, 120)):
+            entry = {"step": step, "loss": rng.choice([0.1, *odd])}
+            for key in rng.sample(keys, rng.randint(1, len(keys))):
+                entry[key] = rng.choice(odd) if rng.random() < 0.3 else rng.uniform(0.0, 2.0)
+            history.append(entry)
+        health = assess(history)
+        report = Report(
+            run_dir="run",
+            read="trainer_state.json",
+            source="trainer_state",
+            global_step=len(history),
+            notes=[],
+            image="report.png: not drawn",
+            health=health,
+            forward=forward_summary(history),
+            sampling=sampling_summary(history),
+        )
+        for form in ("text", "markdown", "json"):
+            assert render(report, form), (case, form)

@@ -371,6 +371,7 @@ class GRPOConfigExt(GRPOConfig):
     warn_length_growth: float | None = ALARMS["length_growth"].config_field()
     warn_length_group_corr: float | None = ALARMS["length_in_group"].config_field()
     warn_heldout_drop: float | None = ALARMS["reward_vs_heldout"].config_field()
+    warn_reward_scale: float | None = ALARMS["reward_scale"].config_field()
     warn_grad_norm_vanish: float | None = ALARMS["vanishing_gradient"].config_field()
     warn_clip_asymmetry: float | None = ALARMS["clip_asymmetry"].config_field()
     warn_flat_groups: float | None = ALARMS["flat_groups"].config_field()
@@ -380,6 +381,14 @@ class GRPOConfigExt(GRPOConfig):
     warn_reward_composition: float | None = ALARMS["reward_composition"].config_field()
     warn_patience: int = field(
         default=3, metadata={"help": "Consecutive log steps a high clip fraction must last before its alarm. >= 1."}
+    )
+    warn_auxiliary_rewards: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Alarm reward_composition: the reward functions that score the form of a completion rather than "
+            "the task, by the names they are logged under (rewards/<name>/mean), e.g. ['format_reward']. None: "
+            "those with format, tag, xml, json, length, lang, style or think as a word of their name."
+        },
     )
 
     def __post_init__(self):

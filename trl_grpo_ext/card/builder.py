@@ -332,6 +332,7 @@ def write_model_card(
             clip_range=(trainer.epsilon_low, trainer.epsilon_high),
             episodes=health.episodes,
             thresholds=settings.thresholds,
+            verdict=health.headline(),
         )
     except ImportError:  # the card is written at every checkpoint: said once
         logger.warning_once("matplotlib is not installed: no report.png (pip install matplotlib).")

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 from .rule import Rule
 
-__all__ = ["Alarm", "alarm_table"]
+__all__ = ["SETTINGS", "Alarm", "alarm_table"]
+
+#: The run's settings that a rule may take beside its threshold: its parameter -> the `GRPOConfigExt` field.
+SETTINGS = {"patience": "warn_patience", "auxiliary": "warn_auxiliary_rewards"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,11 +78,14 @@ class Alarm:
             return f"`{self.field}` must be a whole number of log steps, got {value}."
         return None
 
-    def build(self, threshold: float, patience: int = 3) -> Rule:
-        """The rule, judging against `threshold` (`patience`: `warn_patience`, for the rules that wait)."""
-        options = dict(self.rule_options)
-        if "patience" in inspect.signature(self.rule).parameters:
-            options["patience"] = patience
+    def build(self, threshold: float, **settings) -> Rule:
+        """The rule, judging against `threshold`, with those of the run's `settings` that it takes (`patience`:
+        `warn_patience`, for the rules that wait; `auxiliary`: `warn_auxiliary_rewards`, for `reward_composition`)."""
+        parameters = inspect.signature(self.rule).parameters
+        unknown = set(settings) - set(SETTINGS)
+        if unknown:
+            raise TypeError(f"alarm {self.name}: unknown settings {sorted(unknown)}; known: {list(SETTINGS)}.")
+        options = dict(self.rule_options) | {key: value for key, value in settings.items() if key in parameters}
         rule = self.rule(threshold, **options)
         rule.name, rule.field = self.name, self.field
         return rule
@@ -92,13 +98,15 @@ class Alarm:
         )
 
     def table_row(self) -> str:
-        """Its row of the alarm table: name, field, default, when it is given, what it suggests. A rule that waits
-        (takes `patience`) names `warn_patience` and its default too."""
+        """Its row of the alarm table: name, field, default, when it is given, what it suggests. A rule that takes a
+        setting of `SETTINGS` (`patience`: a rule that waits) names its field and default too."""
         fields, defaults = [f"`{self.field}`"], [f"{self.default:g}"]
-        patience = inspect.signature(self.rule).parameters.get("patience")
-        if patience is not None:
-            fields.append("`warn_patience`")
-            defaults.append(f"{patience.default:g}")
+        parameters = inspect.signature(self.rule).parameters
+        for setting, field in SETTINGS.items():
+            if setting in parameters:
+                fields.append(f"`{field}`")
+                default = parameters[setting].default
+                defaults.append("None" if default is None else f"{default:g}")
         cells = [f"`{self.name}`", ", ".join(fields), ", ".join(defaults), self.given_when, self.suggests]
         for cell in cells:
             if "|" in cell or "\n" in cell:

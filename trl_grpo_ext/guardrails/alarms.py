@@ -19,7 +19,7 @@ in order, each once. The names of the rules' module (`Rule`, `pearson`, the key 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from .alarm import Alarm, alarm_table
 from .course_alarms import COURSE_ALARMS
@@ -49,16 +49,21 @@ ALARM_FIELDS = {name: alarm.field for name, alarm in ALARMS.items()}
 DEFAULT_THRESHOLDS = {alarm.field: alarm.default for alarm in ALARMS.values()}
 
 
-def build_rules(thresholds: Mapping[str, float | None], patience: int = 3) -> list[Rule]:
+def build_rules(
+    thresholds: Mapping[str, float | None], patience: int = 3, auxiliary: Collection[str] | None = None
+) -> list[Rule]:
     """The rules whose threshold is set, in `ALARMS` order.
 
     Args:
         thresholds: alarm name (a key of `ALARMS`) -> threshold, `None` (or absent) to leave that alarm out.
         patience: log steps in a row a high clip fraction must last (`warn_patience`).
+        auxiliary: the names of the auxiliary reward functions (`warn_auxiliary_rewards`); `None`: told by the words
+            of their names.
     """
     unknown = set(thresholds) - set(ALARMS)
     if unknown:
         raise ValueError(f"unknown alarms {sorted(unknown)}; known: {list(ALARMS)}.")
+    settings = {"patience": patience, "auxiliary": auxiliary}
     return [
-        alarm.build(thresholds[name], patience) for name, alarm in ALARMS.items() if thresholds.get(name) is not None
+        alarm.build(thresholds[name], **settings) for name, alarm in ALARMS.items() if thresholds.get(name) is not None
     ]

@@ -12,7 +12,7 @@ run's own thresholds: `AlarmSettings` keeps them in the trainer state.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from transformers import TrainerCallback
@@ -82,12 +82,17 @@ class AnomalyMonitor(TrainerCallback):
 
     Args:
         patience: log steps in a row a high clip fraction must last (`warn_patience`).
+        auxiliary_rewards: the names of the reward functions that score the form of a completion rather than the task
+            (`warn_auxiliary_rewards`), as logged in `rewards/<name>/mean`; `None` (the default): told by the words of
+            their names (`format`, `tag`, `xml`, ...). `reward_composition` judges their share of the reward.
         thresholds: one per alarm, named as `GRPOConfigExt`'s `warn_*` fields without the prefix
             (`zero_std_fraction`, `no_spread_steps`, ..., `heldout_drop`: `alarms.ALARMS`, whose help says what each
             means); `None` switches that alarm off, a threshold not given takes its default.
     """
 
-    def __init__(self, *, patience: int = 3, **thresholds: float | None):
+    def __init__(
+        self, *, patience: int = 3, auxiliary_rewards: Sequence[str] | None = None, **thresholds: float | None
+    ):
         keywords = {alarm.keyword: name for name, alarm in ALARMS.items()}
         unknown = sorted(set(thresholds) - set(keywords))
         if unknown:
@@ -97,6 +102,7 @@ class AnomalyMonitor(TrainerCallback):
         if patience < 1:
             raise ValueError(f"`patience` must be >= 1, got {patience}.")
         self.patience = patience
+        self.auxiliary_rewards = auxiliary_names(auxiliary_rewards)
         self.reset()
 
     @classmethod
@@ -107,7 +113,7 @@ class AnomalyMonitor(TrainerCallback):
 
     def reset(self) -> None:
         """Forget every entry seen: fresh rules, no counts, no episodes."""
-        self.rules: list[Rule] = build_rules(self.thresholds, self.patience)
+        self.rules: list[Rule] = build_rules(self.thresholds, self.patience, self.auxiliary_rewards)
         self.counts: dict[str, int] = {}
         self.episodes: list[Episode] = []
         self._open: dict[str, Episode] = {}
@@ -123,9 +129,12 @@ class AnomalyMonitor(TrainerCallback):
             warn: also log each warning through the transformers logger (only the main process should).
         """
         step = logs.get("step") if step is None else step
+        # The rules that count training steps read the step from the entry: `log_history`'s entries hold it, the
+        # `logs` of a live `on_log` do not.
+        entry = logs if step is None or logs.get("step") == step else {**logs, "step": step}
         started = []
         for rule in self.rules:
-            verdict = rule.judge(logs)
+            verdict = rule.judge(entry)
             if verdict is None:
                 continue  # not logged in this entry: the episode (or its absence) goes on
             first = self.judged.get(rule.name, (step, step))[0]
@@ -183,8 +192,27 @@ class AnomalyMonitor(TrainerCallback):
             entry.update(counts)  # Trainer.log recorded this entry before calling the callbacks
 
 
+def auxiliary_names(names) -> tuple[str, ...] | None:
+    """`warn_auxiliary_rewards` as a tuple of names (a single name is one name), `None` for `None`.
+
+    Raises:
+        TypeError: for anything but `None`, a name, or a list of names.
+    """
+    if names is None:
+        return None
+    if isinstance(names, str):
+        return (names,)
+    if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
+        raise TypeError(
+            "warn_auxiliary_rewards must be a list of reward function names as logged in rewards/<name>/mean "
+            f"(e.g. ['format_reward']), or None to tell them by their names' words; got {names!r}."
+        )
+    return tuple(names)
+
+
 class AlarmSettings(TrainerCallback, ExportableState):
-    """A run's alarm settings (`warn_on_anomalies`, `warn_patience` and every `warn_*` threshold), kept in its trainer
+    """A run's alarm settings (`warn_on_anomalies`, `warn_patience`, `warn_auxiliary_rewards` and every `warn_*`
+    threshold), kept in its trainer
     state: `trainer_state.json`'s `stateful_callbacks["AlarmSettings"]`, written with every checkpoint and by
     `Trainer.save_state`, so that `trl-grpo-ext report` judges a finished run with the thresholds it ran with.
 
@@ -196,11 +224,19 @@ class AlarmSettings(TrainerCallback, ExportableState):
         patience (`int`): `warn_patience`.
         thresholds (`dict`): `AnomalyMonitor`'s keywords (the `warn_*` fields without the prefix) -> threshold, `None`
             for an alarm switched off.
+        auxiliary_rewards (`list[str]`, *optional*): `warn_auxiliary_rewards`.
     """
 
-    def __init__(self, enabled: bool = True, patience: int = 3, thresholds: Mapping | None = None):
+    def __init__(
+        self,
+        enabled: bool = True,
+        patience: int = 3,
+        thresholds: Mapping | None = None,
+        auxiliary_rewards: Sequence[str] | None = None,
+    ):
         self.enabled, self.patience = bool(enabled), int(patience)
         self.thresholds = dict(thresholds or {})
+        self.auxiliary_rewards = auxiliary_names(auxiliary_rewards)
 
     @classmethod
     def from_config(cls, args) -> AlarmSettings:
@@ -209,7 +245,8 @@ class AlarmSettings(TrainerCallback, ExportableState):
         defaults = cls()
         thresholds = {alarm.keyword: getattr(args, alarm.field, alarm.default) for alarm in ALARMS.values()}
         enabled = getattr(args, "warn_on_anomalies", defaults.enabled)
-        return cls(enabled, getattr(args, "warn_patience", defaults.patience), thresholds)
+        auxiliary = getattr(args, "warn_auxiliary_rewards", defaults.auxiliary_rewards)
+        return cls(enabled, getattr(args, "warn_patience", defaults.patience), thresholds, auxiliary)
 
     @classmethod
     def from_trainer_state(cls, state: Mapping) -> AlarmSettings | None:
@@ -221,20 +258,23 @@ class AlarmSettings(TrainerCallback, ExportableState):
         args = record["args"]
         known = {alarm.keyword for alarm in ALARMS.values()}
         thresholds = {key: value for key, value in (args.get("thresholds") or {}).items() if key in known}
-        return cls(args.get("enabled", True), args.get("patience", 3), thresholds)
+        return cls(args.get("enabled", True), args.get("patience", 3), thresholds, args.get("auxiliary_rewards"))
 
     def monitor(self, live: bool = False) -> AnomalyMonitor:
         """An `AnomalyMonitor` with these thresholds; with `live`, the alarms the run gave: none when it had them off
         (`enabled` False)."""
         if live and not self.enabled:
             return AnomalyMonitor(patience=self.patience, **{alarm.keyword: None for alarm in ALARMS.values()})
-        return AnomalyMonitor(patience=self.patience, **self.thresholds)
+        return AnomalyMonitor(patience=self.patience, auxiliary_rewards=self.auxiliary_rewards, **self.thresholds)
 
     def state(self) -> dict:
         args = {"enabled": self.enabled, "patience": self.patience, "thresholds": dict(self.thresholds)}
+        if self.auxiliary_rewards is not None:
+            args["auxiliary_rewards"] = list(self.auxiliary_rewards)
         return {"args": args, "attributes": {}}
 
     def on_train_begin(self, args, state, control, **kwargs):
         current = self.from_config(args)
         self.enabled, self.patience, self.thresholds = current.enabled, current.patience, current.thresholds
+        self.auxiliary_rewards = current.auxiliary_rewards
         state.stateful_callbacks[type(self).__name__] = self.state()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from .alarm import Alarm
-from .progress_rules import AUXILIARY_HINTS, FlatGroupsRule, PlateauRule, RewardCompositionRule, RewardDropRule
+from .progress_rules import FlatGroupsRule, PlateauRule, RewardCompositionRule, RewardDropRule
 from .step_rules import ClipAsymmetryRule
 from .trend_rules import (
     EntropyCollapseRule,
@@ -19,6 +19,7 @@ from .trend_rules import (
     LengthDriftRule,
     LengthGrowthRule,
     LengthInGroupRule,
+    RewardScaleRule,
     RewardVsHeldoutRule,
     VanishingGradientRule,
 )
@@ -44,12 +45,17 @@ COURSE_ALARMS: tuple[Alarm, ...] = (
         high_inclusive=False,
         help=f"Alarm kl_growth: the median kl of the last {KLGrowthRule.SMOOTH} log steps is at least this many "
         f"times its median {KLGrowthRule.LAG} log steps earlier, at least the square root of this times its "
-        f"median {KLGrowthRule.LAG // 2} log steps earlier, and at least {KLGrowthRule.FLOOR:g} (the KL keeps "
-        f"growing; judged from the {KLGrowthRule.LAG + KLGrowthRule.SMOOTH}th logged kl).",
-        given_when="the KL keeps growing: the median `kl` of the last 20 log steps is at least this many times its "
-        "median 50 log steps earlier, at least the square root of this (1.41) times its median 25 log steps earlier "
-        "(still growing: a rise that has stopped, such as every run's from 0 at its start, is none), and at least 0.1 "
-        "(judged from the 70th logged `kl`). A blow-up seen before `kl_high`'s level and without the single jump "
+        f"median {KLGrowthRule.LAG // 2} log steps earlier, and at least {KLGrowthRule.FLOOR:g}, from a step where "
+        f"the KL accelerates (the KL keeps growing; judged from the {KLGrowthRule.LAG + KLGrowthRule.SMOOTH}th "
+        "logged kl).",
+        given_when="the KL keeps growing, faster and faster: the median `kl` of the last 20 log steps is at least "
+        "this many times its median 50 log steps earlier, at least the square root of this (1.41) times its median 25 "
+        "log steps earlier, and at least 0.1 (judged from the 70th logged `kl`); an episode starts where the KL "
+        "accelerates: the curvature of a quadratic fitted to its last 70 values is positive by at least 3 standard "
+        "errors (it goes on while the growth holds). Every run's KL rises from 0 and stops, a straight line at best: "
+        "medians lag it, and without the curvature rises from 0 ending between steps 60 and 100 were flagged in 19-20 "
+        "of 20 simulated runs (10-15 ending at 50); with it none (levels 0.2-0.5, noise 10% and 30% per step: "
+        "`tests/test_guardrails_progress.py`). A blow-up seen before `kl_high`'s level and without the single jump "
         "`kl_jump` needs: the peers' blow-ups (one log step per training step) are flagged at steps 85-86 and 303-307 "
         "over 10 seeds, where rlprobe flags them at 114-121 and 308-313 and `kl_high` at about 213 and 424; rlprobe's "
         "grows 2.2x per 50 steps: with 2.5 it is flagged at steps 309-344, after rlprobe. The floor: a KL growing "
@@ -163,10 +169,10 @@ COURSE_ALARMS: tuple[Alarm, ...] = (
         low_inclusive=False,
         high_inclusive=False,
         help="Alarm reward_vs_heldout: a logged held-out metric (heldout/<metric>/mean@<k>) falls by this "
-        "fraction of its best value, and by more than "
+        "fraction of its best value, and by more than the evaluation's noise ("
         f"{RewardVsHeldoutRule.NOISE_SE:g} standard errors of the difference where the evaluation's sample "
-        "size is logged (heldout/<metric>/scored@<k>), while the training reward is above its level at that "
-        "best.",
+        "size is logged, heldout/<metric>/scored@<k>; else as many standard deviations of the differences between "
+        "its successive evaluations), while the training reward is above its level at that best.",
         given_when="a held-out metric `heldout/<metric>/mean@<k>` (logged by held-out evaluation during training, in "
         "any entry) is below its best so far by at least this fraction of that best and, where the evaluation logged "
         "its sample size (`heldout/<metric>/scored@<k>`, `n` completions), by more than 3 standard errors of the "
@@ -174,11 +180,43 @@ COURSE_ALARMS: tuple[Alarm, ...] = (
         "[0, 1] score with that mean can have). 3, not 2: the best is the highest of every evaluation, lucky by its "
         "noise, and with 2 a run whose accuracy did not move fired in 40% to 80% of simulated runs of 10 to 20 "
         "evaluations (3: 5% to 20%); 0.6 -> 0.3 over 50 completions (3.2 standard errors) is still flagged. Without a "
-        "logged sample size (a stock or older run) or for a mean outside [0, 1], the relative drop alone decides, as "
-        "before, while the training reward (mean of its last 3 logged values) is above its level at that best: reward "
-        "hacking",
+        "logged sample size (a stock or older run) or for a mean outside [0, 1], the series' own spread is the noise: "
+        "3 standard deviations of the differences between its successive evaluations before this one, judged from "
+        "the 6th evaluation (a trend moves every difference alike). The relative drop alone flagged rl-doctor's "
+        "healthy run evaluated every 25 steps in 7 of 10 seeds (0.214 -> 0.183 at step 101); with its spread none, "
+        "and its reward-hacking run in all 10 (`tests/test_health_scenarios.py`). All while the training reward (mean "
+        "of its last 3 logged values) is above its level at that best: reward hacking",
         suggests="read completions for loopholes the reward pays for, a higher `beta`, keep the best checkpoint "
         "(`metric_for_best_model`, `load_best_model_at_end`)",
+    ),
+    Alarm(
+        name="reward_scale",
+        rule=RewardScaleRule,
+        field="warn_reward_scale",
+        # rlwatch's reward-variance explosion (0.5 to 5.4, 10x) is flagged within 3 steps of the jump; a 0/1 reward
+        # learned from a pass rate of 0.5-5% to 60% over 20-100 steps (a 15-fold growth of its spread) never, logged
+        # every step or every 10 (tests/test_guardrails_progress.py).
+        default=4.0,
+        low=1.0,
+        high=math.inf,
+        low_inclusive=False,
+        high_inclusive=False,
+        help="Alarm reward_scale: the reward's spread (reward_std/group_mean, else reward_std) over the last "
+        f"{RewardScaleRule.RECENT} steps is at least this many times its largest over the "
+        f"{RewardScaleRule.HISTORY} steps before (at least {RewardScaleRule.MIN_HISTORY} log entries, a steady "
+        "history): the reward's scale changed.",
+        given_when="the reward's spread (`reward_std/group_mean`, else TRL's `reward_std`), its median over the last "
+        "3 steps (at least one log entry), is at least this many times its largest over the 20 steps before (at least "
+        "10 log entries), that history steady (above 0, its largest at most 3 times its median): an abrupt jump "
+        "against its own recent history. Learning a bounded reward moves its spread slowly and within bounds (a 0/1 "
+        "reward's inside a group of 8 cannot exceed 0.53); a spread that multiplies within a few steps and stays is "
+        "a reward whose scale changed. rlwatch's scenario (0.5 to 5.4 at step 110) is flagged within 3 steps of the "
+        "jump (at the first entry holding it, logged every 10 steps); a 0/1 reward learned from a pass rate of 0.5-5% "
+        "to 60% over 20 to 100 steps (its spread growing about 15-fold) never, logged every step or every 10 "
+        "(`tests/test_guardrails_progress.py`); learned within 10 steps from 0.5%, it is flagged logged every 10",
+        suggests="check the reward functions for a change of scale (an edit, a reward model swapped, outlier "
+        "scores) and `reward_weights`; with several functions the one whose scale grew outweighs the others, with "
+        '`scale_rewards="none"` the advantages grew as much',
     ),
     Alarm(
         name="vanishing_gradient",
@@ -235,15 +273,17 @@ COURSE_ALARMS: tuple[Alarm, ...] = (
         high=1.0,
         low_inclusive=False,
         high_inclusive=True,
-        help="Alarm flat_groups (a note): at least this share of groups has no reward spread at each of "
-        f"{FlatGroupsRule.WINDOW} log steps in a row; the warning says whether they are too easy or too hard "
-        "where every reward lies in [0, 1].",
+        help="Alarm flat_groups (a note): at least this share of groups has no reward spread at each log step of "
+        f"the last {FlatGroupsRule.WINDOW} steps (at least {FlatGroupsRule.MIN_WINDOW} log entries); the warning "
+        "says whether they are too easy or too hard where every reward lies in [0, 1].",
         given_when="a `note`: the share of groups without reward spread (as `zero_std` reads it) is at least this at "
-        "each of 10 log steps in a row. Where every logged `reward` lies in [0, 1], the warning says which way they "
-        "are flat, from the mean reward `r` and the flat share `z`: at least `r - (1 - z)` of the groups scored the "
-        "maximum on every completion (too easy), at least `z - r` the minimum (too hard), the larger naming the side. "
-        "rlprobe's degenerate-groups scenario (rising to 75%) is flagged about step 460 of 500, rl-doctor's too-easy "
-        "and too-hard runs at about steps 230 and 10, no healthy peer scenario (at most 20%); the demo ends at 44%",
+        "each log step of the last 10 training steps (at least 3 log entries: 10 at one entry per step, 3 at one per "
+        "10 or 50, each a mean over its steps). Where every logged `reward` lies in [0, 1], the warning says which "
+        "way they are flat, from the mean reward `r` and the flat share `z`: at least `r - (1 - z)` of the groups "
+        "scored the maximum on every completion (too easy), at least `z - r` the minimum (too hard), the larger "
+        "naming the side. rlprobe's degenerate-groups scenario (rising to 75%) is flagged about step 460 of 500, "
+        "rl-doctor's too-easy and too-hard runs at about steps 230 and 10, no healthy peer scenario (at most 20%); "
+        "the demo ends at 44%",
         suggests="too easy: harder prompts, or `dynamic_sampling=True`; too hard: easier prompts, more "
         "`num_generations` or `temperature`, partial credit",
     ),
@@ -252,22 +292,30 @@ COURSE_ALARMS: tuple[Alarm, ...] = (
         rule=PlateauRule,
         field="warn_plateau_steps",
         # rl-doctor's plateau scenario (reward flat from about step 100 of 400, one entry per step) is flagged at
-        # steps 265-381 over 10 seeds; its healthy scenario (still rising slowly at its end) never, nor rlprobe's,
+        # steps 262-377 over 10 seeds; its healthy scenario (still rising slowly at its end) never, nor rlprobe's,
         # which converges (93% of its final reward at step 450 of 500) and was flagged at step 456 of one seed of
-        # 10 with 100. A run logged every 10 steps waits 1,500 steps: a slow riser is no plateau.
+        # 10 with 100. Training steps, not log steps: a run logged every 10 steps is judged as one logged at every
+        # step (tests/test_health_scenarios.py).
         default=150,
         low=1,
         high=math.inf,
         low_inclusive=True,
         high_inclusive=False,
         help="Alarm plateau (a note): the reward's running median (over "
-        f"{PlateauRule.SMOOTH} log steps) has not risen above its best by more than its noise for this many log "
-        "steps (the run converged or stopped learning).",
-        given_when="a `note`: the reward's running median (over 10 log steps) has not risen above its best by more "
-        "than 1.5 standard errors of such a median (from the scatter of its last 10 values) for this many log steps; "
-        "a run whose reward never improves is a plateau from its start. rl-doctor's plateau scenario (flat from about "
-        "step 100 of 400, one entry per step) is flagged at steps 265-381 over 10 seeds, its healthy scenario never; "
-        "with 100, rlprobe's healthy run (93% of its final reward at step 450 of 500) was flagged once in 10 seeds",
+        f"{PlateauRule.SMOOTH} steps, at least {PlateauRule.MIN_SMOOTH} log entries) has not risen above its best "
+        "by more than its noise for this many training steps (and at least "
+        f"{PlateauRule.MIN_PATIENCE} log entries): the run converged or stopped learning.",
+        given_when="a `note`: the reward's running median (over 10 steps, at least 5 log entries: 10 at one entry "
+        "per step, 5 at one per 10 or 50) has not risen above its best by more than 1.75 standard errors of such a "
+        "median for this many training steps (at least 4 log entries): a run whose reward never improves is a plateau "
+        "from its start. Steps, not log entries: a run logged every 10 steps is judged as one logged at every step "
+        "(the standard error is that of a 10-step median logged step by step, from the scatter of the reward's "
+        "successive differences, which a trend does not inflate). Until the reward gained 3 standard errors over its "
+        "first running median, or plateaued, the run is too short to judge (`report`'s `short`). rl-doctor's "
+        "plateau scenario (flat from about step 100 of 400) is flagged at steps 262-377 over 10 seeds logged at every "
+        "step, 260-400 logged every 10; no healthy peer run, logged every 1, 10 or 50 steps "
+        "(`tests/test_health_scenarios.py`); with 100, rlprobe's healthy run (93% of its final reward at step 450 of "
+        "500) was flagged once in 10 seeds",
         suggests="if the held-out metric is flat too, stop the run (it converged) or change what limits it: harder "
         "prompts, a higher `learning_rate`, more `num_generations` or `temperature`",
         whole=True,
@@ -311,23 +359,28 @@ COURSE_ALARMS: tuple[Alarm, ...] = (
         high=1.0,
         low_inclusive=False,
         high_inclusive=True,
-        help="Alarm reward_composition: the reward functions named auxiliary (a name with "
-        f"{', '.join(AUXILIARY_HINTS)}) carry at least this share of the summed robust variance of every function's "
-        f"logged mean over the last {RewardCompositionRule.WINDOW} log steps and over the last "
-        f"{RewardCompositionRule.RECENT} (the form is learned, not the task). A run with one reward function, or "
-        "none named auxiliary, is never flagged.",
-        given_when="a reward function named auxiliary (`format`, `tag`, `xml`, `json`, `length`, `lang`, `style` or "
-        "`think` in its name) carries at least this share of the reward's variation: the summed squared robust spread "
-        "(1.4826 times the median absolute deviation) of the auxiliary functions' logged means "
-        "(`rewards/<function>/mean`) over that of every function, over the last 150 log steps and over the last 37 "
-        "of them (a format reward that saturated early carried the variation while it rose, not since). A task "
-        "reward stuck near 0 varies little (a mean of 0/1 scores is least noisy near 0 and 1), as does one that "
-        "stalls while the format reward rises. Judged from the 150th logged mean; a run with one reward function, or "
-        "none named auxiliary, is never flagged. Over 10 seeds: rl-doctor's format domination (correctness near 0.02, "
-        "format saturated at 0.97) reaches 0.94-0.98 and is flagged at steps 149-161, rlprobe's format gaming "
-        "(correctness stalled at 0.44 while the format rises to 1.0 from step 250) 0.99-1.0, flagged at 310-328; "
-        "their healthy runs 0.33 and 0.16 at most. A format reward still rising 150 log steps into the run while "
-        "the task's barely moves is flagged: one that saturates by about step 120 is not",
+        help="Alarm reward_composition: the auxiliary reward functions (warn_auxiliary_rewards, else those with "
+        "format, tag, xml, json, length, lang, style or think as a word of their name) carry at least this share of "
+        "the summed robust variance of every function's logged mean over the last "
+        f"{RewardCompositionRule.WINDOW} steps (at least {RewardCompositionRule.MIN_WINDOW} log entries) and over "
+        "their last quarter (the form is learned, not the task). A run with one reward function, or none auxiliary, "
+        "is never flagged.",
+        given_when="an auxiliary reward function (named in `warn_auxiliary_rewards`; where that is `None`, one with "
+        "`format`, `tag`, `xml`, `json`, `length`, `lang`, `style` or `think` as a whole word of its name, split at "
+        "`_`, `-`, digits and camelCase, with their plural and `-ing` forms and `len`, `language`, `xmlcount`: "
+        "`information_gain` is none) carries at least this share of the reward's variation: the summed squared "
+        "robust spread (1.4826 times the median absolute deviation) of the auxiliary functions' logged means "
+        "(`rewards/<function>/mean`) over that of every function, over the log entries of the last 150 steps (at "
+        "least 20: 150 at one entry per step, 20 at one per 10 or 50) and over their last quarter (a format reward "
+        "that saturated early carried the variation while it rose, not since). A task reward stuck near 0 varies "
+        "little (a mean of 0/1 scores is least noisy near 0 and 1), as does one that stalls while the format reward "
+        "rises. Judged from a window's logged means on; a run with one reward function, or none auxiliary, is never "
+        "flagged; both peers' runs logged every 10 steps are flagged, and neither healthy one. Over 10 seeds: "
+        "rl-doctor's format domination (correctness near 0.02, format saturated at 0.97) reaches 0.94-0.98 and is "
+        "flagged at steps 149-161, rlprobe's format gaming (correctness stalled at 0.44 while the format rises to "
+        "1.0 from step 250) 0.99-1.0, flagged at 310-328; their healthy runs 0.33 and 0.16 at most. A format reward "
+        "still rising 150 log steps into the run while the task's barely moves is flagged: one that saturates by "
+        "about step 120 is not",
         suggests="read completions that score on the auxiliary reward and not on the task's; make the auxiliary "
         "reward harder to earn without solving the task or lower its weight (`reward_weights`); easier prompts if "
         "the task reward stays near 0",

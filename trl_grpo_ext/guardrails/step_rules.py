@@ -16,7 +16,7 @@ from ..metrics import (
     KL,
     reward_function_of,
 )
-from .rule import TRUNCATION_KEYS, ZERO_SPREAD_KEYS, Rule, _first_number, _not_a_number, _number
+from .rule import TRUNCATION_KEYS, ZERO_SPREAD_KEYS, Rule, _first_number, _not_a_number, _number, mean
 
 
 class ZeroStdRule(Rule):
@@ -168,7 +168,9 @@ class KLJumpRule(Rule):
             return None
         baseline = statistics.median(self.history) if len(self.history) >= self.MIN_HISTORY else None
         self.history = (self.history + [value])[-self.HISTORY :]
-        if baseline is None or value <= self.threshold * max(baseline, self.FLOOR):
+        if baseline is None:
+            return None  # too few values to judge yet
+        if value <= self.threshold * max(baseline, self.FLOOR):
             return False
         return (
             f"kl jumped to {value:.3g}, more than {self.threshold:g}x its recent median {baseline:.3g}: the policy is "
@@ -226,7 +228,9 @@ class SustainedTruncationRule(Rule):
             return None
         self.shares = (self.shares + [value])[-self.WINDOW :]
         low = min(self.shares)
-        if len(self.shares) < self.WINDOW or low < self.threshold:
+        if len(self.shares) < self.WINDOW:
+            return None  # too few values to judge yet
+        if low < self.threshold:
             return False
         severe = min(self.SEVERE * self.threshold, 1.0)
         self.severity = "warning" if low >= severe else "note"
@@ -273,7 +277,7 @@ class NoSpreadRule(Rule):
                 "Whether truncation is the cause is unknown (completions/clipped_ratio was not logged). Check the "
                 "reward function on a few completions, and max_completion_length."
             )
-        share = statistics.fmean(self.truncated)
+        share = mean(self.truncated)
         if share >= self.CAUSE:
             return text + (
                 f"Truncation is the likely cause: {share:.0%} of the completions were cut at max_completion_length, "

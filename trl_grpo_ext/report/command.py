@@ -4,7 +4,9 @@ Reads the `trainer_state.json` written last in the run folder: its own (`Trainer
 `checkpoint-<step>` folder's, whichever was written most recently (the run that wrote the folder last; a folder
 reused by a shorter run keeps the older run's checkpoints), and says when the folder also holds states of another
 run. A folder with no trainer state but TensorBoard event files (stock TRL with `save_strategy="no"`) is read from
-those, with `tensorboard` installed (`report.tensorboard`). Logged keys the report does not know are named.
+those, with `tensorboard` installed (`report.tensorboard`), by the same rule (the run that wrote last, another run's
+files named) and with the thresholds the arguments recorded with them hold. Logged keys the report does not know
+are named.
 
 Works for any `Trainer`-based GRPO run: `GRPOTrainerExt`'s, judged with the run's own `warn_*` thresholds (kept
 in its state), or stock `trl.GRPOTrainer`'s (then with `GRPOConfigExt`'s defaults, and the panels and verdicts its
@@ -26,13 +28,15 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
+from ..guardrails.alarms import ALARMS
 from ..guardrails.anomaly import AlarmSettings
 from . import figure
 from .formats import FORMATS, Report, forward_summary, render, unrecognised_keys
-from .health import SEVERITIES, assess
+from .health import SEVERITIES, RunHealth, assess
 from .sampling import sampling_summary
-from .tensorboard import event_files, history_from_event_files
+from .tensorboard import event_files, read_event_files
 
 __all__ = ["FoundRun", "RunNotReadable", "find_run", "find_trainer_state", "load_trainer_state", "run"]
 
@@ -72,16 +76,20 @@ class FoundRun:
         path (`str`): the `trainer_state.json` read.
         state (`dict`): its contents.
         other_runs (`list[tuple[str, int]]`): `(path, global_step)` of each state in the folder that this run did
-            not write: its log history is not the start of this run's.
+            not write (its log history is not the start of this run's); for event files, `(folder, last step)` of
+            each file of another run (`tensorboard.read_event_files`).
         source (`str`): `"trainer_state"`, or `"tensorboard"` when the folder holds no trainer state and `path` is
             the folder of the TensorBoard event files read (`state` is then rebuilt from them: its `log_history`
             and `global_step`, the last step logged).
+        args (`dict`, *optional*): the run's training arguments where the folder records them (transformers' `args`
+            text in the event files); `None` for a trainer state, which does not.
     """
 
     path: str
     state: dict
     other_runs: list[tuple[str, int]] = field(default_factory=list)
     source: str = "trainer_state"
+    args: dict | None = None
 
 
 _CHECKPOINT = re.compile(r"^checkpoint-\d+$")
@@ -131,14 +139,21 @@ def find_run(run_dir: str) -> FoundRun:
 def _tensorboard_run(run_dir: str, events: list[str]) -> FoundRun:
     """The run whose only logs are the TensorBoard event files `events`: `path` is their folder (the common one)."""
     try:
-        history = history_from_event_files(events)
+        read = read_event_files(events)
     except ImportError as error:
         raise RunNotReadable(f"{run_dir} holds no {STATE_NAME}, only TensorBoard event files; {error}") from None
     except Exception as error:  # a truncated or foreign file: the reason, not a traceback
         raise RunNotReadable(f"{run_dir}: its TensorBoard event files cannot be read: {error}") from None
-    folder = os.path.commonpath([os.path.dirname(path) for path in events])
-    steps = [entry["step"] for entry in history]
-    return FoundRun(folder, {"global_step": max(steps, default=0), "log_history": history}, source="tensorboard")
+    folder = os.path.commonpath([os.path.dirname(path) for path in read.files or events])
+    steps = [entry["step"] for entry in read.history]
+    state = {"global_step": max(steps, default=0), "log_history": read.history}
+    # A GRPOTrainerExt run's arguments (recorded by transformers with the event files) hold its warn_* thresholds:
+    # the run is judged with its own, as from a trainer state.
+    if read.args is not None and any(alarm.field in read.args for alarm in ALARMS.values()):
+        settings = AlarmSettings.from_config(SimpleNamespace(**read.args))
+        state["stateful_callbacks"] = {AlarmSettings.__name__: settings.state()}
+    others = [(os.path.dirname(path), step) for path, step in read.others]
+    return FoundRun(folder, state, others, source="tensorboard", args=read.args)
 
 
 def _step_of(path: str) -> int:
@@ -173,6 +188,15 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
         help="text (default), markdown (a CI step summary) or json (findings with verdict, severity, onset step)",
     )
     parser.add_argument(
+        "--auxiliary-rewards",
+        nargs="*",
+        metavar="NAME",
+        default=None,
+        help="the reward functions that score the form of a completion, not the task, as logged in "
+        "rewards/<NAME>/mean (for reward_composition; default: the run's warn_auxiliary_rewards, else those with "
+        "format, tag, xml, json, length, lang, style or think as a word of their name)",
+    )
+    parser.add_argument(
         "--fail-on",
         choices=FAIL_ON,
         default=None,
@@ -193,7 +217,10 @@ def run(argv: list[str] | None = None, prog: str | None = None) -> int:
     state = found.state
     history = state["log_history"]
     settings = AlarmSettings.from_trainer_state(state)
-    health = assess(history, settings.monitor() if settings is not None else None)
+    judged_with = settings if settings is not None else AlarmSettings()  # GRPOConfigExt's defaults
+    if args.auxiliary_rewards is not None:
+        judged_with.auxiliary_rewards = tuple(args.auxiliary_rewards)
+    health = assess(history, judged_with.monitor())
     read = os.path.relpath(found.path, args.run_dir)
     what = f"TensorBoard event files in {read}" if found.source == "tensorboard" else read
     notes = [
@@ -202,21 +229,28 @@ def run(argv: list[str] | None = None, prog: str | None = None) -> int:
     ]
     if found.other_runs:
         listed = ", ".join(f"{os.path.relpath(other, args.run_dir)} (step {step})" for other, step in found.other_runs)
+        files = "TensorBoard event files" if found.source == "tensorboard" else "trainer states"
         notes.append(
-            f"The folder also holds trainer states of another run: {listed}. This report is of the run that wrote "
-            "the folder last; give each run an output_dir of its own to keep them apart."
+            f"The folder also holds {files} of another run: {listed}. This report is of the run that wrote the "
+            "folder last; give each run an output_dir of its own to keep them apart."
         )
+    recorded = "the arguments its event files record" if found.source == "tensorboard" else "its trainer state"
     if settings is None:
         notes.append(
-            "Thresholds: GRPOConfigExt's defaults (the state records no warn_* values: a stock TRL run, or one of "
-            "an older release)."
+            f"Thresholds: GRPOConfigExt's defaults (no warn_* values in {recorded}: a stock TRL run, or one of an "
+            "older release)."
         )
     elif not settings.enabled:
         notes.append(
-            "Thresholds: the run's warn_* values; it ran with warn_on_anomalies=False (no alarm was given live)."
+            f"Thresholds: the run's warn_* values (from {recorded}); it ran with warn_on_anomalies=False (no alarm "
+            "was given live)."
         )
     else:
-        notes.append("Thresholds: the run's own warn_* values.")
+        notes.append(f"Thresholds: the run's own warn_* values (from {recorded}).")
+    if judged_with.auxiliary_rewards is not None:
+        given = "--auxiliary-rewards" if args.auxiliary_rewards is not None else "the run's warn_auxiliary_rewards"
+        names = ", ".join(judged_with.auxiliary_rewards) or "none"
+        notes.append(f"Auxiliary reward functions (for reward_composition): {names}, from {given}.")
     unrecognised = unrecognised_keys(history)
     if unrecognised:
         notes.append(f"Keys not recognised (not judged): {', '.join(unrecognised)}")
@@ -230,11 +264,11 @@ def run(argv: list[str] | None = None, prog: str | None = None) -> int:
             history,
             args.output or os.path.join(args.run_dir, "report.png"),
             args.run_dir,
-            health.episodes,
+            health,
             settings.thresholds if settings is not None else None,
         ),
         health=health,
-        forward=forward_summary(history),
+        forward=forward_summary(history, _forward_options(found.args)),
         sampling=sampling_summary(history),
         unrecognised=unrecognised,
     )
@@ -244,19 +278,28 @@ def run(argv: list[str] | None = None, prog: str | None = None) -> int:
     return EXIT_OK
 
 
-def _draw(history: list[dict], output: str, run_dir: str, episodes, thresholds: dict | None) -> str:
-    """Write the report image (its alarm thresholds the run's, `None`: the defaults); one line saying what was written
-    and which panels had nothing to draw."""
+def _forward_options(args: dict | None) -> dict | None:
+    """The run's `padding_free` and `shared_prompt_forward`, where its recorded arguments hold both."""
+    names = ("padding_free", "shared_prompt_forward")
+    return {name: bool(args[name]) for name in names} if args is not None and all(n in args for n in names) else None
+
+
+def _draw(history: list[dict], output: str, run_dir: str, health: RunHealth, thresholds: dict | None) -> str:
+    """Write the report image (its alarm thresholds the run's, `None`: the defaults; the verdict under its title); one
+    line saying what was written and which panels had nothing to draw."""
     try:
         written = figure.plot_training_report(
             history,
             output,
             title=os.path.basename(os.path.normpath(run_dir)),
-            episodes=episodes,
+            episodes=health.episodes,
             thresholds=thresholds,
+            verdict=health.headline(),
         )
     except ImportError:
         return "report.png: not written, matplotlib is not installed (pip install matplotlib)"
+    except (ArithmeticError, ValueError, OSError) as error:  # values matplotlib cannot frame; a folder not writable
+        return f"report.png: not written, {type(error).__name__}: {error}"
     if written is None:
         return "report.png: not written, no training step was logged"
     missing = figure.missing_panels(history)

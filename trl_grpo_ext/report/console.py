@@ -129,7 +129,7 @@ class ConsoleCallback(ProgressCallback):
             super().on_train_end(args, state, control, **kwargs)
         if state.is_world_process_zero:
             summary = sampling_summary(state.log_history)
-            if summary is not None:
+            if summary is not None and summary["message"]:  # only where there is something to change
                 print(summary["message"], flush=True)
 
     def on_log(self, args, state, control, logs=None, **kwargs):

@@ -44,6 +44,7 @@ from ..metrics import (
     REWARD_STD_GROUP_MIN,
     REWARDS_PREFIX,
 )
+from .health import HEALTHY
 
 __all__ = ["PANELS", "Panel", "build_report_figure", "missing_panels", "plot_training_report"]
 
@@ -69,7 +70,7 @@ PANELS = (
     Panel(
         "reward spread: std inside each group",
         (REWARD_STD_GROUP_MEAN, *ZERO_SPREAD_KEYS),
-        ("zero_std", "no_spread", "flat_groups"),
+        ("zero_std", "no_spread", "flat_groups", "reward_scale"),
         "std of the rewards of a group",
     ),
     Panel("KL to the reference", (KL,), ("kl_jump", "kl_high", "kl_growth"), "KL (mean per token)"),
@@ -121,10 +122,13 @@ def missing_panels(log_history: list[dict]) -> list[tuple[str, tuple[str, ...]]]
 
 
 def _series(log_history: list[dict], key: str) -> tuple[list[float], list[float]]:
+    """The steps and values of `key`, finite values only: an infinite one cannot be drawn (nor framed), a NaN is no
+    value; the report's lines name the steps of both."""
     steps, values = [], []
     for entry in log_history:
         value = entry.get(key)
-        if isinstance(value, (int, float)) and "step" in entry:
+        drawable = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if drawable and "step" in entry:
             steps.append(entry["step"])
             values.append(value)
     return steps, values
@@ -145,6 +149,7 @@ def build_report_figure(
     clip_range: tuple[float, float] = (0.2, 0.2),
     episodes: list[Episode] | None = None,
     thresholds: Mapping[str, float | None] | None = None,
+    verdict: str | None = None,
 ) -> Figure | None:
     """The report as a matplotlib `Figure` of the nine `PANELS` over training steps: reward (total, per function,
     held-out metrics); reward spread inside groups (`reward_std/group_mean`, its `group_min`-`group_max` band where
@@ -167,6 +172,8 @@ def build_report_figure(
             on the panel of `PANELS` that names the alarm.
         thresholds: the run's alarm thresholds (`AlarmSettings.thresholds`: the `warn_*` fields without the prefix,
             `None` for an alarm switched off); a threshold not given is `GRPOConfigExt`'s default.
+        verdict: the run's verdict (`health.RunHealth.headline()`), written under the title: green where the run is
+            healthy, red otherwise.
 
     Returns:
         The figure, or `None` when the history holds no training metrics (a run shorter than `logging_steps`).
@@ -244,9 +251,33 @@ def build_report_figure(
         ax.set_title(panel.title, pad=_height_above(ax) + 8)
     for ax in axes[-1]:
         ax.set_xlabel("step")
-    figure.suptitle(f"{title}: GRPO training report" if title else "GRPO training report")
-    figure.tight_layout()
+    _header(figure, f"{title}: GRPO training report" if title else "GRPO training report", verdict)
     return figure
+
+
+def _header(figure: Figure, title: str, verdict: str | None) -> None:
+    """The figure's title and, under it, the run's verdict, at the top of the figure and above every panel: the panels
+    are laid out below the header, and moved down further where a panel's title or legend would reach into it."""
+    top = 1 - 6 / (figure.get_figheight() * 72)  # 6 points from the top edge
+    heading = figure.suptitle(title, y=top, va="top")
+    texts = [heading]
+    if verdict is not None:
+        line = 1.6 * heading.get_fontsize() / (figure.get_figheight() * 72)
+        color = "tab:green" if verdict == HEALTHY else "tab:red"
+        texts.append(figure.text(0.5, top - line, verdict, ha="center", va="top", fontsize=10, color=color))
+    renderer = figure.canvas.get_renderer()
+    bottom = min(text.get_window_extent(renderer).y0 for text in texts) / figure.bbox.height
+    figure.tight_layout(rect=(0, 0, 1, bottom - 0.005))
+    # tight_layout leaves the legends above the axes out of its count: what still reaches into the header moves down
+    reach = max(
+        artist.get_window_extent(renderer).y1
+        for ax in figure.axes
+        for artist in (ax.title, ax.get_legend())
+        if artist is not None and artist.get_visible()
+    )
+    overlap = (reach - bottom * figure.bbox.height) / figure.bbox.height + 0.005
+    if overlap > 0:
+        figure.subplots_adjust(top=figure.subplotpars.top - overlap)
 
 
 def _spread_panel(
@@ -275,8 +306,21 @@ def _spread_panel(
         unit = RIGHT_LABELS[key].removeprefix("share of ")
         parts.append(f"no spread: {values[-1]:.0%} of {unit} at step {steps[-1]}, {mean:.0%} on average")
         if zero_std_fraction is not None:
-            right.axhline(
-                zero_std_fraction, color="tab:red", linestyle="--", linewidth=0.8, label="zero_std alarm (right)"
+            # A mark on the right edge, not a line across the panel: a line of the right axis's scale would cross
+            # the left axis's curves, and read as their threshold.
+            from matplotlib.transforms import blended_transform_factory  # matplotlib: only when drawing
+
+            edge = blended_transform_factory(right.transAxes, right.transData)
+            right.plot(
+                [1.0],
+                [zero_std_fraction],
+                marker="<",
+                markersize=9,
+                linestyle="none",
+                color="tab:red",
+                transform=edge,
+                clip_on=False,
+                label="zero_std alarm (right)",
             )
             parts[-1] += f"; zero_std alarm at {zero_std_fraction:.0%}"
     if fixed:
@@ -369,7 +413,10 @@ def _ratio_panel(ax, log_history: list[dict], clip_range: tuple[float, float]) -
         spread = max(high) - min(low)
         bottom = min(min(low), 1 - epsilon_low) - 0.25 * spread - 0.05
         top = max(max(high), 1 + epsilon_high) + 0.25 * spread + 0.05
-        ax.set_ylim(bottom, top)
+        if math.isfinite(bottom) and math.isfinite(top):  # values near the float range overflow the margin
+            ax.set_ylim(bottom, top)
+        else:
+            bottom = top = None
     off_scale = []
     for key, extreme in ((RATIO_MIN, min), (RATIO_MAX, max)):
         steps, values = _series(log_history, key)
@@ -412,6 +459,7 @@ def plot_training_report(
     clip_range: tuple[float, float] = (0.2, 0.2),
     episodes: list[Episode] | None = None,
     thresholds: Mapping[str, float | None] | None = None,
+    verdict: str | None = None,
 ) -> str | None:
     """Draw `build_report_figure` (see there for the arguments) into the PNG `path`.
 
@@ -419,7 +467,7 @@ def plot_training_report(
         The path written, or `None` when the history holds no training metrics (nothing is written then).
     """
     figure = build_report_figure(
-        log_history, title=title, clip_range=clip_range, episodes=episodes, thresholds=thresholds
+        log_history, title=title, clip_range=clip_range, episodes=episodes, thresholds=thresholds, verdict=verdict
     )
     if figure is None:
         return None

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..metrics import (
@@ -35,7 +37,7 @@ from ..metrics import (
     SELECTIVE_ROLLOUTS_PREFIX,
     SKIPPED_ROWS_PREFIX,
 )
-from .health import RunHealth, SignalHealth, _episode_steps, _values, highest_severity
+from .health import HEALTHY, TOO_SHORT, RunHealth, SignalHealth, _episode_steps, _values, highest_severity
 from .watch import WATCHED
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
 ]
 
 FORMATS = ("text", "markdown", "json")
+
 #: The log-prob forward's waste metrics (`forward.layout.FORWARD_METRICS`), as `report` names them.
 FORWARD_KEYS = (FORWARD_PADDING_FRACTION, FORWARD_REPEATED_PROMPT_FRACTION, FORWARD_TOKENS_PER_DISTINCT)
 #: Below this many tokens forwarded per distinct token, the padded forward wastes too little to mention packing.
@@ -83,15 +86,27 @@ def unrecognised_keys(log_history: list[dict]) -> list[str]:
     )
 
 
-def forward_summary(log_history: list[dict]) -> dict | None:
-    """The log-prob forward's waste over the run (the mean of each `forward/*` metric logged), with its line.
+def _tokens(count: float) -> str:
+    """`1 token`, `2.44 tokens`."""
+    shown = f"{count:.3g}"
+    return f"{shown} token{'' if shown == '1' else 's'}"
+
+
+def forward_summary(log_history: list[dict], packed: Mapping[str, bool] | None = None) -> dict | None:
+    """The log-prob forward over the run, with its line. The `forward/*` metrics describe TRL's padded layout of each
+    training micro-batch (what stock TRL forwards), whether or not the run packed its forward: the line says what
+    that layout forwards and what the packed forward forwards instead, and, where the run's options are known, which
+    of the two this run forwarded.
+
+    Args:
+        log_history: the run's entries (the mean of each `forward/*` metric logged is taken).
+        packed: the run's `padding_free` and `shared_prompt_forward` where known (the arguments recorded with its
+            TensorBoard event files); `None`: not known (a trainer state does not record them).
 
     Returns:
         `None` when the run logged none of `FORWARD_KEYS`, else a dict with `padding_fraction`,
-        `repeated_prompt_fraction`, `tokens_per_distinct` (each `None` if not logged) and `message`:
-        `forward: 1.63 tokens forwarded per distinct token (padding 22%, repeated prompt 15%)`, and where the padded
-        layout forwarded padding or repeated prompts, what `padding_free=True` with `shared_prompt_forward=True`
-        (which forward neither) would forward instead.
+        `repeated_prompt_fraction`, `tokens_per_distinct` (each `None` if not logged), `packed_tokens_per_distinct`
+        (what the packed forward forwards per distinct token) and `message`.
     """
     means = {}
     for key in FORWARD_KEYS:
@@ -104,23 +119,38 @@ def forward_summary(log_history: list[dict]) -> dict | None:
         means["padding_fraction"],
         means["repeated_prompt_fraction"],
     )
-    parts = [f"padding {padding:.0%}" if padding is not None else None]
-    parts.append(f"repeated prompt {repeated:.0%}" if repeated is not None else None)
+    parts = [f"{padding:.0%} padding" if padding is not None else None]
+    parts.append(f"{repeated:.0%} repeated prompts" if repeated is not None else None)
     shares = ", ".join(part for part in parts if part)
-    if per_distinct is not None:
-        message = f"forward: {per_distinct:.3g} tokens forwarded per distinct token" + (
-            f" ({shares})" if shares else ""
+    saved = (padding or 0.0) + (repeated or 0.0)
+    packed_per_distinct = per_distinct * (1 - saved) if per_distinct is not None else None
+    if per_distinct is None:
+        message = f"forward: stock TRL's padded layout: {shares}"
+        return {**means, "packed_tokens_per_distinct": None, "message": message}
+    padded = f"stock TRL's padded layout forwards {_tokens(per_distinct)} per distinct token here ({shares})"
+    options = "padding_free and shared_prompt_forward"
+    if packed is not None and (packed.get("padding_free") or packed.get("shared_prompt_forward")):
+        # the options each leave out their part: padding, or the repeated prompts
+        saved = (padding or 0.0) * bool(packed.get("padding_free")) + (repeated or 0.0) * bool(
+            packed.get("shared_prompt_forward")
         )
+        message = (
+            f"forward: this run packed its forward and forwarded about {_tokens(per_distinct * (1 - saved))} per "
+            f"distinct token, where {padded}: {saved:.0%} fewer"
+        )
+    elif packed is not None:
+        message = (
+            f"forward: this run forwarded the padded layout, {_tokens(per_distinct)} per distinct token ({shares}); "
+            f"packing would forward {saved:.0%} fewer ({options}=True)"
+        )
+    elif per_distinct <= PACKING_WORTH_MENTIONING or not saved:
+        message = f"forward: {padded}: little for packing to save"
     else:
-        message = f"forward: {shares}"
-    waste = (padding or 0.0) + (repeated or 0.0)
-    if per_distinct is not None and waste and per_distinct > PACKING_WORTH_MENTIONING:
-        message += (
-            "; with padding_free=True and shared_prompt_forward=True (GRPOConfigExt's defaults; the metrics count "
-            "TRL's padded layout either way) neither padding nor repeated prompts are forwarded: about "
-            f"{per_distinct * (1 - waste):.3g} per distinct token, {waste:.0%} fewer tokens"
+        message = (
+            f"forward: {padded}; GRPOTrainerExt packs them ({options}, on by default with GRPOConfigExt) and "
+            f"forwards about {packed_per_distinct:.3g}: {saved:.0%} fewer"
         )
-    return {**means, "message": message}
+    return {**means, "packed_tokens_per_distinct": packed_per_distinct, "message": message}
 
 
 @dataclass
@@ -192,17 +222,57 @@ def render(report: Report, form: str = "text") -> str:
     return {"text": _text, "markdown": _markdown, "json": _json}[form](report)
 
 
+#: The text report's width: every line wraps at it, a continuation indented under what it continues.
+WIDTH = 100
+#: What each verdict word means, for the legend of the text report (the words it uses, in this order).
+VERDICT_WORDS = {
+    "ok": "judged, no alarm",
+    "ALARM": "an alarm was raised (its tier: a warning, or a note)",
+    "FAIL": "the run cannot have trained well",
+    "note": "worth a look",
+    "short": "too few log entries to judge yet",
+    "shown": "drawn, never judged (the loss)",
+    "missing": "not logged",
+}
+#: Where a signal's detail starts on its line: two spaces, the verdict (7), a space, the name (25), a space.
+_DETAIL_COLUMN = 36
+
+
+def _wrap(text: str, first: str = "", rest: str | None = None) -> list[str]:
+    """`text` wrapped at `WIDTH`, its first line after `first`, the others after `rest` (default: as many spaces)."""
+    rest = " " * len(first) if rest is None else rest
+    return textwrap.wrap(
+        text, WIDTH, initial_indent=first, subsequent_indent=rest, break_long_words=False, break_on_hyphens=False
+    ) or [first.rstrip()]
+
+
+def _signal_lines(signal: SignalHealth) -> list[str]:
+    """A signal's verdict, name and detail, each part of the detail (` | `) on lines of its own under the first."""
+    lines = []
+    for index, part in enumerate(signal.detail.split(" | ")):
+        head = f"  {signal.verdict:<7} {signal.signal.name:<25} " if index == 0 else " " * _DETAIL_COLUMN
+        lines += _wrap(part, head, " " * _DETAIL_COLUMN)
+    return lines
+
+
 def _text(report: Report) -> str:
-    lines = [*report.notes, report.image, "", "Health, one line per signal (what to watch: the metrics of "]
-    lines[-1] += "docs/diagnostics.md):"
-    lines += [f"  {line}" for line in report.health.lines()]
-    lines += [f"  {summary['message']}" for summary in (report.forward, report.sampling) if summary is not None]
+    lines = [wrapped for note in [*report.notes, report.image] for wrapped in _wrap(note, rest="  ")]
+    lines += ["", "Health, one line per signal (what to watch: the metrics of docs/diagnostics.md):"]
+    used = [word for word in VERDICT_WORDS if word in {signal.verdict for signal in report.health.signals}]
+    lines += _wrap("; ".join(f"{word}: {VERDICT_WORDS[word]}" for word in used), "Verdicts: ", "  ")
+    lines += [line for signal in report.health.signals for line in _signal_lines(signal)]
+    for summary in (report.forward, report.sampling):
+        if summary is not None and summary["message"]:
+            lines += _wrap(summary["message"], "  ", "    ")
     problems = report.health.problem_lines()
-    if problems:
+    if report.health.too_short:
+        lines += ["", *_wrap(TOO_SHORT)]
+    elif problems:
         alarms = f"{len(report.health.alarms)} alarm(s) raised" if report.health.alarms else "no alarm raised"
-        lines += ["", f"Problems found ({alarms}), with what to change:"] + [f"  {line}" for line in problems]
+        lines += ["", f"Problems found ({alarms}), with what to change:"]
     else:
-        lines += ["", "No alarm was raised and no health check failed."]
+        lines += ["", HEALTHY]
+    lines += [wrapped for problem in problems for wrapped in _wrap(problem, "  ", "    ")]
     return "\n".join(lines)
 
 
@@ -212,19 +282,28 @@ def _cell(text) -> str:
 
 def _markdown(report: Report) -> str:
     lines = [f"### Training health: `{report.run_dir}`", "", "  \n".join([*report.notes, report.image]), ""]
-    lines += ["| signal | verdict | severity | onset step | details |", "| --- | --- | --- | --- | --- |"]
-    for finding in report.findings():
-        row = (finding["name"], finding["verdict"], finding["severity"], finding["onset_step"], finding["message"])
-        lines.append("| " + " | ".join(_cell(value) for value in row) + " |")
+    lines += ["| signal | verdict | details |", "| --- | --- | --- |"]
+    for signal, finding in zip(report.health.signals, report.findings(), strict=True):
+        # the tier is said where the verdict does not say it: an alarm that is a note
+        verdict = (
+            f"ALARM ({finding['severity']})"
+            if signal.verdict == "ALARM" and signal.severity != "warning"
+            else signal.verdict
+        )
+        lines.append(
+            "| " + " | ".join(_cell(value) for value in (finding["name"], verdict, finding["message"])) + " |"
+        )
     for summary in (report.forward, report.sampling):
-        if summary is not None:
+        if summary is not None and summary["message"]:
             lines += ["", _cell(summary["message"])]
     alarms = report.alarms()
     if alarms:
         lines += ["", f"**{len(alarms)} alarm(s) raised**, with what to change:", ""]
         lines += [f"- `{alarm['name']}` ({alarm['steps']}): {_cell(alarm['message'])}" for alarm in alarms]
+    elif report.health.too_short:
+        lines += ["", TOO_SHORT, ""] + [f"- {_cell(line)}" for line in report.health.problem_lines()]
     elif report.health.ok:
-        lines += ["", "No alarm was raised and no health check failed."]
+        lines += ["", HEALTHY]
     return "\n".join(lines)
 
 
@@ -244,4 +323,15 @@ def _json(report: Report) -> str:
         "sampling": report.sampling,
         "unrecognised_keys": report.unrecognised,
     }
-    return json.dumps(document, indent=2, allow_nan=False)
+    return json.dumps(_finite(document), indent=2, allow_nan=False)
+
+
+def _finite(value):
+    """`value` with every NaN or infinite number as `None` (JSON has no such numbers; a log may hold them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value

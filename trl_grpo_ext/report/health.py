@@ -34,7 +34,17 @@ from ..metrics import (
 from .metric_record import Signal
 from .watch import WATCHED
 
-__all__ = ["SEVERITIES", "SIGNALS", "RunHealth", "Signal", "SignalHealth", "assess", "highest_severity"]
+__all__ = [
+    "HEALTHY",
+    "SEVERITIES",
+    "SIGNALS",
+    "TOO_SHORT",
+    "RunHealth",
+    "Signal",
+    "SignalHealth",
+    "assess",
+    "highest_severity",
+]
 
 DIAGNOSTICS = "GRPOTrainerExt logs it with log_diagnostics; stock TRL does not"
 #: Why a metric may be missing from a history (shown when a signal was not logged).
@@ -58,7 +68,16 @@ SIGNALS = tuple(record.signal for record in WATCHED if record.signal is not None
 
 
 # `SEVERITIES` (the alarms' tiers) are the verdicts' too, lowest first; `--fail-on` of `report` takes the last three.
-_SEVERITY = {"FAIL": "critical", "note": "note"}
+#: The verdicts that keep a run from being called healthy (with any alarm).
+PROBLEMS = ("FAIL", "note", "short")
+#: The last word on a run with no finding.
+HEALTHY = "No alarm was raised and no health check failed."
+#: ... and on one whose only findings are signals too short to judge.
+TOO_SHORT = (
+    "Too short to judge: no alarm was raised, but the run logged too few entries to tell whether it learned "
+    "(train longer, or log more often: logging_steps):"
+)
+_SEVERITY = {"FAIL": "critical", "note": "note", "short": "note"}
 
 
 @dataclass
@@ -69,7 +88,9 @@ class SignalHealth:
         signal: the row.
         verdict: `"ALARM"` (an alarm was raised), `"FAIL"` (the history shows a run that cannot have trained well:
             a value that is not finite, no gradient at any step), `"note"` (a count was not 0; the last step's
-            gradient norm far above the run's), `"ok"`, `"shown"` (not judged) or `"missing"` (not logged).
+            gradient norm far above the run's), `"short"` (logged, but too few entries for its alarms to judge: a
+            note, so that a run too short to tell whether it learned is not called fine), `"ok"`, `"shown"` (not
+            judged) or `"missing"` (not logged).
         detail: what the values did, which alarms fired at which steps, or why nothing was logged.
         episodes: the alarm episodes concerned.
         onset: the first step the verdict is about (the first alarm episode's, the first non-finite value's, the
@@ -85,7 +106,7 @@ class SignalHealth:
     @property
     def severity(self) -> str:
         """The verdict's tier of `SEVERITIES`: `FAIL` is critical, `ALARM` the highest tier of its episodes (a
-        warning but for an alarm with tiers), `note` a note, others ok."""
+        warning but for an alarm with tiers), `note` and `short` a note, others ok."""
         if self.verdict == "ALARM":
             return highest_severity(episode.severity for episode in self.episodes)
         return _SEVERITY.get(self.verdict, "ok")
@@ -113,16 +134,43 @@ class RunHealth:
 
     @property
     def ok(self) -> bool:
-        """No alarm was raised and no signal failed or needs a look."""
-        return not self.episodes and not any(signal.verdict in ("FAIL", "note") for signal in self.signals)
+        """No alarm was raised, no signal failed or needs a look, and the run was long enough to judge."""
+        return not self.episodes and not any(signal.verdict in PROBLEMS for signal in self.signals)
+
+    @property
+    def too_short(self) -> bool:
+        """Nothing is wrong but that some signals could not be judged yet: the run is too short to tell."""
+        verdicts = {signal.verdict for signal in self.signals}
+        return not self.episodes and "short" in verdicts and not verdicts & {"FAIL", "note"}
+
+    def headline(self) -> str:
+        """The run's verdict in one line: `HEALTHY`, too short to judge, or what was found (`report.png`'s, under its
+        title)."""
+        if self.ok:
+            return HEALTHY
+        if self.too_short:
+            return "Too short to judge: too few log entries to tell whether the run learned"
+        found = []
+        if self.alarms:
+            found.append(
+                f"{len(self.alarms)} alarm{'s' if len(self.alarms) > 1 else ''} raised: {', '.join(self.alarms)}"
+            )
+        for verdict, words in (("FAIL", "failed"), ("note", "worth a look"), ("short", "too short to judge")):
+            names = [
+                signal.signal.name for signal in self.signals if signal.verdict == verdict and not signal.episodes
+            ]
+            if names:
+                found.append(f"{words}: {', '.join(names)}")
+        return "; ".join(found)
 
     def problem_lines(self) -> list[str]:
-        """`alarm_lines`, then one line per signal whose verdict is `FAIL` or `note` and that no alarm explains."""
+        """`alarm_lines`, then one line per signal whose verdict is `FAIL`, `note` or `short` and that no alarm
+        explains."""
         lines = self.alarm_lines()
         lines += [
             f"{signal.signal.name}: {signal.detail}"
             for signal in self.signals
-            if signal.verdict in ("FAIL", "note") and not signal.episodes
+            if signal.verdict in PROBLEMS and not signal.episodes
         ]
         return lines
 
@@ -150,6 +198,11 @@ def _values(log_history: list[dict], key: str) -> list[tuple[int | None, float]]
     return pairs
 
 
+def _nan_steps(log_history: list[dict], key: str) -> list[int | None]:
+    """The steps of the entries holding `key` as NaN: logged, without a value (not the same as not logged)."""
+    return [entry.get("step") for entry in log_history if isinstance(entry.get(key), float) and math.isnan(entry[key])]
+
+
 def _nonfinite_losses(log_history: list[dict]) -> dict[str, list[int | None]]:
     """The steps at which `loss` or a `loss/*` value was logged as NaN or infinite, per key (first seen first)."""
     steps: dict[str, list[int | None]] = {}
@@ -175,13 +228,20 @@ def _span(steps: list) -> str:
     return f"step {known[0]}" if known[0] == known[-1] else f"steps {known[0]}-{known[-1]}"
 
 
-def _summary(key: str, pairs: list[tuple[int | None, float]]) -> str:
-    """`key first -> last (min .. max), steps a-b`."""
+def _summary(key: str, pairs: list[tuple[int | None, float]], nan_steps: list | None = None) -> str:
+    """`key first -> last (min .. max), steps a-b`, and how many of the logged steps held NaN; with no number logged,
+    `key NaN at every logged step (steps a-b)`."""
+    nan_steps = nan_steps or []
+    if not pairs:
+        return f"{key} NaN at every logged step ({_span(nan_steps)})"
     values = [value for _, value in pairs]
     text = f"{key} {values[0]:.3g} -> {values[-1]:.3g}"
     if len(values) > 2:
         text += f" (min {min(values):.3g}, max {max(values):.3g})"
-    return f"{text}, {_span([step for step, _ in pairs])}"
+    text += f", {_span([step for step, _ in pairs])}"
+    if nan_steps:
+        text += f"; NaN at {len(nan_steps)} of {len(nan_steps) + len(pairs)} logged steps, from {_span(nan_steps[:1])}"
+    return text
 
 
 #: The last logged `grad_norm` at or above this many times the run's median is named (`note`): a run that ends
@@ -219,37 +279,38 @@ def _failure(signal: Signal, key: str, pairs: list[tuple[int | None, float]]) ->
     return None
 
 
-def _no_finite_gradient(signal: Signal, log_history: list[dict]) -> SignalHealth | None:
-    """`grad_norm` logged, and NaN at every step that logged it: no update reached the weights (the non-finite guard
-    skipped each one, which `grad_norm_spike` does not count as a spike) or every one was broken."""
-    if signal.keys != (GRAD_NORM,):
-        return None
-    steps = [
-        entry.get("step")
-        for entry in log_history
-        if isinstance(entry.get(GRAD_NORM), float) and math.isnan(entry[GRAD_NORM])
-    ]
-    if not steps or _values(log_history, GRAD_NORM):
-        return None
-    return SignalHealth(
-        signal,
-        "FAIL",
-        f"grad_norm NaN at every logged step ({_span(steps)}): no update reached the weights, or every one was "
-        "broken (see nonfinite/skipped_steps)",
-        onset=_first_step(steps),
-    )
+#: What a metric logged as NaN at every step means, where more can be said than that nothing was measured.
+NAN_THROUGHOUT = {
+    GRAD_NORM: "no update reached the weights, or every one was broken (see nonfinite/skipped_steps)",
+}
+
+
+def _nan_throughout(signal: Signal, key: str, nan_steps: list) -> SignalHealth:
+    """`key` logged, and NaN at every step that logged it: whatever it measures was never measured, so the run cannot
+    be judged on it and cannot have trained well (a `grad_norm` NaN throughout: the non-finite guard skipped every
+    update, which `grad_norm_spike` does not count as a spike, or every one was broken)."""
+    why = NAN_THROUGHOUT.get(key, "the run cannot have trained well with it")
+    return SignalHealth(signal, "FAIL", f"{_summary(key, [], nan_steps)}: {why}", onset=_first_step(nan_steps))
 
 
 def _judge(signal: Signal, log_history: list[dict], monitor: AnomalyMonitor) -> SignalHealth:
     keys = _heldout_keys(log_history) if signal.keys == ("heldout/<metric>/mean@<k>",) else list(signal.keys)
-    logged = [(key, pairs) for key in keys if (pairs := _values(log_history, key))]
+    # The first key logged at all, as a number or as NaN: a metric logged as NaN is logged, without a value.
+    logged = []
+    for key in keys:
+        pairs, nan_steps = _values(log_history, key), _nan_steps(log_history, key)
+        if pairs or nan_steps:
+            logged.append((key, pairs, nan_steps))
     episodes = [episode for episode in monitor.episodes if episode.name in signal.alarms]
     judged = [name for name in signal.alarms if name in monitor.judged]
     shown = _summary(*logged[0]) if logged else ""
-    failure = _failure(signal, *logged[0]) if logged and signal.kind != "shown" else None
-    failure = failure or _no_finite_gradient(signal, log_history)
+    failure = None
+    if logged and signal.kind != "shown":
+        key, pairs, nan_steps = logged[0]
+        failure = _failure(signal, key, pairs) if pairs else _nan_throughout(signal, key, nan_steps)
     if failure is not None and not episodes:
         return failure
+    logged = [(key, pairs) for key, pairs, _ in logged if pairs]
     if signal.kind == "count" and not episodes:
         if not logged:
             if signal.keys == (RATIO_NAN_COUNT,) and _values(log_history, RATIO_P95):
@@ -294,6 +355,17 @@ def _judge(signal: Signal, log_history: list[dict], monitor: AnomalyMonitor) -> 
         )
     if not logged and not judged:
         return SignalHealth(signal, "missing", _missing(keys[0] if keys else signal.keys[0]))
+    # A signal is judged when its required alarms that are on judged (the reward's plateau: did the run learn at
+    # all?), else when one of its alarms did; logged, but with none of that, it is too short to judge, not fine.
+    rules = {rule.name: rule for rule in monitor.rules}
+    waiting = [name for name in signal.required if name in rules and name not in judged]
+    if signal.alarms and rules.keys() & set(signal.alarms) and (waiting or not judged):
+        waiting = waiting or [name for name in signal.alarms if name in rules]
+        needs = "; ".join(f"{name} needs {rules[name].pending()}" for name in waiting)
+        entries = len(logged[0][1]) if logged else 0
+        return SignalHealth(
+            signal, "short", f"too short to judge ({entries} log entries): {needs} | {shown or _missing(keys[0])}"
+        )
     if not judged:
         return SignalHealth(signal, "ok", shown)
     first = min(monitor.judged[name][0] for name in judged)

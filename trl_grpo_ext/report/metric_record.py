@@ -23,16 +23,22 @@ class Signal:
         kind: `"alarms"` (judged by its alarms), `"count"` (fine while the metric is 0 and no alarm fired: a count
             of events, shown with the steps where it was not 0) or `"shown"` (not judged: the loss, whose sign and
             size say little; a NaN or infinite `loss` or `loss/*` value is a `FAIL` all the same).
+        required: the alarms (of `alarms`) that must have judged the run for its verdict to be `ok`, where they are
+            on: the reward's `plateau`, which tells whether the run learned at all; without any, one of `alarms`
+            judging is enough. Until then the signal is too short to judge.
     """
 
     name: str
     keys: tuple[str, ...]
     alarms: tuple[str, ...] = ()
     kind: str = "alarms"
+    required: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.kind not in SIGNAL_KINDS:
             raise ValueError(f"signal {self.name!r}: kind must be one of {SIGNAL_KINDS}, got {self.kind!r}")
+        if not set(self.required) <= set(self.alarms):
+            raise ValueError(f"signal {self.name!r}: required alarms {self.required} are not all of {self.alarms}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -44,14 +44,15 @@ def _mean(log_history: list[dict], key: str) -> float | None:
 
 
 def sampling_summary(log_history: list[dict]) -> dict | None:
-    """The share of generation spent on groups without reward spread, and what it says about `dynamic_sampling` and
-    `selective_rollouts`.
+    """The share of generation spent on groups without reward spread, and what to do about it, in plain words.
 
     Returns:
         `None` when the run logged none of `FLAT_KEYS`, else a dict with `flat_share` (the mean of the first of
         `FLAT_KEYS` logged), `flat_share_late` (its mean over the last quarter of the log entries), `epochs` (the last
         `epoch` logged, or `None`), `precision` (the mean `selective_rollouts/precision`, or `None`) and `message`:
-        one line with the shares and, from them, whether the options would pay.
+        one line with the shares and what would save that generation (`dynamic_sampling`; `selective_rollouts`
+        where the prompts recur, or how well it did where it ran), or `None` where there is little to save (fewer
+        than `FEW_FLAT` of the groups flat): then nothing is worth changing, and `report` prints no line.
     """
     key = next((key for key in FLAT_KEYS if _values(log_history, key)), None)
     if key is None:
@@ -62,23 +63,26 @@ def sampling_summary(log_history: list[dict]) -> dict | None:
     late = sum(late_values) / len(late_values)
     epochs = max((value for _, value in _values(log_history, "epoch")), default=None)
     precision = _mean(log_history, PRECISION_KEY)
-    message = f"sampling: {flat:.0%} of the groups generated had no reward spread ({late:.0%} in the last quarter)"
-    if max(flat, late) < FEW_FLAT:
-        message += "; dynamic_sampling and selective_rollouts have little generation to save"
-    elif precision is not None:
-        message += f"; a prompt selective_rollouts predicted flat was flat again {precision:.0%} of the time"
-        if 1.0 - precision <= PREDICTABLE_ERROR * (1.0 - flat):
-            message += ": flatness is predictable here, skipping pays"
+    message = None
+    if max(flat, late) >= FEW_FLAT:
+        message = (
+            f"sampling: in {flat:.0%} of the groups generated ({late:.0%} in the last quarter) every completion "
+            "scored the same: such a group teaches nothing and costs a full generation; "
+        )
+        replace = "dynamic_sampling=True replaces those groups with new ones (more generation per step)"
+        skipping = "skipping the prompts predicted to score alike (selective_rollouts)"
+        if precision is not None and 1.0 - precision <= PREDICTABLE_ERROR * (1.0 - flat):
+            message += f"{skipping} was right {precision:.0%} of the time: it pays here"
+        elif precision is not None:
+            message += (
+                f"{skipping} was right {precision:.0%} of the time, not much more than the {flat:.0%} of any prompt: "
+                f"it saves little here; {replace}"
+            )
+        elif epochs is not None and epochs >= RECURRING_EPOCHS:
+            message += (
+                f"{replace}; the prompts recur ({epochs:.2g} passes over the training set): selective_rollouts=True "
+                "skips the ones whose last visits scored alike, before generating them"
+            )
         else:
-            message += f", not much more than the {flat:.0%} of any prompt: skipping saves little on this data"
-    elif epochs is not None and epochs < RECURRING_EPOCHS:
-        message += (
-            f"; the run went through its training set {epochs:.2g} times: selective_rollouts needs prompts that "
-            "recur, dynamic_sampling=True replaces flat groups (more generation per step)"
-        )
-    else:
-        message += (
-            "; prompts recur: selective_rollouts=True may skip the flat ones before generation (compare its "
-            "selective_rollouts/precision with this share), dynamic_sampling=True replaces them"
-        )
+            message += replace
     return {"flat_share": flat, "flat_share_late": late, "epochs": epochs, "precision": precision, "message": message}

@@ -8,11 +8,15 @@ optional `tensorboard` package (the `recipes` extra).
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import dataclass, field
 
-__all__ = ["EVENT_FILE_PREFIX", "event_files", "history_from_event_files"]
+__all__ = ["EVENT_FILE_PREFIX", "EventFilesRun", "event_files", "history_from_event_files", "read_event_files"]
 
 EVENT_FILE_PREFIX = "events.out.tfevents."
+#: The tag of the training arguments transformers' `TensorBoardCallback` records at the start of each training.
+ARGS_TAG = "args/text_summary"
 INSTALL = "pip install tensorboard, or the recipes extra: pip install 'trl-grpo-ext[recipes]'"
 
 
@@ -33,9 +37,42 @@ def _history_key(tag: str) -> str:
     return tag
 
 
+@dataclass
+class EventFilesRun:
+    """The run that wrote a folder's event files last (`read_event_files`).
+
+    Attributes:
+        history (`list[dict]`): its log history, one entry per step (its `step` included), in step order.
+        files (`list[str]`): the event files it was read from, in the order written.
+        others (`list[tuple[str, int]]`): `(file, last step)` of each file of another run.
+        args (`dict | None`): its training arguments as the trainer recorded them (transformers' `args` text: the
+            configuration's `to_json_string()`, a `GRPOConfigExt`'s `warn_*` fields included), `None` when none of
+            its files records them.
+    """
+
+    history: list[dict]
+    files: list[str] = field(default_factory=list)
+    others: list[tuple[str, int]] = field(default_factory=list)
+    args: dict | None = None
+
+
 def history_from_event_files(paths: list[str]) -> list[dict]:
-    """The log history written in the event files `paths`: one entry per step (its `step` included), in step order;
-    where two files hold a value for the same tag and step, the one written last is kept.
+    """The log history of the run that wrote the event files `paths` last (`read_event_files`)."""
+    return read_event_files(paths).history
+
+
+def read_event_files(paths: list[str]) -> EventFilesRun:
+    """The run that wrote the event files `paths` last: its log history, files and arguments, and the other runs'
+    files.
+
+    Each file holds one stretch of logging (transformers opens a writer per training, in a folder of its own, a
+    resumed run included). The run is the file written last (the latest first event) and, before its first logged
+    step, each earlier file that holds steps before that one and none after the run's last step: the stretch it was
+    resumed from. A file that holds only steps the run logged again, or steps beyond its last, is another run's (a
+    new run into the same folder, whose steps would otherwise be merged with the earlier run's later ones): the rule
+    of the trainer-state reader (`command.find_run`), which names the states of another run.
+
+    Files without scalars (TensorBoard's hyper-parameter summaries) are left out.
 
     Raises:
         ImportError: `tensorboard` is not installed (the message says how to install it).
@@ -44,20 +81,57 @@ def history_from_event_files(paths: list[str]) -> list[dict]:
         from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
     except ImportError:
         raise ImportError(f"reading TensorBoard event files needs tensorboard: {INSTALL}") from None
-    latest: dict[tuple[str, int], tuple[float, float]] = {}  # (key, step) -> (wall time, value)
+    stretches = []  # (first wall time, path, {(key, step): (wall time, value)})
+    args: dict[str, str] = {}  # path -> the `args` text it records
     for path in paths:
+        values: dict[tuple[str, int], tuple[float, float]] = {}
+        first = None
         for event in EventFileLoader(path).Load():
+            first = event.wall_time if first is None else min(first, event.wall_time)
             for value in event.summary.value:
+                if value.tag == ARGS_TAG and (text := _text(value)) is not None:
+                    args[path] = text
                 number = _scalar(value)
-                if number is None:
-                    continue
                 key = (_history_key(value.tag), int(event.step))
-                if key not in latest or event.wall_time >= latest[key][0]:
-                    latest[key] = (event.wall_time, number)
+                if number is not None and (key not in values or event.wall_time >= values[key][0]):
+                    values[key] = (event.wall_time, number)
+        if values:
+            stretches.append((first, path, values))
+    if not stretches:
+        return EventFilesRun([])
+    stretches.sort(key=lambda stretch: (stretch[0], stretch[1]))
+    *earlier, (_, last_path, latest) = stretches
+    start, end = min(step for _, step in latest), max(step for _, step in latest)
+    kept, files, others = dict(latest), [last_path], []
+    for _, path, values in reversed(earlier):
+        steps = [step for _, step in values]
+        if min(steps) < start and max(steps) <= end:
+            kept.update({key: value for key, value in values.items() if key[1] < start})
+            start = min(steps)
+            files.insert(0, path)
+        else:
+            others.append((path, max(steps)))
     entries: dict[int, dict] = {}
-    for (key, step), (_, number) in latest.items():
+    for (key, step), (_, number) in kept.items():
         entries.setdefault(step, {})[key] = number
-    return [{**entries[step], "step": step} for step in sorted(entries)]
+    history = [{**entries[step], "step": step} for step in sorted(entries)]
+    recorded = next((args[path] for path in reversed(files) if path in args), None)
+    return EventFilesRun(history, files, others[::-1], _json_object(recorded))
+
+
+def _json_object(text: str | None) -> dict | None:
+    try:
+        value = json.loads(text) if text is not None else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _text(value) -> str | None:
+    """The string of a text summary (`SummaryWriter.add_text`)."""
+    if value.WhichOneof("value") != "tensor" or not value.tensor.string_val:
+        return None
+    return value.tensor.string_val[0].decode("utf-8", errors="replace")
 
 
 def _scalar(value) -> float | None:

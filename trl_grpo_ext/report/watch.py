@@ -78,7 +78,7 @@ WATCHED = (
         healthy="trends up",
         worrying="flat from the start: no learning signal (see below) or a reward bug",
         readme="mean total reward and each function's mean; should trend up",
-        signal=Signal("reward", (REWARD,), ("plateau", "reward_drop", "reward_composition")),
+        signal=Signal("reward", (REWARD,), ("plateau", "reward_drop", "reward_composition"), required=("plateau",)),
         console=(REWARD, "reward"),
     ),
     Watched(
@@ -88,7 +88,7 @@ WATCHED = (
         healthy="clearly above 0",
         worrying="near 0: every completion of a prompt scores the same",
         readme="reward spread inside each group of completions of one prompt; near 0 means no learning signal",
-        signal=Signal("reward spread in groups", (REWARD_STD_GROUP_MEAN,), ("no_spread",)),
+        signal=Signal("reward spread in groups", (REWARD_STD_GROUP_MEAN,), ("no_spread", "reward_scale")),
         console=(REWARD_STD_GROUP_MEAN, "spread"),
     ),
     Watched(
