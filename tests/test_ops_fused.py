@@ -1,5 +1,6 @@
 """The fused kernel (analytic gradient, eager and compiled) against the readable reference."""
 
+import contextlib
 import math
 import os
 import subprocess
@@ -375,3 +376,43 @@ def test_the_cpu_shortcuts_give_the_values_of_the_path_every_device_takes(
         assert torch.equal(got, want)
     # the masked differences skip their select wherever the masked values are finite
     assert any(answers) == (masked_value == -1.5)
+
+
+@pytest.mark.parametrize("where", ["logps", "old_logps"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_a_log_ratio_of_minus_infinity_gives_one_loss_on_every_path(where, beta):
+    """A token whose log ratio is -inf (its log-prob -inf: it lost all its probability, or an old log-prob of +inf)
+    has a ratio of exactly 0, `exp`'s value there and TRL's: the clipped term is finite on every path (the kernel's
+    CPU shortcut, the path a GPU takes, the compiled kernel, the reference), with a finite gradient. With `beta > 0`
+    a log-prob of -inf makes the KL term infinite on every path alike (bad input is not repaired), never NaN."""
+    logps, old, ref, advantages, mask = batch(6, 5, seed=21)
+    mask = torch.ones_like(mask)
+    logps, old, ref = (torch.nan_to_num(tensor, nan=-1.0) for tensor in (logps, old, ref))
+    old[0, 0], ref[1, 0] = logps[0, 0], logps[1, 0]  # every other exponent below the tangent: TRL's plain exp below
+    advantages[2], advantages[3] = 1.0, -1.0  # both signs: clip(0, l, u) is 0 for A > 0, 1 - eps for A < 0
+    for row in (2, 3):
+        if where == "logps":
+            logps[row, 1] = -math.inf
+        else:
+            old[row, 1] = math.inf
+    losses = {}
+    for implementation in ("reference", "fused", "compiled", "on an accelerator"):
+        with numerics.as_on_an_accelerator() if implementation == "on an accelerator" else contextlib.nullcontext():
+            kernel = "fused" if implementation == "on an accelerator" else implementation
+            out, grad = run(kernel, logps, old, ref if beta else None, advantages, mask, beta=beta)
+        losses[implementation] = out.loss.item()
+        assert grad.isfinite().all(), implementation
+        assert out.policy_loss.isfinite(), implementation
+    kl_on = beta > 0 and where == "logps"  # D = ref - logp = +inf
+    expected = math.inf if kl_on else pytest.approx(losses["reference"])
+    assert all(loss == expected for loss in losses.values()), losses
+    assert math.isfinite(losses["reference"]) != kl_on
+    # the value: the ratio 0 where the log ratio is -inf, and TRL's formula everywhere else
+    if not kl_on:
+        ratio = torch.exp(logps - old)
+        clipped = ratio.clamp(0.8, 1.2)
+        per_token = -torch.minimum(ratio * advantages[:, None], clipped * advantages[:, None])
+        if beta:
+            d = ref - logps
+            per_token = per_token + beta * (torch.exp(d) - d - 1)
+        assert losses["reference"] == pytest.approx(per_token.mean(dim=1).mean().item(), rel=1e-5)

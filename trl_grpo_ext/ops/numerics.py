@@ -92,7 +92,7 @@ def exp_linear_above_and_slope(
     x_below = x.clamp(max=threshold)
     value = torch.exp(x_below)
     slope = torch.exp(x.clamp(max=threshold)) if torch.compiler.is_compiling() else value
-    return value * (1.0 + (x - x_below)), slope
+    return value * (1.0 + _excess(x, threshold)), slope
 
 
 def kl_estimator(d: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE) -> torch.Tensor:
@@ -123,7 +123,16 @@ def kl_estimator_and_slope(
     exp_minus_one = torch.expm1(d_below)
     # d/dd (exp'(d) - d - 1) = exp'(d) - 1
     slope = torch.expm1(d.clamp(max=threshold)) if torch.compiler.is_compiling() else exp_minus_one
-    return exp_minus_one * (1.0 + (d - d_below)) - d_below, slope
+    return exp_minus_one * (1.0 + _excess(d, threshold)) - d_below, slope
+
+
+def _excess(x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """How far `x` lies above `threshold` (0 at or below it): the tangent's run.
+
+    Not `x - x.clamp(max=threshold)`, which is `-inf - (-inf)` = NaN at `x = -inf`, where the exponential is exactly
+    0 (a ratio of 0: the token lost all its probability), as TRL's plain `exp` computes it.
+    """
+    return (x - threshold).clamp(min=0.0)
 
 
 def log_of_exp_linear_above(value: float, threshold: float = EXP_LINEAR_ABOVE) -> float:
