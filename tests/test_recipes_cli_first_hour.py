@@ -117,6 +117,27 @@ def test_a_config_value_the_recipe_cannot_use_is_one_line_before_anything_loads(
     assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        ("1.0", "`reward_weights` must be a list of numbers (e.g. [1.0, 0.5]), got 1.0."),
+        ("[1.0, 2.0]", "`reward_weights` has 2 weights ([1.0, 2.0]) for 1 reward function (['exact_match']): give one "
+         "weight per reward function, in the order of `reward_funcs`, or leave reward_weights out (each function "
+         "weighs 1)."),
+    ],
+)  # fmt: skip
+def test_wrong_reward_weights_are_one_line_with_exit_status_2_before_the_model_loads(
+    weights, message, tmp_path, capsys, monkeypatch
+):
+    """A scalar, or a list whose length is not the number of reward functions: TRL would say so with a traceback once
+    the model is loaded."""
+    config = tmp_path / "config.yaml"
+    config.write_text(f"reward_weights: {weights}\n")
+    monkeypatch.setattr(grpo, "check_model_is_local_or_hub", lambda name: pytest.fail("the model was about to load"))
+    assert cli.main(["demo", "--config", str(config), "--output_dir", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"trl-grpo-ext demo: error: {message}\n"
+
+
 def test_the_demo_config_run_from_another_folder_names_the_missing_dataset_in_one_line(tmp_path, capsys, monkeypatch):
     """The demo config's paths are relative to the repository root: from another folder the dataset is not found,
     which is said in one line naming the path and where it was looked for (before: datasets' traceback)."""

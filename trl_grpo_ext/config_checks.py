@@ -9,6 +9,8 @@ types of `ops`) and the ops layer.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .choices import CONSOLE_MODES, NONFINITE_POLICIES
@@ -18,10 +20,10 @@ from .ops.fused import domain_problems
 from .ops.loss_types import loss_type_record
 from .ops.validation import kernel_refusal
 
-__all__ = ["fused_kernel_problems", "list_problem", "option_problems"]
+__all__ = ["fused_kernel_problems", "list_problem", "option_problems", "reward_weights_problem"]
 
 #: An example value of each list field, for the sentence that refuses another kind of value.
-_LIST_EXAMPLES = {"ratio_quantiles": "[0.05, 0.5, 0.95]", "heldout_pass_at": "[1, 4]"}
+_LIST_EXAMPLES = {"ratio_quantiles": "[0.05, 0.5, 0.95]", "heldout_pass_at": "[1, 4]", "reward_weights": "[1.0, 0.5]"}
 
 
 def list_problem(name: str, value, kind: str) -> str | None:
@@ -36,8 +38,15 @@ def list_problem(name: str, value, kind: str) -> str | None:
 
 
 def _at_least(options, name: str, minimum: int) -> str | None:
+    """The sentence that refuses the value of an integer field (`None` allowed) that is not an integer, or is below
+    `minimum`; `None` when it is fine. A bool is refused although Python counts it as an int: `True` would be taken
+    for 1 silently."""
     value = getattr(options, name)
-    return f"`{name}` must be >= {minimum}, got {value}." if value is not None and value < minimum else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return f"`{name}` must be an integer >= {minimum}, got {value!r} (a {type(value).__name__})."
+    return f"`{name}` must be >= {minimum}, got {value}." if value < minimum else None
 
 
 def _token_weights_in_use(args) -> bool:
@@ -114,8 +123,33 @@ def option_problems(options, *, only_after_trl: bool = False) -> list[str]:
         problems.append(wrong_kind)
     elif pass_at is not None and (not pass_at or min(pass_at) < 1):  # k <= heldout_num_generations: the trainer's
         problems.append(f"`heldout_pass_at` must list values >= 1, got {pass_at}.")
+    weights = options.reward_weights
+    wrong_kind = None if weights is None else list_problem("reward_weights", weights, "numbers")
+    if wrong_kind is not None:
+        problems.append(wrong_kind)
     problems += hyperparameter_problems(options.epsilon, options.epsilon_high, options.beta, options.delta)
     return problems
+
+
+def reward_weights_problem(weights, reward_func_names: list[str]) -> str | None:
+    """The sentence that refuses `reward_weights` whose count is not that of the reward functions, `None` when it is
+    (or when no weights are given: each function then weighs 1).
+
+    TRL checks the count only once the model is loaded; a recipe knows its reward functions before.
+
+    Args:
+        weights (`list[float]` or `None`): the configuration's `reward_weights` (a list: `option_problems` refuses
+            any other kind).
+        reward_func_names (`list[str]`): the reward functions, by the names the configuration gives them.
+    """
+    if weights is None or len(weights) == len(reward_func_names):
+        return None
+    functions = f"{len(reward_func_names)} reward function{'s' if len(reward_func_names) != 1 else ''}"
+    return (
+        f"`reward_weights` has {len(weights)} weight{'s' if len(weights) != 1 else ''} ({list(weights)}) for "
+        f"{functions} ({list(reward_func_names)}): give one weight per reward function, in the order of "
+        "`reward_funcs`, or leave reward_weights out (each function weighs 1)."
+    )
 
 
 def _selective_rollouts_problems(options) -> list[str]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from transformers import TrainerCallback
 
 from .. import cpu_engines
+from ..config_checks import reward_weights_problem
 from ..metrics import HELDOUT_PREFIX, LOSS
 from .arguments import (
     ConfigError,
@@ -118,7 +119,11 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
         )
         training_args.heldout_every_steps = 0
 
-    try:  # a dataset or reward that the config names wrongly: said in one line
+    try:  # a reward or dataset that the config names wrongly: said in one line, the rewards first (nothing to load)
+        reward_funcs = resolve_reward_funcs(script_args.reward_funcs, training_args.max_completion_length)
+        wrong_weights = reward_weights_problem(training_args.reward_weights, script_args.reward_funcs)
+        if wrong_weights is not None:
+            raise ValueError(wrong_weights)
         dataset = load_recipe_dataset(
             script_args.dataset_name,
             script_args.dataset_config,
@@ -126,7 +131,6 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
             system_prompt=script_args.system_prompt,
             required_splits=[script_args.dataset_train_split],
         )
-        reward_funcs = resolve_reward_funcs(script_args.reward_funcs, training_args.max_completion_length)
     except ValueError as error:
         raise ConfigError(" ".join(str(error).split())) from error
     train_dataset = dataset[script_args.dataset_train_split]
