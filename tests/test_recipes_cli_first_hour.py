@@ -8,9 +8,11 @@ import sys
 from importlib.metadata import version
 
 import pytest
+import trl
 from helpers import REPO
 
 import trl_grpo_ext
+from trl_grpo_ext._compat import trl_surface_summary
 from trl_grpo_ext.recipes import cli, grpo
 from trl_grpo_ext.recipes.arguments import ConfigError
 from trl_grpo_ext.report import env
@@ -55,6 +57,18 @@ def test_env_lists_the_versions_python_and_the_machine(capsys):
     assert f"{os.cpu_count()} logical cores" in info["CPU"]
     assert info["Accelerators"] == "none (CPU only)" or "CUDA" in info["Accelerators"]
     assert {"Platform", "Memory", "Accelerate config"} <= set(info)
+    assert info["TRL hook check"] == trl_surface_summary()
+    assert info["TRL hook check"].endswith("the 54 hooks, methods and attributes GRPOTrainerExt relies on match")
+
+
+def test_env_names_a_trl_release_whose_hooks_differ(monkeypatch):
+    """A user on an untested TRL runs `trl-grpo-ext env`: the hook check's result is a line of its output."""
+    monkeypatch.setattr(trl, "__version__", "1.19.0")
+    monkeypatch.setattr(trl.GRPOTrainer, "log", lambda self, logs: None)
+    assert env.environment_info()["TRL hook check"].startswith(
+        "trl 1.19.0, untested (tested: trl>=1.14.0,<1.17.0): 1 of 54 differ: GRPOTrainer.log(self, logs) no longer "
+        "takes 'start_time'"
+    )
 
 
 def _installed(distribution: str) -> str | None:
