@@ -105,3 +105,34 @@ def test_reward_weights_of_a_plain_trl_config_are_refused_before_any_model_loads
     plain.reward_weights = 1.0  # TRL's own config keeps what it is given
     with pytest.raises(ValueError, match=re.escape("`reward_weights` must be a list of numbers")):
         GRPOTrainerExt(model=str(tmp_path / "no-model"), reward_funcs=len, args=plain, train_dataset=None)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"per_device_train_batch_size": 3},
+            "`per_device_train_batch_size` (3) must give whole groups of `num_generations` (8) completions: the "
+            "generation batch (per_device_train_batch_size 3 x 1 process x steps_per_generation 1 = 3) is not a "
+            "multiple of 8. Set per_device_train_batch_size to a multiple of 8 (e.g. 8), or `num_generations` to a "
+            "divisor of 3 (e.g. 3).",
+        ),
+        (
+            {"per_device_train_batch_size": 6, "gradient_accumulation_steps": 2},
+            "`per_device_train_batch_size` (6) must give whole groups of `num_generations` (8) completions: the "
+            "generation batch (per_device_train_batch_size 6 x 1 process x steps_per_generation 2 = 12) is not a "
+            "multiple of 8. Set per_device_train_batch_size to a multiple of 4 (e.g. 8), or `num_generations` to a "
+            "divisor of 12 (e.g. 6).",
+        ),
+        (
+            {"per_device_train_batch_size": 4, "generation_batch_size": 12},
+            "`generation_batch_size` (12) must be a multiple of `num_generations` (8): each prompt's 8 completions "
+            "are generated in one batch. Set it to 8 or 16.",
+        ),
+    ],
+)
+def test_a_batch_without_whole_groups_names_the_field_set_and_a_value_that_works(fields, message, tmp_path):
+    """TRL said `generation_batch_size (3) must be divisible by num_generations (8)`, a field the user never set."""
+    with pytest.raises(ValueError) as error:
+        GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, num_generations=8, **fields)
+    assert str(error.value) == message

@@ -113,6 +113,13 @@ def test_a_misspelled_config_key_is_one_line_naming_the_nearest_key_with_exit_st
         (["--console", "fancy"], "argument --console: invalid choice: 'fancy' (choose from 'compact', 'raw')"),
         (["--config", "missing.yaml"], "--config missing.yaml: No such file or directory"),
         (["--config"], "--config needs the path of a YAML file."),
+        (
+            ["--per_device_train_batch_size", "3"],
+            "`per_device_train_batch_size` (3) must give whole groups of `num_generations` (8) completions: the "
+            "generation batch (per_device_train_batch_size 3 x 1 process x steps_per_generation 1 = 3) is not a "
+            "multiple of 8. Set per_device_train_batch_size to a multiple of 8 (e.g. 8), or `num_generations` to a "
+            "divisor of 3 (e.g. 3).",
+        ),
     ],
 )
 def test_each_command_line_mistake_is_one_line_with_exit_status_2(args, message, capsys, monkeypatch, tmp_path):

@@ -9,6 +9,7 @@ types of `ops`) and the ops layer.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -20,7 +21,13 @@ from .ops.fused import domain_problems
 from .ops.loss_types import loss_type_record
 from .ops.validation import kernel_refusal
 
-__all__ = ["fused_kernel_problems", "list_problem", "option_problems", "reward_weights_problem"]
+__all__ = [
+    "fused_kernel_problems",
+    "generation_batch_problem",
+    "list_problem",
+    "option_problems",
+    "reward_weights_problem",
+]
 
 #: An example value of each list field, for the sentence that refuses another kind of value.
 _LIST_EXAMPLES = {"ratio_quantiles": "[0.05, 0.5, 0.95]", "heldout_pass_at": "[1, 4]", "reward_weights": "[1.0, 0.5]"}
@@ -178,3 +185,46 @@ def _selective_rollouts_problems(options) -> list[str]:
     if not step >= 0:
         problems.append(f"`selective_rollouts_exploration_step` must be >= 0, got {step}.")
     return problems
+
+
+def generation_batch_problem(options, generation_batch_size_set: bool) -> str | None:
+    """The sentence that refuses a generation batch that does not hold whole groups of `num_generations` completions,
+    naming the field the user set and a value that works; `None` when it holds whole groups.
+
+    TRL refuses such a batch in `GRPOConfig.__post_init__` by its derived value alone (`generation_batch_size (3) must
+    be divisible by num_generations (8)`), a field most configurations never set. Read after TRL resolved the batch:
+    `generation_batch_size`, `steps_per_generation` and `world_size` hold their final values.
+
+    Args:
+        options: the configuration, after `trl.GRPOConfig.__post_init__` computed its generation batch.
+        generation_batch_size_set (`bool`): whether the user gave `generation_batch_size` (else TRL derived it from
+            `per_device_train_batch_size`).
+    """
+    batch, group = options.generation_batch_size, options.num_generations
+    if batch is None or not group or batch % group == 0:
+        return None
+    if generation_batch_size_set:
+        below, above = batch // group * group, (batch // group + 1) * group
+        values = " or ".join(str(value) for value in (below, above) if value > 0)
+        return (
+            f"`generation_batch_size` ({batch}) must be a multiple of `num_generations` ({group}): each prompt's "
+            f"{group} completions are generated in one batch. Set it to {values}."
+        )
+    per_device, processes, steps = (
+        options.per_device_train_batch_size,
+        options.world_size,
+        options.steps_per_generation,
+    )
+    # per_device * processes * steps must be a multiple of `group`: per_device a multiple of this
+    multiple = group // math.gcd(group, processes * steps)
+    suggestion = -(-per_device // multiple) * multiple
+    divisors = [value for value in range(2, batch + 1) if batch % value == 0]
+    nearest = max((value for value in divisors if value <= group), default=min(divisors, default=None))
+    alternative = f", or `num_generations` to a divisor of {batch} (e.g. {nearest})" if nearest else ""
+    processes_text = f"{processes} process{'es' if processes > 1 else ''}"
+    return (
+        f"`per_device_train_batch_size` ({per_device}) must give whole groups of `num_generations` ({group}) "
+        f"completions: the generation batch (per_device_train_batch_size {per_device} x {processes_text} x "
+        f"steps_per_generation {steps} = {batch}) is not a multiple of {group}. Set per_device_train_batch_size to a "
+        f"multiple of {multiple} (e.g. {suggestion}){alternative}."
+    )
