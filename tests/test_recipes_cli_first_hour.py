@@ -14,7 +14,7 @@ from helpers import REPO
 import trl_grpo_ext
 from trl_grpo_ext._compat import trl_surface_summary
 from trl_grpo_ext.recipes import cli, grpo
-from trl_grpo_ext.recipes.arguments import ConfigError
+from trl_grpo_ext.recipes.arguments import ConfigError, make_parser
 from trl_grpo_ext.report import env
 
 DEMO_CONFIG = os.path.join(REPO, "recipes", "tiny", "config_demo.yaml")
@@ -199,6 +199,25 @@ def test_help_leads_with_the_recipe_and_this_package_then_trl_then_the_model(cap
     assert all(ours < text.index(name) < trl for name in ("--loss_implementation", "--beta", "--console"))
     assert trl < text.index("--learning_rate") < text.index("--lora_r")
     assert "--learning-rate" not in text
+
+
+def test_help_shows_each_field_s_first_sentence_whole_wrapped_to_the_terminal(capsys, monkeypatch):
+    """`--help` cut each help text at the line's end, mid-sentence (`--dataset_name  A local...`)."""
+    from trl_grpo_ext.recipes.help_format import _SENTENCE_END
+
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):
+        cli.main(["grpo", "--help"])
+    text = capsys.readouterr().out
+    assert all(len(line) <= 80 for line in text.splitlines() if " " in line.strip())  # a long word may overflow
+    flowing = " ".join(text.split())
+    parser = make_parser(grpo.GRPOScriptArguments)
+    shown = [action for action in parser._actions if action.dest in parser.short_help and action.help]
+    assert len(shown) > 40
+    for action in shown:
+        first = _SENTENCE_END.split(action.help.replace("%%", "%"), maxsplit=1)[0]
+        assert " ".join(first.split()) in flowing, action.dest
+    assert "A local folder or file (json, jsonl, parquet, csv) or a Hub dataset id." in flowing
 
 
 def test_the_console_is_one_field_of_the_config_not_a_script_argument():

@@ -159,8 +159,8 @@ class RecipeParser(TrlParser):
       value of the wrong type names its field, a dataclass that refuses its values says why (the recipe's command
       prints it and exits with status 2);
     - `--help` lists the fields in `help_groups`, in that order: this package's before TRL's; of those, only the
-      fields in `short_help`, each once (not a boolean's `--no_<field>` too), by its help text's first sentence, and
-      ends saying so; `--help-all` lists every flag with its whole help text.
+      fields in `short_help`, each once (not a boolean's `--no_<field>` too), by its help text's first sentence (whole,
+      wrapped), and ends saying so; `--help-all` lists every flag with its whole help text.
 
     Args:
         dataclass_types: as `TrlParser` takes them.
@@ -209,8 +209,8 @@ class RecipeParser(TrlParser):
                 formatter.add_arguments(actions)
                 formatter.end_section()
         formatter.add_text(
-            f"These are {len(fields & self.short_help)} of the {len(fields)} fields, each help text cut to its first "
-            "sentence."
+            f"These are {len(fields & self.short_help)} of the {len(fields)} fields, each with the first sentence of "
+            "its help text."
         )
         formatter.add_text("Every field, in full: %(prog)s --help-all")
         return formatter.format_help()
