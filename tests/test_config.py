@@ -97,7 +97,8 @@ def test_an_integer_field_refuses_bools_and_non_integers_in_one_sentence(value, 
     with pytest.raises(ValueError) as error:
         GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, padding_free_row_tokens=value)
     assert str(error.value) == message
-    assert GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, padding_free_row_tokens=1).padding_free_row_tokens == 1
+    config = GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, padding_free_row_tokens=1)
+    assert config.padding_free_row_tokens == 1
 
 
 def test_reward_weights_of_a_plain_trl_config_are_refused_before_any_model_loads(tmp_path):

@@ -146,4 +146,5 @@ def test_the_configs_and_docs_start_the_server_with_vllm_serve_and_what_trl_s_tr
     assert shown >= 2
     with open(os.path.join(REPO, "docs", "recipes.md")) as handle:
         docs = " ".join(handle.read().split())
-    assert f"VLLM_SERVER_DEV_MODE=1 vllm serve <model> {shlex.join(slurm.TRAINER_SERVER_FLAGS)}" in docs.replace("`", "")
+    command = f"VLLM_SERVER_DEV_MODE=1 vllm serve <model> {shlex.join(slurm.TRAINER_SERVER_FLAGS)}"
+    assert command in docs.replace("`", "")

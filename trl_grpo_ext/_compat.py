@@ -261,8 +261,8 @@ TRL_COPIES = (
     ),
     (
         "trl_grpo_ext.recipes.slurm.vllm_server_command",
-        "trl/scripts/vllm_serve.py: build_command (the `vllm serve` command line that TRL's deprecated `trl vllm-serve` "
-        "runs, with the arguments TRL's trainers rely on)",
+        "trl/scripts/vllm_serve.py: build_command (the `vllm serve` command line that TRL's deprecated "
+        "`trl vllm-serve` runs, with the arguments TRL's trainers rely on)",
         "tests/test_recipes_slurm_server.py::test_the_command_is_the_one_trl_s_wrapper_composes",
     ),
     (
