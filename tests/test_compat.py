@@ -79,12 +79,14 @@ class TestTrlSurfaceCheck:
         assert differences == []
         assert compared == len(OVERRIDDEN_HOOKS) + len(CALLED_METHODS) + len(TRL_ATTRIBUTES) + len(TRL_VLLM_ATTRIBUTES)
 
+    @trains_on_cpu
     def test_a_tested_release_builds_without_a_word(self, monkeypatch, tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)
             with pytest.raises(_StopBeforeTheModel):
                 _build_until_the_model_would_load(monkeypatch, tmp_path)
 
+    @trains_on_cpu
     def test_a_newer_release_whose_surface_matches_warns_naming_it_before_any_model_loads(self, monkeypatch, tmp_path):
         monkeypatch.setattr(trl, "__version__", "1.19.0")
         with pytest.warns(UserWarning) as caught, pytest.raises(_StopBeforeTheModel):
@@ -122,6 +124,7 @@ class TestTrlSurfaceCheck:
             ),
         ],
     )
+    @trains_on_cpu  # TRL 1.15 refuses the CPU before the check runs
     def test_a_changed_hook_is_one_error_naming_it_and_the_change_before_any_model_loads(
         self, hook, changed, message, monkeypatch, tmp_path
     ):
@@ -165,6 +168,16 @@ class TestTrlSurfaceCheck:
                 check_trl_surface(None, "1.16.0")
             finally:
                 _compat._assigned_attributes.cache_clear()
+
+    def test_with_vllm_the_backend_s_methods_are_compared_and_a_backend_that_moved_is_named(self, monkeypatch):
+        import sys
+
+        differences, compared = trl_surface_differences(use_vllm=True)
+        assert differences == [] and compared == 56
+        monkeypatch.setitem(sys.modules, "trl.generation.vllm_generation", None)  # as if a release moved it
+        differences, compared = trl_surface_differences(use_vllm=True)
+        assert compared == 56 and len(differences) == 1
+        assert differences[0].startswith("trl.generation.vllm_generation.VLLMGeneration does not import")
 
     def test_the_summary_names_a_matching_release_tested_or_not(self):
         assert trl_surface_summary("1.16.0") == (

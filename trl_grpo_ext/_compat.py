@@ -515,12 +515,16 @@ def trl_surface_differences(trainer_class: type | None = None, *, use_vllm: bool
             difference = _signature_difference(trainer_class, name, arguments, overridden)
             differences += [difference] if difference else []
     if use_vllm:
-        from trl.generation.vllm_generation import VLLMGeneration
-
-        for name, arguments in VLLM_GENERATION_METHODS.items():
-            compared += 1
-            difference = _signature_difference(VLLMGeneration, name, arguments, overridden=False)
-            differences += [difference] if difference else []
+        try:
+            from trl.generation.vllm_generation import VLLMGeneration
+        except ImportError as error:  # moved or gone: the methods below cannot be called either
+            compared += len(VLLM_GENERATION_METHODS)
+            differences.append(f"trl.generation.vllm_generation.VLLMGeneration does not import ({error})")
+        else:
+            for name, arguments in VLLM_GENERATION_METHODS.items():
+                compared += 1
+                difference = _signature_difference(VLLMGeneration, name, arguments, overridden=False)
+                differences += [difference] if difference else []
     assigned = _assigned_attributes(trainer_class)
     if assigned is not None:
         for name in (*TRL_ATTRIBUTES, *TRL_VLLM_ATTRIBUTES):
