@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from packaging.version import Version
 
 from trl_grpo_ext import grpo_loss
 from trl_grpo_ext.ops import fused, numerics, policy_objective
@@ -159,7 +160,16 @@ _CACHE_RUN = textwrap.dedent(
 )
 
 
+#: The compiled kernel's memory and cache behaviour is inductor's, measured with torch 2.13 and 2.14: torch 2.11 (the
+#: oldest the package admits) held 3.0 and 8.1 (N, T) buffers where those hold at most 1.5 and 6.0, and left the cache
+#: folder of the test below empty (docs/compatibility.md). Its values are the reference's on every torch.
+INDUCTOR_FIGURES = pytest.mark.skipif(
+    Version(torch.__version__).release < (2, 13), reason="the compiled kernel's figures are torch 2.13's and later's"
+)
+
+
 @pytest.mark.slow
+@INDUCTOR_FIGURES
 def test_compiled_epsilons_survive_the_inductor_cache_of_an_earlier_process(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(_CACHE_RUN.format(tests=os.path.dirname(__file__)))
@@ -219,10 +229,10 @@ def nt_buffers_at_peak(call, num_elements):
         # the loss and its gradient: the gradient, the boolean mask and the eager kernel's blocks of rows (16 rows
         # here, a quarter of the batch: about 6 block-sized temporaries at the peak)
         ("fused", False, 3.1),
-        ("compiled", False, 1.5),
+        pytest.param("compiled", False, 1.5, marks=INDUCTOR_FIGURES),
         # with the per-token values (4 float32 and 2 boolean (N, T) tensors: 4.5 buffers) on top
         ("fused", True, 8.2),
-        ("compiled", True, 6.0),
+        pytest.param("compiled", True, 6.0, marks=INDUCTOR_FIGURES),
     ],
 )
 def test_forward_and_backward_hold_few_nt_buffers_at_their_peak(implementation, per_token, most, monkeypatch):
