@@ -18,7 +18,7 @@ TORCH_CPU_ARGS = $(shell $(call TORCH_BUILD,cpu) pip)
 RECIPES_STAMP := $(VENV)/.installed-recipes
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo quickstart test test-fast test-compat test-vllm lint format clean gpu-wheels
+.PHONY: setup demo quickstart test test-fast test-compat test-stack test-vllm lint format clean gpu-wheels
 
 $(RECIPES_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +79,40 @@ test-compat: $(foreach trl,$(COMPAT_TRL),$(COMPAT_DIR)/trl-$(trl)/.installed)
 		$(COMPAT_DIR)/trl-$$trl/bin/python -m pytest $$tests; \
 	done
 
+# The ends of pyproject.toml's ranges that `make test` and `make test-compat` do not run, each in an environment of its
+# own under $(STACK_DIR)/<stack>/, with the tests those releases can change (STACK_TESTS): the trainer's tests against
+# stock TRL (COMPAT_TESTS), the TRL hook pins, the packed forward, the objective's kernels. `newest`: the newest
+# torch and PEFT installable (torch 2.14.1 is PyPI's CUDA build, run on the CPU); `torch-floor`: the oldest torch the
+# tests pass with (PyPI's build), every other package the newest pip resolves beside it. docs/compatibility.md.
+STACK_DIR ?= .venv-stack
+STACKS ?= newest
+STACK_PINS_newest := torch==2.14.1 peft==0.22.0
+STACK_PINS_torch-floor := torch==2.11.0
+STACK_TESTS ?= $(COMPAT_TESTS) tests/test_compat_drift.py tests/test_forward.py tests/test_ops_numerics.py \
+	tests/test_ops_fused.py tests/test_ops_grpo_loss.py tests/test_ops_policy_objective.py
+
+STACK_TORCH = $(patsubst torch==%,%,$(filter torch==%,$(STACK_PINS_$(1))))
+
+# torch first, then the wheel of this package (the tests import the checkout): pip must keep that torch, as it keeps
+# a user's (the one their vLLM pins), and the check after the install fails if it was replaced.
+$(STACK_DIR)/%/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv --clear $(STACK_DIR)/$*
+	$(STACK_DIR)/$*/bin/python -m pip install -q $(STACK_PINS_$*)
+	$(STACK_DIR)/$*/bin/python -m pip wheel -q --no-deps -w $(STACK_DIR)/$*/dist .
+	$(STACK_DIR)/$*/bin/python -m pip install -q "$$(ls $(STACK_DIR)/$*/dist/trl_grpo_ext-*.whl)[dev]" \
+		$(filter-out torch==%,$(STACK_PINS_$*))
+	$(STACK_DIR)/$*/bin/python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$(call \
+		STACK_TORCH,$*)' and f'torch {torch.__version__} replaced torch $(call STACK_TORCH,$*)')"
+	touch $@
+
+# make test-stack STACKS=newest (CI) or STACKS=torch-floor.
+test-stack: $(foreach stack,$(STACKS),$(STACK_DIR)/$(stack)/.installed)
+	@set -e; for stack in $(STACKS); do \
+		echo "== $$stack: $$($(STACK_DIR)/$$stack/bin/python -m pip freeze | grep -iE \
+			'^(trl|transformers|peft|accelerate|datasets|torch)==' | tr '\n' ' ')"; \
+		$(STACK_DIR)/$$stack/bin/python -m pytest $(STACK_TESTS); \
+	done
+
 # The real-vLLM tier (tests/real_vllm/, left out of `make test`): vLLM's CPU build, the newest release inside TRL
 # 1.16's supported range, which needs torch 2.13.0+cpu and transformers below 5.18. It pulls the registry's
 # torchvision, torchaudio and torchcodec, built against another torch (`operator torchvision::nms does not exist` at
@@ -125,4 +159,4 @@ gpu-wheels:
 	@du -sh $(WHEEL_DIR)
 
 clean:
-	rm -rf $(VENV) $(COMPAT_DIR) $(VLLM_VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(COMPAT_DIR) $(STACK_DIR) $(VLLM_VENV) runs .pytest_cache .ruff_cache

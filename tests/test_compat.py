@@ -10,12 +10,21 @@ from helpers import count_a_reward, tiny_grpo_args
 from packaging.version import Version
 from peft import LoraConfig
 
-from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt, _compat
 from trl_grpo_ext._compat import (
+    CALLED_METHODS,
+    OVERRIDDEN_HOOKS,
+    TRL_ATTRIBUTES,
+    TRL_VLLM_ATTRIBUTES,
+    IncompatibleTRLError,
     check_transformers_version,
+    check_trl_surface,
     check_trl_version,
+    is_tested_trl,
     options_missing_from_trl,
     seed_before_model_init,
+    trl_surface_differences,
+    trl_surface_summary,
 )
 
 INSTALLED_TRL = Version(trl.__version__)
@@ -33,13 +42,148 @@ class TestTrlVersionGuard:
             check_trl_version(version)
 
     @pytest.mark.parametrize("version", ["1.13.0", "1.17.0", "2.0.0"])
-    def test_untested_versions_warn_with_the_range(self, version):
-        with pytest.warns(UserWarning, match=r"tested with trl>=1.14.0,<1.17.0; trl " + version):
+    def test_an_untested_release_imports_silently_its_hooks_are_checked_when_the_trainer_is_built(self, version):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
             check_trl_version(version)
+        assert not is_tested_trl(version)
 
     def test_versions_with_another_loss_hook_are_refused(self):
         with pytest.raises(ImportError, match=r"needs trl>=1.14.0,<1.17.0; trl 0.19.1 is installed"):
             check_trl_version("0.19.1")
+
+
+class _StopBeforeTheModel(Exception):
+    """Raised by the check that follows TRL's surface check in `GRPOTrainerExt.__init__`, before any model loads."""
+
+
+def _build_until_the_model_would_load(monkeypatch, tmp_path):
+    """Build a `GRPOTrainerExt` up to the check after TRL's surface check (its dataset check), which stops it."""
+    import trl_grpo_ext.trainer
+
+    def stop(*args):
+        raise _StopBeforeTheModel
+
+    monkeypatch.setattr(trl_grpo_ext.trainer, "check_train_dataset", stop)
+    args = GRPOConfigExt(**tiny_grpo_args(tmp_path))
+    GRPOTrainerExt(model=str(tmp_path / "no-model"), reward_funcs=count_a_reward, args=args, train_dataset=None)
+
+
+class TestTrlSurfaceCheck:
+    """Where the trainer is built, the hooks it overrides, the TRL methods it calls and the attributes it reads are
+    compared with the installed TRL: a newer release whose surface matches warns once, naming it; a difference is one
+    error naming the hook and what changed, before any model loads."""
+
+    def test_the_installed_trl_matches_every_pin(self):
+        differences, compared = trl_surface_differences()
+        assert differences == []
+        assert compared == len(OVERRIDDEN_HOOKS) + len(CALLED_METHODS) + len(TRL_ATTRIBUTES) + len(TRL_VLLM_ATTRIBUTES)
+
+    @trains_on_cpu
+    def test_a_tested_release_builds_without_a_word(self, monkeypatch, tmp_path):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            with pytest.raises(_StopBeforeTheModel):
+                _build_until_the_model_would_load(monkeypatch, tmp_path)
+
+    @trains_on_cpu
+    def test_a_newer_release_whose_surface_matches_warns_naming_it_before_any_model_loads(self, monkeypatch, tmp_path):
+        monkeypatch.setattr(trl, "__version__", "1.19.0")
+        with pytest.warns(UserWarning) as caught, pytest.raises(_StopBeforeTheModel):
+            _build_until_the_model_would_load(monkeypatch, tmp_path)
+        (warning,) = [w for w in caught if "trl 1.19.0" in str(w.message)]
+        assert str(warning.message).startswith(
+            "trl 1.19.0 is untested (tested: trl>=1.14.0,<1.17.0); the 54 TRL hooks, methods and attributes "
+            "GRPOTrainerExt overrides, calls or reads match it."
+        )
+
+    @pytest.mark.parametrize(
+        ("hook", "changed", "message"),
+        [
+            (
+                "log",
+                lambda self, logs: None,
+                "GRPOTrainer.log(self, logs) no longer takes 'start_time', which GRPOTrainerExt passes",
+            ),
+            (
+                "_calculate_rewards",
+                lambda self, inputs, prompts, completions, completion_ids_list, tools=None: None,
+                "GRPOTrainer._calculate_rewards(self, inputs, prompts, completions, completion_ids_list, tools=None) "
+                "takes 'tools', which GRPOTrainerExt's override does not know",
+            ),
+            (
+                "_compute_loss",
+                lambda self, model, inputs, scale: None,
+                "GRPOTrainer._compute_loss(self, model, inputs, scale) now requires 'scale', which GRPOTrainerExt "
+                "does not pass",
+            ),
+            (
+                "get_high_entropy_mask",
+                None,
+                "GRPOTrainer.get_high_entropy_mask is gone",
+            ),
+        ],
+    )
+    @trains_on_cpu  # TRL 1.15 refuses the CPU before the check runs
+    def test_a_changed_hook_is_one_error_naming_it_and_the_change_before_any_model_loads(
+        self, hook, changed, message, monkeypatch, tmp_path
+    ):
+        monkeypatch.setattr(trl, "__version__", "1.19.0")
+        if changed is None:
+            monkeypatch.delattr(trl.GRPOTrainer, hook)
+        else:
+            changed.__name__ = hook
+            monkeypatch.setattr(trl.GRPOTrainer, hook, changed)
+        with pytest.raises(IncompatibleTRLError) as error:
+            _build_until_the_model_would_load(monkeypatch, tmp_path)
+        assert str(error.value) == (
+            f"trl 1.19.0 differs from what GRPOTrainerExt overrides, calls or reads: {message}. Install a tested "
+            "release: pip install 'trl>=1.14.0,<1.17.0'."
+        )
+
+    def test_an_attribute_trl_no_longer_sets_is_named(self, monkeypatch):
+        """TRL renames `_buffered_inputs` in a newer release: its source no longer assigns the name."""
+        original = _compat.inspect.getsource
+
+        def renamed(obj):
+            source = original(obj)
+            return (
+                source.replace("self._buffered_inputs", "self._buffered_batches") if obj is trl.GRPOTrainer else source
+            )
+
+        monkeypatch.setattr(_compat.inspect, "getsource", renamed)
+        _compat._assigned_attributes.cache_clear()
+        try:
+            differences, _ = trl_surface_differences()
+            summary = trl_surface_summary("1.19.0")
+        finally:
+            _compat._assigned_attributes.cache_clear()
+        assert differences == [
+            "GRPOTrainer no longer sets the attribute '_buffered_inputs', which GRPOTrainerExt reads"
+        ]
+        assert summary == f"trl 1.19.0, untested (tested: trl>=1.14.0,<1.17.0): 1 of 54 differ: {differences[0]}"
+        with pytest.raises(IncompatibleTRLError, match="'_buffered_inputs'"):
+            _compat._assigned_attributes.cache_clear()
+            try:
+                check_trl_surface(None, "1.16.0")
+            finally:
+                _compat._assigned_attributes.cache_clear()
+
+    def test_with_vllm_the_backend_s_methods_are_compared_and_a_backend_that_moved_is_named(self, monkeypatch):
+        import sys
+
+        differences, compared = trl_surface_differences(use_vllm=True)
+        assert differences == [] and compared == 56
+        monkeypatch.setitem(sys.modules, "trl.generation.vllm_generation", None)  # as if a release moved it
+        differences, compared = trl_surface_differences(use_vllm=True)
+        assert compared == 56 and len(differences) == 1
+        assert differences[0].startswith("trl.generation.vllm_generation.VLLMGeneration does not import")
+
+    def test_the_summary_names_a_matching_release_tested_or_not(self):
+        assert trl_surface_summary("1.16.0") == (
+            "trl 1.16.0, tested: the 54 hooks, methods and attributes GRPOTrainerExt relies on match"
+        )
+        assert trl_surface_summary("2.1.0").startswith("trl 2.1.0, untested (tested: trl>=1.14.0,<1.17.0): the 54")
 
 
 class TestTransformersVersionGuard:

@@ -78,6 +78,14 @@ def test_every_hook_and_method_of_trl_the_package_uses_takes_the_arguments_it_is
     signature.bind(**dict.fromkeys(arguments))  # raises TypeError for a renamed or removed parameter
 
 
+@pytest.mark.parametrize("name", sorted(OVERRIDDEN_HOOKS))
+def test_every_override_accepts_every_parameter_of_trl_s_hook(name):
+    """`OVERRIDDEN_HOOKS` lists every parameter of TRL's hook (`check_trl_surface` reports one TRL adds); the
+    override takes each of them, so TRL's callers can pass any."""
+    signature = inspect.signature(getattr(GRPOTrainerExt, name))
+    signature.bind(None, **dict.fromkeys(OVERRIDDEN_HOOKS[name]))
+
+
 @pytest.mark.parametrize("name", TRL_ATTRIBUTES)
 def test_every_attribute_of_trl_the_package_reads_is_set_by_trl(name, stock_trainer):
     assert hasattr(stock_trainer, name), f"trl.GRPOTrainer {trl.__version__} has no attribute {name!r}"

@@ -443,7 +443,7 @@ class TestBadInput:
             (dict(epsilon_high=-0.1), "`epsilon_high` must be"),
             (dict(beta=-1.0), "`beta` must be"),
             (dict(num_generations=1), "at least 2 generations"),
-            (dict(per_device_train_batch_size=6, num_generations=4), "divisible by num_generations"),
+            (dict(per_device_train_batch_size=6, num_generations=4), "must give whole groups of `num_generations`"),
             (dict(nonfinite_policy="ignore"), "`nonfinite_policy`"),
             (dict(warn_clip_fraction=0.0), "`warn_clip_fraction`"),
         ],

@@ -1,5 +1,6 @@
-"""Installing as the README says: torch bounded by what is tested, and the scripts' PEP 723 headers taking this
-package from the clone (`uv run recipes/grpo.py` from a clone, while the package is not on PyPI)."""
+"""Installing as the README says: each requirement a range from the oldest release tested to the next major, and the
+scripts' PEP 723 headers taking this package from the clone (`uv run recipes/grpo.py` from a clone, while the package
+is not on PyPI)."""
 
 import os
 import re
@@ -10,6 +11,7 @@ import sys
 import pytest
 from helpers import REPO
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11
@@ -30,25 +32,48 @@ def script_metadata(path: str) -> dict:
     return tomllib.loads("".join(line[2:] if line.startswith("# ") else line[1:] for line in lines))
 
 
-def torch_versions_tested() -> set[str]:
-    """The torch column of docs/compatibility.md's table of tested combinations."""
+def ranges_table() -> dict[str, list[str]]:
+    """docs/compatibility.md's table of the ranges: package -> its row (range, floor, newest tested)."""
     with open(os.path.join(REPO, "docs", "compatibility.md")) as handle:
         text = handle.read()
-    table = text.split("## Tested combinations", 1)[1].split("\n## ", 1)[0]
-    rows = [line.split("|")[1:-1] for line in table.splitlines() if re.match(r"^\| \d", line)]
-    return {row[5].strip() for row in rows}
+    table = text.split("## Ranges", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in table.splitlines() if line.startswith("| `")]
+    rows = [[cell.strip(" `") for cell in line.split("|")[1:-1]] for line in lines]
+    return {row[0]: row[1:] for row in rows}
 
 
-def test_torch_is_bounded_by_the_releases_tested():
-    (torch,) = [Requirement(line) for line in project()["dependencies"] if Requirement(line).name == "torch"]
-    assert torch_versions_tested() == {"2.13.0"}
-    for tested in torch_versions_tested():
-        assert torch.specifier.contains(tested) and torch.specifier.contains(f"{tested}+cpu")
-    for untested in ("2.12.1", "2.14.0", "2.14.1", "2.15.0"):
-        assert not torch.specifier.contains(untested), untested
+def requirements() -> dict[str, Requirement]:
+    return {Requirement(line).name: Requirement(line) for line in project()["dependencies"]}
+
+
+def test_each_requirement_is_the_range_the_docs_give_from_the_measured_floor_to_the_next_major():
+    """Floors are the oldest releases the tests pass with; ceilings the next major release (none for torch, whose
+    ceiling is transformers', which names none); docs/compatibility.md's table is the same."""
+    table, declared = ranges_table(), requirements()
+    assert set(table) == {"trl", "transformers", "peft", "torch", "accelerate", "datasets"} == set(declared)
+    for name, requirement in declared.items():
+        assert requirement.specifier == SpecifierSet(table[name][0]), name
+        floor = Version(table[name][1])
+        assert requirement.specifier.contains(floor) and not requirement.specifier.contains(_just_below(floor)), name
+    for name, next_major in (("trl", "2.0.0"), ("peft", "1.0.0"), ("transformers", "6.0.0")):
+        assert not declared[name].specifier.contains(next_major), name
+        assert declared[name].specifier.contains(_just_below(Version(next_major))), name
+    for newest_tested in ("2.14.1", "2.15.0", "3.0.0"):
+        assert declared["torch"].specifier.contains(newest_tested)
     import torch as installed
 
-    assert torch.specifier.contains(Version(installed.__version__).base_version)
+    assert declared["torch"].specifier.contains(Version(installed.__version__).base_version)
+
+
+def _just_below(version: Version) -> str:
+    """A release just below `version` (`1.14.0` -> `1.13.99`; `1.0.0` -> `0.99.99`)."""
+    parts = list(version.release) + [0] * (3 - len(version.release))
+    for index in range(2, -1, -1):
+        if parts[index] > 0:
+            parts[index] -= 1
+            parts[index + 1 :] = [99] * (2 - index)
+            return ".".join(map(str, parts))
+    raise ValueError(version)
 
 
 @pytest.mark.parametrize("path", SCRIPTS)
@@ -88,8 +113,16 @@ def test_uv_run_runs_both_scripts_from_the_clone(tmp_path):
     env.update(UV_CACHE_DIR=str(tmp_path / "uv-cache"), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     env.update(HF_HUB_OFFLINE="1", UV_NO_PROGRESS="1")
     uv = [_uv(), "run", "--python", sys.executable]
-    for folder in _pip_find_links():
-        uv += ["--find-links", folder]
+    # As docs/compatibility.md runs it, `uv run $(python3 tools/torch_build.py uv-run) ...`, with pip's wheel folders:
+    # a CPU build of torch there is taken from there only (torch has no upper bound; PyPI's newest is a CUDA build).
+    torch_args = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "torch_build.py"), "uv-run"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=dict(env, PIP_FIND_LINKS=" ".join(_pip_find_links())),
+    ).stdout.split()
+    uv += torch_args
     try:
         recipe = ["recipes/grpo.py", "--config", "recipes/tiny/config_demo.yaml", "--max_steps", "2"]
         recipe += ["--logging_steps", "1", "--eval_samples", "0", "--save_strategy", "no", "--report_to", "none"]

@@ -50,6 +50,27 @@ def test_the_demo_command_uses_the_files_shipped_in_the_package_and_flags_win(pa
     assert parsed[1][1].output_dir == str(tmp_path / "elsewhere") and parsed[1][2].model_name_or_path == "my/model"
 
 
+def test_a_second_demo_writes_to_a_fresh_folder_and_says_so(parsed, tmp_path, monkeypatch, capsys):
+    """A second `trl-grpo-ext demo` trained over the first run's folder, silently (two TensorBoard runs in it)."""
+    monkeypatch.chdir(tmp_path)
+    first = os.path.join("runs", "tiny-demo")
+    assert cli.main(["demo"]) == 0
+    assert parsed[-1][1].output_dir == first and "earlier run" not in capsys.readouterr().out
+    os.makedirs(os.path.join(first, "runs"))  # what the first run left
+    for expected in ("tiny-demo-2", "tiny-demo-3"):
+        assert cli.main(["demo"]) == 0
+        assert parsed[-1][1].output_dir == os.path.join("runs", expected)
+        assert capsys.readouterr().out.splitlines() == [
+            f"{first} holds an earlier run: this run writes to {parsed[-1][1].output_dir} (--output_dir names "
+            "another folder; --resume_from_checkpoint true continues the earlier run)."
+        ]
+        os.makedirs(os.path.join(parsed[-1][1].output_dir, "runs"))
+    assert cli.main(["demo", "--resume_from_checkpoint", "true"]) == 0  # continues the run in its folder
+    assert parsed[-1][1].output_dir == first
+    assert cli.main(["grpo", "--config", os.path.join(DEMO_DIR, "config_demo.yaml"), "--output_dir", first]) == 0
+    assert parsed[-1][1].output_dir == first  # a folder the config names is the recipe's to decide: kept
+
+
 def tensorboard_missing(monkeypatch):
     """transformers' check, as after a plain `pip install trl-grpo-ext` (no `recipes` extra)."""
     import transformers.integrations

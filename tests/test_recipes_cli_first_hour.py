@@ -8,11 +8,13 @@ import sys
 from importlib.metadata import version
 
 import pytest
+import trl
 from helpers import REPO
 
 import trl_grpo_ext
+from trl_grpo_ext._compat import trl_surface_summary
 from trl_grpo_ext.recipes import cli, grpo
-from trl_grpo_ext.recipes.arguments import ConfigError
+from trl_grpo_ext.recipes.arguments import ConfigError, make_parser
 from trl_grpo_ext.report import env
 
 DEMO_CONFIG = os.path.join(REPO, "recipes", "tiny", "config_demo.yaml")
@@ -55,6 +57,18 @@ def test_env_lists_the_versions_python_and_the_machine(capsys):
     assert f"{os.cpu_count()} logical cores" in info["CPU"]
     assert info["Accelerators"] == "none (CPU only)" or "CUDA" in info["Accelerators"]
     assert {"Platform", "Memory", "Accelerate config"} <= set(info)
+    assert info["TRL hook check"] == trl_surface_summary()
+    assert info["TRL hook check"].endswith("the 54 hooks, methods and attributes GRPOTrainerExt relies on match")
+
+
+def test_env_names_a_trl_release_whose_hooks_differ(monkeypatch):
+    """A user on an untested TRL runs `trl-grpo-ext env`: the hook check's result is a line of its output."""
+    monkeypatch.setattr(trl, "__version__", "1.19.0")
+    monkeypatch.setattr(trl.GRPOTrainer, "log", lambda self, logs: None)
+    assert env.environment_info()["TRL hook check"].startswith(
+        "trl 1.19.0, untested (tested: trl>=1.14.0,<1.17.0): 1 of 54 differ: GRPOTrainer.log(self, logs) no longer "
+        "takes 'start_time'"
+    )
 
 
 def _installed(distribution: str) -> str | None:
@@ -99,6 +113,13 @@ def test_a_misspelled_config_key_is_one_line_naming_the_nearest_key_with_exit_st
         (["--console", "fancy"], "argument --console: invalid choice: 'fancy' (choose from 'compact', 'raw')"),
         (["--config", "missing.yaml"], "--config missing.yaml: No such file or directory"),
         (["--config"], "--config needs the path of a YAML file."),
+        (
+            ["--per_device_train_batch_size", "3"],
+            "`per_device_train_batch_size` (3) must give whole groups of `num_generations` (8) completions: the "
+            "generation batch (per_device_train_batch_size 3 x 1 process x steps_per_generation 1 = 3) is not a "
+            "multiple of 8. Set per_device_train_batch_size to a multiple of 8 (e.g. 8), or `num_generations` to a "
+            "divisor of 3 (e.g. 3).",
+        ),
     ],
 )
 def test_each_command_line_mistake_is_one_line_with_exit_status_2(args, message, capsys, monkeypatch, tmp_path):
@@ -115,6 +136,27 @@ def test_a_config_value_the_recipe_cannot_use_is_one_line_before_anything_loads(
     err = capsys.readouterr().err
     assert err.startswith("trl-grpo-ext grpo: error: resume_from_checkpoint=true: no checkpoint-<step> folder")
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        ("1.0", "`reward_weights` must be a list of numbers (e.g. [1.0, 0.5]), got 1.0."),
+        ("[1.0, 2.0]", "`reward_weights` has 2 weights ([1.0, 2.0]) for 1 reward function (['exact_match']): give one "
+         "weight per reward function, in the order of `reward_funcs`, or leave reward_weights out (each function "
+         "weighs 1)."),
+    ],
+)  # fmt: skip
+def test_wrong_reward_weights_are_one_line_with_exit_status_2_before_the_model_loads(
+    weights, message, tmp_path, capsys, monkeypatch
+):
+    """A scalar, or a list whose length is not the number of reward functions: TRL would say so with a traceback once
+    the model is loaded."""
+    config = tmp_path / "config.yaml"
+    config.write_text(f"reward_weights: {weights}\n")
+    monkeypatch.setattr(grpo, "check_model_is_local_or_hub", lambda name: pytest.fail("the model was about to load"))
+    assert cli.main(["demo", "--config", str(config), "--output_dir", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"trl-grpo-ext demo: error: {message}\n"
 
 
 def test_the_demo_config_run_from_another_folder_names_the_missing_dataset_in_one_line(tmp_path, capsys, monkeypatch):
@@ -157,6 +199,25 @@ def test_help_leads_with_the_recipe_and_this_package_then_trl_then_the_model(cap
     assert all(ours < text.index(name) < trl for name in ("--loss_implementation", "--beta", "--console"))
     assert trl < text.index("--learning_rate") < text.index("--lora_r")
     assert "--learning-rate" not in text
+
+
+def test_help_shows_each_field_s_first_sentence_whole_wrapped_to_the_terminal(capsys, monkeypatch):
+    """`--help` cut each help text at the line's end, mid-sentence (`--dataset_name  A local...`)."""
+    from trl_grpo_ext.recipes.help_format import _SENTENCE_END
+
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):
+        cli.main(["grpo", "--help"])
+    text = capsys.readouterr().out
+    assert all(len(line) <= 80 for line in text.splitlines() if " " in line.strip())  # a long word may overflow
+    flowing = " ".join(text.split())
+    parser = make_parser(grpo.GRPOScriptArguments)
+    shown = [action for action in parser._actions if action.dest in parser.short_help and action.help]
+    assert len(shown) > 40
+    for action in shown:
+        first = _SENTENCE_END.split(action.help.replace("%%", "%"), maxsplit=1)[0]
+        assert " ".join(first.split()) in flowing, action.dest
+    assert "A local folder or file (json, jsonl, parquet, csv) or a Hub dataset id." in flowing
 
 
 def test_the_console_is_one_field_of_the_config_not_a_script_argument():

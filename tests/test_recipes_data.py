@@ -70,6 +70,31 @@ def test_bad_datasets_get_a_clear_error(tmp_path, setup, kwargs, message):
         load_recipe_dataset(name, **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("row", "fix"),
+    [
+        (
+            {"question": "2+2?", "answer": "#### 4"},
+            "Fix: set dataset_format: gsm8k (it reads question, answer); rename the column that holds the prompts to "
+            "`prompt` (e.g. `dataset.rename_column('question', 'prompt')` before saving it); or add a format of your "
+            "own to DATASET_FORMATS (known: ['gsm8k', 'prompt']).",
+        ),
+        (
+            {"instruction": "Say hi."},
+            "Fix: rename the column that holds the prompts to `prompt` (e.g. `dataset.rename_column('instruction', "
+            "'prompt')` before saving it); or add a format of your own to DATASET_FORMATS (known: ['gsm8k', "
+            "'prompt']).",
+        ),
+    ],
+)
+def test_a_dataset_without_a_prompt_column_names_the_fix(tmp_path, row, fix):
+    """The error named the missing column only, not what to do: rename a column, or pick the format that reads it."""
+    write_jsonl(tmp_path / "train.jsonl", [row])
+    with pytest.raises(ValueError) as error:
+        load_recipe_dataset(str(tmp_path))
+    assert str(error.value).endswith(fix)
+
+
 def test_a_missing_name_is_an_error():
     with pytest.raises(ValueError, match="Set `dataset_name`"):
         load_recipe_dataset(None)

@@ -1,8 +1,10 @@
-"""The SLURM launcher's vLLM server: vLLM's own where the installed TRL deprecated `trl vllm-serve`, `trl vllm-serve`
-elsewhere, loading the model as the recipe does. Checked through `--dry-run`."""
+"""The SLURM launcher's vLLM server: vLLM's own `vllm serve`, with the arguments TRL's deprecated `trl vllm-serve`
+passes, loading the model as the recipe does, and composed without TRL's script (which TRL 2.0 removes). Checked
+through `--dry-run`."""
 
 import os
 import shlex
+import sys
 
 import pytest
 from helpers import REPO
@@ -37,11 +39,6 @@ def job(monkeypatch, tmp_path):
     return server_command
 
 
-def test_the_installed_trl_has_deprecated_trl_vllm_serve():
-    """Every supported TRL (1.14-1.16) only runs vLLM's own server behind `trl vllm-serve`."""
-    assert slurm.trl_vllm_serve_is_deprecated() and hasattr(vllm_serve, "build_command")
-
-
 def test_the_server_is_vllm_serve_as_trl_runs_it(job, capsys):
     server = job("model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct\n", capsys=capsys)
     assert server[:4] == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=node03"]
@@ -55,6 +52,37 @@ def test_the_server_is_vllm_serve_as_trl_runs_it(job, capsys):
     # Nothing the recipe does not set: the server's own defaults.
     assert "--trust-remote-code" not in server and "--revision" not in server and "--max-model-len" not in server
     assert server[server.index("--dtype") + 1] == "auto"
+
+
+@pytest.mark.parametrize("vllm_version", [None, "0.22.0", "0.30.0", "0.31.0"])
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {},
+        {"revision": "v2", "trust_remote_code": True, "dtype": "bfloat16", "max_model_len": 4096},
+        {"tensor_parallel_size": 2, "data_parallel_size": 4, "vllm_model_impl": "transformers"},
+    ],
+)
+def test_the_command_is_the_one_trl_s_wrapper_composes(arguments, vllm_version, monkeypatch):
+    """`trl vllm-serve`'s `build_command` (TRL 1.12 to 1.x), with the same arguments and vLLM release (it adds
+    `--enable-scale-out` from vLLM 0.30): the same command from `serve` on."""
+    monkeypatch.setattr(vllm_serve, "is_vllm_available", lambda min_version=None: vllm_version is not None and (
+        tuple(map(int, vllm_version.split("."))) >= tuple(map(int, min_version.split(".")))
+    ))  # fmt: skip
+    arguments = {"model": "org/model", "port": 8123, **arguments}
+    ours = slurm.vllm_server_command(arguments, vllm_version=vllm_version)
+    trl_command = vllm_serve.build_command(vllm_serve.ScriptArguments(**arguments))
+    assert ours[:3] == ["env", "VLLM_SERVER_DEV_MODE=1", "vllm"]
+    assert ours[3:] == trl_command[trl_command.index("serve") :]
+
+
+def test_the_server_command_needs_no_trl_script(job, capsys, monkeypatch):
+    """TRL 2.0 removes `trl vllm-serve` (`trl/scripts/vllm_serve.py`): the launcher composes the same command."""
+    with_script = job("model_name_or_path: org/custom-model\ntrust_remote_code: true\n", capsys=capsys)
+    monkeypatch.setitem(sys.modules, "trl.scripts.vllm_serve", None)  # `import` of it now fails
+    with pytest.raises(ImportError):
+        import trl.scripts.vllm_serve  # noqa: F401
+    assert job("model_name_or_path: org/custom-model\ntrust_remote_code: true\n", capsys=capsys) == with_script
 
 
 def test_the_server_loads_the_model_as_the_config_says(job, capsys):
@@ -90,23 +118,33 @@ def test_flags_set_the_server_as_they_set_the_recipe(job, capsys):
     assert server[server.index("--dtype") + 1] == "float16" and server[server.index("--revision") + 1] == "abc"
 
 
-def test_trl_vllm_serve_where_trl_has_not_deprecated_it(job, capsys, monkeypatch):
-    monkeypatch.setattr(slurm, "trl_vllm_serve_is_deprecated", lambda: False)
-    server = job(
-        "model_name_or_path: org/custom-model\ntrust_remote_code: true\ndtype: bfloat16\nmodel_revision: v2\n",
-        "--vllm_tensor_parallel_size",
-        "2",
-        capsys=capsys,
-    )
-    assert server[4:6] == ["trl", "vllm-serve"]
-    # The arguments parse as `trl vllm-serve`'s own (TRL's ScriptArguments for that command).
-    from trl import TrlParser
-
-    (parsed,) = TrlParser(vllm_serve.ScriptArguments).parse_args_and_config(server[6:])
-    assert (parsed.model, parsed.revision, parsed.dtype) == ("org/custom-model", "v2", "bfloat16")
-    assert parsed.trust_remote_code is True and parsed.tensor_parallel_size == 2 and parsed.port == 8000
-
-
 def test_an_unknown_recipe_flag_names_the_nearest_field(job, capsys):
     with pytest.raises(ValueError, match=r"Unknown flag --max_step \(did you mean --max_steps\?\)"):
         job("model_name_or_path: m\n", "--max_step", "10", capsys=capsys)
+
+
+def test_the_configs_and_docs_start_the_server_with_vllm_serve_and_what_trl_s_trainer_needs():
+    """The real-model configs and docs/recipes.md show the server as `vllm serve`, with the arguments TRL's wrapper
+    passes, not `trl vllm-serve` (deprecated, removed in TRL 2.0)."""
+    import glob
+
+    import yaml
+
+    configs = sorted(glob.glob(os.path.join(REPO, "recipes", "*", "grpo", "*.yaml")))
+    shown = 0
+    for path in configs:
+        with open(path) as handle:
+            text = handle.read()
+        flowing = " ".join(text.replace("\\\n#", " ").replace("\n#", " ").split())
+        assert "trl vllm-serve" not in text, path
+        if "vllm_mode: server" not in text:
+            continue
+        shown += 1
+        model = yaml.safe_load(text)["model_name_or_path"]
+        command = f"VLLM_SERVER_DEV_MODE=1 vllm serve {model} {shlex.join(slurm.TRAINER_SERVER_FLAGS)}"
+        assert command in flowing, path
+    assert shown >= 2
+    with open(os.path.join(REPO, "docs", "recipes.md")) as handle:
+        docs = " ".join(handle.read().split())
+    command = f"VLLM_SERVER_DEV_MODE=1 vllm serve <model> {shlex.join(slurm.TRAINER_SERVER_FLAGS)}"
+    assert command in docs.replace("`", "")

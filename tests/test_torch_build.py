@@ -57,7 +57,8 @@ def test_with_a_driver_linux_gets_pypis_cuda_build():
 def test_a_local_cpu_wheel_for_this_python_is_taken_without_the_index(tmp_path):
     empty, wheels = str(tmp_path / "nothing-here"), local_wheels(tmp_path / "wheels")
     build = torch_build.choose(system="Linux", find_links=f"{empty} file://{wheels}")
-    assert build.pip_args() == [CPU] and build.uv_run_args() == ["--find-links", wheels]
+    assert build.pip_args() == [CPU]
+    assert build.uv_run_args() == ["--find-links", wheels, "--exclude-newer-package", "torch=1970-01-01T00:00:00Z"]
     other_python = local_wheels(tmp_path / "other", tag="cp39")
     assert torch_build.choose(system="Linux", find_links=other_python).index_url == torch_build.CPU_INDEX
 

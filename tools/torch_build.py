@@ -33,6 +33,8 @@ CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 DRIVER_PROC = "/proc/driver/nvidia"
 DRIVER_TOOL = "nvidia-smi"
 BACKENDS = ("auto", "cpu", "cuda")
+#: uv's `--exclude-newer-package` value that leaves no registry release of torch: the one in `--find-links` only.
+LOCAL_ONLY = "torch=1970-01-01T00:00:00Z"
 
 
 @dataclass(frozen=True)
@@ -60,10 +62,12 @@ class TorchBuild:
         """The arguments of `uv run` that resolve a script's torch to this build (none for PyPI's).
 
         uv keeps PyPI for everything else; the best match over both indexes takes `+cpu`, a higher version than
-        PyPI's build of the same release.
+        PyPI's build of the same release. A local folder holds one release, and uv takes the highest it finds: every
+        release of torch on a registry is excluded (an upload date before any), so that PyPI's newer CUDA builds do
+        not win over the folder's CPU wheel.
         """
         if self.find_links:
-            return ["--find-links", self.find_links]
+            return ["--find-links", self.find_links, "--exclude-newer-package", LOCAL_ONLY]
         if self.index_url:
             return ["--index", self.index_url, "--index-strategy", "unsafe-best-match"]
         return []

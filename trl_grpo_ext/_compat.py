@@ -32,7 +32,11 @@ built its `Accelerator` with the accumulation steps, whose `backward` divided th
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib.util
+import inspect
+import textwrap
 import warnings
 from typing import Any
 
@@ -48,12 +52,17 @@ __all__ = [
     "SUPPORTED_TRL",
     "TRL_COPIES",
     "OPTIONS_ADDED",
+    "IncompatibleTRLError",
+    "check_trl_surface",
     "check_trl_version",
     "check_transformers_version",
+    "is_tested_trl",
     "ignore_renamed_checkpointing_warnings",
     "options_missing_from_trl",
     "seed_before_model_init",
     "trl_has_fused_lm_head",
+    "trl_surface_differences",
+    "trl_surface_summary",
 ]
 
 #: Extra model inputs that TRL's batches may carry (vision-language models), forwarded untouched to
@@ -72,8 +81,10 @@ FORWARD_KEYS = (
 )
 
 #: Every hook of TRL's `GRPOTrainer` (and transformers' `Trainer`) that `GRPOTrainerExt` overrides, each in
-#: `trainer.py` only, with the arguments it is called with (by name). `tests/test_compat_drift.py` binds them to the
-#: installed TRL's signatures, so a release that renames or reshapes one fails a fast test rather than a slow one.
+#: `trainer.py` only, with every parameter TRL's hook takes (by name): the override accepts them all, and calls TRL's
+#: with them. `tests/test_compat_drift.py` binds them to the installed TRL's signatures, so a release that renames
+#: or reshapes one fails a fast test rather than a slow one; `check_trl_surface` does the same where the trainer is
+#: built, for any TRL release.
 OVERRIDDEN_HOOKS = {
     "_compute_loss": ("model", "inputs"),
     "_get_per_token_logps_and_entropies": (
@@ -84,6 +95,7 @@ OVERRIDDEN_HOOKS = {
         "batch_size",
         "compute_entropy",
         "compute_aux_loss",
+        *FORWARD_KEYS,
     ),
     "_generate_and_score_completions": ("inputs",),
     "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
@@ -98,7 +110,8 @@ OVERRIDDEN_HOOKS = {
     "create_model_card": ("model_name", "dataset_name", "tags"),
 }
 
-#: TRL methods the package calls, with the arguments it passes (by name; pinned like `OVERRIDDEN_HOOKS`).
+#: TRL methods the package calls, with the arguments it passes (by name; pinned like `OVERRIDDEN_HOOKS`, but a new
+#: optional parameter of one of these is no change: the package does not pass it).
 CALLED_METHODS = {
     "_get_per_token_logps_and_entropies": (
         "model",
@@ -247,6 +260,12 @@ TRL_COPIES = (
         "tests/test_sampling_generation.py::test_sampling_settings_build_the_generation_config_trl_trains_with",
     ),
     (
+        "trl_grpo_ext.recipes.slurm.vllm_server_command",
+        "trl/scripts/vllm_serve.py: build_command (the `vllm serve` command line that TRL's deprecated "
+        "`trl vllm-serve` runs, with the arguments TRL's trainers rely on)",
+        "tests/test_recipes_slurm_server.py::test_the_command_is_the_one_trl_s_wrapper_composes",
+    ),
+    (
         "trl_grpo_ext.card.stock.trl_card_tags",
         "trl/trainer/base_trainer.py: BaseTrainer.create_model_card (the tags added at run time: unsloth, hf_jobs, "
         "trackio:<url>)",
@@ -313,8 +332,20 @@ def _installed_trl() -> str:
     return trl.__version__
 
 
+def _tested_range() -> str:
+    return f">={SUPPORTED_TRL[0]},<{SUPPORTED_TRL[1]}"
+
+
+def is_tested_trl(version: str) -> bool:
+    """Whether TRL `version` lies in the range the test suite runs against (`SUPPORTED_TRL`)."""
+    return SUPPORTED_TRL[0] <= Version(version) < SUPPORTED_TRL[1]
+
+
 def check_trl_version(version: str) -> None:
-    """Warn for an untested TRL version, raise for one known to break the overridden hooks.
+    """Refuse, at import, a TRL release whose `GRPOTrainer` has another loss hook altogether (before 1.0).
+
+    Any other release imports; whether the private surface the package relies on matches it is checked when the
+    trainer is built (`check_trl_surface`), which warns for a release outside the tested range.
 
     Args:
         version (`str`): the installed TRL version, e.g. `trl.__version__`.
@@ -322,19 +353,10 @@ def check_trl_version(version: str) -> None:
     Raises:
         ImportError: for TRL below 1.0.
     """
-    found = Version(version)
-    supported = f">={SUPPORTED_TRL[0]},<{SUPPORTED_TRL[1]}"
-    if found < BREAKING_BELOW:
+    if Version(version) < BREAKING_BELOW:
         raise ImportError(
-            f"trl_grpo_ext needs trl{supported}; trl {version} is installed, whose GRPOTrainer has a different loss "
-            f"hook. Install a supported version: pip install 'trl{supported}'."
-        )
-    if not SUPPORTED_TRL[0] <= found < SUPPORTED_TRL[1]:
-        warnings.warn(
-            f"trl_grpo_ext is tested with trl{supported}; trl {version} is installed. GRPOTrainerExt overrides "
-            "private TRL hooks that change between releases: run the tests, or install a supported version.",
-            UserWarning,
-            stacklevel=3,
+            f"trl_grpo_ext needs trl{_tested_range()}; trl {version} is installed, whose GRPOTrainer has a different "
+            f"loss hook. Install a supported version: pip install 'trl{_tested_range()}'."
         )
 
 
@@ -405,3 +427,151 @@ def seed_before_model_init(args: Any, trl_version: str | None = None) -> None:
         from accelerate.utils import set_seed
 
         set_seed(args.seed)
+
+
+class IncompatibleTRLError(RuntimeError):
+    """The installed TRL's private surface differs from what `GRPOTrainerExt` overrides, calls or reads."""
+
+
+def _signature_difference(owner: type, name: str, arguments: tuple[str, ...], overridden: bool) -> str | None:
+    """What differs between `owner.name` and the `arguments` the package passes to it (and, for an `overridden`
+    hook, accepts from TRL's callers), or `None` when nothing does."""
+    function = inspect.getattr_static(owner, name, None)
+    if function is None:
+        return f"{owner.__name__}.{name} is gone"
+    bound = () if isinstance(function, staticmethod) else (None,)  # `self`
+    try:
+        signature = inspect.signature(getattr(function, "__func__", function))
+    except (TypeError, ValueError):  # a builtin or a wrapper without a signature: nothing to compare
+        return None
+    parameters = list(signature.parameters.values())[len(bound) :]
+    named = [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    where = f"{owner.__name__}.{name}{signature}"
+    removed = [argument for argument in arguments if argument not in named]
+    if removed and not any(p.kind == p.VAR_KEYWORD for p in parameters):
+        return f"{where} no longer takes {', '.join(map(repr, removed))}, which GRPOTrainerExt passes"
+    added = [parameter for parameter in named if parameter not in arguments]
+    required = [p.name for p in parameters if p.name in added and p.default is p.empty]
+    if required:
+        return f"{where} now requires {', '.join(map(repr, required))}, which GRPOTrainerExt does not pass"
+    try:
+        signature.bind(*bound, **dict.fromkeys(arguments))
+    except TypeError as error:  # e.g. a parameter that became positional-only
+        return f"{where} does not take the arguments GRPOTrainerExt passes ({', '.join(arguments)}): {error}"
+    if overridden and added:
+        return f"{where} takes {', '.join(map(repr, added))}, which GRPOTrainerExt's override does not know"
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _assigned_attributes(cls: type) -> frozenset[str] | None:
+    """Every `self.<name>` that the source of `cls` or of a class it derives from assigns (`=`, `+=`, annotated, in a
+    tuple), or `None` when a source cannot be read (an installation without `.py` files). Read once per class: about
+    a second for TRL's trainer and transformers' `Trainer` together on a CPU core."""
+    names = set()
+    for base in cls.__mro__[:-1]:  # without `object`
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
+        except (OSError, TypeError, SyntaxError):
+            return None
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            targets = [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else targets
+            for target in targets:
+                for part in ast.walk(target):
+                    if (
+                        isinstance(part, ast.Attribute)
+                        and isinstance(part.value, ast.Name)
+                        and part.value.id == "self"
+                    ):
+                        names.add(part.attr)
+    return frozenset(names)
+
+
+def trl_surface_differences(trainer_class: type | None = None, *, use_vllm: bool = False) -> tuple[list[str], int]:
+    """Every difference between the private surface of TRL that the package relies on and the installed TRL.
+
+    Compared, without building anything: the parameters of every hook `GRPOTrainerExt` overrides
+    (`OVERRIDDEN_HOOKS`: TRL's must take each of them, and no other), the parameters of every TRL method it calls
+    (`CALLED_METHODS`; with `use_vllm`, `VLLM_GENERATION_METHODS`), and the private attributes it reads
+    (`TRL_ATTRIBUTES`, `TRL_VLLM_ATTRIBUTES`), which the source of TRL's trainer (or of a class it derives from) must
+    assign.
+
+    Args:
+        trainer_class (`type`, *optional*): the class to compare, `trl.GRPOTrainer` by default (a test passes one
+            with a changed hook, as a newer TRL would have it).
+        use_vllm (`bool`): also compare TRL's vLLM backend (imported only then: it imports vLLM).
+
+    Returns:
+        `(differences, compared)`: one sentence per difference, naming the hook, method or attribute and what
+        changed; and how many names were compared.
+    """
+    if trainer_class is None:
+        from trl import GRPOTrainer as trainer_class
+    differences, compared = [], 0
+    for names, overridden in ((OVERRIDDEN_HOOKS, True), (CALLED_METHODS, False)):
+        for name, arguments in names.items():
+            compared += 1
+            difference = _signature_difference(trainer_class, name, arguments, overridden)
+            differences += [difference] if difference else []
+    if use_vllm:
+        try:
+            from trl.generation.vllm_generation import VLLMGeneration
+        except ImportError as error:  # moved or gone: the methods below cannot be called either
+            compared += len(VLLM_GENERATION_METHODS)
+            differences.append(f"trl.generation.vllm_generation.VLLMGeneration does not import ({error})")
+        else:
+            for name, arguments in VLLM_GENERATION_METHODS.items():
+                compared += 1
+                difference = _signature_difference(VLLMGeneration, name, arguments, overridden=False)
+                differences += [difference] if difference else []
+    assigned = _assigned_attributes(trainer_class)
+    if assigned is not None:
+        for name in (*TRL_ATTRIBUTES, *TRL_VLLM_ATTRIBUTES):
+            compared += 1
+            if name not in assigned:
+                differences.append(
+                    f"{trainer_class.__name__} no longer sets the attribute {name!r}, which GRPOTrainerExt reads"
+                )
+    return differences, compared
+
+
+def trl_surface_summary(trl_version: str | None = None, trainer_class: type | None = None) -> str:
+    """One line on the installed TRL: whether it is a tested release, and whether the private surface the package
+    relies on matches it (`trl_surface_differences`); what `trl-grpo-ext env` prints."""
+    version = trl_version or _installed_trl()
+    differences, compared = trl_surface_differences(trainer_class)
+    tested = "tested" if is_tested_trl(version) else f"untested (tested: trl{_tested_range()})"
+    if differences:
+        return f"trl {version}, {tested}: {len(differences)} of {compared} differ: " + "; ".join(differences)
+    return f"trl {version}, {tested}: the {compared} hooks, methods and attributes GRPOTrainerExt relies on match"
+
+
+def check_trl_surface(args: Any = None, trl_version: str | None = None, trainer_class: type | None = None) -> None:
+    """Compare the private surface of the installed TRL with the pins, before any model loads: raise when one
+    differs; warn, naming the release, when all match a TRL release outside the tested range.
+
+    Args:
+        args (`trl.GRPOConfig`, *optional*): the configuration (`use_vllm` is read).
+        trl_version (`str`, *optional*): the TRL version to name; the installed one by default.
+        trainer_class (`type`, *optional*): the class to compare, `trl.GRPOTrainer` by default.
+
+    Raises:
+        IncompatibleTRLError: naming each hook, method or attribute that differs and what changed.
+    """
+    version = trl_version or _installed_trl()
+    differences, compared = trl_surface_differences(trainer_class, use_vllm=bool(getattr(args, "use_vllm", False)))
+    if differences:
+        raise IncompatibleTRLError(
+            f"trl {version} differs from what GRPOTrainerExt overrides, calls or reads: "
+            + "; ".join(differences)
+            + f". Install a tested release: pip install 'trl{_tested_range()}'."
+        )
+    if not is_tested_trl(version):
+        warnings.warn(
+            f"trl {version} is untested (tested: trl{_tested_range()}); the {compared} TRL hooks, methods and "
+            "attributes GRPOTrainerExt overrides, calls or reads match it. What they compute is not checked: run "
+            "this package's tests against it, or install a tested release.",
+            UserWarning,
+            stacklevel=3,
+        )

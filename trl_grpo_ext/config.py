@@ -16,7 +16,7 @@ from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
 from .choices import CONSOLE_MODES, NONFINITE_POLICIES
-from .config_checks import fused_kernel_problems, list_problem, option_problems
+from .config_checks import fused_kernel_problems, generation_batch_problem, list_problem, option_problems
 from .guardrails.alarms import ALARMS
 from .ops import IMPLEMENTATIONS
 from .ops.validation import raise_problems
@@ -407,7 +407,14 @@ class GRPOConfigExt(GRPOConfig):
         if pass_at is not None and list_problem("heldout_pass_at", pass_at, "whole numbers") is None:
             self.heldout_pass_at = [int(k) for k in pass_at]
         raise_problems(config_problems(self))  # before TRL's own checks, which load nothing either
-        super().__post_init__()
+        generation_batch_size_set = self.generation_batch_size is not None
+        try:
+            super().__post_init__()
+        except ValueError as error:  # TRL names its derived generation batch: name the field the user set instead
+            problem = generation_batch_problem(self, generation_batch_size_set)
+            if problem is None:
+                raise
+            raise ValueError(problem) from error
         raise_problems(config_problems(self, only_after_trl=True))
 
 

@@ -9,6 +9,9 @@ types of `ops`) and the ops layer.
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from .choices import CONSOLE_MODES, NONFINITE_POLICIES
@@ -18,10 +21,16 @@ from .ops.fused import domain_problems
 from .ops.loss_types import loss_type_record
 from .ops.validation import kernel_refusal
 
-__all__ = ["fused_kernel_problems", "list_problem", "option_problems"]
+__all__ = [
+    "fused_kernel_problems",
+    "generation_batch_problem",
+    "list_problem",
+    "option_problems",
+    "reward_weights_problem",
+]
 
 #: An example value of each list field, for the sentence that refuses another kind of value.
-_LIST_EXAMPLES = {"ratio_quantiles": "[0.05, 0.5, 0.95]", "heldout_pass_at": "[1, 4]"}
+_LIST_EXAMPLES = {"ratio_quantiles": "[0.05, 0.5, 0.95]", "heldout_pass_at": "[1, 4]", "reward_weights": "[1.0, 0.5]"}
 
 
 def list_problem(name: str, value, kind: str) -> str | None:
@@ -36,8 +45,15 @@ def list_problem(name: str, value, kind: str) -> str | None:
 
 
 def _at_least(options, name: str, minimum: int) -> str | None:
+    """The sentence that refuses the value of an integer field (`None` allowed) that is not an integer, or is below
+    `minimum`; `None` when it is fine. A bool is refused although Python counts it as an int: `True` would be taken
+    for 1 silently."""
     value = getattr(options, name)
-    return f"`{name}` must be >= {minimum}, got {value}." if value is not None and value < minimum else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return f"`{name}` must be an integer >= {minimum}, got {value!r} (a {type(value).__name__})."
+    return f"`{name}` must be >= {minimum}, got {value}." if value < minimum else None
 
 
 def _token_weights_in_use(args) -> bool:
@@ -114,8 +130,33 @@ def option_problems(options, *, only_after_trl: bool = False) -> list[str]:
         problems.append(wrong_kind)
     elif pass_at is not None and (not pass_at or min(pass_at) < 1):  # k <= heldout_num_generations: the trainer's
         problems.append(f"`heldout_pass_at` must list values >= 1, got {pass_at}.")
+    weights = options.reward_weights
+    wrong_kind = None if weights is None else list_problem("reward_weights", weights, "numbers")
+    if wrong_kind is not None:
+        problems.append(wrong_kind)
     problems += hyperparameter_problems(options.epsilon, options.epsilon_high, options.beta, options.delta)
     return problems
+
+
+def reward_weights_problem(weights, reward_func_names: list[str]) -> str | None:
+    """The sentence that refuses `reward_weights` whose count is not that of the reward functions, `None` when it is
+    (or when no weights are given: each function then weighs 1).
+
+    TRL checks the count only once the model is loaded; a recipe knows its reward functions before.
+
+    Args:
+        weights (`list[float]` or `None`): the configuration's `reward_weights` (a list: `option_problems` refuses
+            any other kind).
+        reward_func_names (`list[str]`): the reward functions, by the names the configuration gives them.
+    """
+    if weights is None or len(weights) == len(reward_func_names):
+        return None
+    functions = f"{len(reward_func_names)} reward function{'s' if len(reward_func_names) != 1 else ''}"
+    return (
+        f"`reward_weights` has {len(weights)} weight{'s' if len(weights) != 1 else ''} ({list(weights)}) for "
+        f"{functions} ({list(reward_func_names)}): give one weight per reward function, in the order of "
+        "`reward_funcs`, or leave reward_weights out (each function weighs 1)."
+    )
 
 
 def _selective_rollouts_problems(options) -> list[str]:
@@ -144,3 +185,46 @@ def _selective_rollouts_problems(options) -> list[str]:
     if not step >= 0:
         problems.append(f"`selective_rollouts_exploration_step` must be >= 0, got {step}.")
     return problems
+
+
+def generation_batch_problem(options, generation_batch_size_set: bool) -> str | None:
+    """The sentence that refuses a generation batch that does not hold whole groups of `num_generations` completions,
+    naming the field the user set and a value that works; `None` when it holds whole groups.
+
+    TRL refuses such a batch in `GRPOConfig.__post_init__` by its derived value alone (`generation_batch_size (3) must
+    be divisible by num_generations (8)`), a field most configurations never set. Read after TRL resolved the batch:
+    `generation_batch_size`, `steps_per_generation` and `world_size` hold their final values.
+
+    Args:
+        options: the configuration, after `trl.GRPOConfig.__post_init__` computed its generation batch.
+        generation_batch_size_set (`bool`): whether the user gave `generation_batch_size` (else TRL derived it from
+            `per_device_train_batch_size`).
+    """
+    batch, group = options.generation_batch_size, options.num_generations
+    if batch is None or not group or batch % group == 0:
+        return None
+    if generation_batch_size_set:
+        below, above = batch // group * group, (batch // group + 1) * group
+        values = " or ".join(str(value) for value in (below, above) if value > 0)
+        return (
+            f"`generation_batch_size` ({batch}) must be a multiple of `num_generations` ({group}): each prompt's "
+            f"{group} completions are generated in one batch. Set it to {values}."
+        )
+    per_device, processes, steps = (
+        options.per_device_train_batch_size,
+        options.world_size,
+        options.steps_per_generation,
+    )
+    # per_device * processes * steps must be a multiple of `group`: per_device a multiple of this
+    multiple = group // math.gcd(group, processes * steps)
+    suggestion = -(-per_device // multiple) * multiple
+    divisors = [value for value in range(2, batch + 1) if batch % value == 0]
+    nearest = max((value for value in divisors if value <= group), default=min(divisors, default=None))
+    alternative = f", or `num_generations` to a divisor of {batch} (e.g. {nearest})" if nearest else ""
+    processes_text = f"{processes} process{'es' if processes > 1 else ''}"
+    return (
+        f"`per_device_train_batch_size` ({per_device}) must give whole groups of `num_generations` ({group}) "
+        f"completions: the generation batch (per_device_train_batch_size {per_device} x {processes_text} x "
+        f"steps_per_generation {steps} = {batch}) is not a multiple of {group}. Set per_device_train_batch_size to a "
+        f"multiple of {multiple} (e.g. {suggestion}){alternative}."
+    )

@@ -36,6 +36,7 @@ from trl.trainer.utils import get_config_model_id
 
 from ._compat import (
     check_transformers_version,
+    check_trl_surface,
     check_trl_version,
     ignore_renamed_checkpointing_warnings,
     options_missing_from_trl,
@@ -144,6 +145,7 @@ class GRPOTrainerExt(GRPOTrainer):
         raise_problems(
             config_problems(args) + config_problems(args, only_after_trl=True) + options_missing_from_trl(args)
         )
+        check_trl_surface(args)  # TRL's hooks, methods and attributes relied on, against the installed TRL
         check_train_dataset(kwargs.get("train_dataset"), kwargs.get("environment_factory"))
         heldout = HeldoutEvaluator(args, heldout_metrics, heldout_dataset, kwargs.get("eval_dataset"))
         if heldout.stands_in_for_eval_dataset:

@@ -92,7 +92,7 @@ def exp_linear_above_and_slope(
     x_below = x.clamp(max=threshold)
     value = torch.exp(x_below)
     slope = torch.exp(x.clamp(max=threshold)) if torch.compiler.is_compiling() else value
-    return value * (1.0 + (x - x_below)), slope
+    return value * (1.0 + _excess(x, x_below)), slope
 
 
 def kl_estimator(d: torch.Tensor, threshold: float = EXP_LINEAR_ABOVE) -> torch.Tensor:
@@ -123,7 +123,19 @@ def kl_estimator_and_slope(
     exp_minus_one = torch.expm1(d_below)
     # d/dd (exp'(d) - d - 1) = exp'(d) - 1
     slope = torch.expm1(d.clamp(max=threshold)) if torch.compiler.is_compiling() else exp_minus_one
-    return exp_minus_one * (1.0 + (d - d_below)) - d_below, slope
+    return exp_minus_one * (1.0 + _excess(d, d_below)) - d_below, slope
+
+
+def _excess(x: torch.Tensor, x_below: torch.Tensor) -> torch.Tensor:
+    """How far `x` lies above the threshold, `x - x_below` with `x_below = x.clamp(max=threshold)`: the tangent's run.
+
+    The same clamp as the exponential's: the two gradients of the clamp at the threshold itself then cancel, whatever
+    subgradient torch gives it there (torch 2.14 gives 0, 2.13 1), and the slope at the threshold is `exp(threshold)`.
+    `-inf - (-inf)` is NaN at `x = -inf`, where the exponential is exactly 0 (a ratio of 0: the token lost all its
+    probability, as TRL's plain `exp` computes it): the run is 0 there, with no gradient. A NaN `x` stays NaN
+    through `exp(x_below)`.
+    """
+    return torch.nan_to_num(x - x_below, nan=0.0, posinf=math.inf)
 
 
 def log_of_exp_linear_above(value: float, threshold: float = EXP_LINEAR_ABOVE) -> float:

@@ -28,6 +28,7 @@ __all__ = [
     "check_loggers_installed",
     "check_model_is_local_or_hub",
     "drop_tensorboard_if_missing",
+    "fresh_output_dir",
     "looks_like_a_local_path",
     "make_parser",
     "nearest",
@@ -159,8 +160,8 @@ class RecipeParser(TrlParser):
       value of the wrong type names its field, a dataclass that refuses its values says why (the recipe's command
       prints it and exits with status 2);
     - `--help` lists the fields in `help_groups`, in that order: this package's before TRL's; of those, only the
-      fields in `short_help`, each once (not a boolean's `--no_<field>` too), by its help text's first sentence, and
-      ends saying so; `--help-all` lists every flag with its whole help text.
+      fields in `short_help`, each once (not a boolean's `--no_<field>` too), by its help text's first sentence (whole,
+      wrapped), and ends saying so; `--help-all` lists every flag with its whole help text.
 
     Args:
         dataclass_types: as `TrlParser` takes them.
@@ -209,8 +210,8 @@ class RecipeParser(TrlParser):
                 formatter.add_arguments(actions)
                 formatter.end_section()
         formatter.add_text(
-            f"These are {len(fields & self.short_help)} of the {len(fields)} fields, each help text cut to its first "
-            "sentence."
+            f"These are {len(fields & self.short_help)} of the {len(fields)} fields, each with the first sentence of "
+            "its help text."
         )
         formatter.add_text("Every field, in full: %(prog)s --help-all")
         return formatter.format_help()
@@ -403,3 +404,37 @@ def drop_tensorboard_if_missing(training_args) -> bool:
     training_args.report_to = [name for name in training_args.report_to if name != "tensorboard"]
     print("TensorBoard is not installed: this run writes no TensorBoard logs (pip install tensorboard for them).")
     return True
+
+
+def _resumes(value: str | bool | None) -> bool:
+    word = value.strip().lower() if isinstance(value, str) else value
+    return word not in (None, False, "", "false", "no", "0", "f", "n")
+
+
+def fresh_output_dir(training_args) -> str | None:
+    """Point `training_args.output_dir` at a fresh folder when it names one that holds an earlier run (any file): the
+    first free `<output_dir>-2`, `-3`, ... (as the demo's `runs/` folders go), saying so in one line. A run that
+    resumes (`resume_from_checkpoint`) keeps its folder.
+
+    Without this, a second run trained over the first one's folder: its checkpoints, model card and `report.png`
+    replaced, and two TensorBoard runs in `runs/` for `report` to mix up.
+
+    Returns:
+        `str` or `None`: the new folder, or `None` when the folder named is kept.
+    """
+    folder = training_args.output_dir
+    if _resumes(training_args.resume_from_checkpoint) or not os.path.isdir(folder) or not os.listdir(folder):
+        return None
+    number = 2
+    while os.path.isdir(f"{folder}-{number}") and os.listdir(f"{folder}-{number}"):
+        number += 1
+    fresh = f"{folder}-{number}"
+    training_args.output_dir = fresh
+    logging_dir = getattr(training_args, "logging_dir", None)  # a field of TrainingArguments before transformers 5.x
+    if isinstance(logging_dir, str) and logging_dir.startswith(folder + os.sep):
+        training_args.logging_dir = fresh + logging_dir[len(folder) :]
+    print(
+        f"{folder} holds an earlier run: this run writes to {fresh} (--output_dir names another folder; "
+        "--resume_from_checkpoint true continues the earlier run)."
+    )
+    return fresh

@@ -47,6 +47,29 @@ def _load(name: str, config: str | None) -> DatasetDict:
     return loaded if isinstance(loaded, DatasetDict) else DatasetDict({"train": loaded})
 
 
+def _missing_columns_fix(columns: list[str], dataset_format: str) -> str:
+    """What to do about a split without the columns `dataset_format` needs: the formats whose columns it has, and for
+    the `prompt` format, renaming the column that holds the prompts."""
+    fitting = [
+        f"dataset_format: {other} (it reads {', '.join(needed)})"
+        for other, (needed, _) in DATASET_FORMATS.items()
+        if other != dataset_format and all(column in columns for column in needed)
+    ]
+    fixes = [f"set {fitting[0]}"] if fitting else []
+    if dataset_format == "prompt":
+        source = next((column for column in columns if column.lower() in _PROMPT_LIKE), "<column>")
+        fixes.append(
+            f"rename the column that holds the prompts to `prompt` (e.g. `dataset.rename_column({source!r}, "
+            "'prompt')` before saving it)"
+        )
+    fixes.append(f"or add a format of your own to DATASET_FORMATS (known: {sorted(DATASET_FORMATS)})")
+    return "Fix: " + "; ".join(fixes) + "."
+
+
+#: Column names that usually hold the prompt, for the rename that the error of a dataset without `prompt` suggests.
+_PROMPT_LIKE = ("question", "query", "problem", "instruction", "input", "text", "content", "messages")
+
+
 def load_recipe_dataset(
     name: str | None,
     config: str | None = None,
@@ -83,7 +106,7 @@ def load_recipe_dataset(
         if missing:
             raise ValueError(
                 f"Split {split!r} of dataset {name!r} has no column {missing} (dataset_format={dataset_format!r}); "
-                f"its columns are {rows.column_names}."
+                f"its columns are {rows.column_names}. {_missing_columns_fix(rows.column_names, dataset_format)}"
             )
         if mapping is not None:
             rows = rows.map(mapping)

@@ -3,9 +3,11 @@
 A 0.5M-parameter model, partly taught to reverse strings of letters a-j (`"abc=" -> "cba"`), improves by GRPO with
 a LoRA adapter and an exact-match reward, on the CPU, with no network. The model, its tokenizer, the data and the
 config ship inside the package (`trl_grpo_ext/recipes/tiny/`); the output goes to `./runs/tiny-demo` unless
-`--output_dir` says otherwise. Every field of `trl-grpo-ext grpo` is a flag here too (`--max_steps 50`,
-`--eval_samples 0`, ...). Without TensorBoard (a plain `pip install trl-grpo-ext`, without the `recipes` extra)
-it runs without TensorBoard logs, saying so once, and without `report.png` when matplotlib is missing too.
+`--output_dir` says otherwise; a folder that holds an earlier run is kept, and the run goes to the first free
+`./runs/tiny-demo-2`, `-3`, ... instead (`--resume_from_checkpoint true` continues the earlier run). Every field
+of `trl-grpo-ext grpo` is a flag here too (`--max_steps 50`, `--eval_samples 0`, ...). Without TensorBoard (a plain
+`pip install trl-grpo-ext`, without the `recipes` extra) it runs without TensorBoard logs, saying so once, and
+without `report.png` when matplotlib is missing too.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def run(argv: list[str] | None = None, prog: str | None = None) -> int:
         argv,
         prog,
         optional_tensorboard=True,  # a plain `pip install trl-grpo-ext` has no TensorBoard: run without it
+        new_folder_per_run=True,  # a second demo writes to runs/tiny-demo-2, not over the first one's run
         description=DESCRIPTION,
         usage="%(prog)s [--field value ...]",
         defaults=demo_defaults(),

@@ -25,12 +25,14 @@ from dataclasses import dataclass, field
 from transformers import TrainerCallback
 
 from .. import cpu_engines
+from ..config_checks import reward_weights_problem
 from ..metrics import HELDOUT_PREFIX, LOSS
 from .arguments import (
     ConfigError,
     check_loggers_installed,
     check_model_is_local_or_hub,
     drop_tensorboard_if_missing,
+    fresh_output_dir,
     resume_checkpoint,
 )
 from .arguments import parse_args as _parse_args
@@ -118,7 +120,11 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
         )
         training_args.heldout_every_steps = 0
 
-    try:  # a dataset or reward that the config names wrongly: said in one line
+    try:  # a reward or dataset that the config names wrongly: said in one line, the rewards first (nothing to load)
+        reward_funcs = resolve_reward_funcs(script_args.reward_funcs, training_args.max_completion_length)
+        wrong_weights = reward_weights_problem(training_args.reward_weights, script_args.reward_funcs)
+        if wrong_weights is not None:
+            raise ValueError(wrong_weights)
         dataset = load_recipe_dataset(
             script_args.dataset_name,
             script_args.dataset_config,
@@ -126,7 +132,6 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
             system_prompt=script_args.system_prompt,
             required_splits=[script_args.dataset_train_split],
         )
-        reward_funcs = resolve_reward_funcs(script_args.reward_funcs, training_args.max_completion_length)
     except ValueError as error:
         raise ConfigError(" ".join(str(error).split())) from error
     train_dataset = dataset[script_args.dataset_train_split]
@@ -331,7 +336,11 @@ def name_deepspeed_cpu_accelerator(training_args) -> None:
 
 
 def run(
-    argv: list[str] | None = None, prog: str | None = None, optional_tensorboard: bool = False, **parse_kwargs
+    argv: list[str] | None = None,
+    prog: str | None = None,
+    optional_tensorboard: bool = False,
+    new_folder_per_run: bool = False,
+    **parse_kwargs,
 ) -> int:
     """Parse `argv` (default: the command line, see `parse_args`) and run the recipe; the exit status (`--help`
     exits with 0).
@@ -339,6 +348,8 @@ def run(
     Args:
         optional_tensorboard: run without TensorBoard when it is not installed, saying so (the demo), instead of
             refusing a `report_to` that names it.
+        new_folder_per_run: write into a fresh folder when `output_dir` holds an earlier run (the demo, whose
+            folder is always the same), unless the run resumes (`arguments.fresh_output_dir`).
     """
     if cpu_engines.env_flag(cpu_engines.CPU_ENGINES_ENV):  # a sharded engine on CPU processes (docs/sharded.md)
         cpu_engines.enable_sharded_engines_on_cpu()  # before the training arguments create accelerate's state
@@ -349,6 +360,8 @@ def run(
         name_deepspeed_cpu_accelerator(training_args)
         if optional_tensorboard:
             drop_tensorboard_if_missing(training_args)
+        if new_folder_per_run:
+            fresh_output_dir(training_args)
         main(script_args, training_args, model_args)
     except ConfigError as error:  # a mistake in the command line or config: one line, no traceback
         print(f"{prog or os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""The recipe's `--help` and `--help-all`: each field under its own name, `--help` cut to first sentences.
+"""The recipe's `--help` and `--help-all`: each field under its own name, `--help` showing first sentences.
 
 `RecipeParser` (`recipes.arguments`) formats its help with these; `--help-all` prints every help text whole.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import textwrap
 
 __all__ = ["HelpAllAction", "HelpFormatter", "ShortHelpFormatter"]
 
@@ -29,8 +30,9 @@ _SENTENCE_END = re.compile(r"(?<=[\w)`'\]])\.\s+(?=[A-Z])")
 
 
 class ShortHelpFormatter(HelpFormatter):
-    """`--help`'s: a field on one line when it fits, else on two (the flag, then its help indented); its help text cut
-    to its first sentence (and to the line), then its default. `--help-all` shows every help text whole."""
+    """`--help`'s: a field on one line when it fits, else the flag on its line and, below it, its help text's first
+    sentence, whole, wrapped to the terminal and indented, then its default. `--help-all` shows every help text
+    whole."""
 
     def _format_action_invocation(self, action) -> str:
         if not action.option_strings or action.dest == "help":
@@ -44,16 +46,16 @@ class ShortHelpFormatter(HelpFormatter):
         flag, summary = self._format_action_invocation(action), self._summary(action)
         if len(f"{indent}{flag}  {summary}") <= self._width:
             return f"{indent}{flag}  {summary}\n"
-        return f"{indent}{flag}\n{indent}    {self._summary(action, self._width - len(indent) - 4)}\n"
+        # At least 40 columns of text, however narrow the terminal, so that a sentence is not one word a line.
+        lines = textwrap.wrap(summary, max(self._width - len(indent) - 4, 40), break_on_hyphens=False)
+        return f"{indent}{flag}\n" + "".join(f"{indent}    {line}\n" for line in lines)
 
-    def _summary(self, action, width: int | None = None) -> str:
+    def _summary(self, action) -> str:
+        """The help text's first sentence, whole, and the default."""
         text, default = self._expand_help(action), f" (default: {action.default})"
         text, default = (text.removesuffix(default), default) if text.endswith(default) else (text, "")
         sentences = _SENTENCE_END.split(text, maxsplit=1)
-        summary = sentences[0] + ("." if len(sentences) > 1 else "")
-        if width is not None and len(summary) + len(default) > width:
-            summary = summary[: max(width - len(default) - 3, 0)].rsplit(" ", 1)[0] + "..."
-        return summary + default
+        return sentences[0] + ("." if len(sentences) > 1 else "") + default
 
 
 class HelpAllAction(argparse.Action):

