@@ -112,6 +112,8 @@ class GRPOTrainerExt(GRPOTrainer):
             option the installed TRL lacks, an empty training set, or one without a `prompt` column.
         TypeError: at construction, for a reward function without `**kwargs` that lacks a keyword argument TRL will
             pass it (`guardrails.reward_errors.check_reward_signature`).
+        IncompatibleTRLError: at construction, before any model loads, where the installed TRL's private surface
+            that the package overrides or reads differs from the pins in `_compat` (`_compat.check_trl_surface`).
     """
 
     _tag_names = ["trl", "grpo", "trl_grpo_ext"]

@@ -379,8 +379,9 @@ def grpo_loss(
     `old_logps`, `ref_logps` and `advantages` are constants: no gradient flows into them. All arithmetic is done in
     float32 (or in the inputs' dtype if it is wider); the gradient comes back in the dtype of `logps`. Exponentials
     are exact for log differences up to `EXP_LINEAR_ABOVE` (20) and continue linearly above it, so extreme ratios
-    give a large but finite loss and gradient instead of `inf`/NaN. Non-finite values at unmasked positions are bad
-    input and make the loss non-finite.
+    give a large but finite loss and gradient instead of `inf`/NaN; a log ratio of `-inf` is a ratio of 0, on every
+    implementation. Other non-finite values at unmasked positions (NaN, `+inf` log-probs) are bad input and make the
+    loss non-finite.
 
     Raises:
         ValueError: naming the offending argument, for a shape or device mismatch, an empty batch, `epsilon <= 0`,
