@@ -13,6 +13,7 @@ from trl_grpo_ext.forward.layout import first_of_prompt, place_units, prompt_lea
 from trl_grpo_ext.forward.logprobs import (
     attention_weight,
     default_row_tokens,
+    dense_attention_weight,
     linear_parameters,
     shared_fallback_reason,
 )
@@ -128,6 +129,12 @@ def test_rows_are_no_longer_than_the_padded_ones_under_a_dense_mask_and_one_row_
     assert attention_weight(object(), parameters) == 0.0  # a config that does not say its attention's size
     assert default_row_tokens("dense", padded_width=77) == 77
     assert default_row_tokens(None, padded_width=77) == 77
+    # Under a dense mask, longer than the padded rows only where a token's attention, at masked attention's cost,
+    # stays at most half of its linear layers': for this model, rows of up to P / (2 * 8 * 2 h n) tokens.
+    weight = dense_attention_weight(untied.config, parameters)
+    assert weight == pytest.approx(8 * 2 * 4 * 16 * 3 / parameters)
+    assert default_row_tokens("dense", padded_width=16, weight=weight) == int(0.5 / weight) > 16
+    assert default_row_tokens("dense", padded_width=10**6, weight=weight) == 10**6
     assert default_row_tokens("varlen", padded_width=77) is None
     assert default_row_tokens("flex", padded_width=77) is None
 
@@ -185,11 +192,11 @@ def test_the_benchmark_s_rows_pack_with_little_waste():
 
     ids, mask, width = draw_rows(2, 8, seed=0, vocab=32000, quick=False)
     distinct = int(forward_counts(ids[:, :-width], mask[:, :-width], mask[:, -width:]).distinct)
-    weight = 1 / 5482  # 2 h n / P of the benchmark's model
+    weight = 8 / 5482  # 2 h n / P of the benchmark's model, at masked attention's cost
     padded_width = ids.size(1)
 
     def tokens(shared: bool, kind: str) -> float:
-        budget = default_row_tokens(kind, padded_width)
+        budget = default_row_tokens(kind, padded_width, weight)
         layout = pack_rows(ids, mask, width, budget, shared_prompts=shared, attention_weight=weight)
         if budget is not None:
             assert layout.input_ids.size(1) <= padded_width
@@ -393,6 +400,9 @@ def test_a_shared_prompt_run_trains_as_its_padded_twin(
         return layout
 
     monkeypatch.setattr(logprobs, "pack_rows", recording)
+    # Rows filled whatever their attention costs: on this tiny model attention outweighs the linear layers, and the
+    # layout of least cost would forward each completion with its own copy of the prompt.
+    monkeypatch.setattr(logprobs, "MASKED_ATTENTION_COST", 0.0)
     setting = dict(setting)
     lora = setting.pop("lora", False)
     runs = {}

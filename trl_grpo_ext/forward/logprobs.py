@@ -18,8 +18,9 @@ completion attending to the prompt and to itself. Where the model's attention ca
 
 Rows. With varlen kernels and flex attention a sequence's attention costs it alone, so a chunk is one packed row.
 sdpa and eager attend over the whole row through a dense mask (`(B, L, L)` scores, and a mask materialised per layer
-on a GPU), so their rows are no longer than TRL's padded ones (`default_row_tokens`): fewer of them, never a longer
-attention. `padding_free_row_tokens` sets another budget; `layout.place_units` chooses the rows within it.
+on a GPU), so their rows are no longer than TRL's padded ones (`default_row_tokens`), unless a longer row's attention
+stays a small part of a token's cost at masked attention's speed (`MASKED_ATTENTION_COST`; short sequences).
+`padding_free_row_tokens` sets another budget; `layout.place_units` chooses the rows within it.
 
 Never silently wrong. The first forward of a run is checked against TRL's padded one on the policy (`SelfCheck`): a
 few rows, truncated, packed in the training layout (two packed rows or more, several sequences in each, prompts
@@ -63,6 +64,7 @@ __all__ = [
     "SelfCheck",
     "attention_weight",
     "default_row_tokens",
+    "dense_attention_weight",
     "linear_parameters",
     "run_fallback_reason",
     "shared_fallback_reason",
@@ -110,10 +112,28 @@ def attention_weight(config, parameters: int) -> float:
     return 2 * heads * head_dim * layers / parameters
 
 
-def default_row_tokens(kind: str | None, padded_width: int) -> int | None:
+def dense_attention_weight(config, parameters: int) -> float:
+    """`attention_weight` over a dense mask, at its measured-slower speed (`MASKED_ATTENTION_COST`)."""
+    return MASKED_ATTENTION_COST * attention_weight(config, parameters)
+
+
+#: What an attended token over a dense mask costs, in multiples of its multiply-adds at the linear layers' speed:
+#: masked attention kernels (sdpa's with a mask, eager) run far below a matrix product's throughput (the GPU check's
+#: `attention` section measures the ratio). Conservative, so that a longer row than the padded one is chosen only
+#: where its attention is a small part of the work (short sequences, as in the demo).
+MASKED_ATTENTION_COST = 8.0
+#: The share of a token's linear-layer cost its dense-mask attention may take in a row longer than the padded one.
+ATTENTION_SHARE = 0.5
+
+
+def default_row_tokens(kind: str | None, padded_width: int, weight: float = 0.0) -> int | None:
     """The default token budget of a packed row (module docstring): `None` (one row) where attention runs within
-    sequences (`VARLEN`, `FLEX`), the chunk's padded width where it runs over a dense mask."""
-    return None if kind in (VARLEN, FLEX) else padded_width
+    sequences (`VARLEN`, `FLEX`); over a dense mask, the chunk's padded width, or the longest row whose attention
+    costs a token at most `ATTENTION_SHARE` of its linear layers where that is longer (`weight`: the attention's cost
+    per attended token relative to the linear layers', `dense_attention_weight`)."""
+    if kind in (VARLEN, FLEX):
+        return None
+    return max(padded_width, int(ATTENTION_SHARE / weight)) if weight > 0 else padded_width
 
 
 _FROM_CONFIG = object()
@@ -351,7 +371,11 @@ class PackedLogProbs:
             return "the router loss would count the token that gives the rotary embeddings the padded width"
         kind = self.kind(model)
         tokens = sum(span.tokens for span in spans)
-        budget = self.row_tokens or default_row_tokens(kind, padded_width)
+        unwrapped = self.trainer.accelerator.unwrap_model(model)
+        if self._parameters is None:
+            self._parameters = linear_parameters(unwrapped)
+        weight = 0.0 if kind in (VARLEN, FLEX) else dense_attention_weight(config, self._parameters)
+        budget = self.row_tokens or default_row_tokens(kind, padded_width, weight)
         if budget is not None and tokens > budget:
             return (
                 f"the router loss needs a chunk's {tokens} tokens in one packed row, longer than the "
@@ -368,20 +392,22 @@ class PackedLogProbs:
         spans: list[RowSpan],
         share: bool,
         row_tokens: int | None = -1,
+        fill: bool = False,
     ) -> PackedLayout:
         """The packed layout of a chunk for `model`: `row_tokens` `-1` for the run's budget
-        (`padding_free_row_tokens` or `default_row_tokens`), `None` or `0` for one row."""
+        (`padding_free_row_tokens` or `default_row_tokens`), `None` or `0` for one row; `fill`: rows filled up to it
+        whatever their attention costs (the self-check's several sequences per row)."""
         unwrapped = self.trainer.accelerator.unwrap_model(model)
         config = getattr(unwrapped, "config", None)
         kind = self.kind(model)
         width = attention_mask.size(1)
-        if row_tokens == -1:
-            row_tokens = self.row_tokens or default_row_tokens(kind, width)
         weight = 0.0
         if kind not in (VARLEN, FLEX):
             if self._parameters is None:  # counted once: the model's size does not change
                 self._parameters = linear_parameters(unwrapped)
-            weight = attention_weight(config, self._parameters)
+            weight = dense_attention_weight(config, self._parameters)
+        if row_tokens == -1:
+            row_tokens = self.row_tokens or default_row_tokens(kind, width, weight)
         return pack_rows(
             input_ids,
             attention_mask,
@@ -389,7 +415,7 @@ class PackedLogProbs:
             row_tokens or None,
             spans,
             shared_prompts=share,
-            attention_weight=weight,
+            attention_weight=0.0 if fill else weight,
             anchor_position=width - 1 if length_dependent_rope(config) else None,
         )
 
@@ -460,7 +486,7 @@ class PackedLogProbs:
 
                 def difference(share: bool) -> float:
                     spans = row_spans(mask, width, ids if share else None)
-                    layout = self.layout(model, ids, mask, width, spans, share, row_tokens=two_rows)
+                    layout = self.layout(model, ids, mask, width, spans, share, row_tokens=two_rows, fill=True)
                     outputs = self._model_forward(model, layout, compute_aux_loss=False)
                     packed = layout.unpack(layout.scores(outputs.log_probs), padded.shape)
                     return _largest_difference(packed, padded, completion)
