@@ -204,7 +204,7 @@ def test_help_leads_with_the_recipe_and_this_package_then_trl_then_the_model(cap
 
 def test_help_shows_each_field_s_first_sentence_whole_wrapped_to_the_terminal(capsys, monkeypatch):
     """`--help` cut each help text at the line's end, mid-sentence (`--dataset_name  A local...`)."""
-    from trl_grpo_ext.tools.recipes.help_format import _SENTENCE_END
+    from trl_grpo_ext.tools.recipes.arguments import _SENTENCE_END
 
     monkeypatch.setenv("COLUMNS", "80")
     with pytest.raises(SystemExit):

@@ -9,7 +9,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.tools import cli
-from trl_grpo_ext.tools.report.command import find_trainer_state
+from trl_grpo_ext.tools.report.command import find_run
 from trl_grpo_ext.tools.report.health import SIGNALS, assess
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -64,10 +64,11 @@ def test_an_unreadable_state_exits_non_zero(tmp_path, capsys):
 def test_the_state_further_on_is_read_the_folder_s_or_its_last_checkpoint_s(tmp_path):
     write_state(tmp_path, 2, [{"loss": 1.0, "step": 2}])
     write_state(tmp_path / "checkpoint-4", 4, [{"loss": 1.0, "step": 4}])
-    path, state = find_trainer_state(str(tmp_path))
+    found = find_run(str(tmp_path))
+    path, state = found.path, found.state
     assert path.endswith("checkpoint-4/trainer_state.json") and state["global_step"] == 4
     write_state(tmp_path, 6, [{"loss": 1.0, "step": 6}])  # the end of the run, after its last checkpoint
-    assert find_trainer_state(str(tmp_path))[1]["global_step"] == 6
+    assert find_run(str(tmp_path)).state["global_step"] == 6
 
 
 def test_a_run_without_logged_steps_is_read(tmp_path, capsys):
@@ -169,7 +170,8 @@ def test_the_run_that_wrote_the_folder_last_is_read_and_the_other_run_is_named(t
     for age, folder in ((300, tmp_path / "checkpoint-400"), (10, tmp_path / "checkpoint-10"), (0, tmp_path)):
         stamp = (tmp_path / "trainer_state.json").stat().st_mtime - age
         os.utime(folder / "trainer_state.json", (stamp, stamp))
-    path, state = find_trainer_state(str(tmp_path))
+    found = find_run(str(tmp_path))
+    path, state = found.path, found.state
     assert path == str(tmp_path / "trainer_state.json") and state["global_step"] == 20
     status, out, _ = report(tmp_path, capsys)
     first = f"Run {tmp_path}: trainer_state.json at global step 20, 20 training log"

@@ -29,7 +29,7 @@ def write_events(folder, entries, name="Dec03_12-00-00_host", args="{}"):
 
 def test_event_files_are_read_as_trl_s_log_history(tmp_path):
     write_events(tmp_path, [{"step": 1, "loss": 0.5, "reward": 0.25}, {"step": 2, "loss": 0.25, "eval_reward": 0.5}])
-    history = tensorboard.history_from_event_files(tensorboard.event_files(str(tmp_path)))
+    history = tensorboard.read_event_files(tensorboard.event_files(str(tmp_path))).history
     assert history == [{"loss": 0.5, "reward": 0.25, "step": 1}, {"loss": 0.25, "eval_reward": 0.5, "step": 2}]
 
 
@@ -90,7 +90,7 @@ def test_a_resumed_run_s_event_files_are_one_run(tmp_path, capsys):
     write_events(tmp_path, [{"step": step, "loss": 1.0, "reward": 0.25} for step in range(1, 31)], "Dec03_first")
     time.sleep(0.05)
     write_events(tmp_path, [{"step": step, "loss": 0.5, "reward": 0.75} for step in range(21, 51)], "Dec03_resumed")
-    history = tensorboard.history_from_event_files(tensorboard.event_files(str(tmp_path)))
+    history = tensorboard.read_event_files(tensorboard.event_files(str(tmp_path))).history
     assert [entry["step"] for entry in history] == list(range(1, 51))
     assert {entry["reward"] for entry in history if entry["step"] > 20} == {0.75}  # the resumed steps, not the lost
     status, out, _ = report(tmp_path, capsys, "--format", "json")

@@ -1,6 +1,4 @@
-"""The `trl-grpo-ext` command (also `python -m trl_grpo_ext`): `grpo` runs the recipe, `demo` the offline demo,
-`report` the training report and health summary of a run, `slurm` the recipe on N + 1 SLURM nodes (N train, one
-serves vLLM), `env` the versions and the machine for a bug report; `--version` prints this package's version."""
+"""The `trl-grpo-ext` command (also `python -m trl_grpo_ext`): `grpo`, `demo`, `report`, `slurm`, `env`."""
 
 from __future__ import annotations
 
@@ -9,8 +7,6 @@ import importlib
 import sys
 
 from .. import __version__
-
-__all__ = ["COMMANDS", "main"]
 
 #: command -> (module of `trl_grpo_ext.tools` with a `run(argv, prog)` function, the line `--help` shows)
 COMMANDS = {

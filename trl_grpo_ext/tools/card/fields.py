@@ -1,19 +1,10 @@
-"""The training configuration of the model card: the fields that acted in the run, with the values the user set.
-
-A field whose value changed nothing is left out (`num_train_epochs` when `max_steps > 0` decides the length of the
-run, `epsilon` for a loss type that does not clip with it, ...), and LoRA's target modules are shown as the user
-wrote them (`all-linear`), not as PEFT expands them into module paths when it wraps the model: PEFT writes the
-expansion back into the `LoraConfig` it was given, so `user_lora_settings` reads it before the trainer builds the
-model.
-"""
+"""The model card's configuration table: the fields that acted in the run, and LoRA's as the user set them."""
 
 from __future__ import annotations
 
 import copy
 
 from ...ops.loss_types import loss_type_record
-
-__all__ = ["CARD_CONFIG_FIELDS", "card_config", "inactive_fields", "user_lora_settings"]
 
 #: The configuration fields the card lists (those that acted in the run, see `inactive_fields`).
 CARD_CONFIG_FIELDS = (
@@ -37,13 +28,9 @@ CARD_CONFIG_FIELDS = (
 
 
 def inactive_fields(args) -> set[str]:
-    """The fields of `CARD_CONFIG_FIELDS` whose value did not act in a run with `args` (a `trl.GRPOConfig`):
-
-    - `num_train_epochs` when `max_steps > 0` (Trainer then stops at `max_steps`), else `max_steps`;
-    - `epsilon` and `epsilon_high` where the loss type does not use them (the loss type's `clip_fields`);
-    - `scale_rewards` with `multi_objective_aggregation="normalize_then_sum"`, which normalises each reward over
-      its group and the sum over the batch whatever `scale_rewards` says.
-    """
+    """The fields of `CARD_CONFIG_FIELDS` that did not act in a run with `args`: `num_train_epochs` when
+    `max_steps > 0` (else `max_steps`), `epsilon`/`epsilon_high` where the loss type does not clip with them,
+    `scale_rewards` under `multi_objective_aggregation="normalize_then_sum"`."""
     inactive = {"num_train_epochs"} if getattr(args, "max_steps", -1) > 0 else {"max_steps"}
     loss_type = getattr(args, "loss_type", None)
     if loss_type is not None:
@@ -55,12 +42,8 @@ def inactive_fields(args) -> set[str]:
 
 
 def card_config(args, fields: tuple[str, ...] = CARD_CONFIG_FIELDS) -> dict:
-    """The `fields` of `args` that acted in the run (`inactive_fields`), in order; `None` values are left to the
-    card (not set: not shown).
-
-    An unset `epsilon_high` is shown as the value TRL trains with (`epsilon`) where the loss type uses
-    `epsilon_high` but not `epsilon` (CISPO's cap), so that the bound that acted is on the card.
-    """
+    """The `fields` of `args` that acted in the run, in order; an unset `epsilon_high` as the `epsilon` TRL trains
+    with where the loss type uses `epsilon_high` only (CISPO's cap)."""
     skipped = inactive_fields(args)
     config = {key: getattr(args, key, None) for key in fields if key not in skipped}
     if "epsilon_high" in config and config["epsilon_high"] is None and "epsilon" in skipped:
@@ -69,12 +52,8 @@ def card_config(args, fields: tuple[str, ...] = CARD_CONFIG_FIELDS) -> dict:
 
 
 def user_lora_settings(peft_config) -> dict | None:
-    """The LoRA settings the card lists (`r`, `alpha`, `target_modules`), as the user set them in `peft_config`.
-
-    Call it before the model is wrapped: `get_peft_model` replaces `target_modules="all-linear"` in the config
-    object it is given by the set of module paths it matched. A list of names is shown sorted (`LoraConfig` keeps it
-    as a set). `None` for no `peft_config`.
-    """
+    """The LoRA settings the card lists (`r`, `alpha`, `target_modules`, a set of names sorted) of `peft_config` as
+    given, before PEFT wrapped the model (it writes the modules `"all-linear"` matched into it); `None` without."""
     if peft_config is None:
         return None
     targets = copy.copy(getattr(peft_config, "target_modules", None))

@@ -1,8 +1,4 @@
-"""The objective block of the model card: the formula of the loss type and options that trained the model.
-
-Built from the loss-type record (`ops.loss_types`) and the run's options, so that a card published to the Hub
-describes what ran: for `GRPOConfigExt`'s defaults, DeepSeekMath's GRPO objective.
-"""
+"""The model card's objective: the formula of the loss type and options that trained the model."""
 
 from __future__ import annotations
 
@@ -11,15 +7,6 @@ from collections.abc import Mapping
 
 from ...config import option
 from ...ops.loss_types import loss_type_record, vllm_correction_line
-
-__all__ = [
-    "OBJECTIVE",
-    "OBJECTIVE_FIELDS",
-    "format_value",
-    "objective_formula",
-    "objective_options",
-    "resolve_options",
-]
 
 
 def format_value(value) -> str:
@@ -69,7 +56,7 @@ _ADVANTAGES = {
 
 
 def resolve_options(options: Mapping | None) -> dict:
-    """Every `OBJECTIVE_FIELDS` entry: those of `options` (other keys ignored), `GRPOConfigExt`'s for the rest."""
+    """Every `OBJECTIVE_FIELDS` entry: those of `options`, `GRPOConfigExt`'s for the rest."""
     given = {key: value for key, value in (options or {}).items() if key in OBJECTIVE_FIELDS}
     return {**objective_options(None), **given}
 
@@ -140,18 +127,8 @@ def _advantage_lines(options: Mapping) -> tuple[str, list[str]]:
 
 
 def objective_formula(options: Mapping | None = None) -> str:
-    """The objective a run trains, as a fenced block: `OBJECTIVE` for `GRPOConfigExt`'s defaults.
-
-    Built from the loss type's record (`ops.loss_types.LOSS_TYPES`: policy term, aggregation and its divisor) and the
-    options that change it: the sequence-level ratio, two-sided clipping (`delta`), the KL term (only with
-    `beta > 0`, times `r` with `use_bias_correction_kl`), the per-token weights (off-policy mask, high-entropy mask,
-    vLLM's importance-sampling correction), the entropy bonus, and the advantages (`scale_rewards`,
-    `multi_objective_aggregation`).
-
-    Args:
-        options: values of `OBJECTIVE_FIELDS` (`objective_options(args)`); a missing one takes `GRPOConfigExt`'s
-            default.
-    """
+    """The objective a run trains, as a fenced block (`OBJECTIVE` for `GRPOConfigExt`'s defaults), from the loss
+    type's record and `options` (`objective_options(args)`; a missing one takes `GRPOConfigExt`'s default)."""
     options = resolve_options(options)
     record = loss_type_record(options["loss_type"])
     kl = options["beta"] > 0

@@ -1,9 +1,5 @@
-"""The model card's "Quick start": where the trained model is loaded from, and the code that loads it.
-
-The code runs as written from any folder: it loads the Hub repository of a pushed run, else the folder that holds the
-weights, by its absolute path (the output folder, or the checkpoint that holds them while the run has not saved into
-the output folder); where no weights were saved yet, the card says how to save them.
-"""
+"""The model card's quick start: where the trained model is loaded from, and the code that loads it, which runs as
+written from any folder."""
 
 from __future__ import annotations
 
@@ -12,15 +8,6 @@ import re
 
 from datasets import Dataset
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
-
-__all__ = [
-    "WEIGHT_FILES",
-    "first_training_prompt",
-    "is_hub_dataset_id",
-    "is_hub_id",
-    "quick_start_lines",
-    "weights_folder",
-]
 
 # A Hub repository id: `name` or `owner/name`, each part letters, digits, `-`, `_` and `.` (not leading).
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -44,16 +31,13 @@ def quick_start_lines(
     base_model: str | None = None,
     weights_saved: bool = True,
 ) -> list[str]:
-    """The "Quick start" section: load the model (or the adapter on its base model) from `repo` (the Hub id, or the
-    folder that holds the weights as an absolute path: runs from any folder) and generate from `prompt` (a
-    placeholder without one); for an adapter on a base model in a local folder, a line saying where that base model
-    is read from; where no weights were saved yet, how to save them."""
+    """The "Quick start" section: load the model (or adapter) from `repo` (a Hub id, or an absolute folder) and
+    generate from `prompt`; where the base model of an adapter is a local folder, say so; where no weights were
+    saved yet, how to save them."""
     prompt = "<your prompt>" if prompt is None else prompt
     lines = ["## Quick start", "", "```python"]
     if is_adapter:
-        # PEFT (0.21, the newest release) reads transformers' deprecated `is_gradient_checkpointing` when it wraps
-        # the base model, which prints a FutureWarning; no other loader of an adapter avoids it (transformers' own,
-        # `from_pretrained` of the adapter's folder, needs PEFT 0.22), so the card ignores that one warning.
+        # PEFT 0.21 reads transformers' deprecated `is_gradient_checkpointing` when it wraps the base model.
         lines += [
             "import warnings",
             "",
@@ -96,8 +80,8 @@ def quick_start_lines(
 
 
 def first_training_prompt(dataset) -> str | None:
-    """The first training prompt, for the card's quick start: from a map-style `datasets.Dataset` whose `prompt` is a
-    string (a conversation, an `IterableDataset`, whose stream reading would consume, or no dataset: `None`)."""
+    """The first `prompt` of a map-style `datasets.Dataset` where it is a string (not of a stream, which reading would
+    consume), else `None`."""
     if not isinstance(dataset, Dataset) or "prompt" not in dataset.column_names or len(dataset) == 0:
         return None
     prompt = dataset[0]["prompt"]
@@ -113,10 +97,9 @@ WEIGHT_FILES = {
 
 
 def weights_folder(trainer, is_adapter: bool) -> tuple[str, bool]:
-    """The absolute folder the card's quick start loads the trained model from, and whether weights are there (or
-    being written): during a checkpoint save (Trainer writes the card just before the checkpoint), that checkpoint;
-    else the output folder when it holds them; else the newest checkpoint holding them, up to the current step (a
-    later one is another run's, left in the folder); else the output folder, where `save_model` writes them."""
+    """The absolute folder the quick start loads the model from, and whether weights are there (or being written):
+    the checkpoint being saved; else the output folder if it holds them; else the newest checkpoint that does, up to
+    the current step (a later one is another run's); else the output folder."""
     output_dir = os.path.abspath(trainer.args.output_dir)
     step = trainer.state.global_step
     checkpoints = getattr(trainer, "_checkpoints", None)  # GRPOTrainerExt's (`checkpointing.Checkpoints`)

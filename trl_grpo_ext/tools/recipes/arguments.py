@@ -1,46 +1,25 @@
-"""The recipe's command line: the parser over (script arguments, `GRPOConfigExt`, `trl.ModelConfig`) and the checks
-that must run before anything loads (the checkpoint to resume from, the loggers of `report_to`).
-
-A mistake in the command line or the config file is a `ConfigError`: one line that names the key or flag (and the
-nearest valid one, for a misspelling), which the command prints without a traceback, exiting with status 2.
-"""
+"""The recipe's command line: the parser over (script arguments, `GRPOConfigExt`, `trl.ModelConfig`), whose every
+mistake is a one-line `ConfigError` (exit status 2), and the checks that run before anything loads."""
 
 from __future__ import annotations
 
 import argparse
 import difflib
 import os
+import re
 import socket
 import sys
+import textwrap
 import urllib.parse
 
 from trl import TrlParser
 
 from ...config import GRPOConfigExt
-from .help_format import HelpAllAction, HelpFormatter, ShortHelpFormatter
-
-__all__ = [
-    "CHECKED_LOGGERS",
-    "USUAL_MODEL_FIELDS",
-    "USUAL_TRAINING_FIELDS",
-    "ConfigError",
-    "RecipeParser",
-    "check_loggers_installed",
-    "check_model_is_local_or_hub",
-    "drop_tensorboard_if_missing",
-    "fresh_output_dir",
-    "looks_like_a_local_path",
-    "make_parser",
-    "nearest",
-    "parse_args",
-    "resume_checkpoint",
-]
 
 #: The loggers of `report_to` that transformers refuses only once the model is loaded when they are missing.
 CHECKED_LOGGERS = ("tensorboard", "trackio", "wandb")
 
-#: The fields of TRL's `GRPOConfig` and transformers' `TrainingArguments` that a GRPO run usually sets, and those of
-#: `trl.ModelConfig`: `--help` lists them after the recipe's and this package's own fields (`--help-all`: every field).
+#: The fields of TRL and transformers that `--help` lists after the recipe's and this package's own.
 USUAL_TRAINING_FIELDS = (
     "output_dir",
     "learning_rate",
@@ -92,16 +71,9 @@ def looks_like_a_local_path(name: str) -> bool:
 
 
 def check_model_is_local_or_hub(name: str) -> None:
-    """Fail at once, before any Hub request, on a `model_name_or_path` that cannot load: a local path that does not
-    exist, or a name that is neither a local folder nor in the Hub cache while `HF_HUB_OFFLINE` is set or the Hub
-    cannot be reached.
-
-    Without this check transformers asks the Hub for such a name, and offline that costs tens of seconds of retries
-    before its error. A Hub id such as `Qwen/Qwen2.5-0.5B-Instruct` passes untouched when online.
-
-    Raises:
-        ConfigError: naming the path, the folder it was resolved against, and how to fix it.
-    """
+    """A `ConfigError` at once (transformers retries the Hub for tens of seconds first) for a `model_name_or_path`
+    that cannot load: a local path that does not exist, or a name neither local nor in the Hub cache while offline
+    (`HF_HUB_OFFLINE`, or the Hub out of reach)."""
     from huggingface_hub import constants, try_to_load_from_cache
 
     if os.path.isdir(name):
@@ -127,8 +99,7 @@ def check_model_is_local_or_hub(name: str) -> None:
 
 
 def _hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
-    """Whether a TCP connection to `endpoint` opens within `timeout` seconds (always true behind a proxy, which this
-    probe cannot go through): one connection, where transformers retries its requests for tens of seconds."""
+    """Whether a TCP connection to `endpoint` opens within `timeout` seconds (always true behind a proxy)."""
     if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
         return True
     url = urllib.parse.urlparse(endpoint)
@@ -140,8 +111,7 @@ def _hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
 
 
 def nearest(name: str, known, flag: bool = False) -> str:
-    """`" (did you mean 'x'?)"` (`" (did you mean --x?)"` for a `flag`) for the name of `known` closest to `name`
-    (difflib's ratio), or `""` if none is close."""
+    """`" (did you mean 'x'?)"` (`--x` for a `flag`) for the name of `known` closest to `name`, or `""`."""
     matches = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
     if not matches:
         return ""
@@ -152,16 +122,66 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-class RecipeParser(TrlParser):
-    """`trl.TrlParser` (every dataclass field a flag, `--config <yaml>` for their values) for a person at a terminal:
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each field under its name only (`--learning_rate`, not also `--learning-rate`, which parses all the same)."""
 
-    - no abbreviations: `--learning_rat` is not taken for `--learning_rate` (argparse's prefix matching);
-    - every mistake is a `ConfigError` of one line: an unknown config key or flag names the nearest valid one, a
-      value of the wrong type names its field, a dataclass that refuses its values says why (the recipe's command
-      prints it and exits with status 2);
-    - `--help` lists the fields in `help_groups`, in that order: this package's before TRL's; of those, only the
-      fields in `short_help`, each once (not a boolean's `--no_<field>` too), by its help text's first sentence (whole,
-      wrapped), and ends saying so; `--help-all` lists every flag with its whole help text.
+    def _format_action_invocation(self, action) -> str:
+        if not action.option_strings or action.dest == "help":
+            return super()._format_action_invocation(action)
+        if action.nargs == 0:
+            return action.option_strings[0]
+        metavar = self._format_args(action, self._get_default_metavar_for_optional(action))
+        return f"{action.option_strings[0]} {metavar}"
+
+
+#: The end of a help text's first sentence: a period after a word, then a capital (not "e.g. 'main'").
+_SENTENCE_END = re.compile(r"(?<=[\w)`'\]])\.\s+(?=[A-Z])")
+
+
+class ShortHelpFormatter(HelpFormatter):
+    """`--help`'s: a field on one line when it fits, else the flag on its line and, below it, its help text's first
+    sentence, whole, wrapped to the terminal and indented, then its default. `--help-all` shows every help text
+    whole."""
+
+    def _format_action_invocation(self, action) -> str:
+        if not action.option_strings or action.dest == "help":
+            return super()._format_action_invocation(action)
+        flag = action.option_strings[0]
+        choices = f" {{{','.join(map(str, action.choices))}}}" if action.choices else ""
+        return flag + choices if self._current_indent + len(flag + choices) <= self._width else flag
+
+    def _format_action(self, action) -> str:
+        indent = " " * self._current_indent
+        flag, summary = self._format_action_invocation(action), self._summary(action)
+        if len(f"{indent}{flag}  {summary}") <= self._width:
+            return f"{indent}{flag}  {summary}\n"
+        # At least 40 columns of text, however narrow the terminal, so that a sentence is not one word a line.
+        lines = textwrap.wrap(summary, max(self._width - len(indent) - 4, 40), break_on_hyphens=False)
+        return f"{indent}{flag}\n" + "".join(f"{indent}    {line}\n" for line in lines)
+
+    def _summary(self, action) -> str:
+        """The help text's first sentence, whole, and the default."""
+        text, default = self._expand_help(action), f" (default: {action.default})"
+        text, default = (text.removesuffix(default), default) if text.endswith(default) else (text, "")
+        sentences = _SENTENCE_END.split(text, maxsplit=1)
+        return sentences[0] + ("." if len(sentences) > 1 else "") + default
+
+
+class HelpAllAction(argparse.Action):
+    """`--help-all`: print the help of every field, in full, and exit."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stdout.write(parser.format_help(full=True))
+        parser.exit()
+
+
+class RecipeParser(TrlParser):
+    """`trl.TrlParser` (every dataclass field a flag, `--config <yaml>` for their values) without abbreviations,
+    whose every mistake is a one-line `ConfigError` (naming the nearest key or flag), whose `--help` lists the
+    `short_help` fields by `help_groups` with their first sentence, and `--help-all` every flag in full.
 
     Args:
         dataclass_types: as `TrlParser` takes them.
@@ -224,14 +244,8 @@ class RecipeParser(TrlParser):
         return {action.dest for action in self._actions if action.dest != argparse.SUPPRESS and action.dest != "help"}
 
     def parse_args_and_config(self, args=None, **_) -> tuple:
-        """(one instance per dataclass) from `args` (default: the command line): `--config <yaml>` (or
-        `--config=<yaml>`) sets defaults, its `env:` mapping environment variables (as `TrlParser` does), and flags
-        override it.
-
-        Raises:
-            ConfigError: an unreadable or unknown config file, a key or flag that no dataclass has, a value that
-                does not parse, or values that a dataclass refuses (its `ValueError`, on one line).
-        """
+        """One instance per dataclass from `args` (default: the command line): `--config <yaml>` sets defaults (its
+        `env:` mapping environment variables, as `TrlParser` does), flags override them. Raises `ConfigError`."""
         args = list(sys.argv[1:] if args is None else args)
         for index, arg in enumerate(args):
             if arg == "--config" or arg.startswith("--config="):
@@ -300,14 +314,8 @@ def help_groups(script_arguments) -> list[tuple[str, set[str]]]:
 
 
 def make_parser(script_arguments, prog: str | None = None, description: str | None = None, usage: str | None = None):
-    """`RecipeParser` over (`script_arguments`, `GRPOConfigExt`, `trl.ModelConfig`): every field is a YAML key and a
-    flag; `--help` lists the recipe's and this package's fields first, then the `USUAL_TRAINING_FIELDS` and
-    `USUAL_MODEL_FIELDS` (`--help-all`: every field).
-
-    Args:
-        script_arguments (`type`): the recipe's own dataclass.
-        prog, description, usage: what `--help` shows (argparse's own usage line would list every field).
-    """
+    """`RecipeParser` over (`script_arguments`, `GRPOConfigExt`, `trl.ModelConfig`), whose `--help` lists the
+    recipe's and this package's fields, then `USUAL_TRAINING_FIELDS` and `USUAL_MODEL_FIELDS`."""
     from trl import ModelConfig
 
     groups = help_groups(script_arguments)
@@ -323,17 +331,9 @@ def make_parser(script_arguments, prog: str | None = None, description: str | No
 
 
 def parse_args(script_arguments, argv=None, *, defaults: dict | None = None, **parser_kwargs) -> tuple:
-    """Parse `argv` (default: the command line) into (script arguments, `GRPOConfigExt`, `trl.ModelConfig`).
-
-    Args:
-        defaults: field values that replace the dataclasses' defaults, as a config file's do; `--config` and flags
-            override them.
-        parser_kwargs: `prog`, `description`, `usage` (see `make_parser`).
-
-    Raises:
-        ConfigError: for a mistake in `argv` or its config file (see `RecipeParser.parse_args_and_config`).
-        ValueError: for a field of `defaults` that no dataclass has.
-    """
+    """Parse `argv` (default: the command line) into (script arguments, `GRPOConfigExt`, `trl.ModelConfig`);
+    `defaults` replace the dataclasses' defaults, as a config file's do. Raises `ConfigError`, or `ValueError` for
+    a field of `defaults` that no dataclass has."""
     parser = make_parser(script_arguments, **parser_kwargs)
     if defaults:
         unknown = parser.set_defaults_with_config(**defaults)
@@ -343,15 +343,8 @@ def parse_args(script_arguments, argv=None, *, defaults: dict | None = None, **p
 
 
 def resume_checkpoint(value: str | bool | None, output_dir: str) -> str | None:
-    """The checkpoint folder that `resume_from_checkpoint` names, or `None` to start fresh.
-
-    `true` (or `last`) is the last `checkpoint-<step>` folder of `output_dir`, as `Trainer.train(True)` takes it;
-    `false`, an empty value or `None` start fresh; anything else is a checkpoint folder's path. A flag's value
-    arrives as a string, a YAML key's as a bool.
-
-    Raises:
-        ConfigError: `true` with no checkpoint in `output_dir`, or a path that is not a checkpoint folder.
-    """
+    """The checkpoint folder that `resume_from_checkpoint` names (`true`/`last`: the last one of `output_dir`; a
+    path), or `None` to start fresh (`false`, empty). Raises `ConfigError` where there is no such checkpoint."""
     from transformers.trainer import TRAINER_STATE_NAME
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -381,12 +374,8 @@ def _logger_installed(name: str) -> bool:
 
 
 def check_loggers_installed(report_to: list[str] | str | None) -> None:
-    """Refuse, before anything loads, a `report_to` that names TensorBoard, trackio or W&B when it is not installed
-    (transformers would fail only once the model is loaded, with a traceback).
-
-    Raises:
-        ConfigError: one line naming the logger and the command that installs it.
-    """
+    """A `ConfigError` before anything loads for a `report_to` that names a logger of `CHECKED_LOGGERS` that is not
+    installed (transformers fails only once the model is loaded)."""
     names = [report_to] if isinstance(report_to, str) else list(report_to or [])
     for name in names:
         if name in CHECKED_LOGGERS and not _logger_installed(name):
@@ -396,8 +385,7 @@ def check_loggers_installed(report_to: list[str] | str | None) -> None:
 
 
 def drop_tensorboard_if_missing(training_args) -> bool:
-    """The demo logs to TensorBoard when it is installed (the `recipes` extra); after a plain `pip install
-    trl-grpo-ext` it runs without it, saying so once. Returns whether TensorBoard was dropped from `report_to`."""
+    """Drop TensorBoard from `report_to` where it is not installed, saying so; whether it was dropped."""
     if "tensorboard" not in (training_args.report_to or []) or _logger_installed("tensorboard"):
         return False
     # After `TrainingArguments.__post_init__`, `report_to` is a list and "none" is `[]`.
@@ -412,16 +400,8 @@ def _resumes(value: str | bool | None) -> bool:
 
 
 def fresh_output_dir(training_args) -> str | None:
-    """Point `training_args.output_dir` at a fresh folder when it names one that holds an earlier run (any file): the
-    first free `<output_dir>-2`, `-3`, ... (as the demo's `runs/` folders go), saying so in one line. A run that
-    resumes (`resume_from_checkpoint`) keeps its folder.
-
-    Without this, a second run trained over the first one's folder: its checkpoints, model card and `report.png`
-    replaced, and two TensorBoard runs in `runs/` for `report` to mix up.
-
-    Returns:
-        `str` or `None`: the new folder, or `None` when the folder named is kept.
-    """
+    """Point `training_args.output_dir` at the first free `<output_dir>-2`, `-3`, ... when it holds an earlier run
+    and this one does not resume, saying so; the new folder, or `None`."""
     folder = training_args.output_dir
     if _resumes(training_args.resume_from_checkpoint) or not os.path.isdir(folder) or not os.listdir(folder):
         return None

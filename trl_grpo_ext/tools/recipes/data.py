@@ -10,8 +10,6 @@ from datasets import DatasetDict, load_dataset
 from .arguments import looks_like_a_local_path
 from .rewards import gsm8k_solution
 
-__all__ = ["DATASET_FORMATS", "load_recipe_dataset"]
-
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -48,8 +46,7 @@ def _load(name: str, config: str | None) -> DatasetDict:
 
 
 def _missing_columns_fix(columns: list[str], dataset_format: str) -> str:
-    """What to do about a split without the columns `dataset_format` needs: the formats whose columns it has, and for
-    the `prompt` format, renaming the column that holds the prompts."""
+    """What to do about a split without the columns `dataset_format` needs."""
     fitting = [
         f"dataset_format: {other} (it reads {', '.join(needed)})"
         for other, (needed, _) in DATASET_FORMATS.items()
@@ -78,14 +75,9 @@ def load_recipe_dataset(
     system_prompt: str | None = None,
     required_splits: list[str] | tuple[str, ...] = ("train",),
 ) -> DatasetDict:
-    """Load `name` (a local folder of json/jsonl/parquet/csv files named by split, one file, or a Hub id) and map its
-    rows to GRPO rows: a `prompt` (a string, or a conversation when `system_prompt` is given) plus the columns the
-    reward functions read.
-
-    Raises:
-        ValueError: with no dataset name, an unknown format, a missing required split, an empty split, or rows
-            without the columns the format needs (the message lists the columns found).
-    """
+    """Load `name` (a local folder of json/jsonl/parquet/csv files named by split, one file, or a Hub id) as GRPO
+    rows: a `prompt` (a conversation with `system_prompt`) and the reward functions' columns. Raises `ValueError`
+    for what cannot be loaded or lacks the format's columns (listing the columns found)."""
     if not name:
         raise ValueError("Set `dataset_name`: a local folder or file, or a Hub dataset id.")
     if dataset_format not in DATASET_FORMATS:

@@ -1,18 +1,5 @@
-"""GRPO recipe: train `GRPOTrainerExt` on a dataset with reward functions, from a YAML config or CLI flags.
-
-    trl-grpo-ext grpo --config <config.yaml> [--field value ...]
-    accelerate launch --config_file <accelerate.yaml> -m trl_grpo_ext grpo --config <config.yaml>
-    accelerate launch --config_file <accelerate.yaml> <path of this file> --config <config.yaml>
-
-(`python recipes/grpo.py ...` in a clone of the repository runs this script too.) Every field of the script
-arguments below, of `GRPOConfigExt` and of `trl.ModelConfig` is a YAML key and a `--flag`; flags override the
-YAML. The output folder ends up holding the model (or LoRA adapter) and tokenizer, TensorBoard logs, `report.png`
-(once a training step was logged) and a model card, ready for `push_to_hub`. `--resume_from_checkpoint true`
-resumes from the last checkpoint in the output folder, a path from that checkpoint; false (or unset) starts fresh.
-
-A check of FSDP or DeepSpeed on a machine without GPUs sets `TRL_GRPO_EXT_CPU_ENGINES=1` for the launch
-(`trl_grpo_ext.cpu_engines.enable_sharded_engines_on_cpu`, docs/sharded.md); a GPU run never needs it.
-"""
+"""The GRPO recipe (open-r1 style): `GRPOTrainerExt` on a dataset with reward functions, from a YAML config and flags
+(`trl-grpo-ext grpo --config <yaml> [--field value ...]`; docs/recipes.md)."""
 
 from __future__ import annotations
 
@@ -38,8 +25,6 @@ from .arguments import (
 from .arguments import parse_args as _parse_args
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-__all__ = ["GRPOScriptArguments", "heldout_lines", "main", "output_summary", "parse_args", "run"]
 
 
 @dataclass
@@ -89,13 +74,8 @@ class GRPOScriptArguments:
 
 
 def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
-    """Train, evaluate, save and (if asked) push.
-
-    Returns:
-        `dict`: `{"before": ..., "after": ...}`, each the held-out metrics of `GRPOTrainerExt.evaluate_heldout`
-        (`heldout/<reward>/mean@<k>`, `heldout/<reward>/pass@<k>`; not the sample sizes), empty without
-        `eval_samples`.
-    """
+    """Train, evaluate, save and (if asked) push; the held-out scores `{"before": ..., "after": ...}` (empty without
+    `eval_samples`)."""
     import torch
     from transformers import AutoTokenizer
     from trl import get_peft_config, get_quantization_config
@@ -168,8 +148,7 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
         heldout_dataset=heldout,
     )
 
-    # Every process samples its share of the held-out prompts (sampled as training samples); all get the result. The
-    # evaluation before training is logged at its step (0), so the held-out curve of report.png starts there.
+    # Logged at step 0, so that the held-out curve of report.png starts there.
     before = {}
     if heldout is not None:
         trainer.add_callback(_EvaluateWhenTrainingBegins(trainer, before))
@@ -201,13 +180,8 @@ def main(script_args: GRPOScriptArguments, training_args, model_args) -> dict:
 
 
 def _end_training(trainer) -> None:
-    """Wait for every process, shut a colocated vLLM engine down, then end accelerate's training (trackers and
-    process group).
-
-    The engine tears down its own process groups and then the default one; at interpreter exit, after
-    `end_training()` destroyed the default group, its groups are no longer valid and vLLM prints `ValueError: Invalid
-    process group specified` after a run that succeeded. Shut down first, it finds them whole.
-    """
+    """Wait for every process, shut a colocated vLLM engine down, then end accelerate's training."""
+    # The engine tears its process groups down at exit: after `end_training()` they are gone and vLLM prints an error.
     trainer.accelerator.wait_for_everyone()
     llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)  # colocate mode: TRL's `vllm.LLM`
     engine = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
@@ -217,12 +191,8 @@ def _end_training(trainer) -> None:
 
 
 class _EvaluateWhenTrainingBegins(TrainerCallback):
-    """The held-out evaluation before training, logged at step 0 when training begins: inside `train()`, whose fresh
-    `TrainerState` would drop an entry logged before. Its values go into `values`.
-
-    A resumed run does not evaluate again (that would score the checkpoint, and add an entry at its step that the
-    uninterrupted run does not have): its values are those the run logged at step 0, in the resumed state's history
-    (none when that run did not evaluate before training)."""
+    """The held-out evaluation before training, logged at step 0 inside `train()` (whose fresh state would drop an
+    entry logged before), its values into `values`; a resumed run takes those its history logged at step 0."""
 
     def __init__(self, trainer, values: dict):
         self.trainer, self.values = trainer, values
@@ -238,8 +208,7 @@ class _EvaluateWhenTrainingBegins(TrainerCallback):
 
 
 def _heldout_at_last_step(trainer) -> dict[str, float]:
-    """The held-out values after training: those logged at the last step (`heldout_every_steps`; the evaluation is
-    seeded, so a second one would repeat them), else a new evaluation, logged."""
+    """The held-out values logged at the last step (the evaluation is seeded), else a new evaluation, logged."""
     for entry in reversed(trainer.state.log_history):
         if entry.get("step") != trainer.state.global_step:
             break
@@ -250,25 +219,13 @@ def _heldout_at_last_step(trainer) -> dict[str, float]:
 
 
 def _heldout_scores(values: dict) -> dict[str, float]:
-    """The held-out scores among `values` (`heldout/<metric>/mean@<k>`, `.../pass@<k>`), without the sample sizes
-    (`.../scored@<k>`), which the card and the console do not show."""
+    """The held-out scores among `values`, without the sample sizes (`.../scored@<k>`)."""
     return {key: value for key, value in values.items() if key.startswith(HELDOUT_PREFIX) and "/scored@" not in key}
 
 
 def heldout_lines(before: dict[str, float], after: dict[str, float]) -> list[str]:
-    """The console lines of the held-out scores, one per logged metric, before and after training.
-
-    A `pass@k` whose values are its metric's `mean@k` (one completion per prompt and 0/1 scores make them equal) is
-    not printed again.
-
-    Args:
-        before (`dict[str, float]`): `heldout/<metric>/mean@<k>` and `.../pass@<k>` before training; a name missing
-            here (a resumed run that did not evaluate before training) is printed with its value after only.
-        after (`dict[str, float]`): the same names after training.
-
-    Returns:
-        `list[str]`: one indented line per metric, in the order of `after`.
-    """
+    """One console line per held-out score of `after`, with its value `before` where there is one; a `pass@k` equal
+    to its `mean@k` before and after is left out."""
     lines = []
     for name in after:
         metric, _, statistic = name.rpartition("/")
@@ -285,8 +242,8 @@ def heldout_lines(before: dict[str, float], after: dict[str, float]) -> list[str
 
 
 def output_summary(output_dir: str, since: float, logged: bool, logging_steps: float) -> str:
-    """One line naming what this run wrote into `output_dir`: files older than `since` (left by an earlier run) do not
-    count, and a missing `report.png` is named with its reason."""
+    """One line naming what this run wrote into `output_dir` (files newer than `since`), and why `report.png` is
+    missing where it is."""
 
     def written(name: str) -> bool:
         path = os.path.join(output_dir, name)
@@ -319,16 +276,14 @@ USAGE = "%(prog)s --config <yaml> [--field value ...]"
 
 
 def parse_args(argv: list[str] | None = None, prog: str | None = None, **kwargs) -> tuple:
-    """(script arguments, `GRPOConfigExt`, `trl.ModelConfig`) from `argv` (default: the command line); `kwargs`:
-    `description`, `usage`, `defaults` (see `arguments.parse_args`)."""
+    """(script arguments, `GRPOConfigExt`, `trl.ModelConfig`) from `argv` (`arguments.parse_args`)."""
     kwargs = {"description": DESCRIPTION, "usage": USAGE, **kwargs}
     return _parse_args(GRPOScriptArguments, argv, prog=prog, **kwargs)
 
 
 def name_deepspeed_cpu_accelerator(training_args) -> None:
-    """On a machine without an accelerator, or with `use_cpu`, name DeepSpeed's CPU accelerator (`DS_ACCELERATOR=cpu`,
-    unless set): DeepSpeed, where installed (the `dev` extra), is imported by accelerate during training and would
-    warn that it found no accelerator before taking its CPU one; named, it takes it silently."""
+    """`DS_ACCELERATOR=cpu` unless set, without an accelerator or with `use_cpu`: DeepSpeed, where installed, then
+    takes its CPU accelerator without a warning."""
     import torch
 
     if training_args.use_cpu or not torch.accelerator.is_available():
@@ -342,14 +297,11 @@ def run(
     new_folder_per_run: bool = False,
     **parse_kwargs,
 ) -> int:
-    """Parse `argv` (default: the command line, see `parse_args`) and run the recipe; the exit status (`--help`
-    exits with 0).
+    """Parse `argv` (default: the command line) and run the recipe; the exit status.
 
     Args:
-        optional_tensorboard: run without TensorBoard when it is not installed, saying so (the demo), instead of
-            refusing a `report_to` that names it.
-        new_folder_per_run: write into a fresh folder when `output_dir` holds an earlier run (the demo, whose
-            folder is always the same), unless the run resumes (`arguments.fresh_output_dir`).
+        optional_tensorboard: run without TensorBoard where it is missing (the demo), saying so.
+        new_folder_per_run: write into a fresh folder when `output_dir` holds an earlier run (the demo).
     """
     if cpu_engines.env_flag(cpu_engines.CPU_ENGINES_ENV):  # a sharded engine on CPU processes (docs/sharded.md)
         cpu_engines.enable_sharded_engines_on_cpu()  # before the training arguments create accelerate's state

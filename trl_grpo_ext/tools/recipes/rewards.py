@@ -1,10 +1,5 @@
-"""Reward functions for the recipes, and how a recipe finds one by name or import path.
-
-Every function follows TRL's reward-function contract: keyword arguments `prompts`, `completions` and one list per
-extra dataset column (`solution` here), returning one float per completion. A recipe names this module's functions
-(`REWARD_FUNCS`), TRL's own by the names `trl grpo` takes them (`TRL_REWARD_FUNCS`, from `trl.rewards`), or any
-function by import path.
-"""
+"""The recipe's reward functions (TRL's contract: `completions` and a list per dataset column, one float per
+completion), and how a recipe names one: this module's, TRL's by the names `trl grpo` takes, or an import path."""
 
 from __future__ import annotations
 
@@ -16,20 +11,6 @@ import re
 import sys
 from collections.abc import Callable
 from fractions import Fraction
-
-__all__ = [
-    "REWARD_FUNCS",
-    "TRL_REWARD_FUNCS",
-    "completion_text",
-    "exact_match",
-    "extract_final_number",
-    "gsm8k_accuracy",
-    "gsm8k_solution",
-    "numbers_equal",
-    "resolve_reward_funcs",
-    "think_answer_format",
-    "trl_reward_func",
-]
 
 
 def completion_text(completion) -> str:
@@ -118,22 +99,9 @@ def _marked_answer(text: str) -> str | None:
 
 
 def extract_final_number(completion: str | list[dict]) -> str | None:
-    """The final numeric answer of a math completion, as a string without thousands separators or currency signs.
-
-    In order of precedence: the last number inside the last `<answer>...</answer>` that holds one
-    (`<answer>9 * 2 = 18</answer>` gives "18"); the same for `\\boxed{...}`, nested braces included
-    (`\\boxed{2 \\times 9 = 18}` gives "18", `\\boxed{\\frac{3}{4}}` gives "3/4"); the last number of the clause
-    after "####" or "the answer is" / "answer:" (`The answer is: 18 (9 eggs at $2 each)` gives "18"); otherwise the
-    last number of the text. Numbers may have thousands separators ("1,234"), decimals ("0.5", ".5" gives "0.5")
-    or be fractions ("3/4"). A minus is a sign only where it is not a hyphen after a digit, a word or a bracket
-    ("10-15 minutes" gives "15", "it is -3" gives "-3").
-
-    Args:
-        completion: the text, or a conversational completion (a list of messages; the last one is read).
-
-    Returns:
-        `str | None`: the number, or `None` when the completion has none.
-    """
+    """The final numeric answer of a math completion (text, or messages: the last one), or `None`: the last number
+    inside the last `<answer>...</answer>` that holds one, else inside `\\boxed{...}`, else in the clause after
+    "####" or "the answer is", else the last number of the text (docs/recipes.md, "Reward functions by name")."""
     text = _LATEX_FRACTION.sub(r"\1/\2", completion_text(completion)).replace("{,}", ",")
     for contents in (_ANSWER_TAG.findall(text), _boxed_contents(text)):
         for content in reversed(contents):
@@ -208,17 +176,9 @@ def _as_conversations(func: Callable) -> Callable:
 
 
 def trl_reward_func(name: str, max_completion_length: int | None = None) -> Callable:
-    """One of TRL's reward functions (`TRL_REWARD_FUNCS`), ready for a recipe.
-
-    `get_soft_overlong_punishment` is DAPO's soft overlong punishment over this run's completion limit: 0 up to
-    `L_max - L_cache` tokens, then falling linearly to -1 at `L_max`, with `L_max = max_completion_length` and
-    `L_cache = L_max // 5` (`trl grpo` fixes 1280 and 256, the same proportion, which never punishes a run whose limit
-    is below 1024 tokens). The others read plain-text completions as well as conversational ones.
-
-    Raises:
-        ValueError: for `get_soft_overlong_punishment` without `max_completion_length`, or `accuracy_reward` and
-            `reasoning_accuracy_reward` without math-verify installed (naming `pip install "trl-grpo-ext[math]"`).
-    """
+    """One of TRL's reward functions (`TRL_REWARD_FUNCS`) for plain-text completions too;
+    `get_soft_overlong_punishment` over this run's `max_completion_length` (`L_cache` a fifth of it). Raises
+    `ValueError` without that length, or without math-verify for the rewards that need it."""
     from trl import rewards
     from trl.import_utils import is_math_verify_available
 
@@ -237,18 +197,9 @@ def trl_reward_func(name: str, max_completion_length: int | None = None) -> Call
 
 
 def resolve_reward_funcs(names: list[str], max_completion_length: int | None = None) -> list[Callable]:
-    """Reward functions from this module's names (`REWARD_FUNCS`), TRL's (`TRL_REWARD_FUNCS`, see `trl_reward_func`)
-    or import paths (`my_pkg.rewards.func` or `my_pkg.rewards:func`; the working directory is importable, as for
-    TRL's own scripts).
-
-    Args:
-        names: one entry per reward function.
-        max_completion_length: the run's completion limit, for `get_soft_overlong_punishment`.
-
-    Raises:
-        ValueError: for an empty list, or a name that is none of these (listing the known names, and the closest one
-            for a misspelling), or one that is not importable.
-    """
+    """Reward functions by this module's names (`REWARD_FUNCS`), TRL's (`TRL_REWARD_FUNCS`) or import paths
+    (`my_pkg.rewards.func` or `my_pkg.rewards:func`, the working directory importable). Raises `ValueError` for an
+    empty list or a name that is none of these (naming the closest)."""
     known = f"one of {sorted(REWARD_FUNCS)}, one of TRL's {list(TRL_REWARD_FUNCS)}, or an import path"
     if not names:
         raise ValueError(f"No reward function given; name {known}.")

@@ -1,24 +1,8 @@
-"""GRPO on a SLURM allocation of N + 1 nodes: N train, the last one serves generations with vLLM.
+"""GRPO on a SLURM allocation of N + 1 nodes: N train with `accelerate launch`, the last one serves generations with
+vLLM's server, started as TRL's `trl vllm-serve` starts it (docs/recipes.md, "SLURM").
 
-    sbatch --nodes=3 recipes/slurm/train.slurm --config <recipe.yaml> --accelerate_config <accelerate.yaml> \
-        [--gpus_per_node 8] [--vllm_tensor_parallel_size 1] [--vllm_data_parallel_size 1] [recipe flags ...]
+    sbatch --nodes=3 recipes/slurm/train.slurm --config <recipe.yaml> --accelerate_config <accelerate.yaml> [...]
     trl-grpo-ext slurm --dry-run --config <recipe.yaml> --accelerate_config <accelerate.yaml>   # print, run nothing
-
-Run once per job (the batch script does), it reads the allocation from SLURM's variables (`SLURM_JOB_NODELIST`,
-`SLURM_JOB_NUM_NODES`, `SLURM_GPUS_ON_NODE`, `SLURM_CPUS_PER_TASK` or `SLURM_CPUS_ON_NODE`), then starts one `srun`
-step per node, with the node's CPUs: the vLLM server on the last node, and on each other node `accelerate launch`
-with the machine count, that node's rank and the first node's address, running this package's recipe (`python -m
-trl_grpo_ext grpo`) with `use_vllm: true`, `vllm_mode: server` and the server node as `vllm_server_host`.
-
-The server is vLLM's own, `VLLM_SERVER_DEV_MODE=1 vllm serve MODEL ...`, with the arguments TRL's trainers rely on
-(weight transfer over NCCL, processed log-probs, no cap on their number, scale-out endpoints with vLLM 0.30 and
-later): the command line that TRL's deprecated `trl vllm-serve` runs (`build_command` of `trl/scripts/vllm_serve.py`
-in TRL 1.12 to 1.x, recorded in `_compat.TRL_COPIES`), composed here so that it needs no TRL script (TRL 2.0 removes
-`trl vllm-serve`). The server loads the model as the recipe does: `model_revision`, `trust_remote_code`, `dtype`,
-`vllm_model_impl` and `vllm_max_model_length` are passed on when the config or a flag sets them. TRL's trainer
-waits for the server to answer (`vllm_server_timeout`, 240 s by default: raise it for a model that loads slowly).
-When every training step has ended, the server step is stopped; the exit status is the first failing step's.
-`--dry-run` prints each command (with fake `SLURM_*` variables it runs anywhere).
 """
 
 from __future__ import annotations
@@ -32,15 +16,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-
-__all__ = [
-    "MODEL_LOADING_FIELDS",
-    "SlurmPlan",
-    "expand_hostlist",
-    "plan_from_environment",
-    "run",
-    "vllm_server_command",
-]
 
 #: The recipe's vLLM fields that this launcher sets itself (server mode, on the last node).
 _LAUNCHER_FIELDS = ("use_vllm", "vllm_mode", "vllm_server_host", "vllm_server_base_url")
@@ -87,14 +62,8 @@ def _expand_host(pattern: str, hostlist: str) -> list[str]:
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
-    """The host names of a SLURM host list, in order, as `scontrol show hostnames` prints them.
-
-    `"node[01-03,07],gpu-a[1-2]-ib,login"` gives node01, node02, node03, node07, gpu-a1-ib, gpu-a2-ib, login.
-    A name may have several bracketed groups (`rack[1-2]-n[1-2]`: rack1-n1, rack1-n2, rack2-n1, rack2-n2).
-
-    Raises:
-        ValueError: for an empty list, unbalanced brackets or a range that is not `<digits>[-<digits>]`.
-    """
+    """The host names of a SLURM host list, in order, as `scontrol show hostnames` prints them
+    (`"node[01-03,07],login"`: node01, node02, node03, node07, login). Raises `ValueError` for one it cannot read."""
     if not hostlist.strip():
         raise ValueError("The SLURM host list is empty.")
     return [host for pattern in _split_outside_brackets(hostlist.strip()) for host in _expand_host(pattern, hostlist)]
@@ -157,8 +126,7 @@ def _check_vllm_fields(config: dict, flags: list[str]) -> None:
 
 
 def _check_recipe_flags(flags: list[str]) -> None:
-    """Refuse, before any node starts, a flag that names no recipe field (a typo would otherwise fail on every
-    node, after the allocation started)."""
+    """Refuse, before any node starts, a flag that names no recipe field."""
     from dataclasses import fields
 
     from trl import ModelConfig
@@ -206,8 +174,7 @@ def _model_loading(config: dict, flags: list[str]) -> dict:
     return arguments
 
 
-#: The server's settings that TRL's `trl vllm-serve` passes with its own defaults when not given (its
-#: `ScriptArguments`), by the names `vllm_server_command` takes.
+#: The server's settings that TRL's `trl vllm-serve` passes with its own defaults when not given.
 SERVER_DEFAULTS = {
     "host": "0.0.0.0",
     "tensor_parallel_size": 1,
@@ -219,9 +186,7 @@ SERVER_DEFAULTS = {
     "log_level": "info",
 }
 
-#: What TRL's trainers need from the server, whatever the model: the weight-transfer engine that `VLLMClient` pushes
-#: the training weights through, log-probs after temperature and the sampling cuts (the importance-sampling
-#: correction), and no cap on the log-probs per token.
+#: What TRL's trainers need from the server: weight transfer, processed log-probs, no cap on their number.
 TRAINER_SERVER_FLAGS = (
     "--weight-transfer-config",
     '{"backend": "nccl"}',
@@ -245,18 +210,9 @@ def _vllm_version() -> str | None:
 
 
 def vllm_server_command(arguments: dict, vllm_version: str | None = None) -> list[str]:
-    """The command that serves the model for the training nodes: `env VLLM_SERVER_DEV_MODE=1 vllm serve MODEL ...`.
-
-    The command line that TRL's `trl vllm-serve` runs for the same arguments (its `build_command`): the dev mode
-    serves the weight-transfer endpoints TRL's trainer calls, `TRAINER_SERVER_FLAGS` what the trainer reads, and
-    `--enable-scale-out` (vLLM 0.30 and later) the endpoints of multimodal prompts.
-
-    Args:
-        arguments: `model`, `port`, and any of `SERVER_DEFAULTS` and of the model-loading `revision`,
-            `trust_remote_code`, `max_model_len` (the names of `trl vllm-serve`'s arguments).
-        vllm_version (`str`, *optional*): the vLLM the server runs; the installed one by default (none: no
-            scale-out flag, as TRL decides).
-    """
+    """`env VLLM_SERVER_DEV_MODE=1 vllm serve MODEL ...`: the command line TRL's `trl vllm-serve` runs for the same
+    arguments (`model`, `port`, any of `SERVER_DEFAULTS`, `revision`, `trust_remote_code`, `max_model_len`), with
+    `--enable-scale-out` for `vllm_version` 0.30 and later (default: the installed vLLM)."""
     from packaging.version import Version
 
     settings = {**SERVER_DEFAULTS, **arguments}
@@ -296,13 +252,8 @@ def _gpus_per_node(given: int | None, environ: dict) -> int:
 
 
 def plan_from_environment(cli: argparse.Namespace, recipe_flags: list[str], environ: dict | None = None) -> SlurmPlan:
-    """The commands for this allocation, from SLURM's variables in `environ` (default: `os.environ`).
-
-    Raises:
-        ValueError: outside a SLURM job, with fewer than 2 nodes, a node count that disagrees with the node list, a
-            missing file, vLLM settings that contradict server mode, a flag that is no recipe field, or a vLLM
-            server larger than a node.
-    """
+    """The commands for this allocation, from SLURM's variables in `environ` (default: `os.environ`); a
+    `ValueError` for what cannot run (docs/recipes.md, "SLURM")."""
     import yaml
 
     environ = dict(os.environ if environ is None else environ)
@@ -332,8 +283,7 @@ def plan_from_environment(cli: argparse.Namespace, recipe_flags: list[str], envi
     port = cli.vllm_port or int(_explicit_value("vllm_server_port", config, recipe_flags) or 8000)
     train_nodes, server_node = nodes[:-1], nodes[-1]
 
-    # A step gets one CPU unless told otherwise (srun does not inherit the batch script's --cpus-per-task since
-    # SLURM 22.05), and accelerate starts a process per GPU in it: give each step the node's CPUs.
+    # srun does not pass the batch script's --cpus-per-task on (SLURM 22.05): each step gets the node's CPUs.
     cpus = environ.get("SLURM_CPUS_PER_TASK") or environ.get("SLURM_CPUS_ON_NODE")
 
     def srun(node: str) -> list[str]:
@@ -377,11 +327,8 @@ def plan_from_environment(cli: argparse.Namespace, recipe_flags: list[str], envi
 
 
 def execute(plan: SlurmPlan, poll_seconds: float = 5.0) -> int:
-    """Start every step, wait for the training steps, then stop the server; the first failing step's exit status.
-
-    A training step that fails stops the others (a multi-node run cannot go on without one of its machines); a
-    server that stops first stops the training too.
-    """
+    """Start every step, wait for the training steps, then stop the server; a failing step or server stops the
+    rest. The first failing step's exit status."""
     server = subprocess.Popen(plan.server_command)
     workers = [subprocess.Popen(command) for command in plan.train_commands]
     status = 0

@@ -1,24 +1,6 @@
-"""`trl-grpo-ext report RUN_DIR`: the training report and health summary of a GRPO run, from its trainer state.
-
-Reads the `trainer_state.json` written last in the run folder: its own (`Trainer.save_state`) or a
-`checkpoint-<step>` folder's, whichever was written most recently (the run that wrote the folder last; a folder
-reused by a shorter run keeps the older run's checkpoints), and says when the folder also holds states of another
-run. A folder with no trainer state but TensorBoard event files (stock TRL with `save_strategy="no"`) is read from
-those, with `tensorboard` installed (`report.tensorboard`), by the same rule (the run that wrote last, another run's
-files named) and with the thresholds the arguments recorded with them hold. Logged keys the report does not know
-are named.
-
-Works for any `Trainer`-based GRPO run: `GRPOTrainerExt`'s, judged with the run's own `warn_*` thresholds (kept
-in its state), or stock `trl.GRPOTrainer`'s (then with `GRPOConfigExt`'s defaults, and the panels and verdicts its
-metrics allow, saying what is missing). Rewrites `report.png`, prints one line per signal of the "What to watch"
-table with its verdict and the steps concerned, then the alarms raised with what to change (`--format text`, the
-default; `markdown` for a CI step summary, `json` for a script: the same findings, each with its verdict, severity
-tier and onset step, see `formats`).
-
-Exit status: 0 when the run could be read; 1 with a one-line reason when not; 2 when `--fail-on TIER` is given and
-a finding or alarm is of that tier or above (tiers: note < warning < critical; a `FAIL` verdict is critical, an
-`ALARM` a warning, a `note` a note). Without `--fail-on`, findings never change the status.
-"""
+"""`trl-grpo-ext report RUN_DIR`: `report.png` and the health summary of a GRPO run (`GRPOTrainerExt`'s or stock
+TRL's) from the trainer state or TensorBoard event files written last in its folder (docs/diagnostics.md, "The report
+command")."""
 
 from __future__ import annotations
 
@@ -38,8 +20,6 @@ from .health import SEVERITIES, RunHealth, assess
 from .sampling import sampling_summary
 from .tensorboard import event_files, read_event_files
 
-__all__ = ["FoundRun", "RunNotReadable", "find_run", "find_trainer_state", "load_trainer_state", "run"]
-
 STATE_NAME = "trainer_state.json"
 DESCRIPTION = (
     "The training report of a GRPO run (GRPOTrainerExt or stock trl.GRPOTrainer) from its trainer_state.json "
@@ -53,11 +33,7 @@ class RunNotReadable(Exception):
 
 
 def load_trainer_state(path: str) -> dict:
-    """The JSON of a `trainer_state.json`, checked to hold a `log_history` list.
-
-    Raises:
-        RunNotReadable: the file cannot be read, is not JSON, or has no `log_history` list.
-    """
+    """The JSON of a `trainer_state.json` that holds a `log_history` list, else `RunNotReadable`."""
     try:
         with open(path, encoding="utf-8") as handle:
             state = json.load(handle)
@@ -70,19 +46,14 @@ def load_trainer_state(path: str) -> dict:
 
 @dataclass
 class FoundRun:
-    """The trainer state `report` reads, and the states of other runs in the same folder.
+    """The run `report` reads.
 
     Attributes:
-        path (`str`): the `trainer_state.json` read.
-        state (`dict`): its contents.
-        other_runs (`list[tuple[str, int]]`): `(path, global_step)` of each state in the folder that this run did
-            not write (its log history is not the start of this run's); for event files, `(folder, last step)` of
-            each file of another run (`tensorboard.read_event_files`).
-        source (`str`): `"trainer_state"`, or `"tensorboard"` when the folder holds no trainer state and `path` is
-            the folder of the TensorBoard event files read (`state` is then rebuilt from them: its `log_history`
-            and `global_step`, the last step logged).
-        args (`dict`, *optional*): the run's training arguments where the folder records them (transformers' `args`
-            text in the event files); `None` for a trainer state, which does not.
+        path (`str`): the `trainer_state.json` read, or the folder of the TensorBoard event files read.
+        state (`dict`): the trainer state (rebuilt from event files: `log_history` and `global_step`).
+        other_runs (`list[tuple[str, int]]`): `(path, last step)` of each state or event file of another run.
+        source (`str`): `"trainer_state"` or `"tensorboard"`.
+        args (`dict`, *optional*): the training arguments the event files record; `None` for a trainer state.
     """
 
     path: str
@@ -96,12 +67,8 @@ _CHECKPOINT = re.compile(r"^checkpoint-\d+$")
 
 
 def find_run(run_dir: str) -> FoundRun:
-    """The trainer state written last in `run_dir` (its own `trainer_state.json` or a `checkpoint-<step>` folder's,
-    the most recently modified; at equal times the further one), and the other runs' states beside it.
-
-    Raises:
-        RunNotReadable: `run_dir` is not a folder, holds no trainer state, or the newest one cannot be read.
-    """
+    """The trainer state written last in `run_dir` or one of its `checkpoint-<step>` folders (at equal times the
+    further one), else its TensorBoard event files; the other runs' beside it. Raises `RunNotReadable`."""
     if not os.path.isdir(run_dir):
         raise RunNotReadable(f"{run_dir} is not a folder")
     candidates = [os.path.join(run_dir, STATE_NAME)]
@@ -137,7 +104,7 @@ def find_run(run_dir: str) -> FoundRun:
 
 
 def _tensorboard_run(run_dir: str, events: list[str]) -> FoundRun:
-    """The run whose only logs are the TensorBoard event files `events`: `path` is their folder (the common one)."""
+    """The run whose only logs are the TensorBoard event files `events`, judged with the thresholds they record."""
     try:
         read = read_event_files(events)
     except ImportError as error:
@@ -147,8 +114,6 @@ def _tensorboard_run(run_dir: str, events: list[str]) -> FoundRun:
     folder = os.path.commonpath([os.path.dirname(path) for path in read.files or events])
     steps = [entry["step"] for entry in read.history]
     state = {"global_step": max(steps, default=0), "log_history": read.history}
-    # A GRPOTrainerExt run's arguments (recorded by transformers with the event files) hold its warn_* thresholds:
-    # the run is judged with its own, as from a trainer state.
     if read.args is not None and any(alarm.field in read.args for alarm in ALARMS.values()):
         settings = AlarmSettings.from_config(SimpleNamespace(**read.args))
         state["stateful_callbacks"] = {AlarmSettings.__name__: settings.state()}
@@ -159,12 +124,6 @@ def _tensorboard_run(run_dir: str, events: list[str]) -> FoundRun:
 def _step_of(path: str) -> int:
     folder = os.path.basename(os.path.dirname(path))
     return int(folder.rsplit("-", 1)[1]) if _CHECKPOINT.match(folder) else -1
-
-
-def find_trainer_state(run_dir: str) -> tuple[str, dict]:
-    """`(path, contents)` of the trainer state `find_run` reads."""
-    found = find_run(run_dir)
-    return found.path, found.state
 
 
 #: `--fail-on`'s tiers (`health.SEVERITIES` above "ok").
@@ -206,7 +165,7 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
 
 
 def run(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Run the command with `argv` (default: the command line); returns the exit status (see `EXIT_CODES`)."""
+    """Run the command with `argv` (default: the command line); the exit status (`EXIT_CODES`)."""
     args = _parser(prog).parse_args(argv)
     name = prog or "report"
     try:
@@ -285,8 +244,7 @@ def _forward_options(args: dict | None) -> dict | None:
 
 
 def _draw(history: list[dict], output: str, run_dir: str, health: RunHealth, thresholds: dict | None) -> str:
-    """Write the report image (its alarm thresholds the run's, `None`: the defaults; the verdict under its title); one
-    line saying what was written and which panels had nothing to draw."""
+    """Draw `report.png`; one line saying what was written and which panels had nothing to draw."""
     try:
         written = figure.plot_training_report(
             history,

@@ -1,6 +1,5 @@
-"""`report.png`: training curves of reward, reward spread inside groups, KL, clip fraction, the importance-ratio band,
-the loss split, entropy, completion length and gradient norm, from the log history, with the alarm episodes
-shaded on the panel they concern."""
+"""`report.png`: the training curves of a log history on nine panels, with the alarm episodes shaded on the panel
+they concern (docs/diagnostics.md, "The report command")."""
 
 from __future__ import annotations
 
@@ -45,8 +44,6 @@ from ...metrics import (
     REWARDS_PREFIX,
 )
 from .health import HEALTHY
-
-__all__ = ["PANELS", "Panel", "build_report_figure", "missing_panels", "plot_training_report"]
 
 
 class Panel(NamedTuple):
@@ -151,32 +148,20 @@ def build_report_figure(
     thresholds: Mapping[str, float | None] | None = None,
     verdict: str | None = None,
 ) -> Figure | None:
-    """The report as a matplotlib `Figure` of the nine `PANELS` over training steps: reward (total, per function,
-    held-out metrics); reward spread inside groups (`reward_std/group_mean`, its `group_min`-`group_max` band where
-    that band changes over the run, and on its own axis the share of groups without spread,
-    `reward_std/frac_zero_groups` or else TRL's `frac_reward_zero_std`, with the `zero_std` alarm's threshold); KL
-    with the `kl_high` alarm's threshold (its penalty `beta * kl` is on the loss panel); clip fraction; ratio
-    p05/p50/p95 band with min and max (or a note of their extremes when they leave the frame); the loss and its split
-    (`loss/policy`, `loss/kl_penalty`); entropy; completion length (mean, min-max band, and the truncated share on its
-    own axis); gradient norm. Each panel labels its y axis and has one legend, above its axes and off the curves; the
-    spread and KL panels' legends are titled with their reading (the share of groups without spread; the KL's peak
-    against its alarm threshold). A series equal to one already drawn on the reward panel (`rewards/<f>/mean` of a
-    single reward function is `reward`) is named in that line's label, not drawn again. A panel whose metrics were
-    not logged (a stock TRL run has no `ratio/*`) says so.
+    """The report as a matplotlib `Figure` of the nine `PANELS` over training steps. A series equal to one already
+    drawn on the reward panel is named in that line's label; a panel whose metrics were not logged says so.
 
     Args:
         log_history: `trainer.state.log_history`.
         title: the run's name, in the figure's title ("<title>: GRPO training report").
-        clip_range: `(epsilon_low, epsilon_high)`, drawn as dashed lines at `1 - epsilon_low` and `1 + epsilon_high`.
-        episodes: alarm episodes (`AnomalyMonitor.episodes`, `health.assess(...).episodes`), shaded over their steps
-            on the panel of `PANELS` that names the alarm.
-        thresholds: the run's alarm thresholds (`AlarmSettings.thresholds`: the `warn_*` fields without the prefix,
-            `None` for an alarm switched off); a threshold not given is `GRPOConfigExt`'s default.
-        verdict: the run's verdict (`health.RunHealth.headline()`), written under the title: green where the run is
-            healthy, red otherwise.
+        clip_range: `(epsilon_low, epsilon_high)`, drawn at `1 - epsilon_low` and `1 + epsilon_high`.
+        episodes: alarm episodes (`health.assess(...).episodes`), shaded on the panel that names the alarm.
+        thresholds: the run's alarm thresholds (`AlarmSettings.thresholds`, `None` for an alarm off); default:
+            `GRPOConfigExt`'s.
+        verdict: the run's verdict (`RunHealth.headline()`), under the title: green where healthy, red otherwise.
 
     Returns:
-        The figure, or `None` when the history holds no training metrics (a run shorter than `logging_steps`).
+        The figure, or `None` when the history holds no training metrics.
     """
     if not any(LOSS in entry for entry in log_history):
         return None
@@ -256,8 +241,7 @@ def build_report_figure(
 
 
 def _header(figure: Figure, title: str, verdict: str | None) -> None:
-    """The figure's title and, under it, the run's verdict, at the top of the figure and above every panel: the panels
-    are laid out below the header, and moved down further where a panel's title or legend would reach into it."""
+    """The figure's title and, under it, the run's verdict, above every panel's title and legend."""
     top = 1 - 6 / (figure.get_figheight() * 72)  # 6 points from the top edge
     heading = figure.suptitle(title, y=top, va="top")
     texts = [heading]
@@ -283,11 +267,9 @@ def _header(figure: Figure, title: str, verdict: str | None) -> None:
 def _spread_panel(
     ax: Axes, log_history: list[dict], zero_std_fraction: float | None, right_axes: dict[Axes, Axes]
 ) -> str | None:
-    """The mean std of the groups; their min-max band only where it changes (a 0/1 reward with 8 completions per
-    prompt has groups with std 0 and 0.53 at every step: a constant rectangle); the share of groups without spread on
-    a right axis, with the `zero_std` alarm's threshold. Returns the reading: that share at the end of the run, and
-    the band's fixed edges where it was left out."""
-    # No spread inside a group means zero advantage: that group teaches nothing but the KL term.
+    """The mean std of the groups, their min-max band where it changes (a 0/1 reward gives the same two edges at
+    every step), the share of groups without spread on a right axis with the `zero_std` threshold. Returns the
+    reading: that share at the end and on average, the band's fixed edges where it was left out."""
     low_steps, low = _series(log_history, REWARD_STD_GROUP_MIN)
     high_steps, high = _series(log_history, REWARD_STD_GROUP_MAX)
     fixed = bool(low_steps) and low_steps == high_steps and not (_varies(low) or _varies(high))
@@ -329,9 +311,8 @@ def _spread_panel(
 
 
 def _kl_panel(ax: Axes, log_history: list[dict], kl_max: float | None) -> str | None:
-    """The KL alone (its penalty `beta * kl` is on the loss panel), with the `kl_high` alarm's threshold where that is
-    within twice the KL's peak (further up it would flatten the curve). Returns the reading: the peak against that
-    threshold."""
+    """The KL, with the `kl_high` threshold where it is within twice the KL's peak (further up it would flatten the
+    curve). Returns the reading: the peak against that threshold."""
     steps, values = _series(log_history, KL)
     if not steps:
         return None
@@ -398,9 +379,8 @@ def _right_axis(ax: Axes, log_history: list[dict], key: str) -> Axes | None:
 
 
 def _ratio_panel(ax, log_history: list[dict], clip_range: tuple[float, float]) -> None:
-    """The p05-p95 band and the median, framed with the clip range 1 +- epsilon. The min and max of single tokens are
-    drawn when every value of theirs falls inside that frame; otherwise a note names their extreme values (a line that
-    leaves the frame says nothing that can be read)."""
+    """The p05-p95 band and the median, framed with the clip range; the min and max where they stay in that frame,
+    else a note of their extremes."""
     low, high = _band(ax, log_history, RATIO_P05, RATIO_P95, "p05-p95")
     steps, values = _series(log_history, RATIO_P50)
     if steps:
@@ -461,11 +441,8 @@ def plot_training_report(
     thresholds: Mapping[str, float | None] | None = None,
     verdict: str | None = None,
 ) -> str | None:
-    """Draw `build_report_figure` (see there for the arguments) into the PNG `path`.
-
-    Returns:
-        The path written, or `None` when the history holds no training metrics (nothing is written then).
-    """
+    """Draw `build_report_figure` (the same arguments) into the PNG `path`; the path, or `None` when nothing was
+    drawn."""
     figure = build_report_figure(
         log_history, title=title, clip_range=clip_range, episodes=episodes, thresholds=thresholds, verdict=verdict
     )

@@ -1,9 +1,5 @@
-"""The health summary of `report`, from one set of findings, written three ways: `text` (for a person at a terminal),
-`markdown` (a GitHub Actions step summary: `>> "$GITHUB_STEP_SUMMARY"`) and `json` (for a script).
-
-`Report` holds what the command found (the verdict on every signal, the alarms, the lines about the run); each
-writer only lays it out, so the three agree by construction.
-"""
+"""`report`'s summary from one set of findings (`Report`), written as `text`, `markdown` (a CI step summary) or
+`json`: each writer only lays the findings out."""
 
 from __future__ import annotations
 
@@ -36,18 +32,9 @@ from ...metrics import (
 )
 from .health import HEALTHY, TOO_SHORT, RunHealth, SignalHealth, _episode_steps, _values, highest_severity
 
-__all__ = [
-    "FORMATS",
-    "FORWARD_KEYS",
-    "Report",
-    "forward_summary",
-    "render",
-    "unrecognised_keys",
-]
-
 FORMATS = ("text", "markdown", "json")
 
-#: The log-prob forward's waste metrics (`forward.layout.FORWARD_METRICS`), as `report` names them.
+#: The log-prob forward's waste metrics.
 FORWARD_KEYS = (FORWARD_PADDING_FRACTION, FORWARD_REPEATED_PROMPT_FRACTION, FORWARD_TOKENS_PER_DISTINCT)
 #: Below this many tokens forwarded per distinct token, the padded forward wastes too little to mention packing.
 PACKING_WORTH_MENTIONING = 1.05
@@ -87,20 +74,13 @@ def _tokens(count: float) -> str:
 
 
 def forward_summary(log_history: list[dict], packed: Mapping[str, bool] | None = None) -> dict | None:
-    """The log-prob forward over the run, with its line. The `forward/*` metrics describe TRL's padded layout of each
-    training micro-batch (what stock TRL forwards), whether or not the run packed its forward: the line says what
-    that layout forwards and what the packed forward forwards instead, and, where the run's options are known, which
-    of the two this run forwarded.
-
-    Args:
-        log_history: the run's entries (the mean of each `forward/*` metric logged is taken).
-        packed: the run's `padding_free` and `shared_prompt_forward` where known (the arguments recorded with its
-            TensorBoard event files); `None`: not known (a trainer state does not record them).
+    """What TRL's padded layout forwards per distinct token over the run (the means of `FORWARD_KEYS`), what the
+    packed forward forwards instead, and which of the two the run forwarded where `packed` says (the run's
+    `padding_free` and `shared_prompt_forward`; `None`: not known).
 
     Returns:
-        `None` when the run logged none of `FORWARD_KEYS`, else a dict with `padding_fraction`,
-        `repeated_prompt_fraction`, `tokens_per_distinct` (each `None` if not logged), `packed_tokens_per_distinct`
-        (what the packed forward forwards per distinct token) and `message`.
+        `None` without `forward/*` metrics, else the means (`padding_fraction`, `repeated_prompt_fraction`,
+        `tokens_per_distinct`), `packed_tokens_per_distinct` and `message`.
     """
     means = {}
     for key in FORWARD_KEYS:
@@ -149,20 +129,9 @@ def forward_summary(log_history: list[dict], packed: Mapping[str, bool] | None =
 
 @dataclass
 class Report:
-    """What `report` found about a run, for the writers of `render`.
-
-    Attributes:
-        run_dir: the folder given.
-        read: what was read, relative to `run_dir`: a `trainer_state.json`, or the folder of TensorBoard event files.
-        source: `"trainer_state"` or `"tensorboard"`.
-        global_step: the run's step.
-        notes: the lines about the run before the health summary (what was read, the thresholds, other runs).
-        image: the line about `report.png`.
-        health: the verdicts.
-        forward: `forward_summary` of the history.
-        sampling: `sampling.sampling_summary` of the history.
-        unrecognised: `unrecognised_keys` of the history.
-    """
+    """What `report` found about a run: what was read (`read`, relative to `run_dir`; `source`), the lines before the
+    summary (`notes`) and about `report.png` (`image`), the verdicts (`health`), `forward_summary`, `sampling_summary`
+    and `unrecognised_keys` of the history."""
 
     run_dir: str
     read: str

@@ -120,16 +120,12 @@ class SignalHealth:
     """The verdict on one signal.
 
     Attributes:
-        signal: the row.
-        verdict: `"ALARM"` (an alarm was raised), `"FAIL"` (the history shows a run that cannot have trained well:
-            a value that is not finite, no gradient at any step), `"note"` (a count was not 0; the last step's
-            gradient norm far above the run's), `"short"` (logged, but too few entries for its alarms to judge: a
-            note, so that a run too short to tell whether it learned is not called fine), `"ok"`, `"shown"` (not
-            judged) or `"missing"` (not logged).
+        signal: the signal.
+        verdict: `"ALARM"`, `"FAIL"`, `"note"`, `"short"`, `"ok"`, `"shown"` or `"missing"` (docs/diagnostics.md,
+            "The report command").
         detail: what the values did, which alarms fired at which steps, or why nothing was logged.
         episodes: the alarm episodes concerned.
-        onset: the first step the verdict is about (the first alarm episode's, the first non-finite value's, the
-            first count above 0), `None` where there is none or it is not known.
+        onset: the first step the verdict is about, `None` where there is none or it is not known.
     """
 
     signal: Signal
@@ -140,8 +136,8 @@ class SignalHealth:
 
     @property
     def severity(self) -> str:
-        """The verdict's tier of `SEVERITIES`: `FAIL` is critical, `ALARM` the highest tier of its episodes (a
-        warning but for an alarm with tiers), `note` and `short` a note, others ok."""
+        """The verdict's tier of `SEVERITIES`: `FAIL` critical, `ALARM` its episodes' highest, `note` and `short` a
+        note, others ok."""
         if self.verdict == "ALARM":
             return highest_severity(episode.severity for episode in self.episodes)
         return _SEVERITY.get(self.verdict, "ok")
@@ -179,8 +175,7 @@ class RunHealth:
         return not self.episodes and "short" in verdicts and not verdicts & {"FAIL", "note"}
 
     def headline(self) -> str:
-        """The run's verdict in one line: `HEALTHY`, too short to judge, or what was found (`report.png`'s, under its
-        title)."""
+        """The run's verdict in one line: `HEALTHY`, too short to judge, or what was found."""
         if self.ok:
             return HEALTHY
         if self.too_short:
@@ -279,14 +274,13 @@ def _summary(key: str, pairs: list[tuple[int | None, float]], nan_steps: list | 
     return text
 
 
-#: The last logged `grad_norm` at or above this many times the run's median is named (`note`): a run that ends
-#: diverging. The live alarm (`grad_norm_spike`) waits for 10x.
+#: The last logged `grad_norm` at or above this many times the run's median is a `note` (a run that ends diverging).
 FINAL_GRAD_NORM_FACTOR = 5.0
 
 
 def _failure(signal: Signal, key: str, pairs: list[tuple[int | None, float]]) -> SignalHealth | None:
-    """A verdict that no alarm rule gives but the history shows: a value that is not finite (a stock run with an
-    infinite reward, say), `grad_norm` 0 at every step, or a last `grad_norm` far above the run's median."""
+    """A verdict no alarm rule gives: a value that is not finite, `grad_norm` 0 at every step, or a last `grad_norm`
+    far above the run's median."""
     infinite = [step for step, value in pairs if math.isinf(value)]
     if infinite:
         return SignalHealth(
@@ -321,9 +315,7 @@ NAN_THROUGHOUT = {
 
 
 def _nan_throughout(signal: Signal, key: str, nan_steps: list) -> SignalHealth:
-    """`key` logged, and NaN at every step that logged it: whatever it measures was never measured, so the run cannot
-    be judged on it and cannot have trained well (a `grad_norm` NaN throughout: the non-finite guard skipped every
-    update, which `grad_norm_spike` does not count as a spike, or every one was broken)."""
+    """`key` logged, and NaN at every step that logged it: a `FAIL`."""
     why = NAN_THROUGHOUT.get(key, "the run cannot have trained well with it")
     return SignalHealth(signal, "FAIL", f"{_summary(key, [], nan_steps)}: {why}", onset=_first_step(nan_steps))
 
@@ -420,15 +412,12 @@ def _missing(key: str) -> str:
 
 
 def assess(log_history: list[dict], monitor: AnomalyMonitor | None = None) -> RunHealth:
-    """Judge a run's log history (`trainer.state.log_history`, or `trainer_state.json`'s `log_history`).
+    """Judge a run's log history: one `SignalHealth` per entry of `SIGNALS`, and every alarm episode.
 
     Args:
         log_history: the entries, in order.
-        monitor: the thresholds to judge with (`AnomalyMonitor.from_config(args)`); default: `GRPOConfigExt`'s.
-            It is replayed from scratch over the history.
-
-    Returns:
-        `RunHealth`: one `SignalHealth` per entry of `SIGNALS`, and every alarm episode.
+        monitor: the thresholds to judge with (`AnomalyMonitor.from_config(args)`), replayed from scratch over the
+            history; default: `GRPOConfigExt`'s.
     """
     monitor = monitor or AnomalyMonitor()
     monitor.replay(log_history)

@@ -1,12 +1,5 @@
-"""How much of a run's generation went to groups without reward spread, and whether the sampling options would pay.
-
-A group whose completions all got the same reward gives no policy gradient: the generation spent on it is lost.
-`dynamic_sampling` replaces such groups (at the cost of more generation), `selective_rollouts` skips, before
-generation, the prompts whose last visits were flat. Whether either pays depends on the data: the share of flat
-groups, whether prompts recur (several epochs) and how well one visit's flatness predicts the next
-(`selective_rollouts/precision`, logged when the option ran). `sampling_summary` reads these from a log history and
-says so in one line; the thresholds come from the learning benchmark (docs/performance.md).
-"""
+"""The share of a run's generation spent on groups without reward spread, and whether `dynamic_sampling` or
+`selective_rollouts` would pay (docs/sampling.md)."""
 
 from __future__ import annotations
 
@@ -20,10 +13,7 @@ from ...metrics import (
 )
 from .health import _values
 
-__all__ = ["FLAT_KEYS", "sampling_summary"]
-
-#: The share of generated groups without reward spread, in order of preference: every round of dynamic sampling,
-#: this package's per-group share, TRL's own (the share of completions in such groups: the same for equal groups).
+#: The share of generated groups without reward spread, in order of preference.
 FLAT_KEYS = (
     DYNAMIC_SAMPLING_FRAC_REWARD_ZERO_STD_GENERATED,
     REWARD_STD_FRAC_ZERO_GROUPS,
@@ -44,15 +34,12 @@ def _mean(log_history: list[dict], key: str) -> float | None:
 
 
 def sampling_summary(log_history: list[dict]) -> dict | None:
-    """The share of generation spent on groups without reward spread, and what to do about it, in plain words.
+    """The share of generation spent on groups without reward spread, and what would save it.
 
     Returns:
-        `None` when the run logged none of `FLAT_KEYS`, else a dict with `flat_share` (the mean of the first of
-        `FLAT_KEYS` logged), `flat_share_late` (its mean over the last quarter of the log entries), `epochs` (the last
-        `epoch` logged, or `None`), `precision` (the mean `selective_rollouts/precision`, or `None`) and `message`:
-        one line with the shares and what would save that generation (`dynamic_sampling`; `selective_rollouts`
-        where the prompts recur, or how well it did where it ran), or `None` where there is little to save (fewer
-        than `FEW_FLAT` of the groups flat): then nothing is worth changing, and `report` prints no line.
+        `None` without any of `FLAT_KEYS`, else `flat_share` (the mean of the first logged), `flat_share_late` (over
+        the last quarter of the entries), `epochs`, `precision` (the mean `selective_rollouts/precision`) and
+        `message` (`None` where fewer than `FEW_FLAT` of the groups were flat: nothing to change).
     """
     key = next((key for key in FLAT_KEYS if _values(log_history, key)), None)
     if key is None:

@@ -1,18 +1,11 @@
-"""A run's log history from its TensorBoard event files, for a folder without a trainer state (stock TRL with
-`save_strategy="no"` and `report_to="tensorboard"` leaves only `runs/<date>_<host>/events.out.tfevents.*`).
-
-transformers' `TensorBoardCallback` writes each logged value as a scalar tagged `train/<key>` (`eval/<key>` for an
-evaluation's `eval_<key>`); the entries are rebuilt one per step, with TRL's `log_history` keys. Reading needs the
-optional `tensorboard` package (the `recipes` extra).
-"""
+"""A run's log history from the TensorBoard event files transformers' `TensorBoardCallback` writes (`train/<key>`,
+`eval/<key>` scalars), for a folder without a trainer state. Needs the optional `tensorboard` package."""
 
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass, field
-
-__all__ = ["EVENT_FILE_PREFIX", "EventFilesRun", "event_files", "history_from_event_files", "read_event_files"]
 
 EVENT_FILE_PREFIX = "events.out.tfevents."
 #: The tag of the training arguments transformers' `TensorBoardCallback` records at the start of each training.
@@ -42,12 +35,10 @@ class EventFilesRun:
     """The run that wrote a folder's event files last (`read_event_files`).
 
     Attributes:
-        history (`list[dict]`): its log history, one entry per step (its `step` included), in step order.
+        history (`list[dict]`): its log history, one entry per step, in step order.
         files (`list[str]`): the event files it was read from, in the order written.
         others (`list[tuple[str, int]]`): `(file, last step)` of each file of another run.
-        args (`dict | None`): its training arguments as the trainer recorded them (transformers' `args` text: the
-            configuration's `to_json_string()`, a `GRPOConfigExt`'s `warn_*` fields included), `None` when none of
-            its files records them.
+        args (`dict | None`): its training arguments as the trainer recorded them, if any.
     """
 
     history: list[dict]
@@ -56,27 +47,10 @@ class EventFilesRun:
     args: dict | None = None
 
 
-def history_from_event_files(paths: list[str]) -> list[dict]:
-    """The log history of the run that wrote the event files `paths` last (`read_event_files`)."""
-    return read_event_files(paths).history
-
-
 def read_event_files(paths: list[str]) -> EventFilesRun:
-    """The run that wrote the event files `paths` last: its log history, files and arguments, and the other runs'
-    files.
-
-    Each file holds one stretch of logging (transformers opens a writer per training, in a folder of its own, a
-    resumed run included). The run is the file written last (the latest first event) and, before its first logged
-    step, each earlier file that holds steps before that one and none after the run's last step: the stretch it was
-    resumed from. A file that holds only steps the run logged again, or steps beyond its last, is another run's (a
-    new run into the same folder, whose steps would otherwise be merged with the earlier run's later ones): the rule
-    of the trainer-state reader (`command.find_run`), which names the states of another run.
-
-    Files without scalars (TensorBoard's hyper-parameter summaries) are left out.
-
-    Raises:
-        ImportError: `tensorboard` is not installed (the message says how to install it).
-    """
+    """The run that wrote the event files `paths` last: the file with the latest first event and, before its first
+    step, each earlier file with steps before that one and none after its last (the stretches it was resumed from);
+    the other files are another run's. Raises `ImportError` without `tensorboard`."""
     try:
         from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
     except ImportError:
@@ -135,8 +109,7 @@ def _text(value) -> str | None:
 
 
 def _scalar(value) -> float | None:
-    """The number of a summary value: a `simple_value` (TensorBoard's own writer), or a 0-dim float tensor (the
-    loader upgrades simple values to tensors)."""
+    """The number of a summary value: a `simple_value`, or a 0-dim float tensor."""
     kind = value.WhichOneof("value")
     if kind == "simple_value":
         return float(value.simple_value)
