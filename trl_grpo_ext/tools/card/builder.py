@@ -1,7 +1,7 @@
-"""This package's sections, added to the model card TRL's `create_model_card` wrote (docs/diagnostics.md, "The model
-card"): the quick start that loads the result, the objective that ran, the configuration, the final metrics, the
-training health and `report.png`. TRL's front matter, title, "Training procedure" and "Citations" stay as TRL wrote
-them."""
+"""This package's sections, added to the model card TRL's `create_model_card` wrote (docs/recipes.md, "What a run
+leaves in `output_dir`"): the quick start that loads the result, the objective that ran, the configuration, the final
+metrics, the training health and `report.png`. TRL's front matter, title, "Training procedure" and "Citations" stay
+as TRL wrote them."""
 
 from __future__ import annotations
 
