@@ -348,10 +348,9 @@ def resume_checkpoint(value: str | bool | None, output_dir: str) -> str | None:
     from transformers.trainer import TRAINER_STATE_NAME
     from transformers.trainer_utils import get_last_checkpoint
 
-    word = value.strip().lower() if isinstance(value, str) else value
-    if word in (None, False, "", "false", "no", "0", "f", "n"):
+    if not _resumes(value):
         return None
-    if word in (True, "true", "yes", "1", "t", "y", "last"):
+    if (value.strip().lower() if isinstance(value, str) else value) in (True, "true", "yes", "1", "t", "y", "last"):
         last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
         if last is None:
             raise ConfigError(
@@ -395,6 +394,7 @@ def drop_tensorboard_if_missing(training_args) -> bool:
 
 
 def _resumes(value: str | bool | None) -> bool:
+    """Whether `resume_from_checkpoint` (a flag's string or a YAML key's bool) asks to resume."""
     word = value.strip().lower() if isinstance(value, str) else value
     return word not in (None, False, "", "false", "no", "0", "f", "n")
 

@@ -17,9 +17,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-#: The recipe's vLLM fields that this launcher sets itself (server mode, on the last node).
-_LAUNCHER_FIELDS = ("use_vllm", "vllm_mode", "vllm_server_host", "vllm_server_base_url")
-
 
 def _split_outside_brackets(text: str) -> list[str]:
     parts, depth, current = [], 0, ""
