@@ -12,7 +12,7 @@ metrics, or only in the step time, which this package does not judge, is listed 
 
 A peer "flags" a scenario with a finding of its `warning` tier or above (rl-doctor's `INFO` findings, which it
 gives on its own healthy scenario too, are not counted). This package flags a scenario with an alarm of any tier or
-a `FAIL` of `report` (`trl_grpo_ext.report.health.assess`, the live alarms' rules with `GRPOConfigExt`'s default
+a `FAIL` of `report` (`trl_grpo_ext.tools.report.health.assess`, the live alarms' rules with `GRPOConfigExt`'s default
 thresholds). `EXPECTED_ALARMS` says which of this package's alarms answer each peer kind: the scenario corpus test
 (tests/test_health_scenarios.py) asserts that every flagged scenario raises one of them and that no healthy scenario
 raises anything.
@@ -273,7 +273,7 @@ def judge(history: list[dict]) -> dict:
         `dict` with `alarms` (names raised, in order of first onset), `failed` (signals with a `FAIL`), `onset` (the
         first step of any alarm or `FAIL`) and `flagged`.
     """
-    from trl_grpo_ext.report.health import assess
+    from trl_grpo_ext.tools.report.health import assess
 
     health = assess(history)
     failed = [signal.signal.name for signal in health.signals if signal.verdict == "FAIL"]

@@ -1,8 +1,8 @@
 """Learning against training time on a task: held-out exact match as training goes, per side and seed.
 
-Every side trains the shipped demo (`trl_grpo_ext/recipes/tiny`: the warmed-up 0.5M-parameter model, a LoRA adapter,
-16 prompts x 8 completions per step, `num_iterations=2`, the demo config's sampling and learning rate) for the same
-number of steps, each run in its own process, one after the other (sides rotating from seed to seed). Every
+Every side trains the shipped demo (`trl_grpo_ext/tools/recipes/tiny`: the warmed-up 0.5M-parameter model, a LoRA
+adapter, 16 prompts x 8 completions per step, `num_iterations=2`, the demo config's sampling and learning rate) for the
+same number of steps, each run in its own process, one after the other (sides rotating from seed to seed). Every
 `eval_every` steps a callback samples one completion for each of the first `eval_samples` test prompts (with a fixed
 seed, the training RNG restored afterwards) and scores exact match; the clocks stop while it does, so the times are
 training time only. Two clocks: the process's CPU time (one thread: the wall time of the same run on an idle core,
@@ -47,7 +47,7 @@ from .spread import flatness_statistics, make_spread_splits
 
 #: The tasks a learning run trains on: the shipped demo data, or the spread task (`spread.py`), built in memory.
 TASKS = {
-    "demo": "the demo's shipped data: reversal of 3-6 letters (`trl_grpo_ext/recipes/tiny/data`)",
+    "demo": "the demo's shipped data: reversal of 3-6 letters (`trl_grpo_ext/tools/recipes/tiny/data`)",
     "spread": "reversal of 1-9 letters: easy, learnable and out-of-reach prompts for the demo model (`spread.py`)",
 }
 #: Rows of the spread task's splits (a run trains on the first `train_prompts` of the training split).
@@ -112,10 +112,12 @@ def train_and_evaluate(
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-    from trl_grpo_ext.recipes.data import load_recipe_dataset
-    from trl_grpo_ext.recipes.demo import demo_defaults
-    from trl_grpo_ext.recipes.evaluation import SamplingSettings, sampled_reward_means
-    from trl_grpo_ext.recipes.rewards import exact_match
+    from trl_grpo_ext.sampling.generation import SamplingSettings
+    from trl_grpo_ext.tools.recipes.data import load_recipe_dataset
+    from trl_grpo_ext.tools.recipes.demo import demo_defaults
+    from trl_grpo_ext.tools.recipes.rewards import exact_match
+
+    from .reversal import sampled_reward_means
 
     pin_threads(threads)
     demo = demo_defaults()

@@ -1,6 +1,6 @@
 """The spread task: the demo's string reversal over lengths 1-9, prompts of many difficulties for the demo model.
 
-The demo task (`trl_grpo_ext/recipes/tiny/data`: lengths 3-6) gives the warmed-up demo model prompts of one
+The demo task (`trl_grpo_ext/tools/recipes/tiny/data`: lengths 3-6) gives the warmed-up demo model prompts of one
 difficulty, so whether a prompt's group of completions has reward spread is close to a coin toss at every visit.
 Real RLVR data is not like that for a given model: some prompts are solved, some stay out of reach for the whole run,
 and a learnable middle moves. This task builds that from the demo's own task and model, with no download: reversal of
@@ -26,7 +26,7 @@ import random
 import statistics
 from collections.abc import Iterable, Mapping
 
-from trl_grpo_ext.recipes.reversal import ALPHABET, SEPARATOR
+from .reversal import ALPHABET, SEPARATOR
 
 __all__ = ["BANDS", "LENGTH_WEIGHTS", "band_of", "flatness_statistics", "make_spread_splits", "starting_difficulty"]
 
@@ -125,8 +125,8 @@ def starting_difficulty(prompts: int = 500, generations: int = 8, seed: int = 0)
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_grpo_ext.recipes.demo import DEMO_MODEL
-    from trl_grpo_ext.recipes.evaluation import SamplingSettings, generate_completions
+    from trl_grpo_ext.sampling.generation import SamplingSettings, generate_completions
+    from trl_grpo_ext.tools.recipes.demo import DEMO_MODEL
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL)

@@ -16,9 +16,9 @@ A new table: a `RENDERERS` entry (the JSON's suite key and a function of its res
 JSON under `benchmarks/results/`, the markers in the document.
 
 A table of the package's records (`record_tables()`: the alarm table of docs/diagnostics.md, from the alarm records;
-docs/objective.md's loss-type table, from the built-in loss-type records; the metric tables of the README,
-docs/diagnostics.md and docs/sampling.md, from the metric records of `trl_grpo_ext.report.watch`) is written the
-same way from the records themselves, with no results file: a new record changes it through this command.
+docs/objective.md's loss-type table, from the built-in loss-type records) is written the same way from the records
+themselves, with no results file: a new record changes it through this command. The metric tables of the README and
+the documents are text.
 """
 
 from __future__ import annotations
@@ -266,34 +266,10 @@ def _loss_types() -> str:
     )
 
 
-def _metric_table(name: str) -> Callable[[], str]:
-    """A metric table of docs/diagnostics.md or docs/sampling.md, from the metric records
-    (`trl_grpo_ext.report.watch.WATCHED`)."""
-
-    def render() -> str:
-        from trl_grpo_ext.report.metric_record import metric_table
-        from trl_grpo_ext.report.watch import WATCHED
-
-        return metric_table(name, WATCHED)
-
-    return render
-
-
-def _readme_watch() -> str:
-    """The README's "What to watch" table, from the metric records with a README text."""
-    from trl_grpo_ext.report.metric_record import readme_table
-    from trl_grpo_ext.report.watch import WATCHED
-
-    return readme_table(WATCHED)
-
-
 def record_tables() -> dict[str, Callable[[], str]]:
     """The tables written from the package's records, not from a results file: name -> a function that returns
     Markdown (the package is imported on the first call, not with this module)."""
-    from trl_grpo_ext.report.metric_record import METRIC_TABLES, README_TABLE
-
-    tables = {"alarms": _alarms, "loss-types": _loss_types, README_TABLE: _readme_watch}
-    return tables | {name: _metric_table(name) for name in METRIC_TABLES}
+    return {"alarms": _alarms, "loss-types": _loss_types}
 
 
 def render(name: str, root: str = CHECKOUT) -> str:

@@ -1,7 +1,7 @@
 """vLLM's importance-sampling correction under truncated sampling, on a real engine: `python -m benchmarks truncation`.
 
-Each side trains the demo model (`trl_grpo_ext/recipes/tiny/base_model`, full fine-tuning, the demo's learning rate
-and temperature) for a few steps per sampling setting, generating with vLLM in colocate mode with
+Each side trains the demo model (`trl_grpo_ext/tools/recipes/tiny/base_model`, full fine-tuning, the demo's learning
+rate and temperature) for a few steps per sampling setting, generating with vLLM in colocate mode with
 `vllm_importance_sampling_correction` on. Run it from the vLLM environment (`make test-vllm` builds `.venv-vllm`):
 
     .venv-vllm/bin/python -m benchmarks truncation [--truncation-settings "top_p=1.0;top_p=0.8;top_k=3"]

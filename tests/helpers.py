@@ -26,7 +26,7 @@ MICRO_BATCHES_PER_LOG = 2
 def recipe_configs() -> list[str]:
     """The repository's recipe configs and those shipped in the package, each file once (recipes/tiny links to the
     package)."""
-    from trl_grpo_ext.recipes.demo import DEMO_DIR
+    from trl_grpo_ext.tools.recipes.demo import DEMO_DIR
 
     return sorted(
         {
@@ -39,6 +39,41 @@ def recipe_configs() -> list[str]:
 
 
 RECIPE_CONFIGS = recipe_configs()
+
+
+def model_card(
+    model_name: str = "m",
+    base_model: str | None = None,
+    dataset_name: str | list[str] | None = None,
+    hub_model_id: str | None = None,
+    tags: tuple[str, ...] = (),
+    wandb_url: str | None = None,
+    trackio_url: str | None = None,
+    comet_url: str | None = None,
+    **sections,
+) -> str:
+    """A run's model card: stock TRL's, as `GRPOTrainer.create_model_card` renders it for the run, with this package's
+    sections added (`tools.card.extend_card(card, **sections)`)."""
+    from trl.trainer.utils import generate_model_card
+
+    from trl_grpo_ext.tools.card import extend_card
+
+    trl_card = generate_model_card(
+        base_model=base_model,
+        model_name=model_name,
+        hub_model_id=hub_model_id,
+        dataset_name=dataset_name,
+        tags=[*tags, *GRPOTrainer._tag_names],
+        wandb_url=wandb_url,
+        trackio_url=trackio_url,
+        comet_url=comet_url,
+        trainer_name=GRPOTrainer._name,
+        trainer_citation=GRPOTrainer._paper.get("citation"),
+        template_file=GRPOTrainer._template_file,
+        paper_title=GRPOTrainer._paper.get("title"),
+        paper_id=GRPOTrainer._paper.get("id"),
+    )
+    return extend_card(str(trl_card), dataset_name=dataset_name, hub_model_id=hub_model_id, **sections)
 
 
 def count_a_reward(completions, **kwargs) -> list[float]:

@@ -21,7 +21,7 @@ The distributed run (tests/test_distributed.py under DDP, tests/test_sharded.py 
 - `lora`: a LoRA adapter trained and saved; the full adapter and base tensors before and after.
 - `heldout`: the held-out evaluation (tests/helpers.py's prompts and metric) before training, and at the one step of
   a run with learning rate 0 (the weights of the start, sharded by the engine then), with the collectives it made.
-- `recipe`: the recipe's `main` (`trl_grpo_ext.recipes.grpo`, which `recipes/grpo.py` runs) on the demo config,
+- `recipe`: the recipe's `main` (`trl_grpo_ext.tools.recipes.grpo`, which `recipes/grpo.py` runs) on the demo config,
   with held-out evaluation before and after training; it ends accelerate's process group, so it must be the last
   phase.
 
@@ -378,7 +378,7 @@ def run_heldout(output_dir, model_path) -> dict:
 
 def run_recipe(output_dir) -> dict:
     """The recipe's `main`, short, with held-out evaluation; the trainer it built is kept for the engine proof."""
-    from trl_grpo_ext.recipes import grpo as recipe  # what recipes/grpo.py runs
+    from trl_grpo_ext.tools.recipes import grpo as recipe  # what recipes/grpo.py runs
 
     built = []
 

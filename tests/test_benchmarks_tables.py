@@ -133,8 +133,8 @@ def test_every_count_of_tests_in_the_docs_names_the_commit_it_was_counted_at():
 DEMO_MINUTES = {
     "README.md": r"make demo .*about (\d+) minutes",
     "Makefile": r"The offline demo recipe: ~(\d+) minutes",
-    "trl_grpo_ext/recipes/cli.py": r"the offline demo .*~(\d+) minutes",
-    "trl_grpo_ext/recipes/tiny/config_demo.yaml": r"about (\d+) minutes",
+    "trl_grpo_ext/tools/cli.py": r"the offline demo .*~(\d+) minutes",
+    "trl_grpo_ext/tools/recipes/tiny/config_demo.yaml": r"about (\d+) minutes",
     "docs/recipes.md": r"config_demo\.yaml.*about (\d+) minutes",
     "benchmarks/__main__.py": r"alarms \(about (\d+) minutes",
 }
@@ -171,7 +171,7 @@ def test_the_demos_scores_quoted_in_the_docs_are_those_measured(page):
 
 def test_the_demo_suite_reads_the_held_out_lines_the_recipe_prints():
     from benchmarks import demo
-    from trl_grpo_ext.recipes.grpo import heldout_lines
+    from trl_grpo_ext.tools.recipes.grpo import heldout_lines
 
     before = {"heldout/exact_match/mean@1": 0.2, "heldout/exact_match/pass@1": 0.2, "heldout/f1/mean@4": 0.5}
     after = {"heldout/exact_match/mean@1": 0.782, "heldout/exact_match/pass@1": 0.782, "heldout/f1/mean@4": 0.61}

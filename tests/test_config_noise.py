@@ -11,7 +11,7 @@ import pytest
 from helpers import REPO
 
 from trl_grpo_ext import GRPOConfigExt
-from trl_grpo_ext.recipes import grpo
+from trl_grpo_ext.tools.recipes import grpo
 
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "recipes", "**", "*.yaml"), recursive=True))
 CONFIGS = [path for path in CONFIGS if "accelerate_configs" not in path]

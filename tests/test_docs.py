@@ -128,7 +128,7 @@ def test_the_report_s_signals_are_those_the_page_lists_with_their_alarms():
     """docs/diagnostics.md's paragraph on `report`'s signals names each signal's alarms, in the records' order, and
     every alarm belongs to one signal."""
     from trl_grpo_ext.guardrails.alarms import ALARMS
-    from trl_grpo_ext.report.health import SIGNALS
+    from trl_grpo_ext.tools.report.health import SIGNALS
 
     text = " ".join((ROOT / "docs" / "diagnostics.md").read_text().split())
     paragraph = text[text.index("The signals, in order:") :].split(". ", 1)[0]

@@ -175,7 +175,7 @@ def test_under_bf16_a_model_that_ignores_the_shared_prompt_mask_still_packs_with
     """The bf16 tolerance still tells a completion that attends to its siblings from rounding: on the tests' random
     model, whose attention barely matters (a difference of about 0.018), and on the demo's trained one (about 4, where
     bf16 rounding alone moves its log-probs by about 0.04)."""
-    from trl_grpo_ext.recipes.demo import DEMO_MODEL
+    from trl_grpo_ext.tools.recipes.demo import DEMO_MODEL
 
     path = tiny_model_path if model == "tiny" else DEMO_MODEL
     trainer = make_trainer(tmp_path, path, None, prompt_dataset, bf16=True)

@@ -11,7 +11,7 @@ from trl_grpo_ext.guardrails import ALARM_FIELDS, AnomalyMonitor
 from trl_grpo_ext.guardrails.alarms import DEFAULT_THRESHOLDS, Alarm, pearson
 from trl_grpo_ext.guardrails.anomaly import AlarmSettings
 from trl_grpo_ext.metrics import reward_function_metric
-from trl_grpo_ext.report.health import assess
+from trl_grpo_ext.tools.report.health import assess
 
 
 def fired_at(stream, name, **thresholds):

@@ -11,7 +11,7 @@ import pytest
 from trl_grpo_ext.guardrails import ALARMS, AnomalyMonitor
 from trl_grpo_ext.guardrails.progress_rules import slope_t
 from trl_grpo_ext.metrics import reward_function_metric
-from trl_grpo_ext.report.health import assess
+from trl_grpo_ext.tools.report.health import assess
 
 
 def noisy_run(curve, steps: int = 400, noise: float = 0.03, seed: int = 0) -> list[dict]:

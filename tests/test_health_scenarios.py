@@ -25,7 +25,7 @@ from benchmarks.health_scenarios import (  # noqa: E402
     rlprobe_scenarios,
     table,
 )
-from trl_grpo_ext.report.health import assess  # noqa: E402
+from trl_grpo_ext.tools.report.health import assess  # noqa: E402
 
 #: Sick scenarios this package does not flag yet with the kind injected: (generator, scenario) -> why.
 GAPS: dict[tuple[str, str], str] = {}

@@ -7,7 +7,7 @@ import datasets.config
 from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 
 from benchmarks import comm
-from trl_grpo_ext.recipes.data import load_recipe_dataset
+from trl_grpo_ext.tools.recipes.data import load_recipe_dataset
 
 
 def test_library_caches_are_under_pytest_temporary_folder(tmp_path_factory, tmp_path):

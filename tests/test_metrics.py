@@ -9,14 +9,16 @@ from trl_grpo_ext import metrics
 #: The string literals equal to a metric name that stay, by module: (module, literal) -> why.
 NOT_METRIC_NAMES = {
     ("_compat", "grad_norm"): "an argument of transformers' `Trainer._get_grad_norm`, pinned by the drift test",
-    ("card.fields", "learning_rate"): "a configuration field the card lists",
-    ("recipes.arguments", "learning_rate"): "a configuration field the recipe sets",
-    ("report.watch", "reward"): "a signal's title and a label on the console line",
+    ("tools.card.fields", "learning_rate"): "a configuration field the card lists",
+    ("tools.recipes.arguments", "learning_rate"): "a configuration field the recipe sets",
+    ("report.watch", "reward"): "a label on the console line",
     ("report.watch", "kl"): "a label on the console line",
-    ("report.watch", "entropy"): "a signal's title and a label on the console line",
-    ("report.figure", "reward"): "a panel's title and axis label",
-    ("report.figure", "entropy"): "a panel's title",
-    ("report.figure", "loss"): "a panel's axis label",
+    ("report.watch", "entropy"): "a label on the console line",
+    ("tools.report.health", "reward"): "a signal's title",
+    ("tools.report.health", "entropy"): "a signal's title",
+    ("tools.report.figure", "reward"): "a panel's title and axis label",
+    ("tools.report.figure", "entropy"): "a panel's title",
+    ("tools.report.figure", "loss"): "a panel's axis label",
     ("ops.objective", "kl"): "the per-row sums' field, in the ops layer, which imports nothing of the package",
     ("ops.loss_types", "vespo/phi_seq_mean"): "VESPO's record, in the ops layer, which imports nothing of the package",
 }

@@ -5,9 +5,8 @@ import math
 
 import pytest
 import torch
-from helpers import make_trainer
+from helpers import make_trainer, model_card
 
-from trl_grpo_ext.card.builder import build_model_card
 from trl_grpo_ext.ops import loss_types
 from trl_grpo_ext.ops.loss_types import LossType, register_loss_type, register_policy_term
 from trl_grpo_ext.ops.terms import POLICY_TERMS
@@ -41,9 +40,7 @@ def test_a_registered_loss_type_trains_two_steps_and_shows_on_the_card(
     assert len(logs) == 2 and all(math.isfinite(entry["loss"]) for entry in logs)
     after = dict(trainer.model.named_parameters())
     assert any(not torch.equal(before[name], after[name]) for name in before)  # it trained
-    text = build_model_card(
-        model_name="m", base_model=None, is_adapter=False, config={"loss_type": "toy", "beta": 0.04}, metrics={}
-    )
+    text = model_card(is_adapter=False, config={"loss_type": "toy", "beta": 0.04}, metrics={})
     objective = text.split("## Objective")[1].split("## Training configuration")[0]
     assert TOY_FORMULA in objective and "clip(" not in objective
 

@@ -188,8 +188,8 @@ NAMES = "metrics"
 ALARM_RULES = ("guardrails.rule", "guardrails.step_rules", "guardrails.trend_rules", "guardrails.progress_rules")
 #: The alarm records (`guardrails.alarms` gathers them): they import their rules, their type and one another only.
 ALARM_RECORDS = ("guardrails.alarm", "guardrails.step_alarms", "guardrails.course_alarms")
-#: The metric records (the documents' metric tables, the report's signals, the console's line) and their type.
-METRIC_RECORDS = ("report.metric_record", "report.watch")
+#: The metrics of the console's line.
+METRIC_RECORDS = ("report.watch",)
 
 
 def test_the_records_import_nothing_of_the_package():
@@ -198,7 +198,7 @@ def test_the_records_import_nothing_of_the_package():
     records = ("choices", "guardrails.alarms", "_compat", *ALARM_RECORDS, *ALARM_RULES, *METRIC_RECORDS)
     imported = {(module, target) for module, target, _ in _package_imports() if module in records}
     assert all(target in (*ALARM_RULES, *ALARM_RECORDS, *METRIC_RECORDS, NAMES) for _, target in imported), imported
-    assert ("report.watch", "report.metric_record") in imported  # the check sees the records' imports
+    assert ("report.watch", "metrics") in imported  # the check sees the records' imports
 
 
 def test_the_metric_names_import_nothing_of_the_package():
@@ -218,14 +218,17 @@ def test_only_the_entry_points_reach_the_trainer():
 DEFERRED_IMPORTS = {
     # The recipe's command line (`--help`, a mistake in a flag or the config file) answers before the training stack
     # (the trainer, datasets, the reward functions) is imported.
-    ("recipes.grpo", ""): "the trainer, through the package's lazy public names",
-    ("recipes.grpo", "recipes.data"): "datasets, loaded only to train",
-    ("recipes.grpo", "recipes.rewards"): "the reward functions, resolved only to train",
+    ("tools.recipes.grpo", ""): "the trainer, through the package's lazy public names",
+    ("tools.recipes.grpo", "tools.recipes.data"): "datasets, loaded only to train",
+    ("tools.recipes.grpo", "tools.recipes.rewards"): "the reward functions, resolved only to train",
     # The SLURM launcher plans and prints its commands on a login node without TRL or torch; only the check of the
     # recipe's flags reads the recipe's fields.
-    ("recipes.slurm", "config"): "TRL's GRPOConfig, for the flags' check only",
-    ("recipes.slurm", "recipes.arguments"): "TRL's parser, for the flags' check only",
-    ("recipes.slurm", "recipes.grpo"): "the recipe, for the flags' check only",
+    ("tools.recipes.slurm", "config"): "TRL's GRPOConfig, for the flags' check only",
+    ("tools.recipes.slurm", "tools.recipes.arguments"): "TRL's parser, for the flags' check only",
+    ("tools.recipes.slurm", "tools.recipes.grpo"): "the recipe, for the flags' check only",
+    # The tools are never imported with the trainer: the model card loads them when it is written.
+    ("trainer", "tools.card"): "the model card's sections, when a card is written",
+    ("report.sampling", "tools.report.sampling"): "the report's sampling line, at the end of training",
 }
 
 
@@ -253,3 +256,39 @@ def test_the_module_level_imports_point_one_way():
 
     for name in graph:
         visit(name, [])
+
+
+_TRAINER_ALONE = """
+import sys
+import trl_grpo_ext.trainer
+print(*sorted(name for name in sys.modules if name.startswith("trl_grpo_ext.")))
+"""
+
+
+def test_the_trainer_loads_no_module_of_the_tools():
+    """The command, the report, the model card and the recipes load when they run (a card when it is written), never
+    with `import trl_grpo_ext.trainer`."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _TRAINER_ALONE], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    loaded = result.stdout.split()
+    assert "trl_grpo_ext.trainer" in loaded
+    assert not [name for name in loaded if name.startswith("trl_grpo_ext.tools")], loaded
+
+
+def test_the_tools_name_no_file_of_the_checkout_that_the_wheel_leaves_out():
+    """The tools speak of themselves: no `tests/` or `benchmarks/` path, no peer tool (their comparisons are in
+    docs/)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(trl_grpo_ext.__file__).parent / "tools"
+    found = [
+        f"{path.relative_to(root)}:{number}: {line.strip()}"
+        for path in sorted(root.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\btests/|\bbenchmarks\b|\b(rldoctor|rl_doctor|rlprobe|rlwatch|verl)\b", line)
+    ]
+    assert not found, found

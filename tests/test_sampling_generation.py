@@ -1,5 +1,5 @@
 """Held-out evaluation samples exactly as `trl.GRPOTrainer` does during training (`trl_grpo_ext.sampling.generation`);
-the recipe's held-out scores (`trl_grpo_ext.recipes.evaluation.sampled_reward_means`) average over those samples."""
+the recipe's held-out scores (`benchmarks.reversal.sampled_reward_means`) average over those samples."""
 
 import pytest
 from datasets import Dataset
@@ -7,8 +7,8 @@ from helpers import count_a_reward, make_trainer, tiny_grpo_args
 from tokenizers.processors import TemplateProcessing
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks.reversal import sampled_reward_means
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-from trl_grpo_ext.recipes.evaluation import sampled_reward_means
 from trl_grpo_ext.sampling.generation import SamplingSettings, eos_token_ids, generate_completions, tokenize_prompts
 from trl_grpo_ext.testing import build_char_tokenizer, build_tiny_model
 

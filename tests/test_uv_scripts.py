@@ -12,7 +12,7 @@ from helpers import REPO
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from trl_grpo_ext.recipes import grpo
+from trl_grpo_ext.tools.recipes import grpo
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11
 

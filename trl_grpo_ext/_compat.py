@@ -260,16 +260,10 @@ TRL_COPIES = (
         "tests/test_sampling_generation.py::test_sampling_settings_build_the_generation_config_trl_trains_with",
     ),
     (
-        "trl_grpo_ext.recipes.slurm.vllm_server_command",
+        "trl_grpo_ext.tools.recipes.slurm.vllm_server_command",
         "trl/scripts/vllm_serve.py: build_command (the `vllm serve` command line that TRL's deprecated "
         "`trl vllm-serve` runs, with the arguments TRL's trainers rely on)",
-        "tests/test_recipes_slurm_server.py::test_the_command_is_the_one_trl_s_wrapper_composes",
-    ),
-    (
-        "trl_grpo_ext.card.stock.trl_card_tags",
-        "trl/trainer/base_trainer.py: BaseTrainer.create_model_card (the tags added at run time: unsloth, hf_jobs, "
-        "trackio:<url>)",
-        "tests/test_card.py::test_the_card_keeps_every_tag_and_heading_of_stock_trl_s_card",
+        "tests/test_tools_recipes_slurm_server.py::test_the_command_is_the_one_trl_s_wrapper_composes",
     ),
 )
 

@@ -16,13 +16,14 @@ their signatures against the installed TRL), and hands its concern to the helper
 - `_save_checkpoint`, `_get_output_dir`, `_push_from_checkpoint`, `_load_optimizer_and_scheduler`: crash-safe
   checkpoints and exact resume (`checkpointing.Checkpoints`);
 - `evaluate`: held-out evaluation (`sampling.heldout.HeldoutEvaluator`);
-- `create_model_card`: the model card and `report.png` (`card.builder.write_model_card`).
+- `create_model_card`: TRL's model card, with this package's sections and `report.png` added (`tools.card`).
 
 The state that a resumed run needs is registered by name with `Checkpoints.register`, once, here.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 import warnings
@@ -42,8 +43,6 @@ from ._compat import (
     options_missing_from_trl,
     seed_before_model_init,
 )
-from .card.builder import write_model_card
-from .card.fields import user_lora_settings
 from .checkpointing import Checkpoints
 from .config import GRPOConfigExt, config_problems, option
 from .diagnostics import DiagnosticsAccumulator
@@ -153,8 +152,8 @@ class GRPOTrainerExt(GRPOTrainer):
         if heldout.stands_in_for_eval_dataset:
             kwargs["eval_dataset"] = heldout.dataset
         seed_before_model_init(args)
-        # For the model card, before PEFT expands `target_modules="all-linear"` in the config it is given.
-        self._user_lora_settings = user_lora_settings(kwargs.get("peft_config"))
+        # For the model card, as given: PEFT writes the modules that `target_modules="all-linear"` matched into it.
+        self._peft_config = copy.deepcopy(kwargs.get("peft_config"))
         reward_kwargs = reward_kwarg_names(kwargs.get("train_dataset"), kwargs.get("environment_factory") is not None)
         super().__init__(model, guard_reward_funcs(reward_funcs, reward_kwargs), args=args, **kwargs)
         check_launch(self.accelerator)  # processes that a launcher started but accelerate runs apart
@@ -466,12 +465,10 @@ class GRPOTrainerExt(GRPOTrainer):
         tags: str | list[str] | None = None,
         **kwargs,
     ) -> None:
-        """Write `README.md` (a Hub model card) and `report.png` into `args.output_dir` (`card.write_model_card`)."""
-        write_model_card(
-            self,
-            model_name,
-            dataset_name,
-            tags,
-            lora_settings=self._user_lora_settings,
-            card_metrics=self.card_metrics,
-        )
+        """TRL's model card (`README.md` in `args.output_dir`) with this package's sections, and `report.png`."""
+        model_name = model_name or os.path.basename(os.path.normpath(self.args.output_dir))
+        super().create_model_card(model_name, dataset_name, tags)
+        if self.is_world_process_zero():
+            from .tools.card import add_to_model_card  # the tools load when a card is written, not with the trainer
+
+            add_to_model_card(self, dataset_name, peft_config=self._peft_config, card_metrics=self.card_metrics)

@@ -1,6 +1,6 @@
 """Build the demo's base model and data: `python recipes/tiny/make_base_model.py` (about a minute on a CPU).
 
-Writes, into the package's demo folder `trl_grpo_ext/recipes/tiny/` (which `recipes/tiny/data` and
+Writes, into the package's demo folder `trl_grpo_ext/tools/recipes/tiny/` (which `recipes/tiny/data` and
 `recipes/tiny/base_model` link to) unless `--output` says otherwise:
 - `data/train.jsonl`, `data/test.jsonl`: string-reversal prompts (`"abc="`) and solutions (`"cba"`), disjoint;
 - `base_model/`: a 0.5M-parameter Qwen3-architecture model and its character tokenizer, taught the task by a
@@ -13,12 +13,15 @@ independent of how fast the warm-up happens to converge for a given seed.
 import argparse
 import json
 import os
+import sys
 
 import torch
 
-from trl_grpo_ext.recipes.demo import DEMO_DIR
-from trl_grpo_ext.recipes.reversal import ALPHABET, SEPARATOR, make_splits, sampled_accuracy, warm_up
-from trl_grpo_ext.testing import build_char_tokenizer, build_tiny_model
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the checkout's benchmarks/
+
+from benchmarks.reversal import ALPHABET, SEPARATOR, make_splits, sampled_accuracy, warm_up  # noqa: E402
+from trl_grpo_ext.testing import build_char_tokenizer, build_tiny_model  # noqa: E402
+from trl_grpo_ext.tools.recipes.demo import DEMO_DIR  # noqa: E402
 
 
 def main() -> None:
