@@ -1,13 +1,5 @@
-"""What a run cannot start with: a launch that accelerate did not join into one run, a training set without prompts.
-
-`accelerate launch` (torchrun) or an MPI launcher tells each process how many were started. Accelerate forms them
-into one process group only when it finds a backend for them: on a machine without GPUs (or with
-`CUDA_VISIBLE_DEVICES=""`) a config with `distributed_type: MULTI_GPU` gives each process `distributed_type` NO and
-`num_processes` 1 unless `use_cpu=True`. Each process then trains a model of its own and all of them write the same
-`output_dir`. `check_launch` refuses that.
-
-A training set that is empty, or that has no `prompt` column (and no `environment_factory` to make the prompts),
-cannot produce a batch: `check_train_dataset` refuses it before any model is loaded.
+"""What a run cannot start with: processes that a launcher started but that accelerate runs apart (`check_launch`),
+a training set without prompts (`check_train_dataset`).
 """
 
 from __future__ import annotations

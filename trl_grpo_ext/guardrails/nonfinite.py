@@ -1,24 +1,6 @@
-"""`NonFiniteGuard`: what happens to an optimizer step whose loss or gradient is NaN or infinite.
-
-The guard judges each optimizer step once, from the global gradient norm that Trainer computes anyway (one host
-sync per step). Where that norm is not enough to tell a broken step from a routine one, it also reads a flag that
-`record_loss` kept on the device for every micro-batch, reduced across processes only when needed:
-
-- Plain, DDP and FSDP, fp32 or bf16: a step is non-finite when its gradient norm is. "skip" drops the gradients
-  before `optimizer.step()` and the learning-rate scheduler does not advance; "stop" checkpoints the state before
-  the step (nothing reached the weights) and raises `NonFiniteTrainingError`.
-- fp16 with a gradient scaler: a step is non-finite when the loss of any process was; then as above.
-- DeepSpeed, whose engine steps inside `backward`: a step is non-finite when the engine's own overflow check
-  skipped it (in fp16: and the loss of any process was non-finite). "skip" counts the step the engine skipped;
-  "stop" checkpoints the state before it and raises.
-
-With fp16, a non-finite gradient norm from finite losses is a routine loss-scale overflow: the scaler (or the
-DeepSpeed engine) skips that update and lowers the scale by itself, and the guard neither counts it nor stops.
-A DeepSpeed engine without an overflow check (for example bf16 with `check_grad_overflow: false`) applies a
-non-finite update before the guard can see it: the guard then stops with `applied=True` and writes no checkpoint.
-
-The guard, `NonFiniteGuard`, decides on each step; `NonFiniteEnforcer` carries its verdict out for `GRPOTrainerExt`,
-whose `training_step` and `_get_grad_norm` hooks (Trainer's) call it.
+"""What happens to an optimizer step whose loss or gradient is NaN or infinite: `NonFiniteGuard` decides on each
+step, from the global gradient norm (and, with fp16 or DeepSpeed, a flag of each micro-batch's loss kept on the
+device), and `NonFiniteEnforcer` carries its verdict out for `GRPOTrainerExt`'s `training_step` and `_get_grad_norm`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""`GuardedReward`: a reward function whose exceptions and bad values name the function and the completion.
-
-A reward function returns one reward per completion: a finite number, or `None` (or NaN) for a completion it cannot
-score (TRL leaves such completions out of the advantages). Anything else is bad input and raises
-`RewardFunctionError` at once, naming the function, the value and the completion: an infinite reward (which would
-train a step with `reward inf` and advantages of 0 or NaN), a scalar instead of a list, a list of another length.
-A function that cannot take every keyword argument TRL passes it (no `**kwargs`) is refused when the trainer is built,
-not at its first step with a `TypeError` from deep inside TRL.
+"""`GuardedReward`: a reward function whose exceptions and bad values (anything but one finite number, `None` or NaN
+per completion) name the function and the completion; `check_reward_signature`: a function that cannot take the
+keyword arguments TRL passes it is refused when the trainer is built.
 """
 
 from __future__ import annotations
