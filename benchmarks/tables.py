@@ -15,10 +15,9 @@ changed by rerunning the benchmark and this command, and a hand edit inside a re
 A new table: a `RENDERERS` entry (the JSON's suite key and a function of its results that returns Markdown), the
 JSON under `benchmarks/results/`, the markers in the document.
 
-A table of the package's records (`record_tables()`: the alarm table of docs/diagnostics.md, from the alarm records;
-docs/objective.md's loss-type table, from the built-in loss-type records) is written the same way from the records
-themselves, with no results file: a new record changes it through this command. The metric tables of the README and
-the documents are text.
+A table of the package's records (`record_tables()`: docs/objective.md's loss-type table, from the built-in loss-type
+records) is written the same way from the records themselves, with no results file: a new record changes it through
+this command. The metric tables of the README and the documents, and the alarm table, are text.
 """
 
 from __future__ import annotations
@@ -242,13 +241,6 @@ def provenance(payload: dict) -> str:
     return line
 
 
-def _alarms() -> str:
-    """docs/diagnostics.md's alarm table, from the alarm records (`trl_grpo_ext.guardrails.alarms.ALARMS`)."""
-    from trl_grpo_ext.guardrails.alarms import ALARMS, alarm_table
-
-    return alarm_table(ALARMS.values())
-
-
 def _loss_types() -> str:
     """docs/objective.md's loss-type table, from the built-in loss-type records (`trl_grpo_ext.ops.loss_types`), the
     defaults of `GRPOConfigExt` and of TRL's `GRPOConfig` named in their rows."""
@@ -269,7 +261,7 @@ def _loss_types() -> str:
 def record_tables() -> dict[str, Callable[[], str]]:
     """The tables written from the package's records, not from a results file: name -> a function that returns
     Markdown (the package is imported on the first call, not with this module)."""
-    return {"alarms": _alarms, "loss-types": _loss_types}
+    return {"loss-types": _loss_types}
 
 
 def render(name: str, root: str = CHECKOUT) -> str:

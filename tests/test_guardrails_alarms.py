@@ -1,22 +1,24 @@
 """The alarms: each on a synthetic log stream (fires, once per episode, clears, fires again) and on real tiny runs;
 their counts in the logs, their thresholds in the config, the same verdicts live and replayed."""
 
+import re
+
 import pytest
 from helpers import count_a_reward, tiny_grpo_args, train_logs, training_entries
 from transformers import TrainerControl, TrainerState, TrainingArguments
 from trl import GRPOConfig
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-from trl_grpo_ext.guardrails import ALARM_FIELDS, AnomalyMonitor
-from trl_grpo_ext.guardrails.alarms import DEFAULT_THRESHOLDS, Alarm, pearson
-from trl_grpo_ext.guardrails.anomaly import AlarmSettings
+from trl_grpo_ext.guardrails import ALARMS, AlarmSettings, AnomalyMonitor
+from trl_grpo_ext.guardrails.alarms import DEFAULTS, FAMILIES, ORDER, RENAMED, build_rules
+from trl_grpo_ext.guardrails.alarms.rule import pearson
 from trl_grpo_ext.metrics import reward_function_metric
 from trl_grpo_ext.tools.report.health import assess
 
 
-def fired_at(stream, name, **thresholds):
+def fired_at(stream, name, thresholds=None, **settings):
     """The indices of the entries of `stream` at which the alarm `name` was given, and the warnings."""
-    monitor = AnomalyMonitor(**thresholds)
+    monitor = AnomalyMonitor(thresholds, **settings)
     indices, messages = [], []
     for index, entry in enumerate(stream):
         started = [message for message in monitor.check(entry, step=index, warn=False) if f"alarms/{name};" in message]
@@ -150,13 +152,7 @@ STREAMS = {
 
 
 def test_every_alarm_has_a_stream():
-    assert set(STREAMS) == set(ALARM_FIELDS)
-
-
-def test_an_alarm_record_takes_keywords_only():
-    """A record reads as its fields' names (`default=0.9, low=0.0, ...`), never as a row of bare numbers."""
-    with pytest.raises(TypeError, match="positional"):
-        Alarm("zero_std", None, "warn_zero_std_fraction", 0.9, 0.0, 1.0, False, True, "help")
+    assert set(STREAMS) == set(ALARMS)
 
 
 @pytest.mark.parametrize("name", sorted(STREAMS))
@@ -165,8 +161,8 @@ def test_each_alarm_fires_once_per_episode_clears_and_fires_again(name):
     indices, messages, monitor = fired_at(stream, name, patience=3)
     assert indices == expected
     assert monitor.counts[name] == len(expected) and monitor.alarm_metrics()[f"alarms/{name}"] == len(expected)
-    # Every warning names the metric that counts it and the field of its threshold.
-    assert all(f"[alarms/{name}; {ALARM_FIELDS[name]}=" in message for message in messages)
+    # Every warning names the metric that counts it and the setting of its threshold.
+    assert all(f"[alarms/{name}; alarm_thresholds['{name}']=" in message for message in messages)
     episodes = [episode for episode in monitor.episodes if episode.name == name]
     assert [episode.start for episode in episodes] == expected and not episodes[0].active
 
@@ -174,9 +170,63 @@ def test_each_alarm_fires_once_per_episode_clears_and_fires_again(name):
 @pytest.mark.parametrize("name", sorted(STREAMS))
 def test_each_alarm_can_be_switched_off(name):
     stream, _ = STREAMS[name]
-    field = ALARM_FIELDS[name].removeprefix("warn_")
-    indices, _, monitor = fired_at(stream, name, **{field: None})
+    indices, _, monitor = fired_at(stream, name, {name: None})
     assert indices == [] and name not in monitor.counts
+
+
+#: A phrase of each alarm's advice (what its warning says to change).
+ADVICE = {
+    "zero_std": "Make the prompts neither too easy nor too hard for the model",
+    "no_spread": "so the reward sees no complete answer. Raise max_completion_length.",
+    "unscored": "a parser that never matches (answer format, tags) returns None for everything",
+    "no_gradient": "check requires_grad and the LoRA target modules",
+    "truncation": "or ask for shorter answers (a system prompt, a format reward)",
+    "truncation_sustained": "or ask for shorter answers (a system prompt, a format reward)",
+    "clip_fraction": "Lower the learning_rate or num_iterations, or widen epsilon.",
+    "ratio_p95": "check that it samples with the same weights and sampling settings as the trainer",
+    "ratio_max": "check that it samples with the same weights and sampling settings as the trainer",
+    "kl_jump": "Lower the learning_rate, raise beta, or check the rewards for hacking.",
+    "kl_high": "Lower the learning_rate, raise beta, or check the rewards for hacking.",
+    "kl_growth": "Lower the learning_rate, raise beta, or check the rewards for hacking.",
+    "entropy_collapse": "or add an entropy bonus (entropy_coef)",
+    "grad_norm_spike": "set or lower max_grad_norm, or raise beta",
+    "length_drift": "cap or penalise length in it",
+    "length_growth": "cap or penalise length in it",
+    "length_in_group": "cap or penalise length in it",
+    "reward_vs_heldout": "Read completions for loopholes the reward pays for",
+    "reward_scale": "Check the reward functions and reward_weights",
+    "vanishing_gradient": "a gradient accumulation or scaling bug",
+    "clip_asymmetry": "Lower the learning_rate or num_iterations, or widen epsilon.",
+    "flat_groups": "Make the prompts neither too easy nor too hard for the model",
+    "plateau": "change what limits it (harder prompts",
+    "reward_drop": "raise beta, and keep the best checkpoint (metric_for_best_model, load_best_model_at_end)",
+    "reward_composition": "make the auxiliary reward harder to earn without solving the task",
+}
+
+
+def package_strings() -> list[str]:
+    """Every string literal of the package (an implicit concatenation as one, an f-string's literal parts each)."""
+    import ast
+    import pathlib
+
+    import trl_grpo_ext
+
+    strings = []
+    for path in pathlib.Path(trl_grpo_ext.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                strings.append(" ".join(node.value.split()))
+    return strings
+
+
+@pytest.mark.parametrize("name", sorted(STREAMS))
+def test_each_alarm_s_advice_is_written_once_in_the_package(name):
+    """The advice its warning gives is in one string of the package: not repeated in a configuration's help, a
+    record, a docstring or another rule's warning (the alarms of a family that share it read it from the family)."""
+    _, messages, _ = fired_at(STREAMS[name][0], name, patience=3)
+    assert ADVICE[name] in messages[0]
+    holding = [text for text in package_strings() if ADVICE[name].lower() in text.lower()]
+    assert len(holding) == 1, holding
 
 
 @pytest.mark.parametrize(
@@ -254,7 +304,7 @@ def test_slow_length_growth_over_the_run_raises_length_growth_where_length_drift
     # The median of the last 5 lengths first exceeds the median of the first 5 (218 tokens) by half at index 17.
     assert indices == [17]
     assert "completion length grew from 218 to 329 tokens (+51%) since the start of the run" in messages[0]
-    assert "[alarms/length_growth; warn_length_growth=0.5, None switches it off]" in messages[0]
+    assert "[alarms/length_growth; alarm_thresholds['length_growth']=0.5, None switches it off]" in messages[0]
     health = assess(history)
     (length,) = [signal for signal in health.signals if signal.signal.name == "completion length"]
     assert length.verdict == "ALARM" and length.onset == 180 and length.severity == "warning"
@@ -325,42 +375,93 @@ def test_a_resumed_run_keeps_its_counts_and_does_not_warn_again(tmp_path, caplog
 
 
 @pytest.mark.parametrize(
-    ("field", "value"),
+    ("name", "value"),
     [
-        ("warn_truncated_fraction", 0.0),
-        ("warn_truncated_fraction", 1.5),
-        ("warn_no_spread_steps", 0),
-        ("warn_entropy_collapse", 1.0),
-        ("warn_grad_norm_spike", 1.0),
-        ("warn_length_drift_corr", 1.2),
-        ("warn_length_growth", 0.0),
-        ("warn_truncated_sustained", 1.5),
-        ("warn_length_group_corr", 0.0),
-        ("warn_heldout_drop", -0.1),
-        ("warn_ratio_p95", 0.9),
-        ("warn_plateau_steps", 0),
-        ("warn_plateau_steps", 10.5),
-        ("warn_flat_groups", 0.0),
-        ("warn_grad_norm_vanish", 1.0),
-        ("warn_clip_asymmetry", 1.0),
-        ("warn_reward_drop", 0.0),
-        ("warn_kl_growth", 1.0),
-        ("warn_reward_composition", 0.0),
-        ("warn_reward_composition", 1.5),
-        ("warn_patience", 0),
+        ("truncation", 0.0),
+        ("truncation", 1.5),
+        ("no_spread", 0),
+        ("entropy_collapse", 1.0),
+        ("grad_norm_spike", 1.0),
+        ("length_drift", 1.2),
+        ("length_growth", 0.0),
+        ("truncation_sustained", 1.5),
+        ("length_in_group", 0.0),
+        ("reward_vs_heldout", -0.1),
+        ("ratio_p95", 0.9),
+        ("plateau", 0),
+        ("plateau", 10.5),
+        ("flat_groups", 0.0),
+        ("vanishing_gradient", 1.0),
+        ("clip_asymmetry", 1.0),
+        ("reward_drop", 0.0),
+        ("kl_growth", 1.0),
+        ("reward_composition", 0.0),
+        ("reward_composition", 1.5),
+        ("kl_high", "high"),
     ],
 )
-def test_thresholds_out_of_range_are_refused_naming_the_field(field, value, tmp_path):
-    with pytest.raises(ValueError, match=f"`{field}` must be"):
-        GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, **{field: value})
+def test_thresholds_out_of_range_are_refused_naming_the_alarm(name, value, tmp_path):
+    with pytest.raises(ValueError, match=re.escape(f"`alarm_thresholds['{name}']` must be")):
+        GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, alarm_thresholds={name: value})
+    with pytest.raises(ValueError, match=re.escape(f"`thresholds['{name}']` must be")):
+        AnomalyMonitor({name: value})
+
+
+def test_a_patience_below_1_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="`warn_patience` must be"):
+        GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, warn_patience=0)
+
+
+@pytest.mark.parametrize(
+    ("given", "hint"),
+    [
+        ("kl_hihg", "did you mean 'kl_high'?"),
+        ("kl_max", "did you mean 'kl_high'?"),
+        ("bogus", "the alarms are zero_std"),
+    ],
+)
+def test_an_unknown_alarm_name_is_refused_with_the_nearest_one(given, hint, tmp_path):
+    with pytest.raises(ValueError, match=re.escape(f"`alarm_thresholds` has no alarm {given!r}: {hint}")):
+        GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, alarm_thresholds={given: 0.5})
+    with pytest.raises(ValueError, match=re.escape(f"`thresholds` has no alarm {given!r}")):
+        AnomalyMonitor({given: 0.5})
+
+
+def test_every_removed_warn_field_is_an_alarm_s_earlier_spelling():
+    assert len(RENAMED) == 25 and set(RENAMED.values()) <= set(ALARMS)  # the threshold fields of the release before
+    assert all(field.startswith("warn_") and field not in GRPOConfigExt.__dataclass_fields__ for field in RENAMED)
+
+
+@pytest.mark.parametrize(("field", "name"), sorted(RENAMED.items()))
+def test_a_removed_warn_field_is_refused_naming_its_new_spelling(field, name, tmp_path):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"`{field}` was removed") + r".*" + re.escape(f"alarm_thresholds={{'{name}': 0.5}}"),
+    ):
+        GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, **{field: 0.5})
+
+
+def test_the_alarms_are_judged_in_their_order_each_by_its_family():
+    """`ORDER` names every alarm of every family once; a family judges its own alarms only."""
+    assert sorted(ORDER) == sorted(name for family in FAMILIES for name in family.alarms) == sorted(ALARMS)
+    assert list(ALARMS) == list(ORDER) and [rule.name for rule in build_rules(DEFAULTS)] == list(ORDER)
+    with pytest.raises(ValueError, match="judges"):
+        ALARMS["kl_high"]("zero_std", 0.5)
+
+
+def test_the_thresholds_are_read_from_a_command_line_s_json(tmp_path):
+    args = GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, alarm_thresholds='{"kl_high": 0.5, "zero_std": null}')
+    assert args.alarm_thresholds == {"kl_high": 0.5, "zero_std": None}
+    with pytest.raises(ValueError, match="`alarm_thresholds` must be a JSON object"):
+        GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, alarm_thresholds="kl_high=0.5")
 
 
 def test_the_config_defaults_are_the_monitor_s(tmp_path):
-    args = GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, warn_truncated_fraction=None)
-    assert {field: getattr(GRPOConfigExt, field) for field in DEFAULT_THRESHOLDS} == DEFAULT_THRESHOLDS
+    args = GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, alarm_thresholds={"truncation": None})
     monitor = AnomalyMonitor.from_config(args)
-    assert monitor.thresholds["truncation"] is None and "truncation" not in [rule.name for rule in monitor.rules]
-    assert monitor.thresholds["no_spread"] == DEFAULT_THRESHOLDS["warn_no_spread_steps"]
+    assert monitor.thresholds == {**DEFAULTS, "truncation": None} and list(monitor.thresholds) == list(ALARMS)
+    assert "truncation" not in [rule.name for rule in monitor.rules]
+    assert AnomalyMonitor.from_config(GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True)).thresholds == DEFAULTS
 
 
 def test_a_plain_trl_config_gets_the_alarm_settings_of_grpo_config_ext_s_defaults(tmp_path):
@@ -410,7 +511,7 @@ class TestOnRealRuns:
         monitor = monitor_of(trainer)
         assert monitor.counts["no_spread"] == 1 and monitor.counts["zero_std"] == 1
         (no_spread,) = [episode for episode in monitor.episodes if episode.name == "no_spread"]
-        assert no_spread.start == DEFAULT_THRESHOLDS["warn_no_spread_steps"]  # the 3rd log step without spread
+        assert no_spread.start == DEFAULTS["no_spread"]  # the 3rd log step without spread
         assert "Truncation is" in no_spread.message  # says whether truncation is the cause
         assert [entry.get("alarms/no_spread") for entry in training_entries(trainer)] == [None, None, 1, 1]
 

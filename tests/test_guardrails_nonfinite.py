@@ -397,7 +397,7 @@ class TestAnomalyWarnings:
         assert any("raise beta" in w for w in started[3]) and any("vLLM" in w for w in started[3])
 
     def test_thresholds_can_be_switched_off(self):
-        monitor = AnomalyMonitor(zero_std_fraction=None, ratio_max=None)
+        monitor = AnomalyMonitor({"zero_std": None, "ratio_max": None})
         assert monitor.check({"frac_reward_zero_std": 1.0, "ratio/max": 1e9}) == []
 
     def test_a_run_without_reward_spread_warns_once(self, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
@@ -445,7 +445,7 @@ class TestBadInput:
             (dict(num_generations=1), "at least 2 generations"),
             (dict(per_device_train_batch_size=6, num_generations=4), "must give whole groups of `num_generations`"),
             (dict(nonfinite_policy="ignore"), "`nonfinite_policy`"),
-            (dict(warn_clip_fraction=0.0), "`warn_clip_fraction`"),
+            (dict(alarm_thresholds={"clip_fraction": 0.0}), "`alarm_thresholds\\['clip_fraction'\\]`"),
         ],
     )
     def test_bad_hyperparameters_are_refused_by_the_config(self, overrides, message, tmp_path):

@@ -46,9 +46,10 @@ print(*sorted(name for name in sys.modules if name.startswith("trl_grpo_ext.guar
 """
 
 
-def test_the_config_loads_the_alarm_records_not_the_guardrails_that_act_on_them():
-    """`config` reads `guardrails.alarms` (the records); the guardrails package exports its names lazily, so that
-    importing the configuration does not load the monitor, the non-finite guard or the reward guards."""
+def test_the_config_loads_the_alarms_not_the_guardrails_that_act_on_them():
+    """`config` reads `guardrails.alarms` (the alarms' defaults and ranges); the guardrails package exports its names
+    lazily, so that importing the configuration does not load the monitor, the non-finite guard or the reward
+    guards."""
     import subprocess
     import sys
 
@@ -161,8 +162,8 @@ def _under(module: str, *layers: str) -> bool:
 
 def test_the_config_imports_only_records_and_the_ops_layer():
     """`config` is a leaf that every feature module may import: it reads the values it checks from the records that
-    the features read too (`choices`, the alarm records, the loss types of `ops`), never from a feature module. Its
-    checks (`config_checks`) read the same and nothing of `config`."""
+    the features read too (`choices`, the alarms' defaults and ranges, the loss types of `ops`), never from a feature
+    module. Its checks (`config_checks`) read the same and nothing of `config`."""
     imported = {(module, target) for module, target, _ in _package_imports() if module in ("config", "config_checks")}
     assert imported and all(
         _under(target, "ops", "choices", "guardrails.alarms", NAMES) or (module, target) == ("config", "config_checks")
@@ -184,21 +185,21 @@ def test_the_ops_layer_imports_nothing_of_the_package_above_it():
 
 #: The metric names (`metrics.py`): the one module below every layer, which any module may import.
 NAMES = "metrics"
-#: The alarm records' rules: the alarm records import them, and they import only one another (and the metric names).
-ALARM_RULES = ("guardrails.rule", "guardrails.step_rules", "guardrails.trend_rules", "guardrails.progress_rules")
-#: The alarm records (`guardrails.alarms` gathers them): they import their rules, their type and one another only.
-ALARM_RECORDS = ("guardrails.alarm", "guardrails.step_alarms", "guardrails.course_alarms")
+#: The alarms (`guardrails.alarms` and its family modules): they import one another and the metric names only.
+ALARMS = "guardrails.alarms"
 #: The metrics of the console's line.
 METRIC_RECORDS = ("report.watch",)
 
 
 def test_the_records_import_nothing_of_the_package():
-    """What `config` and the features read their values from imports none of them (the alarm records their rules,
-    which import only one another; the metric records their type)."""
-    records = ("choices", "guardrails.alarms", "_compat", *ALARM_RECORDS, *ALARM_RULES, *METRIC_RECORDS)
-    imported = {(module, target) for module, target, _ in _package_imports() if module in records}
-    assert all(target in (*ALARM_RULES, *ALARM_RECORDS, *METRIC_RECORDS, NAMES) for _, target in imported), imported
-    assert ("report.watch", "metrics") in imported  # the check sees the records' imports
+    """What `config` and the features read their values from imports none of them (the alarms one another, the
+    metric records their type)."""
+    records = ("choices", "_compat", *METRIC_RECORDS)
+    imported = {
+        (module, target) for module, target, _ in _package_imports() if module in records or _under(module, ALARMS)
+    }
+    assert all(_under(target, ALARMS) or target in (*METRIC_RECORDS, NAMES) for _, target in imported), imported
+    assert ("report.watch", "metrics") in imported and ("guardrails.alarms.kl", "metrics") in imported
 
 
 def test_the_metric_names_import_nothing_of_the_package():

@@ -84,6 +84,28 @@ def test_an_unknown_config_field_is_refused(tmp_path):
         recipe.parse_args(["--config", str(config)])
 
 
+def test_the_alarm_thresholds_are_one_mapping_in_the_config_and_on_the_command_line(tmp_path):
+    config = tmp_path / "alarms.yaml"
+    config.write_text("model_name_or_path: x\nalarm_thresholds: {kl_high: 0.5, plateau: null}\n")
+    _, training_args, _ = recipe.parse_args(["--config", str(config)])
+    assert training_args.alarm_thresholds == {"kl_high": 0.5, "plateau": None}
+    flag = ["--alarm_thresholds", '{"zero_std": null, "plateau": 300}']
+    _, training_args, _ = recipe.parse_args(["--config", str(config), *flag])
+    assert training_args.alarm_thresholds == {"zero_std": None, "plateau": 300}  # the flag's mapping replaces it
+    with pytest.raises(ValueError, match="`alarm_thresholds` has no alarm 'kl_max': did you mean 'kl_high'"):
+        recipe.parse_args(["--config", str(config), "--alarm_thresholds", '{"kl_max": 0.5}'])
+
+
+def test_a_removed_warn_field_is_refused_naming_its_new_spelling_in_the_config_and_on_the_command_line(tmp_path):
+    config = tmp_path / "old.yaml"
+    config.write_text("model_name_or_path: x\nwarn_kl_max: 0.5\n")
+    new = r"`warn_kl_max` was removed: .* alarm_thresholds=\{'kl_high': 0.5\}"
+    with pytest.raises(ValueError, match=new):
+        recipe.parse_args(["--config", str(config)])
+    with pytest.raises(ValueError, match=new):
+        recipe.parse_args(["--model_name_or_path", "x", "--warn_kl_max", "0.5"])
+
+
 def test_every_flag_overrides_the_config(tmp_path):
     script_args, training_args, _ = recipe.parse_args(
         ["--config", DEMO_CONFIG, "--beta", "0.1", "--ratio_quantiles", "0.1", "0.9", "--eval_samples", "3"]

@@ -8,6 +8,7 @@ from helpers import count_a_reward, tiny_grpo_args
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+from trl_grpo_ext.guardrails.alarms import DEFAULTS
 from trl_grpo_ext.tools import cli
 from trl_grpo_ext.tools.report.command import find_run
 from trl_grpo_ext.tools.report.health import SIGNALS, assess
@@ -205,9 +206,11 @@ def truncated_run(run_dir, model, tokenizer, dataset, **fields):
 def test_the_report_judges_with_the_run_s_own_thresholds(
     tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, capsys
 ):
-    truncated_run(tmp_path / "off", tiny_model_path, tiny_tokenizer, prompt_dataset, warn_truncated_fraction=None)
+    truncated_run(
+        tmp_path / "off", tiny_model_path, tiny_tokenizer, prompt_dataset, alarm_thresholds={"truncation": None}
+    )
     status, out, _ = report(tmp_path / "off", capsys)
-    assert status == 0 and "Thresholds: the run's own warn_* values (from its trainer state)." in flat(out)
+    assert status == 0 and "Thresholds: the run's own alarm_thresholds (from its trainer state)." in flat(out)
     assert "truncation (" not in flat(out)  # the run switched that alarm off
     truncated_run(tmp_path / "quiet", tiny_model_path, tiny_tokenizer, prompt_dataset, warn_on_anomalies=False)
     status, out, _ = report(tmp_path / "quiet", capsys)
@@ -220,6 +223,7 @@ def test_the_image_is_drawn_with_the_run_s_own_thresholds(tmp_path, capsys, monk
 
     drawn = []
     monkeypatch.setattr(figure, "plot_training_report", lambda *args, **kwargs: drawn.append(kwargs) or args[1])
+    # recorded by a release whose thresholds were `warn_*` fields (`kl_max`: `warn_kl_max`), read as their alarms
     settings = {"args": {"enabled": True, "patience": 3, "thresholds": {"kl_max": 0.5}}, "attributes": {}}
     state = {
         "global_step": 1,
@@ -230,7 +234,8 @@ def test_the_image_is_drawn_with_the_run_s_own_thresholds(tmp_path, capsys, monk
     (tmp_path / "run" / "trainer_state.json").write_text(json.dumps(state))
     write_state(tmp_path / "stock", 1, state["log_history"])
     assert report(tmp_path / "run", capsys)[0] == 0 and report(tmp_path / "stock", capsys)[0] == 0
-    assert [kwargs["thresholds"] for kwargs in drawn] == [{"kl_max": 0.5}, None]  # None: GRPOConfigExt's defaults
+    assert [kwargs["thresholds"]["kl_high"] if kwargs["thresholds"] else None for kwargs in drawn] == [0.5, None]
+    assert drawn[0]["thresholds"]["zero_std"] == DEFAULTS["zero_std"]  # not recorded: the default
 
 
 def test_a_run_with_infinite_values_is_reported_without_a_traceback(tmp_path, capsys):

@@ -119,7 +119,7 @@ def test_a_spread_band_whose_edges_never_change_is_not_drawn_but_named():
 
 
 def test_the_spread_panel_reads_the_share_of_groups_without_spread_against_its_alarm():
-    figure = build_report_figure(demo_history(), thresholds={"zero_std_fraction": 0.8})
+    figure = build_report_figure(demo_history(), thresholds={"zero_std": 0.8})
     spread = by_title(figure)["reward spread: std inside each group"]
     (right,) = [ax for ax in figure.axes if ax.get_ylabel() == "share of groups"]
     shares = [line for line in right.get_lines() if line.get_label() == "reward_std/frac_zero_groups (right)"]
@@ -133,7 +133,7 @@ def test_the_spread_panel_reads_the_share_of_groups_without_spread_against_its_a
 
 
 def test_the_kl_panel_draws_the_kl_alone_with_its_alarm_threshold():
-    kl = by_title(build_report_figure(demo_history(), thresholds={"kl_max": 0.5}))["KL to the reference"]
+    kl = by_title(build_report_figure(demo_history(), thresholds={"kl_high": 0.5}))["KL to the reference"]
     beta_kl = [entry["loss/kl_penalty"] for entry in demo_history()]
     assert not [line for line in kl.get_lines() if list(line.get_ydata()) == beta_kl]
     assert [line.get_label() for line in kl.get_lines()] == ["kl", "kl_high alarm"]
@@ -142,10 +142,10 @@ def test_the_kl_panel_draws_the_kl_alone_with_its_alarm_threshold():
 
 
 def test_a_kl_threshold_far_above_the_curve_is_named_not_drawn():
-    kl = by_title(build_report_figure(demo_history(kl_peak=0.05)))["KL to the reference"]  # default kl_max: 1
+    kl = by_title(build_report_figure(demo_history(kl_peak=0.05)))["KL to the reference"]  # default kl_high: 1
     assert [line.get_label() for line in kl.get_lines()] == ["kl"]
     assert kl.get_legend().get_title().get_text() == "peak 0.05 at step 20, 5% of the kl_high alarm's 1"
-    off = by_title(build_report_figure(demo_history(), thresholds={"kl_max": None}))["KL to the reference"]
+    off = by_title(build_report_figure(demo_history(), thresholds={"kl_high": None}))["KL to the reference"]
     assert off.get_legend().get_title().get_text() == "peak 0.4 at step 20; alarm kl_high off"
 
 
@@ -206,7 +206,7 @@ def test_the_figure_title_and_verdict_sit_clear_above_every_panel_s_title_and_le
 
 
 def test_the_zero_std_threshold_is_marked_on_the_right_axis_and_crosses_no_curve():
-    figure = build_report_figure(demo_history(), thresholds={"zero_std_fraction": 0.8})
+    figure = build_report_figure(demo_history(), thresholds={"zero_std": 0.8})
     (right,) = [ax for ax in figure.axes if ax.get_ylabel() == "share of groups"]
     (alarm,) = [line for line in right.get_lines() if line.get_label() == "zero_std alarm (right)"]
     # a mark at the right edge, at the threshold on the right axis: no line across the left axis' curves

@@ -12,7 +12,7 @@ from trl import GRPOConfig
 
 from trl_grpo_ext import GRPOConfigExt
 from trl_grpo_ext.guardrails import AnomalyMonitor, RewardFunctionError
-from trl_grpo_ext.guardrails.alarms import ALARMS
+from trl_grpo_ext.guardrails.alarms import ALARMS, DEFAULTS
 from trl_grpo_ext.tools.card.fields import card_config
 from trl_grpo_ext.tools.report.health import assess
 
@@ -168,12 +168,18 @@ def test_the_card_shows_cispo_s_cap_as_trl_trains_with_it():
     assert card_config(cispo(epsilon_high=5.0))["epsilon_high"] == 5.0
 
 
-def test_every_alarm_is_one_record_that_the_config_the_monitor_and_the_report_read():
-    for name, alarm in ALARMS.items():
-        field = GRPOConfigExt.__dataclass_fields__[alarm.field]
-        assert field.default == alarm.default and alarm.help in field.metadata["help"], name
-        assert AnomalyMonitor(**{alarm.keyword: None}).thresholds[name] is None
-        assert alarm.problem(alarm.default) is None and alarm.problem(alarm.low - 1) is not None
+def test_every_alarm_is_one_family_entry_that_the_config_the_monitor_and_the_report_read():
+    """An alarm is a key of its family's `alarms` and a method of that family: its default is the config's (named in
+    the field's help) and the monitor's, its range refuses a value below it, `None` switches it off."""
+    helped = GRPOConfigExt.__dataclass_fields__["alarm_thresholds"].metadata["help"]
+    for name, family in ALARMS.items():
+        alarm = family.alarms[name]
+        assert callable(getattr(family, name)) and f"{name} {alarm.default:g}" in helped, name
+        assert AnomalyMonitor().thresholds[name] == alarm.default == DEFAULTS[name]
+        assert (
+            AnomalyMonitor({name: None}).thresholds[name] is None and name not in AnomalyMonitor({name: None}).counts
+        )
+        assert alarm.range.problem(alarm.default) is None and alarm.range.problem(alarm.range.low - 1) is not None
 
 
 def nan_loss_history(first_nan_step: int | None, steps: int = 200) -> list[dict]:

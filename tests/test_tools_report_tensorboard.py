@@ -103,17 +103,24 @@ def test_a_grpo_trainer_ext_run_s_event_files_are_judged_with_its_own_thresholds
     from trl_grpo_ext import GRPOConfigExt
 
     entries = [{"step": step, "loss": 0.25, "kl": 0.75} for step in range(1, 6)]  # below the default kl_high (1.0)
-    args = GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, report_to="none", warn_kl_max=0.5)
+    args = GRPOConfigExt(output_dir=str(tmp_path), use_cpu=True, report_to="none", alarm_thresholds={"kl_high": 0.5})
     write_events(tmp_path / "ext", entries, args=args.to_json_string())
     status, out, _ = report(tmp_path / "ext", capsys)
     assert (
         status == 0
-        and "Thresholds: the run's own warn_* values (from the arguments its event files record)." in flat(out)
+        and "Thresholds: the run's own alarm_thresholds (from the arguments its event files record)." in flat(out)
     )
     assert "kl_high (step" in out and "exceeds 0.5" in out
-    write_events(tmp_path / "stock", entries)  # a stock TRL run records no warn_* fields
+    # a run of a release whose thresholds were `warn_*` fields: read as their alarms, not refused
+    old = {key: value for key, value in json.loads(args.to_json_string()).items() if key != "alarm_thresholds"}
+    write_events(
+        tmp_path / "old", entries, args=json.dumps({**old, "warn_kl_max": 0.5, "warn_zero_std_fraction": 0.9})
+    )
+    status, out, _ = report(tmp_path / "old", capsys)
+    assert status == 0 and "kl_high (step" in out and "exceeds 0.5" in out
+    write_events(tmp_path / "stock", entries)  # a stock TRL run records no alarm settings
     status, out, _ = report(tmp_path / "stock", capsys)
-    assert status == 0 and "Thresholds: GRPOConfigExt's defaults (no warn_* values in the arguments its event" in flat(
-        out
+    assert status == 0 and "Thresholds: GRPOConfigExt's defaults (no alarm settings in the arguments its event" in (
+        flat(out)
     )
     assert "kl_high (" not in out

@@ -1,14 +1,15 @@
 """`GRPOConfigExt`: TRL's `GRPOConfig` with the defaults of DeepSeekMath's GRPO objective; `option`, the value of
 one of its fields for any configuration; `config_problems`, the one validation of a configuration.
 
-A leaf of the package: it imports the records its fields take their values from (`ops`, `choices`, the alarm records
-of `guardrails.alarms`) and its checks (`config_checks`, which import the same and nothing of `config`), no feature
+A leaf of the package: it imports the records its fields take their values from (`ops`, `choices`, the alarms of
+`guardrails.alarms`) and its checks (`config_checks`, which import the same and nothing of `config`), no feature
 module, so that every feature module may import `option` from here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 import transformers
@@ -17,7 +18,7 @@ from trl import GRPOConfig
 
 from .choices import CONSOLE_MODES, NONFINITE_POLICIES
 from .config_checks import fused_kernel_problems, generation_batch_problem, list_problem, option_problems
-from .guardrails.alarms import ALARMS
+from .guardrails.alarms import DEFAULTS, RENAMED
 from .ops import IMPLEMENTATIONS
 from .ops.validation import raise_problems
 
@@ -25,7 +26,14 @@ from .ops.validation import raise_problems
 #: deprecated alias); older releases know only `gradient_checkpointing`.
 _HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in transformers.TrainingArguments.__dataclass_fields__
 
-__all__ = ["TRL_BEHAVIOUR", "GRPOConfigExt", "config_problems", "fused_kernel_problems", "option"]
+__all__ = [
+    "TRL_BEHAVIOUR",
+    "GRPOConfigExt",
+    "config_problems",
+    "fused_kernel_problems",
+    "option",
+    "removed_field_problem",
+]
 
 
 @dataclass
@@ -44,6 +52,13 @@ class GRPOConfigExt(GRPOConfig):
 
     Every other field is TRL's; see [`trl.GRPOConfig`].
     """
+
+    def __new__(cls, *args, **kwargs):
+        # A removed field is refused naming what replaced it, where the dataclass would only call it unexpected.
+        problems = [removed_field_problem(name, value) for name, value in kwargs.items() if name in RENAMED]
+        if problems:
+            raise ValueError(" ".join(problems))
+        return super().__new__(cls)
 
     beta: float = field(
         default=0.04,
@@ -348,37 +363,20 @@ class GRPOConfigExt(GRPOConfig):
     warn_on_anomalies: bool = field(
         default=True,
         metadata={
-            "help": "Alarms: warn (once per episode, naming what to change) about the conditions of the warn_* "
-            "fields below, and count each alarm in the logged metric alarms/<name>. A warn_* field set to None "
-            "switches that alarm off."
+            "help": "Alarms: warn (once per episode, naming what to change) when a run stops learning or drifts, and "
+            "count each alarm in the logged metric alarms/<name>."
         },
     )
-    # One field per alarm: default, range and help are its record's (`guardrails.alarms.ALARMS`).
-    warn_zero_std_fraction: float | None = ALARMS["zero_std"].config_field()
-    warn_no_spread_steps: int | None = ALARMS["no_spread"].config_field()
-    warn_unscored_fraction: float | None = ALARMS["unscored"].config_field()
-    warn_zero_grad_steps: int | None = ALARMS["no_gradient"].config_field()
-    warn_truncated_fraction: float | None = ALARMS["truncation"].config_field()
-    warn_truncated_sustained: float | None = ALARMS["truncation_sustained"].config_field()
-    warn_clip_fraction: float | None = ALARMS["clip_fraction"].config_field()
-    warn_ratio_p95: float | None = ALARMS["ratio_p95"].config_field()
-    warn_ratio_max: float | None = ALARMS["ratio_max"].config_field()
-    warn_kl_jump: float | None = ALARMS["kl_jump"].config_field()
-    warn_kl_max: float | None = ALARMS["kl_high"].config_field()
-    warn_entropy_collapse: float | None = ALARMS["entropy_collapse"].config_field()
-    warn_grad_norm_spike: float | None = ALARMS["grad_norm_spike"].config_field()
-    warn_length_drift_corr: float | None = ALARMS["length_drift"].config_field()
-    warn_length_growth: float | None = ALARMS["length_growth"].config_field()
-    warn_length_group_corr: float | None = ALARMS["length_in_group"].config_field()
-    warn_heldout_drop: float | None = ALARMS["reward_vs_heldout"].config_field()
-    warn_reward_scale: float | None = ALARMS["reward_scale"].config_field()
-    warn_grad_norm_vanish: float | None = ALARMS["vanishing_gradient"].config_field()
-    warn_clip_asymmetry: float | None = ALARMS["clip_asymmetry"].config_field()
-    warn_flat_groups: float | None = ALARMS["flat_groups"].config_field()
-    warn_plateau_steps: int | None = ALARMS["plateau"].config_field()
-    warn_reward_drop: float | None = ALARMS["reward_drop"].config_field()
-    warn_kl_growth: float | None = ALARMS["kl_growth"].config_field()
-    warn_reward_composition: float | None = ALARMS["reward_composition"].config_field()
+    alarm_thresholds: dict[str, float | None] | str | None = field(
+        default_factory=dict,
+        metadata={
+            "help": "The alarms' thresholds by alarm name, over their defaults; None switches an alarm off: "
+            """--alarm_thresholds '{"kl_high": 0.5, "zero_std": null}', in a YAML config `alarm_thresholds: """
+            "{kl_high: 0.5, zero_std: null}`. The alarms and their defaults: "
+            + ", ".join(f"{name} {default:g}" for name, default in DEFAULTS.items())
+            + "."
+        },
+    )
     warn_patience: int = field(
         default=3, metadata={"help": "Consecutive log steps a high clip fraction must last before its alarm. >= 1."}
     )
@@ -406,6 +404,14 @@ class GRPOConfigExt(GRPOConfig):
         pass_at = self.heldout_pass_at
         if pass_at is not None and list_problem("heldout_pass_at", pass_at, "whole numbers") is None:
             self.heldout_pass_at = [int(k) for k in pass_at]
+        if isinstance(self.alarm_thresholds, str):  # a command line's JSON, as transformers reads its dict fields
+            try:
+                self.alarm_thresholds = json.loads(self.alarm_thresholds)
+            except ValueError as error:
+                raise ValueError(
+                    f"`alarm_thresholds` must be a JSON object of alarm name: threshold (e.g. "
+                    f'\'{{"kl_high": 0.5, "zero_std": null}}\'), got {self.alarm_thresholds!r}.'
+                ) from error
         raise_problems(config_problems(self))  # before TRL's own checks, which load nothing either
         generation_batch_size_set = self.generation_batch_size is not None
         try:
@@ -428,6 +434,18 @@ _DEFAULTS = {
 #: The fields whose value for a configuration without them (a plain `trl.GRPOConfig`) is not `GRPOConfigExt`'s default
 #: but the one that keeps stock TRL's behaviour: a plain config then trains as stock TRL does.
 TRL_BEHAVIOUR = {"match_sampler_truncation": False, "padding_free": False, "shared_prompt_forward": False}
+
+
+def removed_field_problem(name: str, value=None) -> str | None:
+    """The sentence that refuses a field this release removed (an alarm threshold's `warn_*` field), naming the
+    setting that replaced it; `None` for any other name."""
+    alarm = RENAMED.get(name)
+    if alarm is None:
+        return None
+    return (
+        f"`{name}` was removed: the alarm thresholds are one field keyed by alarm name, set "
+        f"alarm_thresholds={{'{alarm}': {value!r}}} instead (None switches that alarm off)."
+    )
 
 
 def option(args, name: str):

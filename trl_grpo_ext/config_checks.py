@@ -3,7 +3,7 @@
 `config.config_problems` runs them on a `GRPOConfigExt` (from its `__post_init__`) or on a plain `trl.GRPOConfig`
 (from `GRPOTrainerExt.__init__`); it hands them the configuration with every field of `GRPOConfigExt` (a plain one
 read through `config.option`), so that nothing here needs the fields' defaults and `config` may import this module.
-A leaf like `config`: it reads the values it checks against from the records (`choices`, the alarm records, the loss
+A leaf like `config`: it reads the values it checks against from the records (`choices`, the alarms, the loss
 types of `ops`) and the ops layer.
 """
 
@@ -15,7 +15,7 @@ import numbers
 import torch
 
 from .choices import CONSOLE_MODES, NONFINITE_POLICIES
-from .guardrails.alarms import ALARMS
+from .guardrails.alarms import threshold_problems
 from .ops import IMPLEMENTATIONS, hyperparameter_problems
 from .ops.fused import domain_problems
 from .ops.loss_types import loss_type_record
@@ -120,10 +120,10 @@ def option_problems(options, *, only_after_trl: bool = False) -> list[str]:
             _at_least(options, "heldout_every_steps", 0),
             _at_least(options, "heldout_num_generations", 1),
             _at_least(options, "heldout_batch_size", 1),
-            *(alarm.problem(getattr(options, alarm.field)) for alarm in ALARMS.values()),
         )
         if problem is not None
     ]
+    problems += threshold_problems(options.alarm_thresholds)
     pass_at = options.heldout_pass_at
     wrong_kind = None if pass_at is None else list_problem("heldout_pass_at", pass_at, "whole numbers")
     if wrong_kind is not None:

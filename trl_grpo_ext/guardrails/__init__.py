@@ -1,11 +1,9 @@
 """Guardrails of a long run, one module each:
 
 - `nonfinite`: keeps optimizer steps with a NaN or infinite loss or gradient off the weights (skip or stop);
-- `alarms`: one record per alarm (`ALARMS`: rule, threshold field, default, range, help, its docs table row), each
-  rule judging one log entry at a time (used live and by `trl_grpo_ext.report.health`); the record type in `alarm`,
-  the records in `step_alarms` and `course_alarms`; the rules in `rule` (what a rule is),
-  `step_rules` (one step's values), `trend_rules` (against the run's history), `progress_rules` (still progressing);
-- `anomaly`: warns, from the logged metrics, about runs that stopped learning or drift, and counts the alarms;
+- `alarms`: the alarms, one rule class per family (`ALARMS`: alarm name -> its family), each judging one log entry
+  at a time, live and in `trl-grpo-ext report`;
+- `anomaly`: `AnomalyMonitor` gives the alarms during training and counts them; `AlarmSettings` keeps a run's;
 - `reward_errors`: names the reward function and the completion behind an exception or a bad value;
 - `launch`: refuses processes that a launcher started but that would train apart.
 """
@@ -16,9 +14,8 @@ from .. import _exported_lazily
 
 __all__ = [
     "ALARMS",
-    "ALARM_FIELDS",
     "NONFINITE_POLICIES",
-    "Alarm",
+    "AlarmSettings",
     "AnomalyMonitor",
     "Episode",
     "GuardedAsyncReward",
@@ -30,12 +27,11 @@ __all__ = [
     "StepVerdict",
 ]
 
-# The names are loaded on first use, as the package's own: `config` reads the alarm records (`guardrails.alarms`)
-# without loading the monitor, the non-finite guard and the reward guards.
+# The names are loaded on first use, as the package's own: `config` reads the alarms (`guardrails.alarms`) without
+# loading the monitor, the non-finite guard and the reward guards.
 _HOMES = {
     "ALARMS": ".alarms",
-    "ALARM_FIELDS": ".alarms",
-    "Alarm": ".alarms",
+    "AlarmSettings": ".anomaly",
     "AnomalyMonitor": ".anomaly",
     "Episode": ".anomaly",
     "NONFINITE_POLICIES": ".nonfinite",

@@ -1,12 +1,5 @@
-"""`AnomalyMonitor`: alarms, from the logged metrics, about the failure modes a GRPO practitioner watches for.
-
-It warns, once per episode and naming what to change, when most groups carry no learning signal, the rewards stay
-without spread, most completions are truncated (or a few, step after step), the clip fraction stays high, the
-importance-ratio tail explodes, the KL jumps or keeps growing, the entropy collapses, `grad_norm` spikes, the length
-follows the reward or grows over the run, the reward stops improving or falls back, an auxiliary reward function
-(a format reward) carries the reward's variation, or the training reward rises while a held-out metric falls. The rules
-themselves are in `alarms.py`; `trl_grpo_ext.report.health` replays a finished run through the same ones, with the
-run's own thresholds: `AlarmSettings` keeps them in the trainer state.
+"""`AnomalyMonitor`: the alarms (`alarms`), judged live on each logged entry, each given once per episode and counted
+in `alarms/<name>`; `AlarmSettings`: a run's alarm settings, kept in its trainer state for `trl-grpo-ext report`.
 """
 
 from __future__ import annotations
@@ -20,7 +13,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
 from ..metrics import LOSS, alarm_metric
-from .alarms import ALARMS, SEVERITIES, Rule, build_rules
+from .alarms import ALARMS, RENAMED, SEVERITIES, Rule, build_rules, threshold_problems, thresholds_of
 
 __all__ = ["AlarmSettings", "AnomalyMonitor", "Episode"]
 
@@ -73,32 +66,31 @@ class AnomalyMonitor(TrainerCallback):
     """Alarms about a GRPO run, from its logged metrics; each given once per episode and counted.
 
     An alarm fires when its condition starts and again only after the condition has cleared for a log step (or, for
-    an alarm with severity tiers, when it rises to a higher tier), so a long episode gives one warning, not one per
-    log line. Each alarm given is counted in `alarms/<name>` (how many times it was given so far), added to every
-    training log entry from its first time on: to the `logs` that the callbacks after this one see (the trainer puts
-    it before the loggers: TensorBoard, W&B, trackio, the console) and to the entry of `state.log_history`. On
-    `on_train_begin` it replays the history already in the state, so a resumed run keeps its counts and the rules
-    their running medians.
+    an alarm with severity tiers, when it rises to a higher tier). Each alarm given is counted in `alarms/<name>`,
+    added to every training log entry from its first time on: to the `logs` the callbacks after this one see (the
+    trainer puts it before the loggers) and to the entry of `state.log_history`. On `on_train_begin` it replays the
+    history already in the state, so a resumed run keeps its counts and the rules their windows.
 
     Args:
-        patience: log steps in a row a high clip fraction must last (`warn_patience`).
-        auxiliary_rewards: the names of the reward functions that score the form of a completion rather than the task
-            (`warn_auxiliary_rewards`), as logged in `rewards/<name>/mean`; `None` (the default): told by the words of
-            their names (`format`, `tag`, `xml`, ...). `reward_composition` judges their share of the reward.
-        thresholds: one per alarm, named as `GRPOConfigExt`'s `warn_*` fields without the prefix
-            (`zero_std_fraction`, `no_spread_steps`, ..., `heldout_drop`: `alarms.ALARMS`, whose help says what each
-            means); `None` switches that alarm off, a threshold not given takes its default.
+        thresholds (`dict[str, float | None]`, *optional*): alarm name (`alarms.ALARMS`) -> threshold, as
+            `GRPOConfigExt.alarm_thresholds`: `None` switches that alarm off, an alarm not named takes its default.
+        patience (`int`): log steps in a row a high clip fraction must last (`warn_patience`).
+        auxiliary_rewards (`list[str]`, *optional*): the reward functions that score the form of a completion rather
+            than the task, as logged in `rewards/<name>/mean` (`warn_auxiliary_rewards`); `None`: told by the words of
+            their names (`format`, `tag`, `xml`, ...).
     """
 
     def __init__(
-        self, *, patience: int = 3, auxiliary_rewards: Sequence[str] | None = None, **thresholds: float | None
+        self,
+        thresholds: Mapping[str, float | None] | None = None,
+        *,
+        patience: int = 3,
+        auxiliary_rewards: Sequence[str] | None = None,
     ):
-        keywords = {alarm.keyword: name for name, alarm in ALARMS.items()}
-        unknown = sorted(set(thresholds) - set(keywords))
-        if unknown:
-            raise TypeError(f"AnomalyMonitor got unknown thresholds {unknown}; known: {sorted(keywords)}.")
-        #: alarm name -> threshold, in `ALARMS` order (a threshold not given takes its field's default)
-        self.thresholds = {name: thresholds.get(alarm.keyword, alarm.default) for name, alarm in ALARMS.items()}
+        problems = threshold_problems(thresholds, where="thresholds")
+        if problems:
+            raise ValueError(" ".join(problems))
+        self.thresholds = thresholds_of(thresholds)  # alarm name -> threshold, in `ALARMS` order
         if patience < 1:
             raise ValueError(f"`patience` must be >= 1, got {patience}.")
         self.patience = patience
@@ -107,8 +99,7 @@ class AnomalyMonitor(TrainerCallback):
 
     @classmethod
     def from_config(cls, args) -> AnomalyMonitor:
-        """The monitor that `args`' `warn_*` fields describe; a plain `trl.GRPOConfig` (which has none) gets
-        `GRPOConfigExt`'s defaults."""
+        """The monitor that `args` describes; a plain `trl.GRPOConfig` gets `GRPOConfigExt`'s defaults."""
         return AlarmSettings.from_config(args).monitor()
 
     def reset(self) -> None:
@@ -211,19 +202,15 @@ def auxiliary_names(names) -> tuple[str, ...] | None:
 
 
 class AlarmSettings(TrainerCallback, ExportableState):
-    """A run's alarm settings (`warn_on_anomalies`, `warn_patience`, `warn_auxiliary_rewards` and every `warn_*`
-    threshold), kept in its trainer
-    state: `trainer_state.json`'s `stateful_callbacks["AlarmSettings"]`, written with every checkpoint and by
-    `Trainer.save_state`, so that `trl-grpo-ext report` judges a finished run with the thresholds it ran with.
-
-    It records what the configuration of the run says when training begins (a resumed run's own, also where
-    `restore_callback_states_from_checkpoint` rebuilt this record from the checkpoint's).
+    """A run's alarm settings, kept in its trainer state (`stateful_callbacks["AlarmSettings"]` of
+    `trainer_state.json`, written with every checkpoint and by `Trainer.save_state`), so that `trl-grpo-ext report`
+    judges a finished run with the thresholds it ran with. It records the configuration of the run when training
+    begins (a resumed run's own).
 
     Args:
         enabled (`bool`): `warn_on_anomalies`.
         patience (`int`): `warn_patience`.
-        thresholds (`dict`): `AnomalyMonitor`'s keywords (the `warn_*` fields without the prefix) -> threshold, `None`
-            for an alarm switched off.
+        thresholds (`dict`): alarm name -> threshold (`None`: off), every alarm's.
         auxiliary_rewards (`list[str]`, *optional*): `warn_auxiliary_rewards`.
     """
 
@@ -235,37 +222,48 @@ class AlarmSettings(TrainerCallback, ExportableState):
         auxiliary_rewards: Sequence[str] | None = None,
     ):
         self.enabled, self.patience = bool(enabled), int(patience)
-        self.thresholds = dict(thresholds or {})
+        self.thresholds = thresholds_of(thresholds)
         self.auxiliary_rewards = auxiliary_names(auxiliary_rewards)
 
     @classmethod
     def from_config(cls, args) -> AlarmSettings:
-        """The settings of `args`; a field `args` lacks (a plain `trl.GRPOConfig` has none) takes its default, which
-        is `GRPOConfigExt`'s: the alarm record's for a threshold, this class's for `enabled` and `patience`."""
-        defaults = cls()
-        thresholds = {alarm.keyword: getattr(args, alarm.field, alarm.default) for alarm in ALARMS.values()}
-        enabled = getattr(args, "warn_on_anomalies", defaults.enabled)
-        auxiliary = getattr(args, "warn_auxiliary_rewards", defaults.auxiliary_rewards)
-        return cls(enabled, getattr(args, "warn_patience", defaults.patience), thresholds, auxiliary)
+        """The settings of `args`; a field `args` lacks (a plain `trl.GRPOConfig` has none) takes `GRPOConfigExt`'s
+        default."""
+        return cls(
+            getattr(args, "warn_on_anomalies", True),
+            getattr(args, "warn_patience", 3),
+            getattr(args, "alarm_thresholds", None),
+            getattr(args, "warn_auxiliary_rewards", None),
+        )
+
+    @classmethod
+    def from_arguments(cls, args: Mapping) -> AlarmSettings | None:
+        """The settings a run's recorded arguments hold (`TrainingArguments.to_dict()`, as TensorBoard keeps them),
+        the `warn_*` fields of older releases included; `None` when they hold none (a stock TRL run)."""
+        old = {name: args[field] for field, name in RENAMED.items() if field in args}
+        if "alarm_thresholds" not in args and not old:
+            return None
+        thresholds = old | _known(args.get("alarm_thresholds"))
+        auxiliary = args.get("warn_auxiliary_rewards")
+        return cls(args.get("warn_on_anomalies", True), args.get("warn_patience", 3), thresholds, auxiliary)
 
     @classmethod
     def from_trainer_state(cls, state: Mapping) -> AlarmSettings | None:
         """The settings a trainer state (`trainer_state.json`'s contents) records; `None` when it records none (a
-        stock TRL run, or one of a release without them)."""
+        stock TRL run, or one of a release without them). Older releases keyed the thresholds by their `warn_*`
+        fields without the prefix (`kl_max`): read as the alarms they set."""
         record = (state.get("stateful_callbacks") or {}).get(cls.__name__)
         if not isinstance(record, Mapping) or not isinstance(record.get("args"), Mapping):
             return None
         args = record["args"]
-        known = {alarm.keyword for alarm in ALARMS.values()}
-        thresholds = {key: value for key, value in (args.get("thresholds") or {}).items() if key in known}
+        thresholds = _known(args.get("thresholds"))
         return cls(args.get("enabled", True), args.get("patience", 3), thresholds, args.get("auxiliary_rewards"))
 
     def monitor(self, live: bool = False) -> AnomalyMonitor:
         """An `AnomalyMonitor` with these thresholds; with `live`, the alarms the run gave: none when it had them off
         (`enabled` False)."""
-        if live and not self.enabled:
-            return AnomalyMonitor(patience=self.patience, **{alarm.keyword: None for alarm in ALARMS.values()})
-        return AnomalyMonitor(patience=self.patience, auxiliary_rewards=self.auxiliary_rewards, **self.thresholds)
+        thresholds = dict.fromkeys(ALARMS) if live and not self.enabled else self.thresholds
+        return AnomalyMonitor(thresholds, patience=self.patience, auxiliary_rewards=self.auxiliary_rewards)
 
     def state(self) -> dict:
         args = {"enabled": self.enabled, "patience": self.patience, "thresholds": dict(self.thresholds)}
@@ -278,3 +276,15 @@ class AlarmSettings(TrainerCallback, ExportableState):
         self.enabled, self.patience, self.thresholds = current.enabled, current.patience, current.thresholds
         self.auxiliary_rewards = current.auxiliary_rewards
         state.stateful_callbacks[type(self).__name__] = self.state()
+
+
+def _known(recorded) -> dict:
+    """The thresholds of a run's record by alarm name: those under an alarm's name or an older release's key (a
+    `warn_*` field, with or without its prefix); anything else, and a value out of its range, left out (a log is
+    read, not refused: those alarms take their defaults)."""
+    if not isinstance(recorded, Mapping):
+        return {}
+    names = {key: name for field, name in RENAMED.items() for key in (field, field.removeprefix("warn_"))}
+    names |= {name: name for name in ALARMS}
+    known = {names[key]: value for key, value in recorded.items() if key in names}
+    return {name: value for name, value in known.items() if ALARMS[name].alarms[name].range.problem(value) is None}

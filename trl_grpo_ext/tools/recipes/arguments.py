@@ -14,7 +14,7 @@ import urllib.parse
 
 from trl import TrlParser
 
-from ...config import GRPOConfigExt
+from ...config import GRPOConfigExt, removed_field_problem
 
 #: The loggers of `report_to` that transformers refuses only once the model is loaded when they are missing.
 CHECKED_LOGGERS = ("tensorboard", "trackio", "wandb")
@@ -116,6 +116,16 @@ def nearest(name: str, known, flag: bool = False) -> str:
     if not matches:
         return ""
     return f" (did you mean --{matches[0]}?)" if flag else f" (did you mean {matches[0]!r}?)"
+
+
+def _number_or_text(value: str | None):
+    """A command line's value as the number (or `None`) it spells, else as it is."""
+    if value in ("None", "null"):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
 
 
 def _one_line(text: str) -> str:
@@ -266,6 +276,10 @@ class RecipeParser(TrlParser):
             if flag is None:
                 raise ConfigError(f"unrecognized argument {remaining[0]!r} (the form is --field value)")
             name = flag.lstrip("-").split("=", 1)[0].replace("-", "_")
+            given = flag.split("=", 1)[1] if "=" in flag else next(iter(remaining[remaining.index(flag) + 1 :]), None)
+            removed = removed_field_problem(name, _number_or_text(given))
+            if removed is not None:
+                raise ConfigError(f"unrecognized argument {flag}: {removed}")
             raise ConfigError(f"unrecognized argument {flag}{nearest(name, self.known_keys(), flag=True)}")
         return tuple(outputs)
 
@@ -288,6 +302,9 @@ class RecipeParser(TrlParser):
             raise ConfigError(f"--config {path}: `env` must be a mapping of variable: value.")
         known = self.known_keys()
         unknown = [key for key in config if key not in known]
+        removed = [removed_field_problem(str(key), config[key]) for key in unknown]
+        if any(removed):
+            raise ConfigError(f"--config {path}: " + " ".join(problem for problem in removed if problem))
         if unknown:
             keys = ", ".join(f"{key!r}{nearest(str(key), known)}" for key in unknown)
             raise ConfigError(f"unknown key{'s' if len(unknown) > 1 else ''} in {path}: {keys}")

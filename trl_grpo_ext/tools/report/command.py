@@ -10,9 +10,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
-from ...guardrails.alarms import ALARMS
 from ...guardrails.anomaly import AlarmSettings
 from . import figure
 from .formats import FORMATS, Report, forward_summary, render, unrecognised_keys
@@ -114,8 +112,8 @@ def _tensorboard_run(run_dir: str, events: list[str]) -> FoundRun:
     folder = os.path.commonpath([os.path.dirname(path) for path in read.files or events])
     steps = [entry["step"] for entry in read.history]
     state = {"global_step": max(steps, default=0), "log_history": read.history}
-    if read.args is not None and any(alarm.field in read.args for alarm in ALARMS.values()):
-        settings = AlarmSettings.from_config(SimpleNamespace(**read.args))
+    settings = AlarmSettings.from_arguments(read.args) if read.args is not None else None
+    if settings is not None:
         state["stateful_callbacks"] = {AlarmSettings.__name__: settings.state()}
     others = [(os.path.dirname(path), step) for path, step in read.others]
     return FoundRun(folder, state, others, source="tensorboard", args=read.args)
@@ -196,16 +194,16 @@ def run(argv: list[str] | None = None, prog: str | None = None) -> int:
     recorded = "the arguments its event files record" if found.source == "tensorboard" else "its trainer state"
     if settings is None:
         notes.append(
-            f"Thresholds: GRPOConfigExt's defaults (no warn_* values in {recorded}: a stock TRL run, or one of an "
+            f"Thresholds: GRPOConfigExt's defaults (no alarm settings in {recorded}: a stock TRL run, or one of an "
             "older release)."
         )
     elif not settings.enabled:
         notes.append(
-            f"Thresholds: the run's warn_* values (from {recorded}); it ran with warn_on_anomalies=False (no alarm "
+            f"Thresholds: the run's alarm_thresholds (from {recorded}); it ran with warn_on_anomalies=False (no alarm "
             "was given live)."
         )
     else:
-        notes.append(f"Thresholds: the run's own warn_* values (from {recorded}).")
+        notes.append(f"Thresholds: the run's own alarm_thresholds (from {recorded}).")
     if judged_with.auxiliary_rewards is not None:
         given = "--auxiliary-rewards" if args.auxiliary_rewards is not None else "the run's warn_auxiliary_rewards"
         names = ", ".join(judged_with.auxiliary_rewards) or "none"

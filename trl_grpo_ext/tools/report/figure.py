@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from ...guardrails.anomaly import Episode
 
-from ...guardrails.alarms import ALARMS, HELDOUT_KEY, ZERO_SPREAD_KEYS
+from ...guardrails.alarms import DEFAULTS, HELDOUT_KEY, ZERO_SPREAD_KEYS
 from ...metrics import (
     CLIP_RATIO_HIGH_MEAN,
     CLIP_RATIO_LOW_MEAN,
@@ -156,8 +156,8 @@ def build_report_figure(
         title: the run's name, in the figure's title ("<title>: GRPO training report").
         clip_range: `(epsilon_low, epsilon_high)`, drawn at `1 - epsilon_low` and `1 + epsilon_high`.
         episodes: alarm episodes (`health.assess(...).episodes`), shaded on the panel that names the alarm.
-        thresholds: the run's alarm thresholds (`AlarmSettings.thresholds`, `None` for an alarm off); default:
-            `GRPOConfigExt`'s.
+        thresholds: the run's alarm thresholds by alarm name (`AlarmSettings.thresholds`, `None` for an alarm off);
+            default: `GRPOConfigExt`'s.
         verdict: the run's verdict (`RunHealth.headline()`), under the title: green where healthy, red otherwise.
 
     Returns:
@@ -168,7 +168,7 @@ def build_report_figure(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    thresholds = {alarm.keyword: alarm.default for alarm in ALARMS.values()} | dict(thresholds or {})
+    thresholds = DEFAULTS | dict(thresholds or {})
     figure = Figure(figsize=(15, 11))
     FigureCanvasAgg(figure)  # a renderer, to measure the legends that the titles sit above
     axes = figure.subplots(3, 3, sharex=True)
@@ -193,8 +193,8 @@ def build_report_figure(
         (line,) = reward_ax.plot(steps, values, "--" if key in heldout_keys else "-", label=key, **style)
         drawn.append((steps, values, line))
 
-    readings[spread_ax] = _spread_panel(spread_ax, log_history, thresholds["zero_std_fraction"], right_axes)
-    readings[kl_ax] = _kl_panel(kl_ax, log_history, thresholds["kl_max"])
+    readings[spread_ax] = _spread_panel(spread_ax, log_history, thresholds["zero_std"], right_axes)
+    readings[kl_ax] = _kl_panel(kl_ax, log_history, thresholds["kl_high"])
 
     for key in (CLIP_RATIO_REGION_MEAN, CLIP_RATIO_LOW_MEAN, CLIP_RATIO_HIGH_MEAN):
         steps, values = _series(log_history, key)
