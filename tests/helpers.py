@@ -3,6 +3,7 @@
 import glob
 import math
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.diagnostics import CORE_BIN_WIDTH
+from trl_grpo_ext.guardrails import AnomalyMonitor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = os.path.join(REPO, "recipes")
@@ -181,6 +183,44 @@ def train_logs(output_dir, model, tokenizer, dataset, **kwargs) -> tuple[list[di
     trainer = make_trainer(output_dir, model, tokenizer, dataset, **kwargs)
     trainer.train()
     return training_entries(trainer), trainer
+
+
+def fired_at(stream, name, thresholds=None, **settings):
+    """The indices of the entries of `stream` at which the alarm `name` was given, and the warnings."""
+    monitor = AnomalyMonitor(thresholds, **settings)
+    indices, messages = [], []
+    for index, entry in enumerate(stream):
+        started = [message for message in monitor.check(entry, step=index, warn=False) if f"alarms/{name};" in message]
+        if started:
+            indices.append(index)
+            messages += started
+    return indices, messages, monitor
+
+
+def monitor_of(trainer) -> AnomalyMonitor:
+    (monitor,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, AnomalyMonitor)]
+    return monitor
+
+
+def noisy_run(curve, steps: int = 400, noise: float = 0.03, seed: int = 0) -> list[dict]:
+    """One log entry per step: `curve(step)` plus normal noise, with a gradient norm and a loss."""
+    rng = random.Random(seed)
+    return [
+        {"step": step, "loss": 0.1, "grad_norm": 1.0, "reward": curve(step) + rng.gauss(0, noise)}
+        for step in range(1, steps + 1)
+    ]
+
+
+def resumed_at(history: list[dict], cut: int, whole: AnomalyMonitor, alarm: str) -> int:
+    """Replays `history[:cut]` into a fresh monitor (a resume from a checkpoint), checks the rest live, asserts the
+    episodes and counts are those of `whole` (the run without a resume); returns how often `alarm` was given after
+    the cut."""
+    resumed = AnomalyMonitor()
+    resumed.replay(history[:cut])
+    warnings = [warning for entry in history[cut:] for warning in resumed.check(entry, warn=False)]
+    assert [(e.name, e.start, e.end) for e in resumed.episodes] == [(e.name, e.start, e.end) for e in whole.episodes]
+    assert resumed.counts == whole.counts
+    return len([warning for warning in warnings if f"alarms/{alarm};" in warning])
 
 
 # Two runs that should log the same: the same formulas evaluated in another order agree to ~1e-7 relative per step; a

@@ -273,7 +273,7 @@ def test_a_run_with_infinite_values_is_reported_without_a_traceback(tmp_path, ca
 
 
 def test_the_auxiliary_reward_functions_are_the_run_s_or_those_named_on_the_command_line(tmp_path, capsys):
-    from test_guardrails_progress import composed_run, gaming, stalled
+    from test_guardrails_alarms_rewards import composed_run, gaming, stalled
 
     history = composed_run(None, stalled, brevity=gaming)  # `brevity`'s name says nothing of what it scores
     write_state(tmp_path / "stock", 400, history)

@@ -184,7 +184,7 @@ def test_keys_the_report_does_not_know_are_named():
 
 
 def test_a_stock_run_logged_every_10_steps_that_learned_nothing_fails_on_note(tmp_path, capsys):
-    from test_guardrails_progress import logged_every
+    from test_guardrails_alarms_progress import logged_every
 
     # 400 steps, logging_steps=10, a flat reward: what TRL's defaults log
     history = [
