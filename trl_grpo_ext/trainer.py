@@ -4,7 +4,7 @@ Generation, rewards, advantages, reference log-probs, PEFT and distributed train
 (and transformers `Trainer`) hook that the package overrides is overridden here, once (`_compat.OVERRIDDEN_HOOKS` pins
 their signatures against the installed TRL), and hands its concern to the helper that holds it:
 
-- `_compute_loss`: the objective (`forward.objective_inputs.gather_objective_inputs`, `ops.policy_objective`), row
+- `_compute_loss`: the objective (`batch.gather_objective_inputs`, `ops.policy_objective`), row
   skipping (`sampling.skipping`) and the per-micro-batch diagnostics sums (`diagnostics`);
 - `_get_per_token_logps_and_entropies`: every log-prob forward, padding-free (`forward.PackedLogProbs`);
 - `_generate_and_score_completions`: selective rollouts (`sampling.selective.SelectiveRollouts`), dynamic sampling
@@ -42,6 +42,7 @@ from ._compat import (
     options_missing_from_trl,
     seed_before_model_init,
 )
+from .batch import entropy_bonus, gather_objective_inputs, policy_logps_and_entropies
 from .card.builder import write_model_card
 from .card.fields import user_lora_settings
 from .checkpointing import Checkpoints
@@ -51,7 +52,6 @@ from .diagnostics.loggers import write_histograms
 from .diagnostics.mismatch import sampler_mismatch
 from .forward import FORWARD_METRICS, PackedLogProbs, forward_counts
 from .forward.layout import upload
-from .forward.objective_inputs import entropy_bonus, gather_objective_inputs, policy_logps_and_entropies
 from .guardrails.anomaly import AlarmSettings, AnomalyMonitor
 from .guardrails.launch import check_launch, check_train_dataset
 from .guardrails.nonfinite import NonFiniteEnforcer, NonFiniteGuard

@@ -1,6 +1,6 @@
 """Training diagnostics: the importance-ratio distribution, clip fractions, reward spread inside groups, loss split.
 
-- `layout`: named fields of a flat vector, each with its reduction (`FieldLayout`);
+- `fields`: named fields of a flat vector, each with its reduction (`FieldLayout`);
 - `histogram`: the log-ratio histogram (`LogRatioHistogram`), for the loss's ratios and the sampler mismatch;
 - `rewards`: the reward spread inside groups and the length/reward correlation, read at a log step;
 - `accumulator`: the running sums between two log steps, one gather per log step (`DiagnosticsAccumulator`);
@@ -10,6 +10,7 @@
 """
 
 from .accumulator import LOSS_TERMS, DiagnosticsAccumulator, DiagnosticsSummary
+from .fields import FieldLayout
 from .histogram import (
     CORE_BIN_WIDTH,
     CORE_LOG_RATIO,
@@ -21,7 +22,6 @@ from .histogram import (
     log_ratio_bins,
     quantile_metric_name,
 )
-from .layout import FieldLayout
 
 __all__ = [
     "CORE_BIN_WIDTH",

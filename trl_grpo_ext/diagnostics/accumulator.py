@@ -38,8 +38,8 @@ from ..metrics import (
 )
 from ..ops.loss_types import CLIP_METRICS
 from ..ops.numerics import kl_estimator
+from .fields import FieldLayout
 from .histogram import LogRatioHistogram, quantile_metric_name
-from .layout import FieldLayout
 from .rewards import (
     LENGTH_LAYOUT,
     group_reward_stds,

@@ -30,7 +30,7 @@ from ..ops.ratio_statistics import (
     log_ratio_bins,
     ratio_statistics,
 )
-from .layout import FieldLayout
+from .fields import FieldLayout
 
 __all__ = [
     "CORE_BIN_WIDTH",

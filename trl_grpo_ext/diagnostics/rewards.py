@@ -19,7 +19,7 @@ from ..metrics import (
     REWARD_STD_GROUP_MIN,
 )
 from ..ops.advantages import has_spread
-from .layout import FieldLayout
+from .fields import FieldLayout
 
 __all__ = [
     "LENGTH_LAYOUT",

@@ -1,4 +1,5 @@
-"""From TRL's state to the inputs of `ops.policy_objective`, as stock `trl.GRPOTrainer` 1.16 defines them.
+"""TRL's batch as the objective's inputs: from TRL's state to the arguments of `ops.policy_objective`, as stock
+`trl.GRPOTrainer` 1.16 defines them.
 
 `ops/` holds the formulas; this module holds what they need from a training run, in one dataclass already in final
 units (`ObjectiveInputs`): the per-token weights that TRL computes with its own helpers (`get_off_policy_mask`,
@@ -15,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .._compat import FORWARD_KEYS
-from ..ops.loss_types import LOSS_TYPES, LossType
+from ._compat import FORWARD_KEYS
+from .ops.loss_types import LOSS_TYPES, LossType
 
 __all__ = ["ObjectiveInputs", "entropy_bonus", "gather_objective_inputs", "policy_logps_and_entropies"]
 
