@@ -17,7 +17,6 @@ NOT_METRIC_NAMES = {
     ("report.figure", "reward"): "a panel's title and axis label",
     ("report.figure", "entropy"): "a panel's title",
     ("report.figure", "loss"): "a panel's axis label",
-    ("ops.objective", "kl"): "the per-row sums' field, in the ops layer, which imports nothing of the package",
     ("ops.loss_types", "vespo/phi_seq_mean"): "VESPO's record, in the ops layer, which imports nothing of the package",
 }
 #: Modules that do not read their metric names from `metrics` yet (their literals are not checked).
