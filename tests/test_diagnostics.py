@@ -227,6 +227,19 @@ def test_the_kernel_s_outputs_log_what_the_formula_s_log(implementation):
     assert kernel.histograms["ratio"][1] == formula.histograms["ratio"][1]
 
 
+def test_the_ratio_statistics_read_nothing_on_the_host_from_their_first_call():
+    """Their bin edges are made on the device (a tensor made from host data would be a blocking copy on a GPU)."""
+    from benchmarks.syncs import SyncCounter
+    from trl_grpo_ext.diagnostics import histogram
+
+    out, _ = captured_batch(0)
+    histogram._edges.cache_clear()
+    histogram._edge_bounds.cache_clear()
+    with SyncCounter("cpu") as counter:
+        histogram.ratio_sums(out.log_ratio, out.mask, torch.float64, out.ratio)
+    assert counter.total() == 0
+
+
 class TestHistogram:
     def test_values_at_and_next_to_every_edge_land_in_the_bin_that_bounds_them(self):
         lower, upper = log_ratio_bin_bounds()

@@ -38,13 +38,14 @@ _CORE_BINS = round(2 * CORE_LOG_RATIO / CORE_BIN_WIDTH)
 _TAIL_OCTAVES = math.log2(TAIL_LOG_RATIO / CORE_LOG_RATIO)
 
 
-@functools.lru_cache(maxsize=1)
-def _edges() -> torch.Tensor:
-    """The inner bin edges, ascending, float32 (so that a float32 log ratio and its bin's bounds compare exactly)."""
-    growth = (TAIL_LOG_RATIO / CORE_LOG_RATIO) ** (torch.arange(1, TAIL_BINS + 1, dtype=torch.float64) / TAIL_BINS)
-    tail = CORE_LOG_RATIO * growth  # 0.5 * 1.079, ..., 64
-    core = torch.arange(-(_CORE_BINS // 2), _CORE_BINS // 2 + 1)
-    return torch.cat([-tail.flip(0), core * CORE_BIN_WIDTH, tail]).float()
+@functools.lru_cache(maxsize=8)
+def _edges(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The inner bin edges, ascending, float32 (so that a float32 log ratio and its bin's bounds compare exactly),
+    made on `device` (a copy from the host would wait for it)."""
+    octaves = torch.arange(1, TAIL_BINS + 1, dtype=torch.float64, device=device) / TAIL_BINS
+    tail = CORE_LOG_RATIO * (TAIL_LOG_RATIO / CORE_LOG_RATIO) ** octaves  # 0.5 * 1.079, ..., 64
+    core = torch.arange(-(_CORE_BINS // 2), _CORE_BINS // 2 + 1, device=device) * CORE_BIN_WIDTH
+    return torch.cat([-tail.flip(0), core, tail]).float()
 
 
 ZERO_BIN = TAIL_BINS + _CORE_BINS // 2 + 1  # the bin of [0, 2**-12) between the edges: x == 0 only
@@ -74,17 +75,17 @@ def log_ratio_bins(log_ratio: torch.Tensor) -> torch.Tensor:
     tail = tail.floor_().clamp_(max=TAIL_BINS)  # 0 .. 63 in the tails, 64 beyond them
     core = torch.floor(finite / CORE_BIN_WIDTH) + ZERO_BIN
     edge_bins = torch.where(finite > 0, ZERO_BIN + _CORE_BINS // 2 + tail, TAIL_BINS - tail)
-    bins = torch.where(magnitude < CORE_LOG_RATIO, core, edge_bins).long().clamp_(0, len(_edges()))
-    lower, upper = (bound.to(device=x.device, dtype=x.dtype) for bound in _edge_bounds())
+    bins = torch.where(magnitude < CORE_LOG_RATIO, core, edge_bins).long().clamp_(0, NUM_BINS - 3)
+    lower, upper = _edge_bounds(x.device, x.dtype)
     bins = bins - (finite < lower[bins]).long() + (finite >= upper[bins]).long()
     return torch.where(torch.isnan(x), NUM_BINS - 1, bins + (x > 0))
 
 
-@functools.lru_cache(maxsize=1)
-def _edge_bounds() -> tuple[torch.Tensor, torch.Tensor]:
-    """`(lower, upper)` of the bins between the edges, before the `x == 0` bin is set apart."""
-    infinite = torch.tensor([math.inf])
-    return torch.cat([-infinite, _edges()]), torch.cat([_edges(), infinite])
+@functools.lru_cache(maxsize=8)
+def _edge_bounds(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    """`(lower, upper)` of the bins between the edges, before the `x == 0` bin is set apart, on `device`."""
+    edges, infinite = _edges(device).to(dtype), torch.full((1,), math.inf, dtype=dtype, device=device)
+    return torch.cat([-infinite, edges]), torch.cat([edges, infinite])
 
 
 @functools.lru_cache(maxsize=1)
@@ -92,7 +93,7 @@ def log_ratio_bin_bounds() -> tuple[torch.Tensor, torch.Tensor]:
     """`(lower, upper)` bounds of every bin but the NaN one, float64: `lower <= x < upper` (the `x == 0` bin:
     `[0, 0]`); the outer ones are infinite."""
     zero = torch.zeros(1, dtype=torch.float64)
-    lower, upper = (bound.double() for bound in _edge_bounds())
+    lower, upper = _edge_bounds(dtype=torch.float64)
     return torch.cat([lower[:ZERO_BIN], zero, lower[ZERO_BIN:]]), torch.cat([upper[:ZERO_BIN], zero, upper[ZERO_BIN:]])
 
 
