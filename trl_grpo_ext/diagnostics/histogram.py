@@ -200,13 +200,12 @@ def _ratio_buckets(counts: torch.Tensor, upper_log_edges: torch.Tensor, minimum:
     occupied = counts.nonzero().flatten()
     first, last = occupied[0].item(), occupied[-1].item()
     group = max(1, math.ceil((last - first + 1) / 64))
-    starts = torch.arange(first, last + 1, group)
-    ends = (starts + group - 1).clamp(max=last)
-    spans = zip(starts.tolist(), ends.tolist(), strict=True)
-    bucket_counts = [counts[start : end + 1].sum().item() for start, end in spans]
+    span = counts[first : last + 1]
+    bucket_counts = torch.nn.functional.pad(span, (0, -span.numel() % group)).reshape(-1, group).sum(dim=1)
+    ends = (torch.arange(first, last + 1, group) + group - 1).clamp(max=last)
     limits = exp_linear_above(upper_log_edges[ends].clamp(max=EXP_LINEAR_ABOVE)).clamp(max=maximum)
     limits[-1] = maximum  # ratios beyond e^20 end at the maximum
-    return limits.tolist(), bucket_counts
+    return limits.tolist(), bucket_counts.tolist()
 
 
 def quantile_metric_name(quantile: float) -> str:
