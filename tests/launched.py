@@ -295,9 +295,11 @@ def run_train(output_dir, model_path, *, kill_during_save_of=None, resume=False,
     original_loss = trainer_module.policy_objective
 
     def recording_loss(*args, **kwargs):
-        out = original_loss(*args, **{**kwargs, "per_token": True})  # the trainer's statistics, and their tokens
+        out = original_loss(*args, **kwargs)  # the trainer's statistics, and their tokens
+        advantages = args[3].reshape(out.mask.shape[0], -1).expand(out.mask.shape)
         trainer.records["steps"].append(
-            {key: getattr(out, key) for key in ("ratio", "log_ratio", "per_token_kl", "mask", "advantages")}
+            {key: getattr(out, key) for key in ("ratio", "log_ratio", "per_token_kl", "mask")}
+            | {"advantages": torch.where(out.mask, advantages, 0.0)}
             | {"policy_loss": out.policy_loss, "kl_penalty": out.kl_penalty}
         )
         return out

@@ -14,7 +14,7 @@ from helpers import constant_reward, half_constant_reward, tiny_grpo_args, tiny_
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-from trl_grpo_ext.ops import LOSS_TYPES, policy_objective
+from trl_grpo_ext.ops import LOSS_TYPES, ObjectiveOptions, policy_objective
 from trl_grpo_ext.sampling import skipping as skipping_module
 from trl_grpo_ext.sampling.skipping import ZeroAdvantageRowSkipping
 
@@ -219,14 +219,15 @@ def test_the_objective_of_the_kept_rows_with_the_whole_batch_counts_is_the_whole
     advantages[[1, 4, 5]] = 0.0
     mask = torch.rand(rows, width, generator=generator) < 0.8
     mask[6] = False  # no completion token
-    options = dict(
+    loss = ObjectiveOptions(
         loss_type=loss_type,
         importance_sampling_level=level,
         epsilon_high=1.1 if loss_type == "cispo" else None,
         beta=0.0,
+    )
+    options = dict(
         denominator=torch.tensor(37.0, dtype=torch.float64),
         token_weights=torch.rand(rows, 1, generator=generator, dtype=torch.float64),
-        implementation="reference",
     )
     weights = torch.rand(rows, 1, generator=generator, dtype=torch.float64)
 
@@ -240,6 +241,7 @@ def test_the_objective_of_the_kept_rows_with_the_whole_batch_counts_is_the_whole
             None,
             advantages[keep],
             mask[keep],
+            loss,
             **{**options, "token_weights": options["token_weights"][keep]},
             **extra,
             **counts,
@@ -259,7 +261,7 @@ def test_the_objective_of_the_kept_rows_with_the_whole_batch_counts_is_the_whole
 def test_batch_rows_below_the_rows_passed_is_refused():
     logps = torch.zeros(4, 3)
     with pytest.raises(ValueError, match="batch_rows"):
-        policy_objective(logps, None, None, torch.ones(4), torch.ones(4, 3), beta=0.0, batch_rows=3)
+        policy_objective(logps, None, None, torch.ones(4), torch.ones(4, 3), ObjectiveOptions(beta=0.0), batch_rows=3)
 
 
 def test_a_log_step_whose_rows_all_skip_logs_no_entropy_rather_than_0(
@@ -289,7 +291,7 @@ def test_a_carrier_micro_batch_adds_neither_entropy_nor_phi_to_the_logged_means(
     advantages = torch.tensor([1.0, -1.0])
     for carrier in (False, True):
         mask = torch.zeros(2, 3) if carrier else torch.ones(2, 3)
-        out = policy_objective(logps, None, None, advantages, mask, beta=0.0, per_token=False)
+        out = policy_objective(logps, None, None, advantages, mask, ObjectiveOptions(beta=0.0))
         entropies = torch.full((2, 3), 4.0)
         phi = (torch.zeros(()), 0) if carrier else (torch.tensor(3.0), 2)
         accumulator.add_loss_step(out, entropies, extras={"vespo/phi_seq_mean": phi}, carrier=carrier)

@@ -204,12 +204,12 @@ TRL_COPIES = (
         "tests/test_compat_drift.py::test_the_forwarded_model_inputs_are_trl_s",
     ),
     (
-        "trl_grpo_ext.forward.objective_inputs.entropy_bonus",
+        "trl_grpo_ext.batch.entropy_bonus",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._compute_loss (entropy bonus and adaptive entropy controller)",
         "tests/test_compat_drift.py::test_the_entropy_bonus_is_trl_s",
     ),
     (
-        "trl_grpo_ext.forward.objective_inputs._denominator",
+        "trl_grpo_ext.batch._denominator",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._compute_loss (the normalizer of dr_grpo, dapo, cispo, vespo)",
         "tests/test_trainer_loss_types.py (every loss type against stock GRPOTrainer)",
     ),

@@ -4,7 +4,7 @@ Generation, rewards, advantages, reference log-probs, PEFT and distributed train
 (and transformers `Trainer`) hook that the package overrides is overridden here, once (`_compat.OVERRIDDEN_HOOKS` pins
 their signatures against the installed TRL), and hands its concern to the helper that holds it:
 
-- `_compute_loss`: the objective (`forward.objective_inputs.gather_objective_inputs`, `ops.policy_objective`), row
+- `_compute_loss`: the objective (`batch.gather_objective_inputs`, `ops.policy_objective`), row
   skipping (`sampling.skipping`) and the per-micro-batch diagnostics sums (`diagnostics`);
 - `_get_per_token_logps_and_entropies`: every log-prob forward, padding-free (`forward.PackedLogProbs`);
 - `_generate_and_score_completions`: selective rollouts (`sampling.selective.SelectiveRollouts`), dynamic sampling
@@ -43,6 +43,7 @@ from ._compat import (
     options_missing_from_trl,
     seed_before_model_init,
 )
+from .batch import entropy_bonus, gather_objective_inputs, policy_logps_and_entropies
 from .checkpointing import Checkpoints
 from .config import GRPOConfigExt, config_problems, option
 from .diagnostics import DiagnosticsAccumulator
@@ -50,7 +51,6 @@ from .diagnostics.loggers import write_histograms
 from .diagnostics.mismatch import sampler_mismatch
 from .forward import FORWARD_METRICS, PackedLogProbs, forward_counts
 from .forward.layout import upload
-from .forward.objective_inputs import entropy_bonus, gather_objective_inputs, policy_logps_and_entropies
 from .guardrails.anomaly import AlarmSettings, AnomalyMonitor
 from .guardrails.launch import check_launch, check_train_dataset
 from .guardrails.nonfinite import NonFiniteEnforcer, NonFiniteGuard
@@ -240,22 +240,12 @@ class GRPOTrainerExt(GRPOTrainer):
             objective.ref_logps,
             objective.advantages,
             objective.mask,
-            loss_type=self.loss_type,
-            importance_sampling_level=self.importance_sampling_level,
-            epsilon=self.epsilon_low,
-            epsilon_high=self.epsilon_high,
-            delta=self.args.delta,
-            beta=self.beta,
-            use_bias_correction_kl=self.args.use_bias_correction_kl,
-            sapo_temperature_pos=self.args.sapo_temperature_pos,
-            sapo_temperature_neg=self.args.sapo_temperature_neg,
+            objective.options,
             sequence_weights=objective.sequence_weights,
             token_weights=objective.token_weights,
             denominator=objective.denominator,
             loss_scale=objective.loss_scale,
             implementation=self._loss_implementation,
-            per_token=False,
-            ratio_statistics=self._diagnostics[mode].ratio_stats,
             **({} if selection is None else selection.policy_options()),
         )
         extras = {}

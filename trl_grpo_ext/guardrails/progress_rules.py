@@ -10,24 +10,7 @@ import statistics
 from collections.abc import Collection, Mapping
 
 from ..metrics import REWARD, reward_function_metric, reward_function_of
-from .rule import ZERO_SPREAD_KEYS, Cadence, Rule, _first_number, _number, _step, mean
-
-
-def slope_t(values: list[float]) -> float:
-    """The t statistic of the least-squares slope of `values` against their index: the slope over its standard
-    error, `b / (s / sqrt(sum((i - mean i)^2)))` with `s^2` the residuals' variance over `n - 2`. 0 for a constant
-    series (no trend) or fewer than 3 values; +-inf for an exact line."""
-    n = len(values)
-    if n < 3:
-        return 0.0
-    mean_i, mean_v = (n - 1) / 2, mean(values)
-    sxx = sum((i - mean_i) ** 2 for i in range(n))
-    slope = sum((i - mean_i) * (v - mean_v) for i, v in enumerate(values)) / sxx
-    residuals = [v - mean_v - slope * (i - mean_i) for i, v in enumerate(values)]
-    residual = sum(r * r for r in residuals) / (n - 2)
-    if residual <= 1e-24:
-        return 0.0 if abs(slope) <= 1e-12 else math.copysign(math.inf, slope)
-    return slope / math.sqrt(residual / sxx)
+from .rule import ZERO_SPREAD_KEYS, Cadence, Rule, _first_number, _number, _step
 
 
 def _function_means(entry: Mapping) -> dict[str, float]:

@@ -1,12 +1,13 @@
 """`FieldLayout`: named fields of one flat vector, each with the reduction that combines two of its values.
 
-The diagnostics keep their running sums on the device as one vector per kind, so that a log step needs one `gather`.
-A layout packs a dict of tensors into such a vector and unpacks it by name, merges two vectors (micro-batches of one
-process) and reduces a stack of them (the rows of every process) field by field: sums add up, minima and maxima
-combine as minima and maxima.
+The diagnostics keep their running sums on the device as one vector, so that a log step needs one `gather`: a
+layout packs tensors into it by name, merges two vectors (micro-batches of one process) and reduces a stack of them
+(every process's) field by field: sums add up, minima and maxima combine as minima and maxima.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -29,7 +30,6 @@ class FieldLayout:
         self.slices: dict[str, slice] = {}
         self.sizes: dict[str, int] = {}
         self.reductions: dict[str, str] = {}
-        reductions = []
         start = 0
         for name, reduction, *size in fields:
             if reduction not in REDUCTIONS:
@@ -41,27 +41,20 @@ class FieldLayout:
             self.slices[name] = slice(start, start + width)
             self.sizes[name] = width
             self.reductions[name] = reduction
-            reductions += [reduction] * width
             start += width
         self.width = start
-        self._reductions = reductions
         self._mask_cache: dict[str, dict[str, torch.Tensor]] = {}
-
-    def fields(self, prefix: str = "") -> list[tuple[str, str, int]]:
-        """The `(name, reduction, size)` of every field, names prefixed: to build a larger layout from this one."""
-        return [(prefix + name, self.reductions[name], self.sizes[name]) for name in self.names]
 
     def _masks(self, device: torch.device) -> dict[str, torch.Tensor]:
         # Filled on the device (a tensor made from host data is a blocking copy on a GPU), once: merge runs per
         # micro-batch.
         key = str(device)
         if key not in self._mask_cache:
-            kinds = torch.cat(
-                [
-                    torch.full((self.sizes[name],), REDUCTIONS.index(self.reductions[name]), device=device)
-                    for name in self.names
-                ]
-            )
+            kinds = [
+                torch.full((self.sizes[name],), REDUCTIONS.index(self.reductions[name]), device=device)
+                for name in self.names
+            ]
+            kinds = torch.cat(kinds) if kinds else torch.zeros(0, dtype=torch.long, device=device)
             self._mask_cache[key] = {reduction: kinds == index for index, reduction in enumerate(REDUCTIONS)}
         return self._mask_cache[key]
 
@@ -71,6 +64,21 @@ class FieldLayout:
         if missing:
             raise KeyError(f"no value for the fields {sorted(missing)}")
         return torch.cat([values[name].reshape(self.sizes[name]) for name in self.names])
+
+    def identity(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The vector that merges with any other as if absent: 0 in sums, inf in minima, -inf in maxima."""
+        masks = self._masks(device)
+        identity = torch.zeros(self.width, dtype=dtype, device=device).masked_fill_(masks["min"], math.inf)
+        return identity.masked_fill_(masks["max"], -math.inf)
+
+    def add(self, vector: torch.Tensor | None, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`vector` (`None`: the identity) with `values`, some of the fields in its dtype, merged into them; device
+        ops only."""
+        first = next(iter(values.values()))
+        some = self.identity(first.device, first.dtype)
+        for name, value in values.items():
+            some[self.slices[name]] = value.reshape(-1)
+        return some if vector is None else self.merge(vector, some)
 
     def unpack(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
         """The fields of `vector` (shape `(width,)`, or `(..., width)`: then each field keeps the leading dims)."""

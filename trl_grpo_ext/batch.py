@@ -1,11 +1,12 @@
-"""From TRL's state to the inputs of `ops.policy_objective`, as stock `trl.GRPOTrainer` 1.16 defines them.
+"""TRL's batch as the objective's inputs: from TRL's state to the arguments of `ops.policy_objective`, as stock
+`trl.GRPOTrainer` 1.16 defines them.
 
 `ops/` holds the formulas; this module holds what they need from a training run, in one dataclass already in final
-units (`ObjectiveInputs`): the per-token weights that TRL computes with its own helpers (`get_off_policy_mask`,
-`get_high_entropy_mask`, `get_gamma_weights`, the vLLM importance-sampling ratio of the generation batch), the divisor
-of the window-level aggregations, and the scales that put the loss in the units TRL backpropagates. It also holds
-TRL's entropy bonus with its adaptive controller (`entropy_bonus`), which TRL offers no hook for: a copy
-recorded in `_compat.TRL_COPIES` and pinned by `tests/test_compat_drift.py`.
+units (`ObjectiveInputs`): the loss type's options, the per-token weights that TRL computes with its own helpers
+(`get_off_policy_mask`, `get_high_entropy_mask`, `get_gamma_weights`, the vLLM importance-sampling ratio of the
+generation batch), the divisor of the window-level aggregations, and the scales that put the loss in the units TRL
+backpropagates. It also holds TRL's entropy bonus with its adaptive controller (`entropy_bonus`), which TRL offers
+no hook for: a copy recorded in `_compat.TRL_COPIES`.
 """
 
 from __future__ import annotations
@@ -15,20 +16,27 @@ from typing import Any
 
 import torch
 
-from .._compat import FORWARD_KEYS
-from ..ops.loss_types import LOSS_TYPES, LossType
+from ._compat import FORWARD_KEYS
+from .ops.loss_types import LOSS_TYPES, LossType
+from .ops.objective import ObjectiveOptions
 
-__all__ = ["ObjectiveInputs", "entropy_bonus", "gather_objective_inputs", "policy_logps_and_entropies"]
+__all__ = [
+    "ObjectiveInputs",
+    "entropy_bonus",
+    "gather_objective_inputs",
+    "objective_options",
+    "policy_logps_and_entropies",
+]
 
 
 @dataclass
 class ObjectiveInputs:
-    """Everything `policy_objective` and the extra loss terms take for one micro-batch, in final units.
-
-    `policy_objective(**inputs.tensors(), loss_scale=inputs.loss_scale, ...)` returns the loss that TRL would
-    backpropagate for the objective; the entropy bonus and the router loss are scaled by `accumulation_scale`.
+    """Everything `policy_objective` and the extra loss terms take for one micro-batch, in final units: with these
+    `policy_objective` returns the loss that TRL would backpropagate for the objective; the entropy bonus and the
+    router loss are scaled by `accumulation_scale`.
 
     Attributes:
+        options ([`ObjectiveOptions`]): the loss type and its hyper-parameters, TRL's resolved ones.
         logps (`torch.Tensor` of shape `(N, T)`): the policy's log-probs, with gradient.
         old_logps, ref_logps (`torch.Tensor` of shape `(N, T)` or `None`): sampling and reference log-probs.
         advantages (`torch.Tensor` of shape `(N,)` or `(N, T)`).
@@ -43,6 +51,7 @@ class ObjectiveInputs:
         accumulation_scale (`float`): `1 / accumulation steps` in training, 1 in evaluation.
     """
 
+    options: ObjectiveOptions
     logps: torch.Tensor
     old_logps: torch.Tensor | None
     ref_logps: torch.Tensor | None
@@ -117,6 +126,22 @@ def _denominator(trainer, record: LossType, inputs: dict[str, Any], num_rows: in
     return denominator
 
 
+def objective_options(trainer) -> ObjectiveOptions:
+    """The loss type and its hyper-parameters as TRL's `GRPOTrainer` resolved them (`epsilon_low`, `epsilon_high`)."""
+    args = trainer.args
+    return ObjectiveOptions(
+        loss_type=trainer.loss_type,
+        importance_sampling_level=trainer.importance_sampling_level,
+        epsilon=trainer.epsilon_low,
+        epsilon_high=trainer.epsilon_high,
+        delta=args.delta,
+        beta=trainer.beta,
+        use_bias_correction_kl=args.use_bias_correction_kl,
+        sapo_temperature_pos=args.sapo_temperature_pos,
+        sapo_temperature_neg=args.sapo_temperature_neg,
+    )
+
+
 def policy_logps_and_entropies(trainer, model, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """The policy's side of the objective for TRL's micro-batch `inputs`, through the trainer's log-prob hook
     (`_get_per_token_logps_and_entropies`), called as TRL's `_compute_loss` calls it.
@@ -165,6 +190,7 @@ def gather_objective_inputs(
     # TRL sets `loss_is_scaled_for_ga`: the trainer, not Trainer, divides by the accumulation steps.
     accumulation_scale = 1.0 / trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
     return ObjectiveInputs(
+        options=objective_options(trainer),
         logps=logps,
         old_logps=inputs.get("old_per_token_logps"),
         ref_logps=inputs.get("ref_per_token_logps") if trainer.beta != 0.0 else None,
