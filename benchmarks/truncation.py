@@ -303,7 +303,7 @@ def projection_inputs(scenario: str, count: int, hidden_size: int, vocab: int, s
 
 def project(side: str, hidden, weight, targets):
     """The match's projection of `hidden` `(M, H)` as `side` runs it (module docstring)."""
-    from trl_grpo_ext.ops.sampler_cuts import SamplerCuts, truncated_log_probs_from_hidden
+    from trl_grpo_ext.extras.vllm.sampler_cuts import SamplerCuts, truncated_log_probs_from_hidden
 
     cuts = SamplerCuts(top_p=COST_TOP_P)
     if side == "before":
@@ -392,7 +392,7 @@ def run_cost(repeats: int = 3, quick: bool = False) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from trl_grpo_ext.ops.sampler_cuts import CHUNK_ELEMENTS, TOP_P_BOUNDS
+    from trl_grpo_ext.extras.vllm.sampler_cuts import CHUNK_ELEMENTS, TOP_P_BOUNDS
 
     config = QUICK_COST_MODEL if quick else COST_MODEL
     rows, prompt, width = (4, 8, 16) if quick else (8, 32, 128)

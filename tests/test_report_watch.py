@@ -9,8 +9,8 @@ import pytest
 
 from benchmarks import tables
 from trl_grpo_ext import metrics
+from trl_grpo_ext.extras.console import CONSOLE_SIGNALS
 from trl_grpo_ext.guardrails.alarms import ALARMS
-from trl_grpo_ext.report.console import CONSOLE_SIGNALS
 from trl_grpo_ext.report.health import SIGNALS
 from trl_grpo_ext.report.metric_record import METRIC_TABLES, README_TABLE, Signal, Watched, metric_table
 from trl_grpo_ext.report.watch import WATCHED

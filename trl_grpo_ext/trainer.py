@@ -48,7 +48,15 @@ from .checkpointing import Checkpoints
 from .config import GRPOConfigExt, config_problems, option
 from .diagnostics import DiagnosticsAccumulator
 from .diagnostics.loggers import write_histograms
-from .diagnostics.mismatch import sampler_mismatch
+from .extras.alerts import TrackerAlerts
+from .extras.console import ConsoleCallback
+from .extras.dynamic import DynamicSampler, ScoredBatch
+from .extras.generation import eos_token_ids
+from .extras.heldout import HeldoutEvaluator
+from .extras.selective import SelectiveRollouts, selective_options
+from .extras.skipping import row_skipping
+from .extras.vllm.mismatch import sampler_mismatch
+from .extras.vllm.truncation_match import TruncationMatch, trainer_logps, truncation_warning
 from .forward import FORWARD_METRICS, PackedLogProbs, forward_counts
 from .forward.layout import upload
 from .forward.objective_inputs import entropy_bonus, gather_objective_inputs, policy_logps_and_entropies
@@ -59,14 +67,6 @@ from .guardrails.reward_errors import guard_reward_funcs, reward_kwarg_names
 from .metrics import KL, LOSS, NONFINITE_SKIPPED_STEPS, SKIPPED_ROWS_FRACTION, VESPO_PHI_SEQ_MEAN
 from .ops import LOSS_TYPES, policy_objective, total_loss
 from .ops.validation import raise_problems
-from .report.alerts import TrackerAlerts
-from .report.console import ConsoleCallback
-from .sampling.dynamic import DynamicSampler, ScoredBatch
-from .sampling.generation import eos_token_ids
-from .sampling.heldout import HeldoutEvaluator
-from .sampling.sampler_cuts import TruncationMatch, trainer_logps, truncation_warning
-from .sampling.selective import SelectiveRollouts, selective_options
-from .sampling.skipping import row_skipping
 
 # The hooks overridden below are those of the TRL and transformers releases `_compat` names.
 check_trl_version(trl.__version__)

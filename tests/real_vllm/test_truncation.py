@@ -23,7 +23,7 @@ from vllm_helpers import (
 )
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-from trl_grpo_ext.ops.sampler_cuts import SamplerCuts, truncated_log_probs
+from trl_grpo_ext.extras.vllm.sampler_cuts import SamplerCuts, truncated_log_probs
 
 KEPT_MASS = "sampling/truncation/kept_mass"
 

@@ -4,8 +4,6 @@
 - `histogram`: the log-ratio histogram (`LogRatioHistogram`), for the loss's ratios and the sampler mismatch;
 - `rewards`: the reward spread inside groups and the length/reward correlation, read at a log step;
 - `accumulator`: the running sums between two log steps, one gather per log step (`DiagnosticsAccumulator`);
-- `mismatch`: the sampler/trainer mismatch with vLLM (raw ratios, k3 KL, effective sample size), the truncation
-  warning;
 - `loggers`: histograms to the loggers that draw them.
 """
 

@@ -6,9 +6,7 @@
 - `loss_types`: one record per loss type, with its formula text; `register_loss_type` adds one's own;
 - `fused`: the fused (and compiled) kernel of the clipped-surrogate rows;
 - `numerics`: the exponential continued linearly above a threshold, the `exp(d) - d - 1` estimator;
-- `correction`: vLLM's importance-sampling correction as TRL builds it (raw log ratios, bounds, weights);
 - `ratio_statistics`: the importance ratios' count, moments, extremes and log-ratio histogram, as sums that merge;
-- `sampler_cuts`: the trainer's log-probs under a sampler's top_k/top_p/min_p cuts, renormalised over the kept tokens;
 - `validation`: the checks on inputs and hyper-parameters;
 - `advantages`: group-relative advantages.
 """
@@ -17,7 +15,6 @@ from .advantages import NO_SPREAD_STD, group_relative_advantages, has_spread
 from .loss_types import LOSS_TYPES, LossType, register_loss_type, register_policy_term
 from .numerics import EXP_LINEAR_ABOVE
 from .objective import IMPLEMENTATIONS, GRPOLossOutput, grpo_loss, policy_objective, total_loss
-from .sampler_cuts import SamplerCuts, TruncatedLogProbs, truncated_log_probs, truncated_log_probs_from_hidden
 from .validation import hyperparameter_problems
 
 __all__ = [
@@ -27,8 +24,6 @@ __all__ = [
     "NO_SPREAD_STD",
     "GRPOLossOutput",
     "LossType",
-    "SamplerCuts",
-    "TruncatedLogProbs",
     "group_relative_advantages",
     "grpo_loss",
     "has_spread",
@@ -37,6 +32,4 @@ __all__ = [
     "register_loss_type",
     "register_policy_term",
     "total_loss",
-    "truncated_log_probs",
-    "truncated_log_probs_from_hidden",
 ]

@@ -228,7 +228,7 @@ def policy_objective(
             `policy_loss` and `kl` come out in the caller's units (a trainer: divided by the accumulation steps).
         batch_rows (`int`, *optional*), batch_tokens (`float` or 0-dim `torch.Tensor`, *optional*): the rows `N` and
             completion tokens `sum_j |o_j|` of the whole micro-batch, when the rows passed are only part of it and the
-            others add exactly 0 (`trl_grpo_ext.sampling.skipping`): `sequence_mean` and `sequence_sum` divide by
+            others add exactly 0 (`trl_grpo_ext.extras.skipping`): `sequence_mean` and `sequence_sum` divide by
             `batch_rows`, `token_mean` by `batch_tokens`, so that each row keeps its weight in the whole micro-batch.
             Default: the rows and tokens passed.
         implementation (`str`, defaults to `"auto"`): one of `IMPLEMENTATIONS` (see the module docstring).

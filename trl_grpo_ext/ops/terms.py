@@ -23,7 +23,7 @@ An aggregation turns per-token losses `L` (0 at masked positions) into the micro
 A row without completion tokens adds 0 and, in `sequence_mean`, still counts in `N`.
 
 `N` and `sum_j |o_j|` are those of the whole micro-batch. A caller that passes only some of its rows (the others add
-exactly 0: zero-advantage rows without a KL term, see `trl_grpo_ext.sampling.skipping`) gives them as `batch_rows` and
+exactly 0: zero-advantage rows without a KL term, see `trl_grpo_ext.extras.skipping`) gives them as `batch_rows` and
 `batch_tokens`, so that each row passed keeps the weight it has in the whole micro-batch.
 """
 

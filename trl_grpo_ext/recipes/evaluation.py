@@ -1,7 +1,7 @@
 """The recipe's held-out scores: the mean of each reward function over one sampled completion per prompt.
 
-The sampling is `trl_grpo_ext.sampling.generation`'s (exactly as GRPO training samples; its names are re-exported
-here); the evaluation during training, with k completions per prompt and pass@k, is `trl_grpo_ext.sampling.heldout`'s.
+The sampling is `trl_grpo_ext.extras.generation`'s (exactly as GRPO training samples; its names are re-exported
+here); the evaluation during training, with k completions per prompt and pass@k, is `trl_grpo_ext.extras.heldout`'s.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..sampling.generation import SamplingSettings, eos_token_ids, generate_completions, tokenize_prompts
-from ..sampling.heldout import call_metric
+from ..extras.generation import SamplingSettings, eos_token_ids, generate_completions, tokenize_prompts
+from ..extras.heldout import call_metric
 
 __all__ = ["SamplingSettings", "eos_token_ids", "generate_completions", "sampled_reward_means", "tokenize_prompts"]
 

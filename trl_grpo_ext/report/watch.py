@@ -3,7 +3,7 @@
 A `Watched` record (its type in `report.metric_record`) holds a metric (or a few read together), what it is, its
 healthy and worrying values, and who shows it: the README's short table (`readme`), the verdicts of `trl-grpo-ext
 report` and `report.png` (`signal`, a `Signal`), the console's line (`console`). `report.health.SIGNALS` and
-`report.console.CONSOLE_SIGNALS` are read from these records, and `python -m benchmarks tables` writes every metric
+`extras.console.CONSOLE_SIGNALS` are read from these records, and `python -m benchmarks tables` writes every metric
 table of the README, docs/diagnostics.md and docs/sampling.md from them (a test fails on a stale or hand-edited
 table). A new metric is one constant in `trl_grpo_ext.metrics` and one record here; `tests/test_report_watch.py`
 fails on a constant the package logs that no record documents.

@@ -11,9 +11,9 @@ import pytest
 from helpers import make_trainer, run_alone
 from transformers import TrainerControl, TrainerState
 
+from trl_grpo_ext.extras import alerts
+from trl_grpo_ext.extras.alerts import TrackerAlerts, alert_title
 from trl_grpo_ext.guardrails.anomaly import AnomalyMonitor, Episode
-from trl_grpo_ext.report import alerts
-from trl_grpo_ext.report.alerts import TrackerAlerts, alert_title
 
 
 @pytest.fixture

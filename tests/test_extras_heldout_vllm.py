@@ -20,8 +20,8 @@ from helpers import (
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext._compat import TRL_VLLM_ATTRIBUTES, VLLM_GENERATION_METHODS
-from trl_grpo_ext.sampling.generation import SamplingSettings
-from trl_grpo_ext.sampling.heldout import heldout_records, pool_heldout_records, sync_vllm_weights
+from trl_grpo_ext.extras.generation import SamplingSettings
+from trl_grpo_ext.extras.heldout import heldout_records, pool_heldout_records, sync_vllm_weights
 
 VLLM = {"use_vllm": True, "vllm_mode": "colocate"}
 

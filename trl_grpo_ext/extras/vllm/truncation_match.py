@@ -44,9 +44,9 @@ import torch
 from accelerate.utils import is_peft_model
 from trl.trainer.utils import nanmax, nanmin
 
-from .._compat import FORWARD_KEYS
-from ..config import option
-from ..metrics import (
+from ..._compat import FORWARD_KEYS
+from ...config import option
+from ...metrics import (
     IMPORTANCE_SAMPLING_RATIO_MAX,
     IMPORTANCE_SAMPLING_RATIO_MEAN,
     IMPORTANCE_SAMPLING_RATIO_MIN,
@@ -55,9 +55,9 @@ from ..metrics import (
     TRUNCATION_KEPT_MASS,
     TRUNCATION_OUTSIDE_CUT_FRACTION,
 )
-from ..ops.correction import correction_ratio, sampler_log_ratios
-from ..ops.sampler_cuts import SamplerCuts, TruncatedLogProbs, truncated_log_probs_from_hidden
-from .generation import preserved_rng
+from ..generation import preserved_rng
+from .correction import correction_ratio, sampler_log_ratios
+from .sampler_cuts import SamplerCuts, TruncatedLogProbs, truncated_log_probs_from_hidden
 
 __all__ = [
     "TRL_CORRECTION_METRICS",

@@ -1,6 +1,6 @@
 """Dynamic sampling's extra rounds generate only what the batch lacks: the round size follows the documented rule
 (the missing groups over the share kept so far, times the margin; the layouts themselves are
-tests/test_sampling_plan.py's), the share kept is decayed and resumable, the metrics count what was generated, and
+tests/test_extras_plan.py's), the share kept is decayed and resumable, the metrics count what was generated, and
 two processes and a resumed run stay exact."""
 
 import math
@@ -14,7 +14,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt
-from trl_grpo_ext.sampling.dynamic import KeepRate
+from trl_grpo_ext.extras.dynamic import KeepRate
 
 G = 4
 TEXTS = ("abc=", "hello=", "xyz=", "qq=", "kite=", "zz=", "ab=", "bcd=")

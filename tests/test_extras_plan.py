@@ -1,4 +1,4 @@
-"""Dynamic sampling's decisions (`trl_grpo_ext.sampling.plan`): TRL's advantages and reward metrics for an assembled
+"""Dynamic sampling's decisions (`trl_grpo_ext.extras.plan`): TRL's advantages and reward metrics for an assembled
 batch, which groups are informative, where kept groups may go, how many rows an extra round generates, and the
 seeded, resumable prompt stream."""
 
@@ -11,7 +11,7 @@ from datasets import Dataset
 from helpers import half_constant_reward, make_trainer
 from trl import GRPOConfig, GRPOTrainer
 
-from trl_grpo_ext.sampling.plan import (
+from trl_grpo_ext.extras.plan import (
     PromptKeys,
     PromptStream,
     combine_round_metrics,

@@ -1,4 +1,4 @@
-"""Held-out evaluation samples exactly as `trl.GRPOTrainer` does during training (`trl_grpo_ext.sampling.generation`);
+"""Held-out evaluation samples exactly as `trl.GRPOTrainer` does during training (`trl_grpo_ext.extras.generation`);
 the recipe's held-out scores (`trl_grpo_ext.recipes.evaluation.sampled_reward_means`) average over those samples."""
 
 import pytest
@@ -8,8 +8,8 @@ from tokenizers.processors import TemplateProcessing
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+from trl_grpo_ext.extras.generation import SamplingSettings, eos_token_ids, generate_completions, tokenize_prompts
 from trl_grpo_ext.recipes.evaluation import sampled_reward_means
-from trl_grpo_ext.sampling.generation import SamplingSettings, eos_token_ids, generate_completions, tokenize_prompts
 from trl_grpo_ext.testing import build_char_tokenizer, build_tiny_model
 
 # Renders the messages, then "!" when the template variable `shout` is set, then "=" as the generation prompt.
@@ -68,7 +68,7 @@ def test_prompts_reach_generate_as_trl_tokenises_them(prompts, bos_model_path, t
     assert seen == expected
 
 
-def test_sampling_settings_build_the_generation_config_trl_trains_with(tiny_model_path, tmp_path):
+def test_extras_settings_build_the_generation_config_trl_trains_with(tiny_model_path, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     end_of_turn = tokenizer.convert_tokens_to_ids("!")
@@ -98,7 +98,7 @@ def test_sampling_settings_build_the_generation_config_trl_trains_with(tiny_mode
     assert (ours.min_p, ours.repetition_penalty, ours.top_k, ours.no_repeat_ngram_size) == (0.05, 1.3, 7, 3)
 
 
-def test_sampling_settings_refuse_a_config_without_sampling_fields():
+def test_extras_settings_refuse_a_config_without_sampling_fields():
     with pytest.raises(ValueError, match="no field 'max_completion_length'"):
         SamplingSettings.from_config(object())
 

@@ -12,7 +12,7 @@ from transformers import PrinterCallback, ProgressCallback
 from trl import GRPOConfig
 
 from trl_grpo_ext import GRPOConfigExt
-from trl_grpo_ext.report.console import ConsoleCallback
+from trl_grpo_ext.extras.console import ConsoleCallback
 
 ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
 

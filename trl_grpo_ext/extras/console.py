@@ -20,8 +20,8 @@ from transformers import PrinterCallback, ProgressCallback
 
 from ..choices import CONSOLE_MODES
 from ..metrics import ALARMS_PREFIX, LOSS, LOSS_PREFIX
-from .sampling import sampling_summary
-from .watch import WATCHED
+from ..report.sampling import sampling_summary
+from ..report.watch import WATCHED
 
 __all__ = ["CONSOLE_MODES", "CONSOLE_SIGNALS", "ConsoleCallback", "format_log_line"]
 

@@ -25,8 +25,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.checkpointing import load_grpo_state
+from trl_grpo_ext.extras.selective import INDEX_COLUMN, Selection
 from trl_grpo_ext.guardrails import NonFiniteTrainingError
-from trl_grpo_ext.sampling.selective import INDEX_COLUMN, Selection
 
 G = 4
 TEXTS = ("abc=", "hello=", "xyz=", "qq=", "kite=", "zz=")  # 2 of them in CONSTANT_PROMPTS

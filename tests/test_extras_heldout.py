@@ -22,10 +22,10 @@ from helpers import (
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-from trl_grpo_ext.sampling import heldout as heldout_module
-from trl_grpo_ext.sampling import heldout_scoring
-from trl_grpo_ext.sampling.generation import SamplingSettings, generate_completions, tokenize_prompts
-from trl_grpo_ext.sampling.heldout import heldout_records, pass_at_k, pool_heldout_records
+from trl_grpo_ext.extras import heldout as heldout_module
+from trl_grpo_ext.extras import heldout_scoring
+from trl_grpo_ext.extras.generation import SamplingSettings, generate_completions, tokenize_prompts
+from trl_grpo_ext.extras.heldout import heldout_records, pass_at_k, pool_heldout_records
 
 SETTINGS = SamplingSettings(max_completion_length=6)
 
@@ -106,7 +106,7 @@ def test_k_completions_per_prompt_are_sampled_as_training_samples(tiny_model, ti
     assert len(set(completions)) > 1  # sampled, not greedy
 
 
-def test_sampling_restores_the_model_mode_and_the_random_state(tiny_model, tiny_tokenizer):
+def test_extras_restores_the_model_mode_and_the_random_state(tiny_model, tiny_tokenizer):
     tiny_model.train()
     torch.manual_seed(0)
     expected = torch.rand(3)
@@ -327,7 +327,7 @@ def test_a_held_out_pass_leaves_the_run_s_gradient_checkpointing_as_configured(
 def test_held_out_prompts_are_rendered_with_the_trainer_s_tools_and_chat_template(tiny_model_path, tmp_path):
     from transformers import AutoTokenizer
 
-    from trl_grpo_ext.sampling.heldout import prompt_options
+    from trl_grpo_ext.extras.heldout import prompt_options
 
     def weather(city: str) -> str:
         """The weather in a city.

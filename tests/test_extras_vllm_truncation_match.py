@@ -21,10 +21,10 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.config import TRL_BEHAVIOUR, option
-from trl_grpo_ext.diagnostics.mismatch import sampler_mismatch
-from trl_grpo_ext.ops.correction import correction_ratio
-from trl_grpo_ext.ops.sampler_cuts import SamplerCuts, truncated_log_probs
-from trl_grpo_ext.sampling.sampler_cuts import (
+from trl_grpo_ext.extras.vllm.correction import correction_ratio
+from trl_grpo_ext.extras.vllm.mismatch import sampler_mismatch
+from trl_grpo_ext.extras.vllm.sampler_cuts import SamplerCuts, truncated_log_probs
+from trl_grpo_ext.extras.vllm.truncation_match import (
     TRL_CORRECTION_METRICS,
     TruncationMatch,
     correction_metrics,
@@ -332,7 +332,7 @@ def test_the_trainer_pass_projects_only_the_scored_tokens(
     """Completion padding and tool output are never projected through the head: over micro-batches of 4 and 2 rows,
     the projected positions are the scored tokens, their kept mass that of the whole padded batch's logits; the
     other positions keep TRL's log-probs with a log kept mass of 0."""
-    import trl_grpo_ext.sampling.sampler_cuts as module
+    import trl_grpo_ext.extras.vllm.truncation_match as module
 
     args = GRPOConfig(**tiny_grpo_args(tmp_path / "out", per_device_eval_batch_size=4), **VLLM, top_p=0.6)
     trainer = make_trainer(args.output_dir, tiny_model_path, tiny_tokenizer, prompt_dataset, args=args)

@@ -4,8 +4,8 @@ from helpers import count_a_reward, tiny_grpo_args
 from transformers import PrinterCallback, ProgressCallback, TrainerControl, TrainerState
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+from trl_grpo_ext.extras.console import ConsoleCallback, format_log_line
 from trl_grpo_ext.recipes import grpo as recipe
-from trl_grpo_ext.report.console import ConsoleCallback, format_log_line
 
 TRAIN = {
     "loss": 0.0123,

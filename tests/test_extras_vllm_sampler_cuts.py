@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from trl_grpo_ext.ops.sampler_cuts import SamplerCuts, truncated_log_probs, truncated_log_probs_from_hidden
+from trl_grpo_ext.extras.vllm.sampler_cuts import SamplerCuts, truncated_log_probs, truncated_log_probs_from_hidden
 
 
 def reference(logits: torch.Tensor, target: int, cuts: SamplerCuts) -> tuple[float, bool]:
@@ -299,7 +299,7 @@ def test_only_the_positions_no_bound_covers_are_sorted(monkeypatch):
 def test_the_rows_left_by_the_first_bound_are_copied_and_sorted_a_group_at_a_time(monkeypatch):
     """A full sort holds 24 bytes per logit: past the first bound (which reads the chunk in place), rows go through
     the next bound and the sort in groups of `SORT_ELEMENTS // V` rows, with the same result."""
-    import trl_grpo_ext.ops.sampler_cuts as module
+    import trl_grpo_ext.extras.vllm.sampler_cuts as module
 
     generator = torch.Generator().manual_seed(5)
     sizes = [1, 9, 20, 33, 50, 40, 12, 2, 35, 36, 37, 3]

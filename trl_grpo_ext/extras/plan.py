@@ -2,7 +2,7 @@
 
 - `trl_advantages`, `trl_reward_metrics`: TRL's advantages and reward metrics of a generation batch, from its gathered
   rewards (a copy of the inline block of TRL 1.16's `GRPOTrainer._generate_and_score_completions`, recorded in
-  `_compat.TRL_COPIES` and pinned by `tests/test_sampling_plan.py`), so that a batch assembled from several generation
+  `_compat.TRL_COPIES` and pinned by `tests/test_extras_plan.py`), so that a batch assembled from several generation
   rounds gets the advantages TRL would give it.
 - `informative_groups`: which groups have a reward spread (the others have advantage 0: no policy gradient).
 - `group_placement`, `fill_slots`: which generated group trains in which place of the batch. TRL's sampler lays a

@@ -10,9 +10,9 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.diagnostics import DiagnosticsAccumulator
-from trl_grpo_ext.diagnostics.mismatch import SamplerMismatch, sampler_mismatch
+from trl_grpo_ext.extras.vllm.mismatch import SamplerMismatch, sampler_mismatch
+from trl_grpo_ext.extras.vllm.truncation_match import truncation_warning
 from trl_grpo_ext.ops.numerics import kl_estimator
-from trl_grpo_ext.sampling.sampler_cuts import truncation_warning
 
 RAW = "sampling/importance_sampling_ratio_raw"
 VLLM = {"loss_type": "grpo", "beta": 0.04, "use_vllm": True, "vllm_mode": "colocate"}

@@ -8,7 +8,8 @@ misaligned; from the two it builds the correction `exp(old_logp - sampler_logp)`
 
 `sampler_mismatch` recomputes the raw ratios and which of them the bounds act on, as TRL defines them
 (`ops.correction`, the one recorded copy of TRL's bounds and modes, pinned by `tests/test_compat_drift.py` and
-`tests/test_sampling_sampler_cuts.py`). Without `old_per_token_logps`, the trainer computes its log-probs of the batch
+`tests/test_extras_vllm_truncation_match.py`). Without `old_per_token_logps`, the trainer computes its log-probs of the
+batch
 in one extra forward pass without gradient (`sampling.sampler_cuts.trainer_logps`) and passes them in: the metrics cost
 that pass, and training is unchanged. This module only observes: the correction that trains is
 `sampling.sampler_cuts`'s.
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..ops.correction import outside_bounds, sampler_log_ratios
+from .correction import outside_bounds, sampler_log_ratios
 
 __all__ = ["SamplerMismatch", "sampler_mismatch"]
 

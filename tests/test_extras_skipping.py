@@ -14,9 +14,9 @@ from helpers import constant_reward, half_constant_reward, tiny_grpo_args, tiny_
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
+from trl_grpo_ext.extras import skipping as skipping_module
+from trl_grpo_ext.extras.skipping import ZeroAdvantageRowSkipping
 from trl_grpo_ext.ops import LOSS_TYPES, policy_objective
-from trl_grpo_ext.sampling import skipping as skipping_module
-from trl_grpo_ext.sampling.skipping import ZeroAdvantageRowSkipping
 
 RTOL, ATOL = 1e-5, 1e-6
 # Logged the same with and without skipping (entropy and ratio/* describe the trained rows only).
