@@ -149,12 +149,12 @@ def test_the_first_generation_shows_the_same_mismatch_with_and_without_the_corre
 def test_switching_the_mismatch_metrics_off_skips_the_extra_forward_pass(
     stand_in, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, monkeypatch
 ):
-    from trl_grpo_ext import trainer as trainer_module
+    from trl_grpo_ext.extras.vllm import mismatch
 
     tiny_run = (tiny_model_path, tiny_tokenizer, prompt_dataset)
     calls = []
-    original = trainer_module.trainer_logps
-    monkeypatch.setattr(trainer_module, "trainer_logps", lambda *args: calls.append(1) or original(*args))
+    original = mismatch.trainer_logps
+    monkeypatch.setattr(mismatch, "trainer_logps", lambda *args: calls.append(1) or original(*args))
     options = {**ALIGNED, **VLLM, "vllm_importance_sampling_correction": False, "max_steps": 2}
     _, trainer = train_logs(tmp_path / "off", *tiny_run, trainer_cls=Capturing, log_sampler_mismatch=False, **options)
     assert mismatch_entries(trainer) == [] and calls == []

@@ -231,7 +231,7 @@ def test_with_the_option_off_a_truncated_run_is_stock_trl_s(
             match_sampler_truncation=False,
         )
     trainer, ours = run(GRPOTrainerExt, args, tiny_model_path, tiny_tokenizer, prompt_dataset)
-    assert trainer._truncation_match is None
+    assert trainer._vllm_batches.match is None
     assert assert_same_logs(stock, ours) >= 40
     assert all(KEPT_MASS not in entry for entry in ours)
     assert all(entry["sampling/importance_sampling_ratio/mean"] < 0.9 for entry in stock if "reward" in entry)
@@ -245,7 +245,7 @@ def test_without_a_cut_the_option_changes_nothing(
     off = GRPOConfigExt(**{**common, "output_dir": str(tmp_path / "off")}, **VLLM, match_sampler_truncation=False)
     trainer, matched = run(GRPOTrainerExt, on, tiny_model_path, tiny_tokenizer, prompt_dataset)
     _, unmatched = run(GRPOTrainerExt, off, tiny_model_path, tiny_tokenizer, prompt_dataset)
-    assert trainer._truncation_match is None
+    assert trainer._vllm_batches.match is None
     assert assert_same_logs(unmatched, matched) >= 40
     assert all(KEPT_MASS not in entry for entry in matched)
 
@@ -320,9 +320,9 @@ def test_the_match_acts_only_with_vllm_a_cut_and_the_option(
         args = GRPOConfigExt(**tiny_grpo_args(tmp_path), **overrides)
         return make_trainer(tmp_path, tiny_model_path, tiny_tokenizer, prompt_dataset, args=args)
 
-    assert built(top_k=3)._truncation_match is None  # transformers' generate: no engine log-probs
-    assert built(**VLLM, top_k=-1)._truncation_match is None  # vLLM's "no top-k"
-    match = built(**VLLM, generation_kwargs={"top_p": 0.95})._truncation_match
+    assert built(top_k=3)._vllm_batches is None  # transformers' generate: no engine log-probs
+    assert built(**VLLM, top_k=-1)._vllm_batches.match is None  # vLLM's "no top-k"
+    match = built(**VLLM, generation_kwargs={"top_p": 0.95})._vllm_batches.match
     assert isinstance(match, TruncationMatch) and match.cuts == SamplerCuts(top_p=0.95)
 
 

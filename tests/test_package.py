@@ -226,6 +226,14 @@ DEFERRED_IMPORTS = {
     ("recipes.slurm", "config"): "TRL's GRPOConfig, for the flags' check only",
     ("recipes.slurm", "recipes.arguments"): "TRL's parser, for the flags' check only",
     ("recipes.slurm", "recipes.grpo"): "the recipe, for the flags' check only",
+    # The extras: a run imports those its options turn on (tests/test_extras.py).
+    ("trainer", "extras.heldout"): "held-out evaluation, where asked for",
+    ("trainer", "extras.skipping"): "skip_zero_advantage_rows",
+    ("trainer", "extras.vllm.mismatch"): "use_vllm",
+    ("trainer", "extras.selective"): "selective_rollouts",
+    ("trainer", "extras.dynamic"): "dynamic_sampling",
+    ("trainer", "extras.alerts"): "warn_on_anomalies",
+    ("trainer", "extras.console"): 'console="compact"',
 }
 
 

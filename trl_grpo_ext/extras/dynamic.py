@@ -61,7 +61,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -75,6 +75,7 @@ from ..metrics import (
     DYNAMIC_SAMPLING_TRAINED_CLIPPED_RATIO,
     DYNAMIC_SAMPLING_TRAINED_MEAN_LENGTH,
 )
+from .generation import eos_token_ids
 from .plan import (
     RUNNING_TOTALS,
     PromptKeys,
@@ -88,7 +89,7 @@ from .plan import (
     trl_reward_metrics,
 )
 
-__all__ = ["DynamicSampler", "KeepRate", "ScoredBatch"]
+__all__ = ["DynamicSampler", "KeepRate"]
 
 # Per-row tensors of TRL's generation batch: the side they are padded on and the padding value ("pad": the token).
 _ROW_TENSORS = {
@@ -106,34 +107,17 @@ _RECOMPUTED = ("advantages", "num_items_in_batch")
 
 
 @dataclass
-class ScoredBatch:
-    """The rewards of one generation batch, as the trainer's `_calculate_rewards` saw them.
-
-    Attributes:
-        rewards_per_func (`torch.Tensor` of shape `(N, F)`): every process's rows, NaN where a function did not score.
-        lengths (`torch.Tensor` of shape `(n,)`): this process's completion lengths, rows `first_row ..` of them.
-        first_row (`int`): the global row of this process's first completion.
-        truncated (`torch.Tensor` of shape `(n,)`, *optional*): this process's completions that end without an EOS
-            (or pad) token, as TRL's `completions/clipped_ratio` counts them.
-    """
-
-    rewards_per_func: torch.Tensor
-    lengths: torch.Tensor
-    first_row: int
-    truncated: torch.Tensor | None = None
-
-
-@dataclass
 class _Round:
     """One generation batch TRL generated and scored: its local output, its rewards, its table rows."""
 
     output: dict[str, Any]
-    scored: ScoredBatch
+    scored: Any  # `trainer.ScoredBatch`
     informative: torch.Tensor  # (K,) bool
     frac_reward_zero_std: float
     logs: dict[str, Any]
     local_rows: int = 0  # rows per process
     placements: list[tuple] | None = None  # `group_placement` of the round
+    truncated: torch.Tensor | None = None  # (n,) bool: this process's completions cut at max_completion_length
     selection: Any = None  # with selective rollouts: its prompts (`selective.Selection`)
     metrics: dict[str, list[float]] | None = None  # the values TRL's call appended to `_metrics` (per-call metrics)
 
@@ -208,16 +192,17 @@ class DynamicSampler:
         self.keep_rate = KeepRate()
         self._sampling_dataset = None
         self._prompt_keys = selective.prompt_keys if selective is not None else PromptKeys(dataset)
+        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        # What ends a completion that was not cut at max_completion_length (TRL's `completions/clipped_ratio`).
+        self._completion_ends = torch.tensor([*eos_token_ids(trainer.model, tokenizer), tokenizer.pad_token_id])
 
-    def generate(
-        self, inputs: list[dict], generate_and_score: Callable[[list[dict]], tuple[dict[str, Any], ScoredBatch]]
-    ) -> tuple[dict[str, Any], ScoredBatch]:
+    def generate(self, inputs: list[dict], generate_and_score: Callable) -> tuple[dict[str, Any], Any]:
         """The batch that trains and its rewards.
 
         Args:
             inputs: this process's rows of the generation batch (TRL's sampler's).
-            generate_and_score: TRL's generation and scoring of one generation batch, with what it scored
-                (`GRPOTrainerExt._generate_and_score`).
+            generate_and_score (`Callable[[list[dict]], tuple[dict, ScoredBatch]]`): TRL's generation and scoring of
+                one generation batch, with what it scored (`GRPOTrainerExt._generate_and_score`).
 
         Returns:
             `(output, scored)`: TRL's batch dict for this process, each dropped group replaced where an informative
@@ -292,9 +277,7 @@ class DynamicSampler:
             output = self._assemble(rounds, local_sources)
         output["advantages"] = advantages[start : start + local_rows]
         lengths = torch.stack([rounds[r].scored.lengths[row] for r, row in local_sources])
-        truncated = None
-        if all(r.scored.truncated is not None for r in rounds):
-            truncated = torch.stack([rounds[r].scored.truncated[row] for r, row in local_sources])
+        truncated = torch.stack([rounds[r].truncated[row] for r, row in local_sources])
 
         # TRL's reward metrics of the batch that trains, in place of those of each round; its other metrics of each
         # call (completions/*, ...) as one value for everything generated, the rounds weighted by their rows
@@ -309,13 +292,13 @@ class DynamicSampler:
         metrics[DYNAMIC_SAMPLING_GENERATED_GROUPS].append(float(generated))
         zero_std = sum(r.frac_reward_zero_std * r.informative.numel() for r in rounds) / generated
         metrics[DYNAMIC_SAMPLING_FRAC_REWARD_ZERO_STD_GENERATED].append(zero_std)
-        if truncated is not None:  # TRL's `completions/*` count every round: these, the batch that trains
-            local = torch.stack([lengths.to(torch.float64), truncated.to(torch.float64)], dim=1)
-            trained = trainer.accelerator.gather(local.to(trainer.accelerator.device)).cpu()
-            metrics[DYNAMIC_SAMPLING_TRAINED_MEAN_LENGTH].append(trained[:, 0].mean().item())
-            metrics[DYNAMIC_SAMPLING_TRAINED_CLIPPED_RATIO].append(trained[:, 1].mean().item())
+        # TRL's `completions/*` count every round: these, the batch that trains
+        local = torch.stack([lengths.to(torch.float64), truncated.to(torch.float64)], dim=1)
+        trained = trainer.accelerator.gather(local.to(trainer.accelerator.device)).cpu()
+        metrics[DYNAMIC_SAMPLING_TRAINED_MEAN_LENGTH].append(trained[:, 0].mean().item())
+        metrics[DYNAMIC_SAMPLING_TRAINED_CLIPPED_RATIO].append(trained[:, 1].mean().item())
         self._rewrite_completions_table(rounds, sources, advantages)
-        return output, ScoredBatch(rewards_per_func, lengths, start, truncated)
+        return output, replace(rounds[0].scored, rewards_per_func=rewards_per_func, lengths=lengths, first_row=start)
 
     def _scored_round(self, inputs: list[dict], generate_and_score, local_rows: int, selection=None) -> _Round:
         """`inputs` generated and scored (`local_rows` rows on each process), with what the plan needs of it; with
@@ -352,9 +335,13 @@ class DynamicSampler:
         if selection is not None:
             self.selective.observe(selection, informative)
         num_groups = scored.rewards_per_func.size(0) // trainer.num_generations
+        # A completion is cut where its last token (`lengths` counts them) ends nothing
+        last = output["completion_ids"].gather(1, (scored.lengths - 1).clamp(min=0)[:, None])[:, 0]
+        ends = self._completion_ends.to(last.device)
         return _Round(
             output=output,
             scored=scored,
+            truncated=(scored.lengths == 0) | ~torch.isin(last, ends),
             informative=informative,
             frac_reward_zero_std=is_std_zero.float().mean().item(),
             logs=logs,

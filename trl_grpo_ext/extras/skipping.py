@@ -45,11 +45,9 @@ __all__ = ["RowSelection", "ZeroAdvantageRowSkipping", "row_skipping", "skipping
 logger = logging.get_logger(__name__)
 
 
-def row_skipping(trainer, enabled: bool) -> ZeroAdvantageRowSkipping | None:
-    """The row skipping of `trainer`'s run (`skip_zero_advantage_rows`, `enabled`): `None` when it is off, and, with
-    one warning saying why, when leaving zero-advantage rows out would change the gradient (`skipping_problems`)."""
-    if not enabled:
-        return None
+def row_skipping(trainer) -> ZeroAdvantageRowSkipping | None:
+    """The row skipping of `trainer`'s run (`skip_zero_advantage_rows` on): `None`, with one warning saying why, when
+    leaving zero-advantage rows out would change the gradient (`skipping_problems`)."""
     problems = skipping_problems(trainer)
     if problems:
         logger.warning(

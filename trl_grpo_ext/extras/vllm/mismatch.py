@@ -17,14 +17,16 @@ that pass, and training is unchanged. This module only observes: the correction 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .correction import outside_bounds, sampler_log_ratios
+from .truncation_match import TruncationMatch, trainer_logps, truncation_warning
 
-__all__ = ["SamplerMismatch", "sampler_mismatch"]
+__all__ = ["SamplerMismatch", "VllmBatches", "sampler_mismatch"]
 
 
 @dataclass(frozen=True)
@@ -87,3 +89,46 @@ def sampler_mismatch(
         ratios.scored,
         output.get("importance_sampling_ratio"),
     )
+
+
+class VllmBatches:
+    """What a trainer with `use_vllm` does with each batch vLLM generated: the truncation match, where on
+    (`truncation_match.TruncationMatch`: the correction's weights rebuilt), then the sampler/trainer mismatch.
+
+    Built with the trainer; warns there about truncated sampling with the correction on and the match off.
+
+    Args:
+        trainer (`GRPOTrainer`): a trainer with `use_vllm`.
+        measure (`bool`): measure the mismatch (`log_sampler_mismatch`).
+    """
+
+    def __init__(self, trainer, measure: bool):
+        warning = truncation_warning(trainer.args)
+        if warning:
+            warnings.warn(warning, UserWarning, stacklevel=3)  # at the trainer's construction
+        self.trainer, self.measure = trainer, measure
+        #: `None` unless the option is on and vLLM's sampling truncates.
+        self.match = TruncationMatch.for_trainer(trainer)
+
+    def mark(self, mode: str) -> dict[str, int] | None:
+        """Taken before a generation batch is generated (`TruncationMatch.mark`)."""
+        return self.match.mark(mode) if self.match is not None else None
+
+    def finish(self, output: dict[str, Any], mode: str, mark: dict[str, int] | None) -> SamplerMismatch | None:
+        """After the batch that trains is assembled (on every process: it gathers): the truncation match applied to
+        `output`, and the batch's mismatch, or `None` where it is not measured."""
+        measured = self.measure and output.get("sampling_per_token_logps") is not None
+        logps = self.match.apply(output, mode, mark, for_metrics=measured) if self.match is not None else None
+        if not measured:
+            return None
+        trainer = self.trainer
+        # TRL computes the trainer's log-probs at generation only for the correction (or misaligned steps)
+        if logps is None and "old_per_token_logps" not in output:
+            logps = trainer_logps(trainer, output)
+        return sampler_mismatch(
+            output,
+            trainer.vllm_importance_sampling_mode,
+            trainer.vllm_importance_sampling_clip_min,
+            trainer.vllm_importance_sampling_clip_max,
+            trainer_logps=logps,
+        )
