@@ -1,34 +1,35 @@
-"""Sharded engines and vLLM's engine on a machine without GPUs: the shims that CPU checks and trials apply.
+"""Sharded engines and vLLM's engine on a machine without GPUs: the shims that the CPU tests and benchmarks apply (test
+support code, not in the wheel; a GPU run never needs them).
 
-- `enable_sharded_engines_on_cpu`: FSDP2 and DeepSpeed ZeRO on CPU processes (gloo), for checking a sharded run on a
-  machine without GPUs; the recipe applies it where `CPU_ENGINES_ENV` is set;
-- `enable_vllm_on_cpu`: lets TRL sync weights into vLLM's CPU engine; the recipe applies it where `VLLM_ON_CPU_ENV`
-  is set, and vLLM's plugin (`vllm_plugin`) in the processes vLLM starts.
+- `enable_sharded_engines_on_cpu`: FSDP2 and DeepSpeed ZeRO on CPU processes (gloo). `python tests/cpu_engines.py
+  SCRIPT ARGS...` applies it, then runs the script (docs/sharded.md).
+- `enable_vllm_on_cpu`: TRL's weight sync into vLLM's CPU engine; in the processes vLLM starts, through the plugin of
+  `tests/vllm_plugin/`, which `make test-vllm` installs into its environment (docs/vllm.md).
+- `reuse_vllm_engine`: trainers built one after another in a process share TRL's colocated engine.
 
-Both environment flags are read one way (`env_flag`). A GPU run never needs these shims. This module imports nothing
-of the package (a test loads it as a file of its own).
+This module imports nothing of the package: the plugin loads it as a file of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import runpy
+import sys
+from collections.abc import Iterator
 
 import torch
 
 __all__ = [
-    "CPU_ENGINES_ENV",
     "VLLM_ON_CPU_ENV",
     "enable_sharded_engines_on_cpu",
     "enable_vllm_on_cpu",
     "env_flag",
     "requested_engine",
+    "reuse_vllm_engine",
     "vllm_plugin",
 ]
-
-#: Set to "1" (or "true", "yes") for a launch that checks FSDP or DeepSpeed on CPU processes: the recipe then calls
-#: `enable_sharded_engines_on_cpu` before it parses its arguments.
-CPU_ENGINES_ENV = "TRL_GRPO_EXT_CPU_ENGINES"
 
 
 def env_flag(name: str) -> bool:
@@ -113,8 +114,8 @@ def enable_sharded_engines_on_cpu() -> str | None:
     return engine
 
 
-#: Set to "1" by `enable_vllm_on_cpu` (or by hand): `vllm_plugin`, which vLLM runs in every process it starts,
-#: applies the shim there too.
+#: Set to "1" by `enable_vllm_on_cpu` (or by hand): `vllm_plugin`, which vLLM runs in every process it starts where
+#: the plugin is installed, applies the shim there too.
 VLLM_ON_CPU_ENV = "TRL_GRPO_EXT_VLLM_ON_CPU"
 
 # vLLM 0.31 calls the dispatch from the first module; earlier releases bound it by name in the other two.
@@ -146,7 +147,7 @@ def enable_vllm_on_cpu() -> None:
     never need it, and the CPU engine runs slower without its packed kernels. Call it before the engine is created
     (before the trainer, or `vllm.LLM`). It takes effect in this process, which is where TRL's colocate engine runs
     (`distributed_executor_backend="external_launcher"` keeps vLLM's engine in the calling process), and, through
-    the environment variable `VLLM_ON_CPU_ENV` and the package's vLLM plugin (`vllm_plugin`), in the processes vLLM
+    the environment variable `VLLM_ON_CPU_ENV` and the tests' vLLM plugin (`vllm_plugin`), in the processes vLLM
     spawns for an engine of its own (a plain `vllm.LLM(...)`, `vllm serve`), unless `VLLM_PLUGINS` leaves the plugin
     out. Calling it again does nothing.
 
@@ -195,7 +196,84 @@ def enable_vllm_on_cpu() -> None:
 
 
 def vllm_plugin() -> None:
-    """vLLM's entry point into this package (`vllm.general_plugins`), run in every process vLLM starts: applies
-    `enable_vllm_on_cpu` where `VLLM_ON_CPU_ENV` is set (`env_flag`), and does nothing otherwise."""
+    """What the tests' vLLM plugin (`tests/vllm_plugin/`) runs in every process vLLM starts: `enable_vllm_on_cpu`
+    where `VLLM_ON_CPU_ENV` is set (`env_flag`), nothing otherwise."""
     if env_flag(VLLM_ON_CPU_ENV):
         enable_vllm_on_cpu()
+
+
+#: The engine that `reuse_vllm_engine` shares, with the settings it was built with: at most one per process.
+_SHARED_ENGINE: dict = {}
+_SHARING = "_trl_grpo_ext_shared_engine"
+
+
+@contextlib.contextmanager
+def reuse_vllm_engine(max_num_seqs: int = 256) -> Iterator[None]:
+    """Inside the block, TRL trainers in colocate mode (`use_vllm=True, vllm_mode="colocate"`) share one vLLM engine.
+
+    TRL builds a `vllm.LLM` in each trainer's constructor, and a colocated engine can be built only once per process
+    (a second one fails with `Default process group has not been initialized`). For tests and CPU trials that train
+    several runs in one process: the first trainer builds the engine, later ones get the same engine, and each pushes
+    its own weights into it at its first generation (TRL syncs before a trainer's first generation), so a run sees
+    the weights of its own policy only. Generation settings (temperature, `top_p`, ...) travel with each request and
+    may differ between trainers; engine settings may not, except the number of sequences per batch, up to
+    `max_num_seqs`. The engine outlives the block: a later block in the process shares it too.
+
+    Args:
+        max_num_seqs (`int`): the batch capacity the shared engine is built with (TRL asks for the trainer's batch
+            size); a larger request than this is refused.
+
+    Raises:
+        ImportError: vLLM is not installed.
+        RuntimeError: inside the block, a trainer asks for other engine settings than the shared engine's (they
+            are named), or TRL builds its engine somewhere this helper does not know (another TRL release).
+    """
+    try:
+        import vllm  # noqa: F401
+
+        generation = importlib.import_module("trl.generation.vllm_generation")
+    except ImportError as error:
+        raise ImportError("reuse_vllm_engine() needs vLLM and TRL's vLLM generation module.") from error
+    engine_class = getattr(generation, "LLM", None)
+    if engine_class is None:
+        raise RuntimeError(
+            "reuse_vllm_engine(): trl.generation.vllm_generation has no `LLM`: this TRL release builds its vLLM "
+            "engine elsewhere."
+        )
+    if getattr(engine_class, _SHARING, False):  # nested: the outer block already shares
+        yield
+        return
+
+    def shared_engine(**settings):
+        requested = settings.pop("max_num_seqs", None) or 0
+        if not _SHARED_ENGINE:
+            engine = engine_class(**settings, max_num_seqs=max(requested, max_num_seqs))
+            _SHARED_ENGINE.update(engine=engine, settings=settings, max_num_seqs=max(requested, max_num_seqs))
+        differing = sorted(
+            name
+            for name in settings.keys() | _SHARED_ENGINE["settings"].keys()
+            if settings.get(name) != _SHARED_ENGINE["settings"].get(name)
+        )
+        if requested > _SHARED_ENGINE["max_num_seqs"]:
+            differing.append(f"max_num_seqs ({requested} > {_SHARED_ENGINE['max_num_seqs']})")
+        if differing:
+            raise RuntimeError(
+                "reuse_vllm_engine(): this trainer asks for other vLLM engine settings than the engine this process "
+                f"shares ({', '.join(differing)}), and a second colocated engine cannot be built in the process."
+            )
+        return _SHARED_ENGINE["engine"]
+
+    setattr(shared_engine, _SHARING, True)
+    generation.LLM = shared_engine
+    try:
+        yield
+    finally:
+        generation.LLM = engine_class
+
+
+if __name__ == "__main__":
+    # `accelerate launch --config_file <cpu_fsdp2.yaml> tests/cpu_engines.py SCRIPT ARGS...`: SCRIPT as `__main__`,
+    # with the engine that the launch asks for started on the CPU processes.
+    enable_sharded_engines_on_cpu()
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")

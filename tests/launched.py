@@ -78,7 +78,7 @@ import traceback
 # `benchmarks` (below) is not installed: it is imported from this checkout, which a script's sys.path lacks.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trl_grpo_ext.testing import enable_sharded_engines_on_cpu
+from cpu_engines import enable_sharded_engines_on_cpu  # this script's folder is on sys.path
 
 # Before anything creates accelerate's state: an FSDP or DeepSpeed launch on CPU processes shards for real.
 ENGINE = enable_sharded_engines_on_cpu()

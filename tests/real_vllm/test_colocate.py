@@ -54,11 +54,11 @@ class FirstGradient(TrainerCallback):
 @pytest.fixture(autouse=True)
 def restore_engine_generate():
     """Each trainer of `recording` wraps the shared engine's `generate`; the next test finds it as it was."""
-    from trl_grpo_ext import testing
+    import cpu_engines
 
-    engine = testing._SHARED_ENGINE.get("engine")
+    engine = cpu_engines._SHARED_ENGINE.get("engine")
     yield
-    engine = engine or testing._SHARED_ENGINE.get("engine")
+    engine = engine or cpu_engines._SHARED_ENGINE.get("engine")
     if engine is not None:
         engine.__dict__.pop("generate", None)
 

@@ -9,9 +9,6 @@ arguments below, of `GRPOConfigExt` and of `trl.ModelConfig` is a YAML key and a
 YAML. The output folder ends up holding the model (or LoRA adapter) and tokenizer, TensorBoard logs, `report.png`
 (once a training step was logged) and a model card, ready for `push_to_hub`. `--resume_from_checkpoint true`
 resumes from the last checkpoint in the output folder, a path from that checkpoint; false (or unset) starts fresh.
-
-A check of FSDP or DeepSpeed on a machine without GPUs sets `TRL_GRPO_EXT_CPU_ENGINES=1` for the launch
-(`trl_grpo_ext.cpu_engines.enable_sharded_engines_on_cpu`, docs/sharded.md); a GPU run never needs it.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ from dataclasses import dataclass, field
 
 from transformers import TrainerCallback
 
-from .. import cpu_engines
 from ..config_checks import reward_weights_problem
 from ..metrics import HELDOUT_PREFIX, LOSS
 from .arguments import (
@@ -351,10 +347,6 @@ def run(
         new_folder_per_run: write into a fresh folder when `output_dir` holds an earlier run (the demo, whose
             folder is always the same), unless the run resumes (`arguments.fresh_output_dir`).
     """
-    if cpu_engines.env_flag(cpu_engines.CPU_ENGINES_ENV):  # a sharded engine on CPU processes (docs/sharded.md)
-        cpu_engines.enable_sharded_engines_on_cpu()  # before the training arguments create accelerate's state
-    if cpu_engines.env_flag(cpu_engines.VLLM_ON_CPU_ENV):  # vLLM's CPU engine (docs/vllm.md)
-        cpu_engines.enable_vllm_on_cpu()  # before the trainer builds its colocate engine
     try:
         script_args, training_args, model_args = parse_args(argv, prog, **parse_kwargs)
         name_deepspeed_cpu_accelerator(training_args)
