@@ -25,7 +25,7 @@ from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.extras import heldout as heldout_module
 from trl_grpo_ext.extras import heldout_scoring
 from trl_grpo_ext.extras.generation import SamplingSettings, generate_completions, tokenize_prompts
-from trl_grpo_ext.extras.heldout import heldout_records, pass_at_k, pool_heldout_records
+from trl_grpo_ext.extras.heldout_scoring import heldout_records, pass_at_k, pool_heldout_records
 
 SETTINGS = SamplingSettings(max_completion_length=6)
 

@@ -21,7 +21,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext._compat import TRL_VLLM_ATTRIBUTES, VLLM_GENERATION_METHODS
 from trl_grpo_ext.extras.generation import SamplingSettings
-from trl_grpo_ext.extras.heldout import heldout_records, pool_heldout_records, sync_vllm_weights
+from trl_grpo_ext.extras.heldout import sync_vllm_weights
+from trl_grpo_ext.extras.heldout_scoring import heldout_records, pool_heldout_records
 
 VLLM = {"use_vllm": True, "vllm_mode": "colocate"}
 

@@ -21,16 +21,10 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
 from trl_grpo_ext.config import TRL_BEHAVIOUR, option
-from trl_grpo_ext.extras.vllm.correction import correction_ratio
+from trl_grpo_ext.extras.vllm.correction import TRL_CORRECTION_METRICS, correction_metrics, correction_ratio
 from trl_grpo_ext.extras.vllm.mismatch import sampler_mismatch
 from trl_grpo_ext.extras.vllm.sampler_cuts import SamplerCuts, truncated_log_probs
-from trl_grpo_ext.extras.vllm.truncation_match import (
-    TRL_CORRECTION_METRICS,
-    TruncationMatch,
-    correction_metrics,
-    trainer_truncated_logps,
-    truncation_warning,
-)
+from trl_grpo_ext.extras.vllm.truncation_match import TruncationMatch, trainer_truncated_logps, truncation_warning
 
 VLLM = {"use_vllm": True, "vllm_mode": "colocate", "vllm_importance_sampling_correction": True}
 KEPT_MASS = "sampling/truncation/kept_mass"

@@ -225,7 +225,7 @@ TRL_COPIES = (
         "tests/test_extras_vllm_truncation_match.py::test_the_correction_weights_and_their_metrics_are_trl_s",
     ),
     (
-        "trl_grpo_ext.extras.vllm.truncation_match.correction_metrics",
+        "trl_grpo_ext.extras.vllm.correction.correction_metrics",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (the logged "
         "sampling/sampling_logp_difference/* and sampling/importance_sampling_ratio/*)",
         "tests/test_extras_vllm_truncation_match.py::test_the_correction_weights_and_their_metrics_are_trl_s",

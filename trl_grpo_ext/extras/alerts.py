@@ -1,11 +1,6 @@
-"""Alarms sent where people watch a run: a trackio alert (its dashboard, and the webhooks it posts to) and a W&B
-alert (e-mail, Slack), one per alarm episode, for the trackers that `report_to` names.
-
-`TrackerAlerts` runs after the `AnomalyMonitor` that gives the alarms (`guardrails.anomaly`) and after the loggers:
-at each log step it sends the episodes the monitor opened since the step before, with their message (what happened
-and what to change).
-A tracker without a run in progress (TRL's logger callbacks start it at the beginning of training) is skipped, and a
-tracker that fails to take an alert is named once in a warning; training goes on.
+"""Alarms sent where people watch a run: one trackio alert and one W&B alert per alarm episode, for the trackers
+that `report_to` names, at the log step the `AnomalyMonitor` opens it. A tracker without a run is skipped; one that
+fails is named once in a warning, and training goes on.
 """
 
 from __future__ import annotations
@@ -24,8 +19,7 @@ ALERT_TRACKERS = ("trackio", "wandb")
 
 
 def alert_title(name: str) -> str:
-    """The alert's title: the same for every episode of one alarm (W&B throttles repeats of a title to one a minute),
-    under W&B's limit of 64 characters."""
+    """The alert's title: one per alarm (W&B throttles a title's repeats), under W&B's limit of 64 characters."""
     return f"GRPO alarm: {name}"[:63]
 
 
@@ -64,8 +58,8 @@ class TrackerAlerts(TrainerCallback):
 
     @classmethod
     def install(cls, trainer) -> TrackerAlerts | None:
-        """Add a `TrackerAlerts` for `trainer`'s `AnomalyMonitor` (none without one: alarms are off), last: after the
-        monitor and after the loggers, so that a trackio alert is filed at the step of the metrics just logged."""
+        """Add a `TrackerAlerts` for `trainer`'s `AnomalyMonitor` (none without one), after the loggers: a trackio
+        alert is filed at the step of the metrics just logged."""
         monitor = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, AnomalyMonitor)), None)
         if monitor is None:
             return None

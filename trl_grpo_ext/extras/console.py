@@ -1,14 +1,9 @@
-"""A console a person can read: the progress bar, and per log step one compact line of the key signals.
+"""The console (`console="compact"`): the progress bar, and per log step one line of the key signals,
 
     step 20/400 | reward 0.412 | spread 0.231 | kl 0.00312 | clip 0.0125 | ratio p95 1.08 | entropy 1.93 | len 7.4
 
-with the alarms that start at that step at the end of the line (`| ALARM truncation, no_spread`; the full warning,
-with what to change, comes from the trainer's logger). `GRPOTrainerExt` installs it with `console="compact"` (the
-default of `GRPOConfigExt`), in the recipe, the quickstart and any script alike: `ConsoleCallback.install(trainer)`
-puts it in place of transformers' `ProgressCallback` / `PrinterCallback`, whose raw dict lines it replaces;
-`console="raw"` keeps those. The loggers of `report_to` get every logged value either way. At the end of training
-it prints `report`'s `sampling:` line (`report.sampling`): the generation spent on groups without reward spread, and
-whether dynamic sampling or selective rollouts would pay on this run.
+with the alarms that start at that step at its end (`| ALARM truncation, no_spread`), in place of transformers' raw
+dict lines; at the end of training, `report`'s `sampling:` line where the sampling options would pay.
 """
 
 from __future__ import annotations
@@ -44,8 +39,7 @@ def _nonfinite_loss(key: str, value) -> bool:
 
 
 def _repeats_heldout(logs: Mapping, key: str) -> bool:
-    """Whether a held-out value says nothing the line does not already: its sample size (`.../scored@<n>`), or
-    `.../pass@1` equal to `.../mean@1` (one completion per prompt, a 0/1 score)."""
+    """Whether a held-out value repeats the line: its sample size (`.../scored@<n>`), or `pass@1` equal to `mean@1`."""
     if "/scored@" in key:
         return True
     return key.endswith("/pass@1") and logs.get(key[: -len("pass@1")] + "mean@1") == logs[key]
@@ -54,18 +48,10 @@ def _repeats_heldout(logs: Mapping, key: str) -> bool:
 def format_log_line(
     logs: Mapping, step: int, max_steps: int | None = None, alarms: list[str] | tuple[str, ...] = ()
 ) -> str:
-    """The console line of one log entry.
+    """The console line of one log entry (as `on_log` gets it) at `step` of `max_steps`, with the `alarms` that start.
 
-    A training entry (it has `loss`) gives the `CONSOLE_SIGNALS`, `-` for those not logged; an evaluation entry the
-    same signals with TRL's `eval_` prefix; any other entry (the end-of-training summary, a held-out evaluation) its
-    numbers, each as `name value` (a held-out evaluation's sample size, and its `pass@1` where it equals `mean@1`,
-    left out). A `loss` or `loss/*` value that is NaN or infinite is appended (`| loss nan`).
-
-    Args:
-        logs: the entry, as `on_log` gets it.
-        step: the global step.
-        max_steps: the planned number of steps, shown as `step 20/400`.
-        alarms: names of the alarms that start at this entry, appended as `| ALARM name, name`.
+    A training entry gives the `CONSOLE_SIGNALS` (`-` for those not logged), an evaluation entry the same with TRL's
+    `eval_` prefix, any other entry its numbers; a non-finite `loss` or `loss/*` value is appended.
     """
     where = f"step {step}/{max_steps}" if max_steps and max_steps > 0 else f"step {step}"
     if LOSS in logs:
@@ -91,12 +77,8 @@ def format_log_line(
 
 
 class ConsoleCallback(ProgressCallback):
-    """transformers' progress bar (unless `disable_tqdm`), with one `format_log_line` line per log entry instead of
-    the raw dict: written above the bar, or printed when there is no bar. Main process only.
-
-    The alarms shown are those whose `alarms/<name>` count (added by `AnomalyMonitor`, which runs before the
-    callbacks that print) went up since the previous line.
-    """
+    """transformers' progress bar (unless `disable_tqdm`), with one `format_log_line` line per log entry above it,
+    main process only; the alarms shown are those whose `alarms/<name>` count (`AnomalyMonitor`'s) went up."""
 
     def __init__(self):
         super().__init__()
@@ -148,8 +130,7 @@ class ConsoleCallback(ProgressCallback):
 
 
 def _alarm_counts(entries: list[Mapping]) -> dict[str, float]:
-    """The highest `alarms/<name>` count of `entries`, per alarm (entries without counts, such as evaluations, do not
-    lower it)."""
+    """The highest `alarms/<name>` count of `entries`, per alarm."""
     counts: dict[str, float] = {}
     for entry in entries:
         for key, value in entry.items():

@@ -1,60 +1,13 @@
-"""Dynamic sampling (DAPO's, `GRPOConfigExt.dynamic_sampling`): train on groups whose rewards differ.
+"""Dynamic sampling (DAPO's, `GRPOConfigExt.dynamic_sampling`): the groups without reward spread of a generation batch
+replaced by informative groups generated for fresh prompts.
 
-A group whose completions all get the same reward has advantage 0: it gives no policy gradient (only the KL term).
-`DynamicSampler.generate` (called by `GRPOTrainerExt._generate_and_score_completions`) lets TRL generate and score
-its generation batch as usual, drops the groups without reward spread (`plan.informative_groups`), and generates and
-scores, with TRL's own code path, extra rounds of fresh training prompts (`plan.PromptStream`), at most
-`dynamic_sampling_max_rounds` of them, until every dropped group has been replaced by an informative one. Each extra
-round generates only what the batch still lacks: `dynamic_sampling_round_margin` times the missing groups divided by
-the share of groups kept so far (`KeepRate`: this batch's rounds and, decayed, the batches before), rounded up to a
-round layout (`plan.extra_round_rows`), at most a whole generation batch. The advantages are then computed on the
-assembled batch as TRL computes them on a batch (`plan.trl_advantages`: group, batch or no scaling, either
-multi-objective aggregation), and `num_items_in_batch` is recounted.
-
-A batch that stays short after the last round keeps, in the places not filled, the zero-spread groups TRL sampled
-first: the batch keeps its shape, so every process still trains the same number of rows and micro-batches, and
-`steps_per_generation`, gradient accumulation and the loss normalisations stay those of the configuration; those
-groups add only the KL term (nothing when `beta == 0`; `skip_zero_advantage_rows` then leaves them out of the
-forward), where shrinking the batch would make micro-batches uneven across processes and change every denominator.
-
-Several processes. TRL's sampler lays a generation batch out group by group over the processes, and a group can span
-two. An extra round of `r` rows per process is laid out the same way (global row `i` on process `i // r`, the same
-`r` on every process: TRL's reward gathering and vLLM's generation are collectives over equal shares). A group only
-takes the place of one with the same placement (the same processes, as many rows on each: `plan.fill_slots`), so no
-row moves between processes and each keeps its number of rows; the round size is the smallest whose placements hold
-enough groups for every placement with empty places (when the rows per process are a multiple of
-`num_generations`, whole groups per process: any group of a process fills any place of that process). The keep/drop
-decisions and the round sizes are taken on the rewards gathered from every process, identically everywhere, and then
-checked: one small gather per round compares them, and rows per process, across processes, and a difference raises
-an error naming it rather than leaving the processes waiting for each other.
-
-Prompts of different rounds were padded to different widths: the assembled batch pads them again (prompts on the
-left, completions on the right). The log-probs TRL computed for a round (sampling, reference) stay those of that
-round's padding: with rotary position embeddings (Llama, Qwen, Mistral, ...) extra left padding changes a forward
-only to float rounding; models with absolute position embeddings see their prompts shifted.
-
-With selective rollouts (`sampling.selective`), round 0's prompts are those TRL's sampler handed out with the
-predicted-flat ones replaced, the extra rounds' prompts are drawn through the same judgement (from the same stream),
-and every round's groups update the prompts' histories.
-
-Metrics (once per generation batch): `dynamic_sampling/kept_fraction` (informative groups / generated groups),
-`dynamic_sampling/rounds` (extra rounds), `dynamic_sampling/generated_groups` (every round's groups),
-`dynamic_sampling/frac_reward_zero_std_generated` (TRL's `frac_reward_zero_std` over every generated group), and
-`dynamic_sampling/trained_mean_length` and `trained_clipped_ratio` (TRL's `completions/mean_length` and
-`completions/clipped_ratio` of the batch that trains, which the alarms read beside its reward). TRL's
-reward metrics (`reward`, `reward_std`, `frac_reward_zero_std`, `rewards/<name>/*`), this package's
-`reward_std/group_*` and the completions table describe the batch that trains; `num_tokens` and TRL's other metrics
-of each generation call (`completions/*`, `tools/*`, vLLM's `sampling/*`, what reward functions log with
-`log_metric`) count everything generated, one value per generation batch with the rounds weighted by their rows
-(`plan.combine_round_metrics`).
-
-Fresh prompts: an extra round passes over the prompts the generation batch holds already (those of its earlier
-rounds, compared by value), so that no prompt is weighed twice, also where the stream and TRL's sampler visit the
-training set in the same order (`shuffle_dataset=False`).
-
-Resume: the prompt stream and the keep-rate counts are registered with the checkpoints (`Checkpoints.register(...,
-rewind=True)`): saved with every checkpoint, and rewound to the start of the step for the checkpoint a non-finite stop
-writes, so that a resumed run draws the same prompts in rounds of the same sizes.
+`DynamicSampler.generate` lets TRL generate and score the batch, drops the groups without spread
+(`plan.informative_groups`), and has TRL generate and score extra rounds of fresh prompts (`plan.PromptStream`), at
+most `dynamic_sampling_max_rounds`, each sized to what the batch still lacks (`plan.extra_round_rows`, `KeepRate`). A
+group takes only the place of one with the same placement over the processes (`plan.fill_slots`): no row moves
+between processes. Places left empty keep the groups TRL sampled first, so the batch keeps its shape. The advantages
+of the assembled batch are TRL's (`plan.trl_advantages`); its rows are padded again; TRL's metrics and completions
+table describe it. Every decision is taken on gathered rewards, alike on every process, and checked.
 """
 
 from __future__ import annotations
@@ -83,8 +36,10 @@ from .plan import (
     combine_round_metrics,
     extra_round_rows,
     fill_slots,
+    gathered,
     group_placement,
     group_spread,
+    position_checksum,
     trl_advantages,
     trl_reward_metrics,
 )
@@ -108,26 +63,22 @@ _RECOMPUTED = ("advantages", "num_items_in_batch")
 
 @dataclass
 class _Round:
-    """One generation batch TRL generated and scored: its local output, its rewards, its table rows."""
+    """One generation batch TRL generated and scored."""
 
-    output: dict[str, Any]
-    scored: Any  # `trainer.ScoredBatch`
-    informative: torch.Tensor  # (K,) bool
+    output: dict[str, Any]  # TRL's batch, this process's rows
+    scored: Any  # its `trainer.ScoredBatch`
+    informative: torch.Tensor  # (K,) bool, per group
     frac_reward_zero_std: float
-    logs: dict[str, Any]
-    local_rows: int = 0  # rows per process
-    placements: list[tuple] | None = None  # `group_placement` of the round
-    truncated: torch.Tensor | None = None  # (n,) bool: this process's completions cut at max_completion_length
-    selection: Any = None  # with selective rollouts: its prompts (`selective.Selection`)
-    metrics: dict[str, list[float]] | None = None  # the values TRL's call appended to `_metrics` (per-call metrics)
+    logs: dict[str, Any]  # its rows of TRL's completions table (every process's)
+    local_rows: int  # rows per process
+    placements: list[tuple]  # `plan.group_placement` of the round
+    truncated: torch.Tensor  # (n,) bool: this process's completions cut at max_completion_length
+    metrics: dict[str, list[float]]  # the values TRL's call appended to `_metrics`
 
 
 class KeepRate:
-    """The share of generated groups that were informative, the estimate an extra round is sized with: the counts of
-    the current generation batch's rounds plus those of the batches before, decayed by `decay` per batch (recent
-    batches count most: the share drifts as the policy learns).
-
-    Its state is two floats, identical on every process (they come from gathered rewards).
+    """The share of generated groups that were informative, which extra rounds are sized with: the current generation
+    batch's counts plus those of the batches before, decayed by `decay` per batch. Two floats, alike on every process.
     """
 
     def __init__(self, decay: float = 0.8):
@@ -155,25 +106,17 @@ class DynamicSampler:
     """Dynamic sampling for a `GRPOTrainer` (see the module docstring).
 
     Args:
-        trainer (`GRPOTrainer`): its data, options, accelerator and TRL's logs are read; `_metrics` and `_logs` are
-            rewritten for the assembled batch.
-        max_rounds (`int`): the most extra rounds per generation batch (>= 1: the configuration checks it).
-        margin (`float`): an extra round generates this many times the groups it is expected to need (> 0: the
-            configuration checks it).
-        selective (`selective.SelectiveRollouts`, *optional*): selective rollouts, whose stream this sampler then
-            draws from.
+        trainer (`GRPOTrainer`): its data, options and accelerator are read; TRL's `_metrics` and `_logs` are
+            rewritten for the batch that trains.
+        max_rounds (`int`): the most extra rounds per generation batch.
+        margin (`float`): an extra round generates this many times the groups it is expected to need.
+        selective (`selective.SelectiveRollouts`, *optional*): selective rollouts, whose prompt stream this draws from.
 
     Raises:
-        ValueError: for an `IterableDataset` (fresh prompts are drawn by index).
+        ValueError: for a training set that is not map-style (fresh prompts are drawn by index).
     """
 
-    def __init__(
-        self,
-        trainer,
-        max_rounds: int,
-        margin: float = 1.1,
-        selective=None,
-    ):
+    def __init__(self, trainer, max_rounds: int, margin: float = 1.1, selective=None):
         dataset = trainer.train_dataset
         if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
             raise ValueError(
@@ -183,12 +126,11 @@ class DynamicSampler:
             )
         self.trainer, self.max_rounds = trainer, max_rounds
         self.margin, self.selective = margin, selective
-        #: The fresh prompts of the extra rounds (resumable: `Checkpoints.register`).
+        #: The fresh prompts of the extra rounds, and the share of informative groups (both resumable).
         if selective is not None:
             self.stream = selective.stream
         else:
             self.stream = PromptStream(len(dataset), trainer.args.seed, shuffle=trainer.shuffle_dataset)
-        #: The share of informative groups, that extra rounds are sized with (resumable).
         self.keep_rate = KeepRate()
         self._sampling_dataset = None
         self._prompt_keys = selective.prompt_keys if selective is not None else PromptKeys(dataset)
@@ -200,13 +142,13 @@ class DynamicSampler:
         """The batch that trains and its rewards.
 
         Args:
-            inputs: this process's rows of the generation batch (TRL's sampler's).
+            inputs (`list[dict]`): this process's rows of the generation batch (TRL's sampler's).
             generate_and_score (`Callable[[list[dict]], tuple[dict, ScoredBatch]]`): TRL's generation and scoring of
                 one generation batch, with what it scored (`GRPOTrainerExt._generate_and_score`).
 
         Returns:
-            `(output, scored)`: TRL's batch dict for this process, each dropped group replaced where an informative
-            one was found, with the advantages of the assembled batch; and that batch's rewards and lengths.
+            `(output, scored)`: TRL's batch for this process with each dropped group replaced where an informative one
+            was found and the assembled batch's advantages, and that batch's `ScoredBatch`.
         """
         trainer = self.trainer
         num_generations = trainer.num_generations
@@ -223,10 +165,9 @@ class DynamicSampler:
             taken = {self._prompt_keys(prompt) for prompt in selection.prompts}
         else:
             taken = self._prompt_keys.of(rounds[0].logs["prompt"])
-        total_rows = rounds[0].scored.rewards_per_func.size(0)
         placements = rounds[0].placements
         assignment, short = fill_slots([r.informative for r in rounds], placements)
-        self._check_processes_agree(local_rows, total_rows, rounds[-1].informative, short)
+        self._check_processes_agree(rounds[-1], short)
         while short and len(rounds) <= self.max_rounds:
             kept = sum(int(r.informative.sum()) for r in rounds)
             generated = sum(r.informative.numel() for r in rounds)
@@ -243,23 +184,18 @@ class DynamicSampler:
                 num_processes,
                 num_generations,
             )
-            round_groups = num_processes * rows // num_generations
-            fresh, selection = self._fresh_inputs(round_groups, rows, taken)
+            fresh, selection = self._fresh_inputs(num_processes * rows // num_generations, rows, taken)
             rounds.append(self._scored_round(fresh, generate_and_score, rows, selection))
-            round_total = rounds[-1].scored.rewards_per_func.size(0)
             assignment, short = fill_slots([r.informative for r in rounds], placements, [r.placements for r in rounds])
-            self._check_processes_agree(rows, round_total, rounds[-1].informative, short)
+            self._check_processes_agree(rounds[-1], short)
         kept = sum(int(r.informative.sum()) for r in rounds)
         generated = sum(r.informative.numel() for r in rounds)
         self.keep_rate.update(kept, generated)
         if self.selective is not None:
             self.selective.finish(metrics)
 
-        sources = [
-            (round_index, group * num_generations + offset)
-            for round_index, group in assignment
-            for offset in range(num_generations)
-        ]  # per global row of the batch that trains: (round, global row in that round)
+        # Per global row of the batch that trains: (round, global row in that round)
+        sources = [(r, group * num_generations + row) for r, group in assignment for row in range(num_generations)]
         rewards_per_func = torch.stack([rounds[r].scored.rewards_per_func[row] for r, row in sources])
         advantages, is_std_zero, _ = trl_advantages(
             rewards_per_func,
@@ -271,16 +207,13 @@ class DynamicSampler:
         process = trainer.accelerator.process_index
         start = process * local_rows
         local_sources = [(r, row - process * rounds[r].local_rows) for r, row in sources[start : start + local_rows]]
-        if len(rounds) == 1:
-            output = rounds[0].output  # nothing replaced: TRL's batch as it is
-        else:
-            output = self._assemble(rounds, local_sources)
+        output = rounds[0].output if len(rounds) == 1 else self._assemble(rounds, local_sources)
         output["advantages"] = advantages[start : start + local_rows]
         lengths = torch.stack([rounds[r].scored.lengths[row] for r, row in local_sources])
         truncated = torch.stack([rounds[r].truncated[row] for r, row in local_sources])
 
-        # TRL's reward metrics of the batch that trains, in place of those of each round; its other metrics of each
-        # call (completions/*, ...) as one value for everything generated, the rounds weighted by their rows
+        # TRL's reward metrics of the batch that trains, in place of each round's; its other metrics of each call
+        # (completions/*, ...) as one value for everything generated
         trained = trl_reward_metrics(rewards_per_func, trainer.reward_weights, trainer.reward_func_names, is_std_zero)
         per_call = [{k: v for k, v in r.metrics.items() if k not in trained} for r in rounds]
         generated_rows = [r.scored.rewards_per_func.size(0) for r in rounds]
@@ -292,7 +225,6 @@ class DynamicSampler:
         metrics[DYNAMIC_SAMPLING_GENERATED_GROUPS].append(float(generated))
         zero_std = sum(r.frac_reward_zero_std * r.informative.numel() for r in rounds) / generated
         metrics[DYNAMIC_SAMPLING_FRAC_REWARD_ZERO_STD_GENERATED].append(zero_std)
-        # TRL's `completions/*` count every round: these, the batch that trains
         local = torch.stack([lengths.to(torch.float64), truncated.to(torch.float64)], dim=1)
         trained = trainer.accelerator.gather(local.to(trainer.accelerator.device)).cpu()
         metrics[DYNAMIC_SAMPLING_TRAINED_MEAN_LENGTH].append(trained[:, 0].mean().item())
@@ -301,11 +233,11 @@ class DynamicSampler:
         return output, replace(rounds[0].scored, rewards_per_func=rewards_per_func, lengths=lengths, first_row=start)
 
     def _scored_round(self, inputs: list[dict], generate_and_score, local_rows: int, selection=None) -> _Round:
-        """`inputs` generated and scored (`local_rows` rows on each process), with what the plan needs of it; with
-        selective rollouts, its groups update their prompts' histories."""
+        """`inputs` generated and scored (`local_rows` rows on each process); with selective rollouts, its groups
+        update their prompts' histories."""
         trainer = self.trainer
-        # Emptied, so that what the call leaves in TRL's table (one generation batch long) is this round's rows; the
-        # table of the batch that trains is written once every round is in (`_rewrite_completions_table`).
+        # Emptied, so that what the call leaves in TRL's table is this round's rows; the table of the batch that
+        # trains is written once every round is in (`_rewrite_completions_table`).
         for name in ("prompt", "completion", "advantages"):
             trainer._logs[name].clear()
         for column in (*trainer._logs["rewards"].values(), *trainer._logs["extra"].values()):
@@ -334,28 +266,25 @@ class DynamicSampler:
         }
         if selection is not None:
             self.selective.observe(selection, informative)
-        num_groups = scored.rewards_per_func.size(0) // trainer.num_generations
         # A completion is cut where its last token (`lengths` counts them) ends nothing
         last = output["completion_ids"].gather(1, (scored.lengths - 1).clamp(min=0)[:, None])[:, 0]
-        ends = self._completion_ends.to(last.device)
+        truncated = (scored.lengths == 0) | ~torch.isin(last, self._completion_ends.to(last.device))
         return _Round(
             output=output,
             scored=scored,
-            truncated=(scored.lengths == 0) | ~torch.isin(last, ends),
             informative=informative,
             frac_reward_zero_std=is_std_zero.float().mean().item(),
             logs=logs,
             local_rows=local_rows,
-            placements=group_placement(num_groups, trainer.num_generations, local_rows),
-            selection=selection,
+            placements=group_placement(informative.numel(), trainer.num_generations, local_rows),
+            truncated=truncated,
             metrics=appended,
         )
 
     def _fresh_inputs(self, num_groups: int, local_rows: int, taken: set) -> tuple[list[dict], Any]:
         """This process's rows of a round of `num_groups` fresh prompts, laid out as TRL's sampler lays out a
-        generation batch (each prompt `num_generations` times in a row, `local_rows` rows per process in order), and
-        the round's selection (`None` without selective rollouts). Prompts whose key is in `taken` (those the batch
-        holds already) are passed over; the round's own are added to it."""
+        generation batch, and the round's selection (`None` without selective rollouts). Prompts whose key is in
+        `taken` are passed over; the round's own are added to it."""
         start = self.trainer.accelerator.process_index * local_rows
         if self.selective is not None:
             selection = self.selective.draw(num_groups, taken)  # the same on every process
@@ -368,24 +297,22 @@ class DynamicSampler:
         indices = [index for index in prompts for _ in range(self.trainer.num_generations)]
         return [self._sampling_dataset[index] for index in indices[start : start + local_rows]], None
 
-    def _check_processes_agree(self, local_rows: int, total_rows: int, informative: torch.Tensor, short: int) -> None:
+    def _check_processes_agree(self, last: _Round, short: int) -> None:
         """Raise, on every process alike, if the processes hold different numbers of rows or took different
         decisions (one gather of three numbers)."""
-        flags = informative.double()
-        checksum = (flags * torch.arange(1, flags.numel() + 1, dtype=torch.float64, device=flags.device)).sum()
-        mine = torch.stack([torch.tensor(float(local_rows), dtype=torch.float64, device=flags.device), checksum])
-        mine = torch.cat([mine, torch.tensor([float(short)], dtype=torch.float64, device=flags.device)])
-        table = self.trainer.accelerator.gather(mine[None].to(self.trainer.accelerator.device)).view(-1, 3).cpu()
+        num_processes = self.trainer.accelerator.num_processes
+        table = gathered(self.trainer.accelerator, last.local_rows, position_checksum(last.informative), short)
         if not torch.equal(table[:, 0], torch.full_like(table[:, 0], table[0, 0].item())):
             raise RuntimeError(
                 f"dynamic_sampling: the processes hold different numbers of rows ({table[:, 0].long().tolist()}) in "
                 "a generation batch; it needs the same number on every process (TRL's sampler with a map-style "
                 "dataset gives that)."
             )
-        if total_rows != local_rows * self.trainer.accelerator.num_processes:
+        total_rows = last.scored.rewards_per_func.size(0)
+        if total_rows != last.local_rows * num_processes:
             raise RuntimeError(
-                f"dynamic_sampling: {total_rows} rewards were gathered for {self.trainer.accelerator.num_processes} "
-                f"processes of {local_rows} rows each."
+                f"dynamic_sampling: {total_rows} rewards were gathered for {num_processes} processes of "
+                f"{last.local_rows} rows each."
             )
         if not torch.equal(table, table[:1].expand_as(table)):
             raise RuntimeError(
@@ -396,43 +323,37 @@ class DynamicSampler:
 
     def _assemble(self, rounds: list[_Round], local_sources: list[tuple[int, int]]) -> dict[str, Any]:
         """This process's batch: row `i` is row `local_sources[i][1]` of round `local_sources[i][0]`, padded again."""
+        trainer = self.trainer
+        pad_id = getattr(trainer.processing_class, "tokenizer", trainer.processing_class).pad_token_id
         output = {}
-        pad_id = getattr(
-            self.trainer.processing_class, "tokenizer", self.trainer.processing_class
-        ).pad_token_id  # TRL's pad token
         for key, value in rounds[0].output.items():
             if key in _RECOMPUTED or value is None:
                 continue
             side, padding = _ROW_TENSORS[key]
-            rows = [rounds[r].output[key][row] for r, row in local_sources]
             output[key] = pad(
-                rows,
+                [rounds[r].output[key][row] for r, row in local_sources],
                 padding_value=pad_id if padding == "pad" else padding,
                 padding_side=side,
-                pad_to_multiple_of=self.trainer.pad_to_multiple_of,
+                pad_to_multiple_of=trainer.pad_to_multiple_of,
             )
         loss_mask = output["completion_mask"]
         if "tool_mask" in output:
             loss_mask = loss_mask * output["tool_mask"]
-        output["num_items_in_batch"] = self.trainer.accelerator.gather(loss_mask.sum()).sum()  # as TRL counts it
+        output["num_items_in_batch"] = trainer.accelerator.gather(loss_mask.sum()).sum()  # as TRL counts it
         return output
 
     def _rewrite_completions_table(self, rounds: list[_Round], sources, advantages: torch.Tensor) -> None:
         """TRL's completions table (`_logs`, one generation batch) holds the rows that train."""
-        size = len(sources)
-        self.trainer._logs["prompt"] = deque((rounds[r].logs["prompt"][row] for r, row in sources), maxlen=size)
-        self.trainer._logs["completion"] = deque(
-            (rounds[r].logs["completion"][row] for r, row in sources), maxlen=size
-        )
-        for name in self.trainer._logs["rewards"]:
-            column = self.trainer._logs["rewards"][name]
+        logs, size = self.trainer._logs, len(sources)
+        logs["prompt"] = deque((rounds[r].logs["prompt"][row] for r, row in sources), maxlen=size)
+        logs["completion"] = deque((rounds[r].logs["completion"][row] for r, row in sources), maxlen=size)
+        for name, column in logs["rewards"].items():
             column.clear()
             column.extend(rounds[r].logs["rewards"][name][row] for r, row in sources)
-        self.trainer._logs["advantages"] = deque(advantages.tolist(), maxlen=size)
-        self.trainer._logs["extra"].clear()
-        columns = sorted({name for r in rounds for name in r.logs["extra"]})
-        for name in columns:
+        logs["advantages"] = deque(advantages.tolist(), maxlen=size)
+        logs["extra"].clear()
+        for name in sorted({name for r in rounds for name in r.logs["extra"]}):
             values = [rounds[r].logs["extra"].get(name) for r, _ in sources]
-            self.trainer._logs["extra"][name].extend(
+            logs["extra"][name].extend(
                 None if column is None else column[row] for column, (_, row) in zip(values, sources, strict=True)
             )

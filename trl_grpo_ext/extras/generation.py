@@ -1,12 +1,7 @@
-"""Sampling as GRPO training samples: the prompts, the generation settings, the stops and the decoded completions.
-
-TRL's `GRPOTrainer` (its transformers generation path) tokenises a plain prompt with the tokenizer's special tokens
-(e.g. BOS), renders a conversational prompt with the chat template and `chat_template_kwargs`, samples with a
-`GenerationConfig` built from the config's sampling fields and `generation_kwargs`, stops at every EOS id of the
-tokenizer and of the model's `generation_config`, and hands reward functions conversational completions
-(`[{"role": "assistant", "content": ...}]`) for conversational prompts. This module does the same, so that a held-out
-score (`heldout_scoring.py`, the recipe's evaluation) measures the policy that training sees, and a reward function
-written for TRL runs unchanged.
+"""Sampling as TRL's GRPO training samples (its transformers path): the same prompt tokens and chat template, the
+`GenerationConfig` of the config's sampling fields and `generation_kwargs`, the same stops, the same decoded
+completions; or through the trainer's vLLM engine. Held-out scores measure the policy training sees, and reward
+functions written for TRL run unchanged.
 """
 
 from __future__ import annotations
@@ -35,17 +30,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """The sampling fields of a GRPO config (names and defaults as in `trl.GRPOConfig`).
-
-    Args:
-        max_completion_length: most tokens sampled per completion.
-        temperature, top_p, top_k, min_p, repetition_penalty: the sampling distribution; `top_k=0` and
-            `min_p=None` switch those cuts off.
-        cache_implementation: the KV cache `generate` uses.
-        generation_kwargs: more `GenerationConfig` fields; they override the ones above, as in TRL.
-        chat_template_kwargs: extra variables of the chat template (e.g. `{"enable_thinking": False}`).
-        pad_to_multiple_of: left-pad prompt batches to a multiple of this length.
-    """
+    """The sampling fields of a GRPO config, with `trl.GRPOConfig`'s names and defaults (`generation_kwargs` override
+    the others, as in TRL; `chat_template_kwargs` are extra variables of the chat template)."""
 
     max_completion_length: int = 256
     temperature: float = 1.0
@@ -93,8 +79,7 @@ def _pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """Every id that ends a completion in TRL's GRPO: the tokenizer's EOS, then the model's `generation_config` ones
-    (an end-of-turn token such as `<|im_end|>`, for instance)."""
+    """Every id that ends a completion in TRL's GRPO: the tokenizer's EOS, then the model's generation config's."""
     declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
     return ids if tokenizer.eos_token_id in ids else [tokenizer.eos_token_id, *ids]
@@ -108,18 +93,9 @@ def tokenize_prompts(
     tools: list | None = None,
     chat_template: str | None = None,
 ) -> list[list[int]]:
-    """Prompt token ids, unpadded, as `trl.GRPOTrainer` makes them.
-
-    Args:
-        tokenizer: the processing class of the run.
-        prompts: strings, tokenised with the tokenizer's special tokens; or conversations (lists of messages),
-            rendered with the chat template, a generation prompt and `chat_template_kwargs`.
-        tools: the trainer's tools (TRL's `tools` argument), whose schemas the chat template renders.
-        chat_template: the template TRL trains with in place of the tokenizer's own (tool calling), if any.
-
-    Returns:
-        `list[list[int]]`: one list of ids per prompt.
-    """
+    """Prompt token ids, unpadded, one list per prompt, as `trl.GRPOTrainer` makes them: strings with the
+    tokenizer's special tokens, conversations through the chat template (with `tools` and the `chat_template` TRL
+    trains with, if any) and a generation prompt."""
     if is_conversational({"prompt": prompts[0]}):
         return tokenizer.apply_chat_template(
             conversation=prompts,
@@ -153,8 +129,7 @@ def _decode(tokenizer: PreTrainedTokenizerBase, completion_ids: list[list[int]],
 
 @contextmanager
 def preserved_rng() -> Iterator[None]:
-    """Run the block under the random state it finds, and restore that state afterwards (CPU and every CUDA
-    device): what the block draws leaves the random numbers of the code around it unchanged."""
+    """Restore the random state (CPU and every CUDA device) after the block."""
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         yield
@@ -182,13 +157,10 @@ def sample_batch(
     tools: list | None = None,
     chat_template: str | None = None,
 ) -> tuple[list, list[list[int]]]:
-    """One `generate` call: a completion for each prompt, with the current random state and the model as it is.
+    """One `generate` call: a completion for each prompt (strings or conversations), with the current random state.
 
     Args:
-        model, tokenizer, settings: see `generate_completions`.
-        prompts: strings, or conversations (lists of messages); a prompt repeated `k` times gets `k` completions.
-        synced_gpus: passed to `generate`; `True` keeps every process stepping until all of them are done (needed
-            when the weights are sharded and each forward gathers them). `None`: transformers decides.
+        synced_gpus (`bool`, *optional*): `generate`'s; `True` where sharded weights are gathered in the forward.
         tools, chat_template: see `tokenize_prompts`.
 
     Returns:
@@ -224,23 +196,8 @@ def vllm_sample_batch(
     tools: list | None = None,
     chat_template: str | None = None,
 ) -> tuple[list, list[list[int]]]:
-    """One call of a trainer's vLLM engine: a completion for each prompt, sampled as TRL's training samples with vLLM.
-
-    The prompts are tokenised as `sample_batch` (and TRL) tokenises them and handed to TRL's
-    `vllm_generation.generate(prompt_ids, images=None, num_generations=...)`, which samples with the training sampling
-    parameters (`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `max_completion_length`,
-    `generation_kwargs`) in the run's colocate or server mode. The engine must hold the current weights (TRL syncs
-    them before it generates; `heldout.sync_vllm_weights`).
-
-    Args:
-        vllm_generation: the trainer's `vllm_generation` (TRL's `VLLMGeneration`).
-        tokenizer, settings, tools, chat_template: see `sample_batch` (`settings.chat_template_kwargs` is read).
-        prompts: strings or conversations, each prompt repeated `num_generations` times in a row (TRL's layout).
-        num_generations: how many times each prompt is repeated: in server mode TRL sends each prompt once and asks
-            for that many completions.
-
-    Returns:
-        `(completions, completion_ids)`, as `sample_batch`.
+    """`sample_batch` through a trainer's vLLM engine (TRL's `vllm_generation.generate`, with the training sampling
+    parameters; the engine must hold the current weights): `prompts` each repeated `num_generations` times in a row.
     """
     chat = is_conversational({"prompt": prompts[0]})
     prompt_ids = tokenize_prompts(
@@ -263,21 +220,19 @@ def generate_completions(
     seed: int = 0,
     return_ids: bool = False,
 ) -> list | tuple[list, list[list[int]]]:
-    """Sample one completion per prompt, as GRPO training samples (see the module docstring).
+    """One completion per prompt, sampled as GRPO training samples.
 
     Args:
-        model: the policy (a PEFT model works too); sampled in eval mode, then put back in its previous mode.
-        tokenizer: the processing class of the run.
-        prompts: strings, or conversations (lists of messages).
-        settings: the sampling fields; `SamplingSettings.from_config(training_args)` for a run's own. Defaults to
-            TRL's defaults (plain sampling, temperature 1).
-        batch_size: prompts per `generate` call.
-        seed: seed of the sampling (drawn once, before the first batch); the global RNG state is restored afterwards.
-        return_ids: also return the completions' token ids.
+        model: the policy (a PEFT model too), sampled in eval mode.
+        prompts (`list`): strings, or conversations (lists of messages).
+        settings (`SamplingSettings`, *optional*): `SamplingSettings.from_config(training_args)` for a run's own;
+            default: TRL's defaults.
+        batch_size (`int`): prompts per `generate` call.
+        seed (`int`): seed of the sampling; the global random state is restored afterwards.
+        return_ids (`bool`): also return the completions' token ids.
 
     Returns:
-        `list`: strings for plain prompts; for conversational prompts, lists holding one assistant message. With
-        `return_ids`, `(completions, completion_ids)`.
+        `list`: strings, or lists holding one assistant message; with `return_ids`, `(completions, completion_ids)`.
     """
     if not prompts:
         raise ValueError("No prompts to sample from.")

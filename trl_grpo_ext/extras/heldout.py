@@ -1,16 +1,7 @@
-"""Held-out evaluation during training, independent of the reward: a trainer's `heldout_metrics`, their schedule and
-their place in `evaluate()`.
-
-`HeldoutEvaluator` checks the held-out settings before any model is loaded, runs a pass every `heldout_every_steps`
-optimizer steps and at each `evaluate()`, and logs `heldout/<metric>/mean@<n>`, `pass@<k>` and `scored@<n>`. A pass
-samples and scores through `heldout_scoring.py` (which says how the prompts are split over the processes and how the
-counts are pooled; its functions are importable from here too), with the trainer's model, unwrapped for generation as
-TRL unwraps it, or with its vLLM engine.
-
-With `use_vllm`, the completions come from the trainer's vLLM engine, through TRL's own `vllm_generation.generate`
-with the training sampling parameters, after the weights of the current step are synced as TRL syncs them before it
-generates (`sync_vllm_weights`). In server mode (and with `vllm_tensor_parallel_size > 1`) every process samples
-equal-sized chunks, as many times (`heldout_records`'s `equal_chunks`).
+"""Held-out evaluation during training, independent of the reward (`heldout_metrics`): its checks, its schedule
+(every `heldout_every_steps` optimizer steps) and its place in `evaluate()`. A pass samples and scores the held-out
+prompts (`heldout_scoring`) with the trainer's model, unwrapped as TRL unwraps it for generation, or with its vLLM
+engine after the current weights are synced as TRL syncs them (`sync_vllm_weights`).
 """
 
 from __future__ import annotations
@@ -27,18 +18,11 @@ from trl.trainer.utils import get_callable_name
 from ..config import option
 from ..metrics import HELDOUT_PREFIX, heldout_metric
 from .generation import SamplingSettings
-from .heldout_scoring import call_metric, heldout_records, pass_at_k, pool_heldout_records
+from .heldout_scoring import heldout_records, pool_heldout_records
 
-__all__ = [
-    "HeldoutEvaluator",
-    "call_metric",
-    "heldout_records",
-    "pass_at_k",
-    "pool_heldout_records",
-    "sync_vllm_weights",
-]
+__all__ = ["HeldoutEvaluator", "prompt_options", "sync_vllm_weights"]
 
-#: The `GRPOConfigExt` fields of the held-out evaluation (a plain `trl.GRPOConfig` gets their defaults).
+#: The `GRPOConfigExt` fields of the held-out evaluation.
 HELDOUT_FIELDS = (
     "heldout_every_steps",
     "heldout_num_generations",
@@ -49,8 +33,8 @@ HELDOUT_FIELDS = (
 
 
 class _HeldoutSchedule(TrainerCallback):
-    """Runs the held-out evaluation every `heldout_every_steps` optimizer steps; keeps its values for an evaluation
-    at the same step."""
+    """Runs the held-out evaluation every `heldout_every_steps` optimizer steps; keeps its values for an evaluation at
+    the same step."""
 
     def __init__(self, evaluator: HeldoutEvaluator):
         self.evaluator = evaluator
@@ -68,22 +52,14 @@ class _HeldoutSchedule(TrainerCallback):
 
 
 class HeldoutEvaluator:
-    """Held-out evaluation for a `trl.GRPOTrainer` (see the module docstring): `GRPOTrainerExt`'s `heldout_metrics` and
-    `heldout_dataset` arguments, its `evaluate_heldout()` and the held-out part of its `evaluate()`.
-
-    The config's `heldout_*` fields (`GRPOConfigExt`) say how often and how. Each held-out pass logs its own entry
-    (`heldout/...`, at the current step). Every `evaluate()` includes one: its metrics then carry
-    `eval_heldout/<metric>/mean@<n>` and `.../pass@<k>`, which `metric_for_best_model="heldout/<metric>/mean@<n>"`
-    (with `load_best_model_at_end`, `save_strategy="best"` or early stopping) reads. With `eval_strategy` set and no
-    `eval_dataset`, an evaluation is the held-out pass alone (TRL's own evaluation, which generates and scores with
-    the reward functions, needs an `eval_dataset`): `stands_in_for_eval_dataset`.
-
-    Built before the trainer (its checks come before any model is loaded), then `attach`ed to it.
+    """Held-out evaluation for a `trl.GRPOTrainer`: the `heldout_metrics` and `heldout_dataset` arguments of
+    `GRPOTrainerExt`, its `evaluate_heldout()` and the held-out part of its `evaluate()` (`eval_heldout/...`, which
+    `metric_for_best_model` may name). With `eval_strategy` and no `eval_dataset`, an evaluation is the held-out pass
+    alone (`stands_in_for_eval_dataset`). Built before the trainer, whose model its checks precede, then `attach`ed.
 
     Args:
         args (`trl.GRPOConfig`): the run's configuration.
-        metrics (callable or list of callables, *optional*): the metric functions; named as TRL names reward
-            functions.
+        metrics (callable or list of callables, *optional*): the metric functions, named as TRL names reward functions.
         dataset (`datasets.Dataset`, *optional*): the held-out prompts; defaults to `eval_dataset`.
         eval_dataset: the trainer's `eval_dataset` argument.
     """
@@ -100,8 +76,8 @@ class HeldoutEvaluator:
             dataset = eval_dataset
         _check_heldout(args, self.options, self.metrics, dataset)
         self.dataset = dataset
-        #: No `eval_dataset` but an `eval_strategy`: the held-out prompts are what Trainer gets as its eval_dataset
-        #: (which it requires), and an evaluation is the held-out pass alone; they are never generated from by TRL.
+        #: No `eval_dataset` but an `eval_strategy`: the held-out prompts are Trainer's eval_dataset (which it
+        #: requires), never generated from by TRL.
         self.stands_in_for_eval_dataset = (
             bool(self.metrics) and eval_dataset is None and getattr(args, "eval_strategy", "no") != "no"
         )
@@ -116,15 +92,7 @@ class HeldoutEvaluator:
             trainer.add_callback(_HeldoutSchedule(self))
 
     def run(self, log: bool = True) -> dict[str, float]:
-        """Run the held-out evaluation now, on every process (each samples its share of the prompts).
-
-        Args:
-            log (`bool`): also log the values as their own entry at the current step.
-
-        Returns:
-            `dict`: `heldout/<metric>/mean@<n>`, `heldout/<metric>/pass@<k>` and `heldout/<metric>/scored@<n>`, the
-            same on every process.
-        """
+        """`GRPOTrainerExt.evaluate_heldout`: a pass now, on every process; its values, also logged with `log`."""
         if not self.metrics:
             raise ValueError("evaluate_heldout() needs heldout_metrics=[...] given to the trainer.")
         from trl.models import unwrap_model_for_generation
@@ -220,27 +188,21 @@ class HeldoutEvaluator:
 
 
 def sync_vllm_weights(trainer) -> None:
-    """Push the trainer's weights into its vLLM engine unless they were pushed at this optimizer step already.
-
-    Copy of TRL 1.16's check before it generates (`GRPOTrainer._generate_single_turn`, `trl/trainer/grpo_trainer.py`;
-    recorded in `_compat.TRL_COPIES`): `vllm_generation.sync_weights()` when `state.global_step` differs from
-    `_last_loaded_step`, which is then set to it. The training generation of the same step then finds the engine
-    synced and does not sync again. Call it on every process (the sync is collective).
-    """
+    """Push the trainer's weights into its vLLM engine unless pushed at this optimizer step already, on every process
+    (collective): a copy of TRL 1.16's check in `GRPOTrainer._generate_single_turn` (`_compat.TRL_COPIES`)."""
     if trainer.state.global_step != trainer._last_loaded_step:
         trainer.vllm_generation.sync_weights()
         trainer._last_loaded_step = trainer.state.global_step
 
 
 def prompt_options(trainer) -> dict:
-    """The tools and chat template with which `trainer` renders conversational prompts (TRL's `tools` argument; the
-    training chat template TRL picks for tool calling), for `generation.tokenize_prompts`."""
+    """The tools and chat template with which `trainer` renders conversational prompts (`tokenize_prompts`)."""
     return {"tools": getattr(trainer, "tools", None) or None, "chat_template": getattr(trainer, "chat_template", None)}
 
 
 def _reshard(model) -> None:
-    """Shard FSDP2 weights again after a held-out pass. FSDP2 keeps the root module's weights gathered after a forward
-    (in training, the backward that follows reshards them); a pass without backward would leave them whole."""
+    """Shard FSDP2 weights again after a held-out pass: FSDP2 keeps the root module's weights gathered after a forward
+    until a backward."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without FSDP2: nothing to reshard

@@ -1,30 +1,13 @@
-"""Sampling and scoring the held-out prompts, independently of the reward: per-prompt counts, pass@k, their pooling.
+"""The held-out prompts sampled and scored, independently of the reward: per-prompt counts, pooled into
 
-Metric functions have the reward-function signature, `f(prompts, completions, **columns) -> list[float | None]`
-(called as TRL calls reward functions, with `completion_ids`, the dataset's other columns and `trainer_state`). For
-each held-out prompt, `n` completions are sampled exactly as training samples (`generation.py`: the same prompt tokens
-and chat template, the config's sampling fields and `generation_kwargs`, the same stops; in eval mode, with the
-random state of training left untouched). Pooled, per metric:
+    heldout/<metric>/mean@<n>    mean score over the scored completions (None or NaN scores left out)
+    heldout/<metric>/pass@<k>    mean over prompts of 1 - C(n - c, k) / C(n, k), c the completions scoring >= threshold
+    heldout/<metric>/scored@<n>  the completions mean@<n> averages
 
-    heldout/<metric>/mean@<n>   mean score over all scored completions (None or NaN scores are left out)
-    heldout/<metric>/pass@<k>   mean over prompts of the unbiased estimator 1 - C(n - c, k) / C(n, k)
-    heldout/<metric>/scored@<n> the number of completions mean@<n> averages: its sample size, from which the alarm
-                                `reward_vs_heldout` allows for the evaluation's own noise
-
-where `c` counts a prompt's completions with score >= `heldout_pass_threshold` (an unscored completion counts as
-not passing). Under DDP, FSDP2 and ZeRO the prompts are split over the processes, in chunks each sampled under its
-own seed (`seed + chunk index`), so that a completion does not depend on how many processes share the work; the
-per-prompt counts are pooled with one gather and summed in prompt order, so one process and several give the same
-numbers.
-
-With a vLLM engine, the completions come through TRL's own `vllm_generation.generate` with the training sampling
-parameters. The chunk seeds then reach only an engine that draws from this process's torch generator (colocate mode);
-a server samples with its own (see docs/vllm.md). In server mode (and with `vllm_tensor_parallel_size > 1`) TRL
-gathers the prompts of every process into one request and slices the completions back assuming as many rows on each:
-every process then samples equal-sized chunks, as many times (a short chunk is padded with its first prompt, and the
-padding dropped).
-
-The trainer's side (the checks, the schedule, the weight sync, `evaluate()`) is `heldout.py`'s.
+Metric functions have the reward-function signature and are called as TRL calls reward functions. The prompts are
+split over the processes in chunks, each sampled under its own seed (`seed + chunk index`), and the counts are pooled
+in prompt order: one process and several give the same numbers. Through vLLM in server mode (or tensor parallel),
+every process samples equal-sized chunks, as many times.
 """
 
 from __future__ import annotations
@@ -45,19 +28,8 @@ __all__ = ["call_metric", "heldout_records", "pass_at_k", "pool_heldout_records"
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased estimator of pass@k from `n` samples of which `c` pass: `1 - C(n - c, k) / C(n, k)`.
-
-    The chance that `k` samples drawn without replacement from the `n` include at least one that passes. Computed
-    as `1 - prod_{i = n - c + 1}^{n} (1 - k / i)`, which needs no large binomials.
-
-    Args:
-        n (`int`): samples of the prompt, >= 1.
-        c (`int`): passing samples, in `[0, n]`.
-        k (`int`): in `[1, n]`.
-
-    Returns:
-        `float` in `[0, 1]`; 1 when fewer than `k` samples fail.
-    """
+    """The unbiased estimator of pass@k from `n` samples of which `c` pass, `1 - C(n - c, k) / C(n, k)`, computed as
+    `1 - prod_{i = n - c + 1}^{n} (1 - k / i)` (no large binomials); `1 <= k <= n`, `0 <= c <= n`."""
     if not 1 <= k <= n or not 0 <= c <= n:
         raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}.")
     if n - c < k:
@@ -68,20 +40,12 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def call_metric(
     func: Callable, prompts: list, completions: list, completion_ids: list, columns: dict[str, list], **extras
 ) -> list:
-    """Call a reward-style function as TRL calls reward functions; `log_extra` and `log_metric` do nothing here.
-
-    Args:
-        func: `f(prompts, completions, **kwargs)`, plain or async.
-        prompts, completions, completion_ids: one entry per completion.
-        columns: the dataset's other columns, one list per column, one entry per completion.
-        extras: more keyword arguments (`trainer_state` defaults to `None`).
-
-    Returns:
-        `list`: one score (or `None` for an unscored completion: a `None` or NaN score) per completion.
+    """Call a reward-style function (plain or async) as TRL calls reward functions, with the dataset's other
+    `columns` (one entry per completion) and `extras` (`trainer_state` defaults to `None`); `log_extra` and
+    `log_metric` do nothing. Returns one score per completion, `None` for a `None` or NaN score.
 
     Raises:
-        RewardFunctionError: for a function that returns no list of one score per completion, or an infinite
-            score (`guardrails.reward_errors.check_rewards`).
+        RewardFunctionError: for no list of one score per completion, or an infinite score.
     """
     kwargs = {"trainer_state": None, "log_extra": lambda *args: None, "log_metric": lambda *args: None}
     kwargs.update(extras)
@@ -120,33 +84,23 @@ def heldout_records(
     vllm_generation=None,
     equal_chunks: bool = False,
 ) -> torch.Tensor:
-    """This process's per-prompt counts: one row per prompt it sampled, `(prompt index, then per metric: score sum,
-    scored completions, passing completions)`, float64, padded with rows of index -1 to the same number of rows on
-    every process.
+    """This process's per-prompt counts, `(R, 1 + 3 * M)` float64: per prompt it sampled, its index, then per metric
+    the score sum, the scored and the passing completions; padded with rows of index -1 to as many rows on every
+    process.
 
     Args:
-        model: the policy, whole or gathering its shards in the forward (then `synced_gpus=True`); put in eval mode
-            while sampling. May be `None` with `vllm_generation`.
-        tokenizer: the processing class of the run.
+        model: the policy (`None` with `vllm_generation`), sampled in eval mode.
         dataset (`datasets.Dataset`): held-out rows with a `prompt` and the columns the metrics read.
-        metrics: name -> metric function.
-        settings: the sampling fields (`SamplingSettings.from_config(training_args)`).
-        num_generations: completions per prompt (`n`).
-        threshold: a completion passes when its score is >= this.
-        batch_size: completions per `generate` call.
-        seed: chunk `i` is sampled under seed `seed + i`.
-        process_index, num_processes: this process and how many share the prompts (chunk `i` goes to process
-            `i % num_processes`).
-        synced_gpus: every process makes the same number of `generate` calls (a process with fewer chunks samples
-            one again and drops it), each stepping until all processes are done: needed when the forward gathers
-            sharded weights.
-        metric_kwargs: more keyword arguments for the metrics (e.g. `trainer_state`).
-        prompt_options: how conversational prompts are rendered, as the trainer renders them (`prompt_options`:
-            its `tools` and `chat_template`).
-        vllm_generation: the trainer's `vllm_generation` (TRL's vLLM backend), to sample with instead of `model`'s
-            `generate` (`generation.vllm_sample_batch`); its engine must hold the current weights.
-        equal_chunks: every process samples chunks of the same number of prompts (a short one padded with its first
-            prompt, the padding dropped), the same number of times: TRL's server mode needs it.
+        metrics (`dict`): name -> metric function.
+        num_generations (`int`): completions per prompt (`n`); `threshold`: a completion passes at a score >= it.
+        batch_size (`int`): completions per `generate` call; chunk `i` is sampled under seed `seed + i` by process
+            `i % num_processes`.
+        synced_gpus (`bool`): every process makes as many `generate` calls, each stepping until all are done (sharded
+            weights gathered in the forward).
+        metric_kwargs, prompt_options (`dict`): more keyword arguments of the metrics; the trainer's `tools` and
+            `chat_template` (`heldout.prompt_options`).
+        vllm_generation: the trainer's vLLM backend, to sample with instead of `generate`.
+        equal_chunks (`bool`): every process samples chunks of as many prompts, as many times (TRL's server mode).
     """
     chunks = _chunks(len(dataset), num_generations, batch_size)
     mine = list(range(process_index, len(chunks), num_processes))
@@ -198,14 +152,8 @@ def heldout_records(
 def pool_heldout_records(
     records: torch.Tensor, names: list[str], num_generations: int, pass_at: list[int]
 ) -> dict[str, float]:
-    """The held-out metrics from the gathered per-prompt rows of every process (`heldout_records`, stacked).
-
-    Rows are put in prompt order and summed in that order, so the result does not depend on the number of processes.
-
-    Returns:
-        `dict`: `heldout/<name>/mean@<n>` (NaN when no completion was scored), `heldout/<name>/pass@<k>` for each
-        `k` of `pass_at`, and `heldout/<name>/scored@<n>` (the number of completions scored).
-    """
+    """The held-out metrics (module docstring) from every process's `heldout_records`, stacked, summed in prompt
+    order; `mean@<n>` is NaN where no completion was scored."""
     records = records.to(torch.float64).cpu()
     records = records[records[:, 0] >= 0]
     records = records[records[:, 0].argsort()].tolist()

@@ -1,20 +1,10 @@
-"""The decisions of dynamic sampling (`dynamic.py`), as functions of gathered tensors: alike everywhere.
+"""Dynamic sampling's decisions (`dynamic.py`), as functions of gathered tensors: alike on every process.
 
-- `trl_advantages`, `trl_reward_metrics`: TRL's advantages and reward metrics of a generation batch, from its gathered
-  rewards (a copy of the inline block of TRL 1.16's `GRPOTrainer._generate_and_score_completions`, recorded in
-  `_compat.TRL_COPIES` and pinned by `tests/test_extras_plan.py`), so that a batch assembled from several generation
-  rounds gets the advantages TRL would give it.
-- `informative_groups`: which groups have a reward spread (the others have advantage 0: no policy gradient).
-- `group_placement`, `fill_slots`: which generated group trains in which place of the batch. TRL's sampler lays a
-  generation batch out group by group over the processes; a group may span two. An extra round is laid out the same
-  way with fewer rows per process (the same number on each), so a group can take the place of another with the same
-  placement (the same processes, as many rows on each) without any row moving between processes.
-- `extra_round_rows`: how many rows per process the next extra round generates, from the places still empty and the
-  share of groups kept so far.
-- `PromptStream`, `PromptKeys`: the fresh prompts of the extra rounds, in a seeded order of their own (two integers
-  of state), passing over the prompts a generation batch holds already.
-- `combine_round_metrics`: TRL's metrics of each generation call (`completions/*`, ...) of several rounds, as one value
-  for everything the rounds generated.
+TRL's advantages and reward metrics of an assembled batch (`trl_advantages`, `trl_reward_metrics`); which groups have
+a reward spread (`informative_groups`); which generated group trains in which place (`group_placement`,
+`fill_slots`); how large the next extra round is (`extra_round_rows`); the fresh prompts (`PromptStream`,
+`PromptKeys`); TRL's per-call metrics of several rounds as one value (`combine_round_metrics`); the check that every
+process took the same decisions (`gathered`, `position_checksum`, also selective rollouts').
 """
 
 from __future__ import annotations
@@ -44,9 +34,11 @@ __all__ = [
     "combine_round_metrics",
     "extra_round_rows",
     "fill_slots",
+    "gathered",
     "group_placement",
     "group_spread",
     "informative_groups",
+    "position_checksum",
     "trl_advantages",
     "trl_reward_metrics",
 ]
@@ -59,10 +51,8 @@ def trl_advantages(
     scale_rewards: str,
     multi_objective_aggregation: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """TRL's advantages of a generation batch, from the rewards of every process.
-
-    Copy of the advantage block of TRL 1.16's `GRPOTrainer._generate_and_score_completions`
-    (`trl/trainer/grpo_trainer.py`), which is inline there.
+    """TRL's advantages of a generation batch, from the rewards of every process: a copy of the inline advantage
+    block of TRL 1.16's `GRPOTrainer._generate_and_score_completions` (`_compat.TRL_COPIES`).
 
     Args:
         rewards_per_func (`torch.Tensor` of shape `(N, F)`): every reward function's reward, gathered from all
@@ -136,27 +126,16 @@ def trl_reward_metrics(
 
 
 def informative_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """Which groups have a reward spread, `(K,)` bool, from TRL's combined reward `(N,)` (`trl_advantages`).
-
-    A group is dropped when the standard deviation of its scored rewards is 0 (`ops.has_spread`: TRL's zero test) or
-    undefined (fewer than two scored completions): its advantages are then all 0, or all but 0 under
-    `normalize_then_sum` (a shift shared by the whole group). Rows that no reward function scored are left out of
-    the statistics, as TRL leaves them out.
-    """
+    """Which groups have a reward spread, `(K,)` bool, from TRL's combined reward `(N,)` (`trl_advantages`): a
+    standard deviation of the scored rewards that is neither 0 (`ops.has_spread`, TRL's test) nor undefined (fewer
+    than two scored completions)."""
     return has_spread(nanstd(rewards.view(-1, num_generations), dim=1))
 
 
 def group_spread(trainer, rewards_per_func: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(informative, is_std_zero)` of a scored generation batch under the trainer's reward weights, scaling and
-    aggregation: which groups have a reward spread, `(K,)` bool (`informative_groups`), and TRL's zero-std flag of
-    each row, `(N,)` (`trl_advantages`). The one test of a batch's groups that dynamic sampling and selective
-    rollouts both apply.
-
-    Args:
-        trainer (`GRPOTrainer`): its `reward_weights`, `num_generations`, `scale_rewards` and
-            `multi_objective_aggregation` are read.
-        rewards_per_func (`torch.Tensor` of shape `(N, F)`): every process's rows (`ScoredBatch.rewards_per_func`).
-    """
+    """`(informative, is_std_zero)`: which groups of a scored batch `(N, F)` have a reward spread, `(K,)` bool, and
+    TRL's zero-std flag per row, `(N,)`, under the trainer's reward weights, scaling and aggregation. The one test of
+    a batch's groups that dynamic sampling and selective rollouts apply."""
     _, is_std_zero, rewards = trl_advantages(
         rewards_per_func,
         trainer.reward_weights,
@@ -189,13 +168,13 @@ def fill_slots(
     Args:
         informative (`list[torch.Tensor]`): per round (0 the batch TRL sampled, then the extra rounds), `(K_r,)` bool.
         placements (`list[tuple]`): `group_placement` of round 0: the places of the batch.
-        round_placements (`list[list[tuple]]`, *optional*): `group_placement` of each round, round 0's included
-            (an extra round may be smaller); default: every round laid out as round 0.
+        round_placements (`list[list[tuple]]`, *optional*): `group_placement` of each round, round 0's included;
+            default: every round laid out as round 0.
 
     Returns:
-        `(assignment, short)`: per place `j` of round 0, the `(round, group)` that trains there, and how many places
-        no informative group of the same placement could fill: they keep round 0's group (see `dynamic.py`).
-        Round 0's informative groups keep their places; the others are filled in order of round, then group.
+        `(assignment, short)`: per place, the `(round, group)` that trains there (round 0's informative groups keep
+        their places, the others are filled in order of round, then group), and how many places no informative group
+        of the same placement filled (they keep round 0's group).
     """
     assignment = [(0, group) for group in range(len(placements))]
     waiting: dict[tuple, list[int]] = {}
@@ -219,24 +198,15 @@ def extra_round_rows(
     num_processes: int,
     num_generations: int,
 ) -> int:
-    """Rows per process of the next extra round: the smallest round, laid out as TRL lays out a generation batch (the
-    same number of rows on every process, groups in order), that holds, for every placement with empty places,
-    `ceil(margin * empty / keep_rate)` groups of that placement, or as many as a whole generation batch holds.
+    """Rows per process of the next extra round: the smallest round of whole groups, laid out as TRL lays out a
+    generation batch, that holds for every placement with empty places `ceil(margin * empty / keep_rate)` groups of
+    that placement (or as many as a whole generation batch holds); `rows_per_process` where none smaller does.
 
     Args:
         lacking (`Counter`): placement (`group_placement`'s tuples, of a whole generation batch) -> empty places.
         keep_rate (`float`): the expected share of informative groups; 0 (none seen yet): a whole generation batch.
         margin (`float`): generate this many times the groups expected to be needed.
-        rows_per_process (`int`): rows of a whole generation batch on each process.
-        num_processes (`int`), num_generations (`int`): the layout.
-
-    Returns:
-        `int`: between 1 and `rows_per_process`; `rows_per_process` where no smaller round holds enough.
-
-    A round of `r` rows per process needs `num_processes * r` to be a multiple of `num_generations` (whole groups);
-    where `rows_per_process` is a multiple of `num_generations`, rounds of whole groups per process fill any place of
-    their process, and a smaller round costs nothing in which places it can fill. Where groups span processes, only
-    a round with the same spanning segments can fill a spanning place.
+        rows_per_process, num_processes, num_generations (`int`): the layout of a whole generation batch.
     """
     num_groups = num_processes * rows_per_process // num_generations
     whole = Counter(group_placement(num_groups, num_generations, rows_per_process))
@@ -258,9 +228,7 @@ def extra_round_rows(
 
 class PromptStream:
     """Indices of the training set for the extra rounds: successive permutations (or the plain order without
-    shuffling), each drawn from a generator seeded with `seed` and the permutation's number.
-
-    Its state is `(epoch, position)`: two integers, saved with each checkpoint, identical on every process.
+    shuffling), each seeded with `seed` and its number. State: `(epoch, position)`, alike on every process.
 
     Args:
         size (`int`): number of prompts in the training set.
@@ -288,13 +256,12 @@ class PromptStream:
         return self._order
 
     def draw(self, count: int, taken: set | None = None, key: Callable[[int], Hashable] | None = None) -> list[int]:
-        """The next `count` indices (continuing into the next permutation when this one runs out).
+        """The next `count` indices.
 
         Args:
-            taken (`set`, *optional*): keys (`key(index)`) of the prompts a generation batch holds already: an index
-                whose key is in it is passed over (the stream moves past it), and each index drawn adds its key, so
-                that a batch does not weigh one prompt twice. After one pass over the training set without enough
-                fresh prompts (a training set of few distinct prompts), the indices are drawn as they come.
+            taken (`set`, *optional*): keys (`key(index)`) of the prompts the generation batch holds: an index whose
+                key is in it is passed over, and each index drawn adds its key. After one pass over the training set
+                without enough fresh prompts, the indices are drawn as they come.
             key (`Callable`, *optional*): what makes two prompts the same (`PromptKeys`); default: the index.
         """
         drawn, passed = [], 0
@@ -325,13 +292,8 @@ def prompt_key(prompt) -> Hashable:
 
 
 class PromptKeys:
-    """`prompt_key` of each row of a training set, by index: its `prompt` column (read once when first needed), or
-    each row's `prompt` for a dataset without columns. A row without a prompt (an environment supplies it) has a key
-    of its own, `("row", index)`, which no prompt matches: it is never passed over.
-
-    Args:
-        dataset: the training set (map-style).
-    """
+    """`prompt_key` of each row of a map-style training set, by index (its `prompt` column read once). A row without
+    a prompt (an environment supplies it) has a key of its own, `("row", index)`: it is never passed over."""
 
     def __init__(self, dataset):
         self.dataset = dataset
@@ -357,18 +319,13 @@ RUNNING_TOTALS = (NUM_TOKENS,)
 
 
 def combine_round_metrics(rounds: list[dict[str, list[float]]], rows: list[int]) -> dict[str, float]:
-    """One value per metric for everything several generation calls generated, from each call's values.
-
-    TRL logs, at each call of `_generate_and_score_completions`, one value per metric of the rows it generated
-    (`completions/*`, `tools/*`, vLLM's `sampling/*`, what reward functions log with `log_metric`); TRL's `log` then
-    averages the values of a log window as if each call were a generation batch. For the rounds of one generation
-    batch: a metric whose name's last part starts with `min` (`max`) is the smallest (largest) round value, any other
-    the mean of the round values weighted by the rows they describe: the rows of the round, its terminated rows for
-    `*_terminated_length` (rows times one minus `completions/clipped_ratio`), its tool calls for
-    `tools/failure_frequency` (rows times `tools/call_frequency`). NaN values (nothing to measure) are left out.
+    """One value per metric for everything several generation calls generated (TRL logs one per call): a metric
+    whose name's last part starts with `min` (`max`) is the smallest (largest) round value, any other the mean of the
+    round values weighted by the rows they describe (the terminated rows for `*_terminated_length`, the tool calls
+    for `tools/failure_frequency`); NaN values are left out.
 
     Args:
-        rounds (`list[dict]`): per call, metric name -> the values it appended (one, as TRL logs them).
+        rounds (`list[dict]`): per call, metric name -> the values it appended.
         rows (`list[int]`): per call, the rows it generated (every process's).
 
     Returns:
@@ -410,3 +367,16 @@ def combine_round_metrics(rounds: list[dict[str, list[float]]], rows: list[int])
 def _round_value(values: dict[str, list[float]], name: str, default: float) -> float:
     found = [value for value in values.get(name, []) if not math.isnan(value)]
     return sum(found) / len(found) if found else default
+
+
+def position_checksum(values: torch.Tensor) -> float:
+    """`sum_i (i + 1) * values[i]` in float64: differs between two sequences that differ in value or order."""
+    values = values.detach().double().cpu()
+    return (values * torch.arange(1, values.numel() + 1, dtype=torch.float64)).sum().item()
+
+
+def gathered(accelerator, *values: float) -> torch.Tensor:
+    """`values` of every process, `(P, len(values))` float64 on the CPU: one gather, for the checks that the processes
+    agree."""
+    mine = torch.tensor([[float(value) for value in values]], dtype=torch.float64, device=accelerator.device)
+    return accelerator.gather(mine).cpu()

@@ -1,47 +1,14 @@
-"""Selective rollouts (`GRPOConfigExt.selective_rollouts`): skip, before generation, the prompts that recently had
-no reward spread (the idea of GRESO, arXiv 2506.02177).
+"""Selective rollouts (`GRPOConfigExt.selective_rollouts`), experimental: skip, before generation, the prompts that
+had no reward spread on their last visits (GRESO's idea, arXiv 2506.02177).
 
-A prompt whose completions all got the same reward gives no policy gradient; one that got no spread on its last
-visits usually gets none again. Every training prompt, identified by its index in the training set, carries one
-number: its *streak*, the count of its most recent consecutive visits without reward spread (0 after a visit with
-spread, and for a prompt never generated for). Before TRL generates for a generation batch:
+Each training prompt carries a streak: its most recent visits in a row without spread. A prompt whose streak reaches
+`history` is predicted flat and generated for only with probability `p ** (streak - history + 1)`; a skipped prompt is
+replaced in its place by the next fresh prompt of the stream (`plan.PromptStream`), judged the same way. After
+scoring, the groups update the streaks and `p` moves towards the target share of groups without spread. Decisions
+are taken alike on every process (gathered prompts and rewards, seeded draws) and checked.
 
-- a prompt whose streak is at least `selective_rollouts_history` is *predicted flat*; it is still generated for
-  (*explored*) with probability `p ** (streak - history + 1)`, `p` the exploration probability, and skipped otherwise
-  (the longer it stayed flat, the rarer its visits);
-- each skipped prompt is replaced, in its place (the same rows on the same processes), by the next prompt of the
-  training set's stream of fresh prompts (`plan.PromptStream`, the one dynamic sampling's extra rounds draw from),
-  itself judged the same way; the stream passes over the prompts the batch holds already, so that none is weighed
-  twice;
-- after scoring, the groups update their prompts' streaks (a generation batch is one visit of each of its prompts,
-  with spread when one of the prompt's groups in it had spread), and `p` moves towards the target share of
-  zero-spread groups: down by `selective_rollouts_exploration_step` when more of the generated groups than
-  `selective_rollouts_target_zero_spread` had no spread, up otherwise, within `[selective_rollouts_exploration_min,
-  selective_rollouts_exploration_max]`.
-
-With dynamic sampling, the prompts of its extra rounds are drawn through the same judgement (and never repeat a
-prompt of the batch), and every round's groups update the streaks, within the batch's one visit.
-
-Identical on every process: the prompts' indices of a generation batch are gathered from all processes (one gather
-per generation batch), the streaks are updated from gathered rewards, and the random draws come from a generator
-seeded with the run's seed and the number of decisions taken so far: every process takes the same decisions, and each
-keeps its number of rows (a replacement prompt takes exactly the rows of the prompt it replaces). With several
-processes, one more gather per round compares the prompts decided, and a difference raises an error on every process
-naming it rather than training processes on different prompts.
-
-Which prompt a row is: when the option is on, the training set gets one column more, `INDEX_COLUMN` (kept also with
-`remove_unused_columns=True`); it is taken off every row before TRL's generation and reward functions see it, which
-receive exactly the columns they receive without the option.
-
-Resume: the streaks, the exploration probability and the decision count are saved with every checkpoint (registered
-with `Checkpoints.register(..., rewind=True)`), and so is the prompt stream: a killed run resumes to the decisions an
-uninterrupted run takes.
-
-Metrics (once per generation batch): `selective_rollouts/skipped_prompts` (prompts skipped, every process and round),
-`selective_rollouts/predicted_flat` (the share of the prompts considered that were predicted flat),
-`selective_rollouts/precision` (of the prompts predicted flat and explored anyway, the share that had no spread:
-how often a skip is right), `selective_rollouts/zero_spread` (the share of generated groups without spread, which
-`p` steers towards the target) and `selective_rollouts/exploration_probability` (the `p` the batch was decided with).
+Measured limits: on two small tasks it did not pay alone, nor on prompts visited once (nothing recurs to predict);
+with dynamic sampling it saved generation but ended below dynamic sampling alone in accuracy.
 """
 
 from __future__ import annotations
@@ -60,7 +27,7 @@ from ..metrics import (
     SELECTIVE_ROLLOUTS_SKIPPED_PROMPTS,
     SELECTIVE_ROLLOUTS_ZERO_SPREAD,
 )
-from .plan import PromptKeys, PromptStream, group_spread
+from .plan import PromptKeys, PromptStream, gathered, group_spread, position_checksum
 
 __all__ = ["INDEX_COLUMN", "SelectiveRollouts", "Selection", "selective_options", "strip_index"]
 
@@ -69,8 +36,7 @@ INDEX_COLUMN = "_trl_grpo_ext_prompt_index"
 
 
 def selective_options(args) -> dict:
-    """`SelectiveRollouts`' options from the configuration's `selective_rollouts_*` fields (a plain `trl.GRPOConfig`
-    gets their defaults)."""
+    """`SelectiveRollouts`' options from the configuration's `selective_rollouts_*` fields."""
     names = ("history", "target_zero_spread", "exploration", "exploration_min", "exploration_max", "exploration_step")
     return {name: option(args, f"selective_rollouts_{name}") for name in names}
 
@@ -82,12 +48,8 @@ def strip_index(rows: list[dict]) -> list[dict]:
 
 @dataclass
 class Selection:
-    """The prompts of one generation round, group by group (the same list on every process).
-
-    Attributes:
-        prompts (`list[int]`): the training-set index of each group's prompt, in the round's order.
-        explored (`list[bool]`): per group, whether its prompt was predicted flat and generated for anyway.
-    """
+    """The prompts of one generation round, per group, alike on every process: their training-set indices
+    (`prompts`), and whether each was predicted flat and generated for anyway (`explored`)."""
 
     prompts: list[int]
     explored: list[bool] = field(default_factory=list)
@@ -100,11 +62,9 @@ class SelectiveRollouts:
         trainer (`GRPOTrainer`): its training set gets `INDEX_COLUMN`; its options, accelerator and metrics are read.
         history (`int`): visits without spread in a row after which a prompt is predicted flat (>= 1).
         target_zero_spread (`float`): the share of generated groups without spread that `p` steers towards.
-        exploration (`float`): the initial exploration probability `p`.
-        exploration_min, exploration_max (`float`): its bounds.
+        exploration, exploration_min, exploration_max (`float`): the initial exploration probability `p`, its bounds.
         exploration_step (`float`): how far `p` moves after each generation batch.
-        stream (`PromptStream`, *optional*): the stream replacements are drawn from (dynamic sampling's, shared);
-            default: a new one over the training set.
+        stream (`PromptStream`, *optional*): the stream replacements are drawn from; default: a new one.
 
     Raises:
         ValueError: for a training set that is not a map-style `datasets.Dataset`.
@@ -196,13 +156,10 @@ class SelectiveRollouts:
     def _check_processes_agree(self, selection: Selection) -> None:
         """Raise, on every process alike, if the processes decided for different prompts (one gather of two numbers
         per round; nothing with one process)."""
-        accelerator = self.trainer.accelerator
-        if accelerator.num_processes == 1:
+        if self.trainer.accelerator.num_processes == 1:
             return
-        prompts = torch.tensor(selection.prompts, dtype=torch.float64)
-        checksum = (prompts * torch.arange(1, len(prompts) + 1, dtype=torch.float64)).sum()
-        mine = torch.stack([torch.tensor(float(self.decisions), dtype=torch.float64), checksum])
-        table = accelerator.gather(mine[None].to(accelerator.device)).view(-1, 2).cpu()
+        checksum = position_checksum(torch.tensor(selection.prompts, dtype=torch.float64))
+        table = gathered(self.trainer.accelerator, self.decisions, checksum)
         if not torch.equal(table, table[:1].expand_as(table)):
             raise RuntimeError(
                 "selective_rollouts: the processes decided for different prompts (decision counts and checksums "
@@ -247,10 +204,8 @@ class SelectiveRollouts:
     # Learning from what was generated
 
     def observe(self, selection: Selection, informative: torch.Tensor) -> None:
-        """Update the streaks of a generated round's prompts; `informative` `(K,)` bool per group (gathered).
-
-        A generation batch is one visit of each of its prompts, however many of its groups (rounds, repeats in the
-        training set) hold the prompt: the visit had spread when one of them had."""
+        """Update the streaks of a generated round's prompts from `informative`, `(K,)` bool per group: a generation
+        batch is one visit of each of its prompts, with spread when one of the prompt's groups had spread."""
         for prompt, ok, explored in zip(selection.prompts, informative.tolist(), selection.explored, strict=True):
             before, spread = self._visits.get(prompt, (int(self.streak[prompt]), False))
             self._visits[prompt] = (before, spread or ok)

@@ -1,33 +1,11 @@
 """Exact skipping of the rows that cannot move the loss (`GRPOConfigExt.skip_zero_advantage_rows`).
 
-Why it is exact. Without a KL term (`beta == 0`) the per-token loss of row i is `L_it = w_it * P_it`, and every policy
-term of the catalogue (`ops/terms.py`) is proportional to the row's advantage `A_i`:
-
-    clipped: P = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)     cispo: P = -sg(min(r, eps_high)) A logp
-    sapo:    P = -(4 / tau) sigmoid(tau (r - 1)) A                   vespo: P = -sg(phi) A logp
-
-so a row with `A_i = 0` has `L_it = 0` and `dL_it / dtheta = 0` at every token, whatever its ratios; a row without
-completion tokens adds nothing either. The weights `w` (off-policy mask, vLLM correction) and VESPO's `phi` are
-computed row by row. Left out of the forward and the backward, such rows change neither the loss nor its gradient,
-provided the aggregation still normalises over the whole micro-batch: `policy_objective(batch_rows=N,
-batch_tokens=sum_j |o_j|)` for `sequence_mean` (grpo, sapo), `sequence_sum` (luspo) and `token_mean` (bnpo), and
-`gather_objective_inputs(num_rows=N)` for dr_grpo's divisor `N * max_completion_length`; the window divisors of dapo,
-cispo and vespo count the whole window already. `loss` and `grad_norm` then equal those of the run without skipping,
-to float rounding (the same sums in another order, the forward on a smaller batch).
-
-It does not hold, and nothing is skipped (`skipping_problems` says why, once), with a KL term (`beta != 0`: every
-row has a gradient), an entropy bonus or a router loss (means over every row), or an entropy-quantile mask
-(`top_entropy_quantile < 1`: its threshold is a quantile over every row's tokens). A multimodal micro-batch (image
-tensors that are not one per row) is trained whole.
-
-Distributed training needs every process to run a forward and a backward through every parameter (DDP's gradient
-reduction, FSDP's and ZeRO-3's parameter gathers wait for all processes). A micro-batch whose rows all skip keeps one
-row, its completion mask cleared: an exact 0 loss connected to the graph, whose zero gradients are reduced like any.
-
-Metrics: `skipped_rows/fraction` is the share of rows left out. `clip_ratio/*` stay exact (a skipped row has no
-clipped token, and its tokens still count in the denominator); `entropy`, the ratio distribution (`ratio/*`) and
-`vespo/phi_seq_mean` describe the rows that trained: a micro-batch whose rows all skipped (on every process) adds
-no entropy, and its carrier row no `phi`.
+Without a KL term every policy term is proportional to the row's advantage, and the per-row weights are computed row
+by row: a row with `A = 0` (or without completion tokens) has a zero loss and gradient. `ZeroAdvantageRowSkipping`
+leaves such rows out of the training forward, and the loss keeps the whole micro-batch's denominators
+(`RowSelection.policy_options`), so `loss` and `grad_norm` are those of the run without skipping, to float rounding.
+Nothing is skipped where that would not hold (`skipping_problems`). A micro-batch whose rows all skip keeps one row,
+its completion mask cleared (`RowSelection.carrier`): every process still runs a forward and a backward.
 """
 
 from __future__ import annotations
@@ -84,9 +62,9 @@ class RowSelection:
         rows (`torch.Tensor` of shape `(K,)` or `None`): indices of the rows kept, in order; `None`: all of them.
         num_rows (`int`): N, the rows of the whole micro-batch.
         num_tokens (`torch.Tensor` of shape `()`): completion tokens of the whole micro-batch (the loss mask).
-        clip_units (`torch.Tensor` of shape `(N,)`): what the clip metrics count per row of the whole micro-batch
-            (its tokens; 1 with sequence-level ratios, as TRL counts).
-        skipped (`int`): rows left out (N when the one row kept is only there to carry the graph).
+        clip_units (`torch.Tensor` of shape `(N,)`): what the clip metrics count per row (its tokens; 1 with
+            sequence-level ratios).
+        skipped (`int`): rows left out (N when the one row kept only carries the graph).
     """
 
     rows: torch.Tensor | None
@@ -109,9 +87,8 @@ class RowSelection:
         return torch.full((), float(self.skipped), device=self.num_tokens.device), self.num_rows
 
     def with_whole_batch_clip_counts(self, out):
-        """`out` (the kept rows' `GRPOLossOutput`) with per-row clip counts over the whole micro-batch: zeros for the
-        rows skipped (no clipped token: the clip regions need `A != 0`), and their units, so that `clip_ratio/*` are
-        those of the run without skipping."""
+        """`out` (the kept rows' `GRPOLossOutput`) with per-row clip counts over the whole micro-batch (0 for a
+        skipped row: the clip regions need `A != 0`), so that `clip_ratio/*` are those of the run without skipping."""
         if self.rows is None:
             return out
 
@@ -127,9 +104,8 @@ class RowSelection:
 
 
 class ZeroAdvantageRowSkipping:
-    """Selects, before the training forward, the rows of a micro-batch that can contribute to the loss.
-
-    Build it only where `skipping_problems` is empty.
+    """Selects, before the training forward, the rows of a micro-batch that can contribute to the loss (built where
+    `skipping_problems` is empty).
 
     Args:
         importance_sampling_level (`str`): `"token"` or `"sequence"` (what the clip metrics count per row).
@@ -140,15 +116,9 @@ class ZeroAdvantageRowSkipping:
         self._warned_multimodal = False
 
     def select(self, inputs: dict[str, Any]) -> tuple[dict[str, Any], RowSelection]:
-        """The rows of `inputs` with a nonzero advantage and at least one completion token, and what the loss needs
-        of the whole micro-batch. One host synchronisation (the number of rows kept).
-
-        Args:
-            inputs (`dict`): TRL's micro-batch: `(N, ...)` tensors per row, and `num_items_in_batch`.
-
-        Returns:
-            `(inputs of the rows kept, RowSelection)`; `inputs` itself when every row trains.
-        """
+        """The rows of `inputs` (TRL's micro-batch, `(N, ...)` tensors per row) with a nonzero advantage and at least
+        one completion token, and what the loss needs of the whole micro-batch: `(inputs of the rows kept,
+        RowSelection)`, `inputs` itself when every row trains. One host synchronisation (the rows kept)."""
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
@@ -174,7 +144,7 @@ class ZeroAdvantageRowSkipping:
         if kept == num_rows:
             return inputs, whole
         carrier = kept == 0
-        if carrier:  # one row keeps the forward and backward going through every parameter (see the module)
+        if carrier:  # DDP's reduction and FSDP's or ZeRO-3's gathers need a forward and backward on every process
             rows = rows.new_zeros(1)
         selected = {
             key: value.index_select(0, rows) if _is_per_row(value, num_rows) else value

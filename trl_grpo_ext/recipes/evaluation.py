@@ -12,7 +12,7 @@ from collections.abc import Callable
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..extras.generation import SamplingSettings, eos_token_ids, generate_completions, tokenize_prompts
-from ..extras.heldout import call_metric
+from ..extras.heldout_scoring import call_metric
 
 __all__ = ["SamplingSettings", "eos_token_ids", "generate_completions", "sampled_reward_means", "tokenize_prompts"]
 

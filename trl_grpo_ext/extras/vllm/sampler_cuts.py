@@ -1,37 +1,16 @@
-"""The trainer's log-probs under the sampler's truncation: `log p_trunc(t) = log p(t) - log S`, computed in chunks.
+"""The trainer's log-probs under the sampler's truncation, `log p_trunc(t) = log p(t) - log S`, in chunks (torch only).
 
-vLLM samples (and reports `processed_logprobs`) from the distribution left after its cuts, renormalised over the
-tokens they keep. At one position, with tempered logits `z = scale(h W^T + b) / T` and `p = softmax(z)` over the
-whole vocabulary, vLLM 0.31's sampler (`vllm/v1/sample/sampler.py`: temperature, then the argmax-invariant logits
-processors, of which `min_p`, then `apply_top_k_top_p`) keeps:
+With tempered logits `z` and `p = softmax(z)` at a position, vLLM 0.31's sampler keeps, in this order:
 
-    min_p:  the tokens with p(t) >= min_p * max_u p(u)                    (off: min_p <= 0)
-    top_k:  of those, the tokens whose logit is >= the k-th largest logit  (ties at the k-th are all kept; off: k <= 0)
-    top_p:  of those, with q = p renormalised over them and sorted in decreasing order, each token whose
-            predecessors' mass sum_{j before i} q_j is < top_p             (the most likely is always kept; off: >= 1)
+    min_p:  the tokens with p(t) >= min_p * max p                             (off: min_p <= 0)
+    top_k:  of those, the tokens whose logit is >= the k-th largest           (ties kept; off: k <= 0)
+    top_p:  of those, in decreasing order of q (p renormalised over them), each token whose predecessors' mass is
+            < top_p                                                           (the first always; off: >= 1)
 
-and the kept mass is `S = sum of p over the kept tokens` (in `(0, 1]`). A kept token has `p_trunc(t) = p(t) / S`;
-the others `0`. Where the sampled token `t` is not kept by the trainer's own cut (the engine computed its logits at
-another precision and the two disagree about a token at the boundary), it is counted as kept: `S` becomes
-`S + p(t)`, so that the log-prob stays finite (`kept` says where this happened).
-
-Ties at the top-p boundary: vLLM sorts without a tie order, so which of several equally likely tokens at the boundary
-it keeps is arbitrary; their mass is not, and `S` does not depend on it. A sampled token whose probability equals
-the smallest kept one counts as kept.
-
-The top-p cut without sorting the vocabulary. The nucleus is a prefix of the survivors in decreasing order of `q`,
-and only that prefix is needed. `torch.topk` gives the `K` largest `q` of a position, the same numbers in the same
-order as the first `K` of a full sort; their cumulative sums are the nucleus's predecessor masses. Where the mass of
-all `K` (the predecessors of the `K + 1`-th) is already `>= top_p`, the `K + 1`-th token and every later one are
-dropped, so the nucleus lies inside the `K` and is the one the full sort gives. The other positions (a nucleus of
-more than `K` tokens: a flat distribution) go on to the next, wider bound of `TOP_P_BOUNDS`, and those it does not
-cover either to the full sort of their row (`SORT_ELEMENTS` logits at a time). Both paths read the kept mass off the
-same cumulative sums, so the result does not depend on which path a position took (on the CPU bit for bit: a row's
-cumulative sum runs in order, its first `K` sums are the prefix's; a GPU's parallel scan may round the two
-differently, within float rounding of `top_p`, as any two implementations of the cut do). `top_p_bounds=()` sorts
-every position.
-
-Nothing here imports TRL or transformers; the full `(R, V)` logits are built `chunk_size` positions at a time.
+and `S` is `p`'s mass over the kept tokens. A sampled token outside the trainer's own cut (a boundary token on which
+the engine's precision and the trainer's disagree) counts as kept: `S + p(t)`, and `kept` is False there. The top-p
+cut reads the nucleus off the `K` largest `q` (`torch.topk`, `TOP_P_BOUNDS`) where their mass reaches `top_p`, and
+sorts in full only the rows where no bound does: the same result as a full sort.
 """
 
 from __future__ import annotations
@@ -52,21 +31,18 @@ __all__ = [
     "truncated_log_probs_from_hidden",
 ]
 
-#: Logit elements per chunk when no `chunk_size` is given: 64 MiB of float32 per `(R, V)` intermediate, 110 positions
-#: at Qwen's 151,936-token vocabulary. The LM head is read once per chunk: a 7B model's bfloat16 head (1.1 GB) is
-#: about what 110 positions' dozen passes over their float32 logits move; at 27 positions it was four times that.
+#: Logit elements per chunk: 64 MiB of float32 per `(R, V)` intermediate. The LM head is read once per chunk, so a
+#: chunk must be wide enough that reading it costs no more than the passes over the chunk's logits.
 CHUNK_ELEMENTS = 1 << 24
 #: The widths of the top-k bounds tried, in turn, on the top-p cut before a position's row is sorted in full.
 TOP_P_BOUNDS = (256, 4096)
-#: Logit elements per full sort (27 rows at Qwen's vocabulary): the rows that no bound covers are sorted a group at a
-#: time, since a sort holds its values, int64 indices and cumulative sums at once (24 bytes per logit).
+#: Logit elements per full sort: a sort holds its values, int64 indices and cumulative sums at once (24 bytes each).
 SORT_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True)
 class SamplerCuts:
-    """The cuts of the sampling distribution, with vLLM's meanings: `top_k <= 0`, `top_p >= 1` and `min_p <= 0`
-    each switch one off."""
+    """The cuts of the sampling distribution, with vLLM's meanings (`top_k <= 0`, `top_p >= 1`, `min_p <= 0`: off)."""
 
     top_k: int = 0
     top_p: float = 1.0
@@ -85,8 +61,8 @@ class SamplerCuts:
 
 
 class TruncatedLogProbs(NamedTuple):
-    """Per position: `logps` (log p(t) over the whole vocabulary), `log_kept_mass` (log S, <= 0) and `kept` (bool:
-    the cut kept `t` itself). `logps - log_kept_mass` is log p_trunc(t)."""
+    """Per position: `logps` (log p(t) over the whole vocabulary), `log_kept_mass` (log S, <= 0) and `kept` (the cut
+    kept `t` itself)."""
 
     logps: torch.Tensor
     log_kept_mass: torch.Tensor
@@ -99,9 +75,8 @@ class TruncatedLogProbs(NamedTuple):
 
 
 class _Nucleus(NamedTuple):
-    """The top-p cut over a prefix of `q` in decreasing order, per row: `mass` (the kept `q`), `smallest` (the
-    least likely kept `q`), `covered` (the prefix holds the whole nucleus: the mass before the token after it is
-    already `>= top_p`)."""
+    """The top-p cut over a prefix of `q` in decreasing order, per row: the kept mass, the least likely kept `q`, and
+    whether the prefix holds the whole nucleus (its mass is already `>= top_p`)."""
 
     mass: torch.Tensor
     smallest: torch.Tensor
@@ -117,8 +92,8 @@ def _nucleus(ordered: torch.Tensor, top_p: float) -> _Nucleus:
 
 
 def _top_p_cut(q: torch.Tensor, top_p: float, bounds: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kept mass and the least likely kept `q` of each row of `q` `(R, V)` under top-p: through the top-k
-    bounds first, then the full sort of the rows that none covers (see the module docstring)."""
+    """The kept mass and the least likely kept `q` of each row of `q` `(R, V)` under top-p: through the top-k bounds
+    first, then the full sort of the rows that none covers."""
     rows, vocab = q.shape
     mass, smallest = q.new_empty(rows), q.new_empty(rows)
     group = max(1, SORT_ELEMENTS // vocab)
@@ -199,19 +174,12 @@ def truncated_log_probs(
     chunk_size: int | None = None,
     top_p_bounds: tuple[int, ...] = TOP_P_BOUNDS,
 ) -> TruncatedLogProbs:
-    """log p(t), log S and whether the cut kept `t`, from full tempered logits (see the module docstring).
+    """[`TruncatedLogProbs`] of `targets` `(...)` under `cuts`, each `(...)`, float32, from tempered logits `(..., V)`.
 
     Args:
-        logits (`torch.Tensor` of shape `(..., V)`): the logits after temperature (and any scaling), any float dtype
-            (computed in float32).
-        targets (`torch.Tensor` of shape `(...)`): the token ids whose log-probs are wanted (the sampled ones).
-        cuts (`SamplerCuts`): the sampler's cuts.
-        chunk_size (`int`, *optional*): positions per chunk; default `CHUNK_ELEMENTS // V` (at least 1).
-        top_p_bounds (`tuple[int, ...]`, *optional*, defaults to `TOP_P_BOUNDS`): the widths of the top-k bounds tried
-            on the top-p cut before a full sort, increasing; `()` sorts every position (the same result).
-
-    Returns:
-        [`TruncatedLogProbs`], each of shape `(...)`, float32 (`kept` bool).
+        chunk_size (`int`, *optional*): positions per chunk; default `CHUNK_ELEMENTS // V`.
+        top_p_bounds (`tuple[int, ...]`): the widths of the top-k bounds tried on the top-p cut before a full sort,
+            increasing; `()` sorts every position (the same result).
     """
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"`targets` must have shape {tuple(logits.shape[:-1])}, got {tuple(targets.shape)}.")
@@ -236,23 +204,9 @@ def truncated_log_probs_from_hidden(
     chunk_size: int | None = None,
     top_p_bounds: tuple[int, ...] = TOP_P_BOUNDS,
 ) -> TruncatedLogProbs:
-    """`truncated_log_probs` from hidden states and the LM head, without building the `(N, V)` logits at once.
-
-    Per chunk of positions, the logits of TRL's fused LM head: `y = logit_scale * (h W^T + b)` (the matmul in the
-    dtype of `hidden` and `weight`, the rest in float32), `y = softcap * tanh(y / softcap)` when `softcap` is set, and
-    `z = y * (1 / temperature)`. Pass only the positions whose log kept mass is wanted (the scored completion
-    tokens, not padding): each costs a projection through the head and passes over `V` logits.
-
-    Args:
-        hidden (`torch.Tensor` of shape `(..., H)`): final hidden states at the positions that predict `targets`.
-        weight (`torch.Tensor` of shape `(V, H)`), bias (`(V,)` or `None`): the LM head.
-        targets (`torch.Tensor` of shape `(...)`): the predicted token ids.
-        cuts, chunk_size, top_p_bounds: see `truncated_log_probs`.
-        temperature, logit_scale, softcap: the logit transform.
-
-    Returns:
-        [`TruncatedLogProbs`], each of shape `(...)`.
-    """
+    """`truncated_log_probs` from final hidden states `(..., H)` and the LM head (`weight` `(V, H)`, `bias` `(V,)`),
+    the logits of TRL's fused head built a chunk at a time: `z = softcap * tanh(logit_scale * (h W^T + b) / softcap) /
+    temperature` (no cap without `softcap`; the matmul in the inputs' dtype, the rest in float32)."""
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"`targets` must have shape {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}.")
     flat = hidden.reshape(-1, hidden.shape[-1])

@@ -1,37 +1,13 @@
-"""`match_sampler_truncation`: the importance-sampling correction under vLLM's truncated sampling, unbiased.
+"""`match_sampler_truncation`: vLLM's importance-sampling correction under truncated sampling, unbiased.
 
-With `top_k`, `top_p` or `min_p`, vLLM samples from the distribution its cuts leave, renormalised over the kept
-tokens, and reports log-probs of that distribution (`logprobs_mode="processed_logprobs"`). TRL 1.16 compares them
-with the trainer's whole-vocabulary log-probs: every ratio `exp(old_logp - sampler_logp)` is `p / (p / S_engine)`,
-the kept mass `S <= 1` times the engine mismatch (TRL issue #6789). `TruncationMatch` gives the correction the
-trainer's log-probs of the same truncated distribution,
-
-    log p_trunc(t) = log p(t) - log S,    S = the trainer's mass of the tokens vLLM's cuts keep
-
-(`ops.sampler_cuts`: the cuts, their order and the boundary cases, the top-p cut without a sort of the vocabulary),
-computed from the trainer's full-vocabulary logits at the scored tokens only (completion tokens outside tool output,
-not padding), in chunks, in one forward pass without gradient per generation batch (TRL's padded
-`_get_per_token_logps_and_entropies`, with a hook on the backbone that projects its hidden states through the LM head
-chunk by chunk). That pass is a forward of the batch on top of the one in which TRL computes `old_per_token_logps`:
-the log-prob forward (`forward/`) hands no hidden states out. Then, for the batch that trains:
-
-- `importance_sampling_ratio` (the correction's weights) is recomputed from `log p_trunc - sampler_logp` in the run's
-  `vllm_importance_sampling_mode` and bounds (`ops.correction.correction_ratio`);
-- TRL's logged `sampling/sampling_logp_difference/{mean,max}` and `sampling/importance_sampling_ratio/{min,mean,max}`
-  are replaced by the same statistics of the recomputed values (`correction_metrics`, TRL's definitions);
-- the sampler-mismatch metrics (`sampling/importance_sampling_ratio_raw/*`, `sampling/sampler_k3_kl`) use
-  `log p_trunc`;
-- `sampling/truncation/kept_mass` (the trainer's mean `S` over completion tokens: the factor stock TRL's ratio carries)
-  and `sampling/truncation/outside_cut_fraction` (the share of sampled tokens that the trainer's own cut would have
-  dropped: the engine and the trainer disagree about a boundary token; those count as kept) are logged.
-
-`sampler_cuts` reads the cuts vLLM samples with (`top_k`, `top_p`, `min_p`, overridden by `generation_kwargs` as TRL
-passes them); `truncation_warning` names them where the option is off and the correction on; `trainer_logps` is the
-trainer's forward pass without gradient over a generated batch (also what the sampler-mismatch metrics of
-`diagnostics.mismatch` compare with when TRL computed no `old_per_token_logps`).
-
-`old_per_token_logps` (the PPO surrogate's denominator) stays the whole-vocabulary log-prob: the surrogate's ratio is
-the policy's whole-vocabulary probability over the old one, as in TRL.
+With `top_k`, `top_p` or `min_p`, vLLM reports log-probs of the distribution its cuts leave, renormalised over the kept
+tokens; TRL 1.16 compares them with the trainer's whole-vocabulary log-probs, so every ratio carries the kept mass
+`S` (TRL issue #6789). `TruncationMatch` gives the correction the trainer's `log p_trunc(t) = log p(t) - log S` of the
+same cuts (`sampler_cuts`), from one forward pass without gradient per generation batch whose backbone hidden states
+are projected through the LM head at the scored tokens only, in chunks. From it, for the batch that trains: the
+correction's weights and TRL's statistics of them are rebuilt, the mismatch metrics use it, and
+`sampling/truncation/kept_mass` and `outside_cut_fraction` are logged. `old_per_token_logps` (the surrogate's
+denominator) stays the whole-vocabulary log-prob, as in TRL.
 """
 
 from __future__ import annotations
@@ -42,27 +18,22 @@ from typing import Any
 
 import torch
 from accelerate.utils import is_peft_model
-from trl.trainer.utils import nanmax, nanmin
 
 from ..._compat import FORWARD_KEYS
 from ...config import option
-from ...metrics import (
-    IMPORTANCE_SAMPLING_RATIO_MAX,
-    IMPORTANCE_SAMPLING_RATIO_MEAN,
-    IMPORTANCE_SAMPLING_RATIO_MIN,
-    SAMPLING_LOGP_DIFFERENCE_MAX,
-    SAMPLING_LOGP_DIFFERENCE_MEAN,
-    TRUNCATION_KEPT_MASS,
-    TRUNCATION_OUTSIDE_CUT_FRACTION,
-)
+from ...metrics import TRUNCATION_KEPT_MASS, TRUNCATION_OUTSIDE_CUT_FRACTION
 from ..generation import preserved_rng
-from .correction import correction_ratio, sampler_log_ratios
+from .correction import (
+    TRL_CORRECTION_METRICS,
+    corrected_tokens,
+    correction_metrics,
+    correction_ratio,
+    sampler_log_ratios,
+)
 from .sampler_cuts import SamplerCuts, TruncatedLogProbs, truncated_log_probs_from_hidden
 
 __all__ = [
-    "TRL_CORRECTION_METRICS",
     "TruncationMatch",
-    "correction_metrics",
     "sampler_cuts",
     "trainer_logps",
     "trainer_truncated_logps",
@@ -70,23 +41,11 @@ __all__ = [
     "truncation_warning",
 ]
 
-#: What TRL logs of its correction in `_generate_and_score_completions` (replaced for the batch that trains).
-TRL_CORRECTION_METRICS = (
-    SAMPLING_LOGP_DIFFERENCE_MEAN,
-    SAMPLING_LOGP_DIFFERENCE_MAX,
-    IMPORTANCE_SAMPLING_RATIO_MIN,
-    IMPORTANCE_SAMPLING_RATIO_MEAN,
-    IMPORTANCE_SAMPLING_RATIO_MAX,
-)
-
 
 def trainer_logps(trainer, output: dict[str, Any]) -> torch.Tensor:
-    """The trainer's per-token log-probs `(N, T)` of a generated batch, as TRL computes `old_per_token_logps`.
-
-    One forward pass of `trainer.model` without gradient (gradient checkpointing paused, as TRL does), under the
-    random state it found, which is restored afterwards: dropout (e.g. LoRA's) draws the same numbers in training
-    as without this pass. Call it on every process (sharded weights gather in the forward).
-    """
+    """The trainer's per-token log-probs `(N, T)` of a generated batch, as TRL computes `old_per_token_logps`: one
+    forward pass without gradient (gradient checkpointing paused, as TRL does) that leaves the random state as it
+    found it. On every process (sharded weights gather in the forward)."""
     try:
         from trl.models.utils import disable_gradient_checkpointing
 
@@ -97,7 +56,7 @@ def trainer_logps(trainer, output: dict[str, Any]) -> torch.Tensor:
     batch_size = args.per_device_train_batch_size if trainer.model.training else args.per_device_eval_batch_size
     completion_ids = output["completion_ids"]
     # TRL's padded forward (`GRPOTrainerExt` keeps it beside the padding-free one): the truncation match reads the
-    # backbone's hidden states in that layout (sampling.sampler_cuts).
+    # backbone's hidden states in that layout.
     forward = getattr(trainer, "_stock_logps_and_entropies", trainer._get_per_token_logps_and_entropies)
     with torch.no_grad(), paused, preserved_rng():
         logps, _, _ = forward(
@@ -125,16 +84,8 @@ def sampler_cuts(args) -> SamplerCuts:
 
 
 def truncation_warning(args) -> str | None:
-    """What biases vLLM's importance-sampling correction in `args`, or `None`.
-
-    Args:
-        args (`trl.GRPOConfig`): the training configuration; `top_p`, `top_k`, `min_p` and the same keys of
-            `generation_kwargs` (which override them, as TRL passes them to vLLM) are read.
-
-    Returns:
-        `str`: the warning, naming the settings and what to do; `None` without vLLM or without the correction, when
-        nothing truncates, or with `match_sampler_truncation` on (which removes the bias).
-    """
+    """The warning about what biases vLLM's importance-sampling correction under `args` (truncated sampling with the
+    correction on and `match_sampler_truncation` off), naming the settings and what to do; else `None`."""
     if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False)):
         return None
     if option(args, "match_sampler_truncation"):
@@ -160,16 +111,9 @@ def truncation_warning(args) -> str | None:
 
 
 def trl_logit_transform(model) -> tuple[Any, dict[str, Any]]:
-    """The backbone TRL's fused LM head runs, and the transform of its logits (`logit_scale`, `softcap`).
-
-    Copy of the configuration reading of TRL 1.16's `add_fused_lm_head` (`trl/trainer/utils.py`), recorded in
-    `_compat.TRL_COPIES`: the multiplier is `logit_scale`, else `output_multiplier`, else `lm_head_multiplier`, else
-    `logits_scaling` (multiplied for HyperCLOVA X, divided elsewhere), else 1; the soft cap is
-    `final_logit_softcapping`.
-
-    Args:
-        model: the causal language model TRL patched (a PEFT model's base model).
-    """
+    """The backbone of TRL's fused LM head in `model` (a PEFT model's base model) and its logits' transform
+    (`logit_scale`, `softcap`): a copy of the configuration reading of TRL 1.16's `add_fused_lm_head`
+    (`_compat.TRL_COPIES`)."""
     text_config = model.config.get_text_config()
     scale = getattr(text_config, "logit_scale", None)
     if scale is None:
@@ -184,8 +128,7 @@ def trl_logit_transform(model) -> tuple[Any, dict[str, Any]]:
 
 
 def _lm_head_weights(head, cast_to_fp32: bool):
-    """The LM head's weight and bias as the fused head reads them: whole (FSDP2's DTensors gathered); under ZeRO-3,
-    read them inside `_gathered_lm_head`."""
+    """The LM head's weight and bias, whole (FSDP2's DTensors gathered; ZeRO-3's inside `_gathered_lm_head`)."""
     weight, bias = head.weight, head.bias
     try:
         from torch.distributed.tensor import DTensor
@@ -211,22 +154,13 @@ def _gathered_lm_head(head):
 def trainer_truncated_logps(
     trainer, output: dict[str, Any], cuts: SamplerCuts
 ) -> tuple[torch.Tensor, TruncatedLogProbs]:
-    """The trainer's log-probs `(N, T)` of a generated batch, and their log kept mass under `cuts`.
-
-    One pass of `trainer_logps` (TRL's `_get_per_token_logps_and_entropies` without gradient,
-    random state restored), during which a forward hook on the backbone projects each micro-batch's final hidden
-    states at the scored tokens (completion tokens outside tool output: padding and tool output are never projected)
-    through the LM head, `ops.sampler_cuts.CHUNK_ELEMENTS` logits at a time.
-
-    Returns:
-        `(logps, truncated)`: TRL's log-probs of the sampled tokens, as it computes `old_per_token_logps`; and
-        [`TruncatedLogProbs`] `(N, T)`: at the scored tokens from the hook's own projection (`truncated.logps` agrees
-        with `logps` to float rounding), elsewhere TRL's log-probs, a log kept mass of 0 and `kept` true.
-    """
+    """The trainer's log-probs `(N, T)` of a generated batch (`trainer_logps`), and [`TruncatedLogProbs`] `(N, T)`
+    under `cuts`: at the corrected tokens from the backbone's hidden states, projected by a forward hook during that
+    pass; elsewhere TRL's log-probs, a log kept mass of 0 and `kept` true."""
     model = trainer.model.get_base_model() if is_peft_model(trainer.model) else trainer.model
     backbone, transform = trl_logit_transform(model)
     length = output["completion_ids"].size(1)
-    scored = _scored_tokens(output)
+    scored = corrected_tokens(output)
     cast_to_fp32 = bool(getattr(trainer.args, "cast_lm_head_to_fp32", False))
     parts: list[TruncatedLogProbs] = []
     seen = 0  # rows of the batch projected so far: TRL forwards its micro-batches in order
@@ -267,59 +201,9 @@ def trainer_truncated_logps(
     return logps, truncated
 
 
-def _scored_tokens(output: dict[str, Any]) -> torch.Tensor:
-    """The tokens TRL's correction covers: completion tokens outside tool output, bool `(N, T)`."""
-    mask = output["completion_mask"].bool()
-    if output.get("tool_mask") is not None:
-        mask = mask & output["tool_mask"].bool()
-    return mask
-
-
-def correction_metrics(
-    accelerator, trainer_logps: torch.Tensor, output: dict[str, Any], ratio: torch.Tensor, sequence_level: bool
-) -> dict[str, float]:
-    """TRL's logged statistics of its correction, for given trainer log-probs and weights.
-
-    Copy of the logging block of TRL 1.16's `GRPOTrainer._generate_and_score_completions`
-    (`trl/trainer/grpo_trainer.py`), recorded in `_compat.TRL_COPIES`: per process, over the completion tokens
-    outside tool output, the mean and max of `|trainer_logp - sampler_logp|` (NaN ones left out) and the min, mean
-    and max of the weights (per token, or over every sequence in the `sequence_*` modes; 0 for a process without
-    any); then the mean of the processes' means, the max of their maxima, the min of their minima (NaN left out).
-
-    Args:
-        accelerator: the trainer's `Accelerator` (one gather per statistic, on every process).
-        trainer_logps (`torch.Tensor` of shape `(N, T)`): the trainer's log-probs the weights were built from.
-        output (`dict`): the generated batch (`completion_mask`, `tool_mask`, `sampling_per_token_logps`).
-        ratio (`torch.Tensor`): the weights, `(N, T)` or `(N, 1)`.
-        sequence_level (`bool`): a `sequence_*` mode.
-
-    Returns:
-        `dict`: the values of `TRL_CORRECTION_METRICS`.
-    """
-    mask = _scored_tokens(output)
-    zero = torch.tensor(0.0, device=ratio.device)
-    delta = torch.abs(trainer_logps - output["sampling_per_token_logps"])
-    delta = delta[mask & ~torch.isnan(delta)]
-    weights = ratio.flatten() if sequence_level else ratio[mask]
-
-    def gathered(values: torch.Tensor, reduce) -> torch.Tensor:
-        return accelerator.gather(reduce(values) if values.numel() else zero)
-
-    return {
-        TRL_CORRECTION_METRICS[0]: gathered(delta, torch.mean).mean().item(),
-        TRL_CORRECTION_METRICS[1]: gathered(delta, torch.max).max().item(),
-        TRL_CORRECTION_METRICS[2]: nanmin(gathered(weights, torch.min)).item(),
-        TRL_CORRECTION_METRICS[3]: gathered(weights, torch.mean).nanmean().item(),
-        TRL_CORRECTION_METRICS[4]: nanmax(gathered(weights, torch.max)).item(),
-    }
-
-
 class TruncationMatch:
-    """`match_sampler_truncation` for one trainer (see the module docstring).
-
-    `for_trainer` builds it where it acts: vLLM generation, the option on, and a cut. `mark` is taken before a
-    generation batch is generated, `apply` after (on every process: it gathers).
-    """
+    """`match_sampler_truncation` for one trainer, built by `for_trainer` where it acts (vLLM, the option, a cut):
+    `mark` before a generation batch is generated, `apply` after, on every process."""
 
     def __init__(self, trainer, cuts: SamplerCuts):
         self.trainer, self.cuts = trainer, cuts
@@ -350,7 +234,7 @@ class TruncationMatch:
             level = trainer.vllm_importance_sampling_mode
             low, high = trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max
             sampler_logps = output["sampling_per_token_logps"]
-            log_ratio = sampler_log_ratios(truncated, sampler_logps, _scored_tokens(output), level).log_ratio
+            log_ratio = sampler_log_ratios(truncated, sampler_logps, corrected_tokens(output), level).log_ratio
             ratio = correction_ratio(log_ratio, level, low, high)
             output["importance_sampling_ratio"] = ratio
             sequence_level = level.startswith("sequence")
@@ -363,7 +247,7 @@ class TruncationMatch:
         return truncated
 
     def _log_kept_mass(self, computed: TruncatedLogProbs, output: dict[str, Any], mode: str) -> None:
-        mask = _scored_tokens(output)
+        mask = corrected_tokens(output)
         sums = torch.stack(
             [
                 computed.log_kept_mass[mask].exp().sum(),
