@@ -160,7 +160,7 @@ def train(side: str, setting: dict, steps: int, mode: str, output_dir: str) -> d
         processing_class=AutoTokenizer.from_pretrained(DEMO_MODEL),
     )
     trainer.token_ratios = []
-    match = getattr(trainer, "_truncation_match", None)
+    match = getattr(getattr(trainer, "_vllm_batches", None), "match", None)  # stock TRL's trainer has neither
     if match is not None:  # keep the truncated log-probs the correction was computed from
         apply = match.apply
 

@@ -383,7 +383,10 @@ class GRPOTrainerExt(GRPOTrainer):
         rows = _RowsToScore(inputs)
         output = super()._generate_and_score_completions(rows)
         if rows.scored is None:
-            raise RuntimeError("TRL's _generate_and_score_completions returned without calling _calculate_rewards.")
+            raise RuntimeError(
+                "TRL's _generate_and_score_completions returned without passing the rows it was given to "
+                "_calculate_rewards: this TRL release scores a batch in a way GRPOTrainerExt does not know."
+            )
         return output, rows.scored
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
