@@ -188,17 +188,15 @@ NAMES = "metrics"
 ALARM_RULES = ("guardrails.rule", "guardrails.step_rules", "guardrails.trend_rules", "guardrails.progress_rules")
 #: The alarm records (`guardrails.alarms` gathers them): they import their rules, their type and one another only.
 ALARM_RECORDS = ("guardrails.alarm", "guardrails.step_alarms", "guardrails.course_alarms")
-#: The metrics of the console's line.
-METRIC_RECORDS = ("report.watch",)
 
 
 def test_the_records_import_nothing_of_the_package():
     """What `config` and the features read their values from imports none of them (the alarm records their rules,
     which import only one another; the metric records their type)."""
-    records = ("choices", "guardrails.alarms", "_compat", *ALARM_RECORDS, *ALARM_RULES, *METRIC_RECORDS)
+    records = ("choices", "guardrails.alarms", "_compat", *ALARM_RECORDS, *ALARM_RULES)
     imported = {(module, target) for module, target, _ in _package_imports() if module in records}
-    assert all(target in (*ALARM_RULES, *ALARM_RECORDS, *METRIC_RECORDS, NAMES) for _, target in imported), imported
-    assert ("report.watch", "metrics") in imported  # the check sees the records' imports
+    assert all(target in (*ALARM_RULES, *ALARM_RECORDS, NAMES) for _, target in imported), imported
+    assert ("guardrails.step_rules", "metrics") in imported  # the check sees the records' imports
 
 
 def test_the_metric_names_import_nothing_of_the_package():
@@ -228,7 +226,15 @@ DEFERRED_IMPORTS = {
     ("tools.recipes.slurm", "tools.recipes.grpo"): "the recipe, for the flags' check only",
     # The tools are never imported with the trainer: the model card loads them when it is written.
     ("trainer", "tools.card"): "the model card's sections, when a card is written",
-    ("report.sampling", "tools.report.sampling"): "the report's sampling line, at the end of training",
+    # The extras: a run imports those its options turn on (tests/test_extras.py).
+    ("trainer", "extras.heldout"): "held-out evaluation, where asked for",
+    ("trainer", "extras.skipping"): "skip_zero_advantage_rows",
+    ("trainer", "extras.vllm.mismatch"): "use_vllm",
+    ("trainer", "extras.selective"): "selective_rollouts",
+    ("trainer", "extras.dynamic"): "dynamic_sampling",
+    ("trainer", "extras.alerts"): "warn_on_anomalies",
+    ("trainer", "extras.console"): 'console="compact"',
+    ("extras.console", "tools.report.sampling"): "the report's sampling line, at the end of training",
 }
 
 

@@ -98,7 +98,7 @@ class GRPOConfigExt(GRPOConfig):
         default="compact",
         metadata={
             "help": "What the console shows per log step: 'compact' (a progress bar, unless disable_tqdm, and one "
-            "line of the key signals with the alarms that start: report.console.ConsoleCallback) or 'raw' "
+            "line of the key signals with the alarms that start: extras.console.ConsoleCallback) or 'raw' "
             "(transformers' dict of every logged value). Loggers of report_to get every value either way.",
             "choices": list(CONSOLE_MODES),
         },

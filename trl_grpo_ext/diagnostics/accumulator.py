@@ -227,7 +227,7 @@ class DiagnosticsAccumulator:
         """Add the sampler/trainer mismatch of one generation batch. Device ops only.
 
         Args:
-            mismatch (`diagnostics.mismatch.SamplerMismatch`): its `log_ratio`, `units` and `outside` (`(N, T)`, or
+            mismatch (`extras.vllm.mismatch.SamplerMismatch`): its `log_ratio`, `units` and `outside` (`(N, T)`, or
                 `(N, 1)` per sequence), `token_log_ratio` and `scored` (`(N, T)`) and `applied` (the correction's
                 weights, or `None`).
         """

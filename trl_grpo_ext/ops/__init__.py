@@ -12,7 +12,6 @@ from .advantages import NO_SPREAD_STD, group_relative_advantages, has_spread
 from .loss_types import LOSS_TYPES, LossType, register_loss_type, register_policy_term
 from .numerics import EXP_LINEAR_ABOVE
 from .objective import IMPLEMENTATIONS, GRPOLossOutput, ObjectiveOptions, grpo_loss, policy_objective, total_loss
-from .sampler_cuts import SamplerCuts, TruncatedLogProbs, truncated_log_probs, truncated_log_probs_from_hidden
 from .validation import hyperparameter_problems
 
 __all__ = [
@@ -23,8 +22,6 @@ __all__ = [
     "GRPOLossOutput",
     "LossType",
     "ObjectiveOptions",
-    "SamplerCuts",
-    "TruncatedLogProbs",
     "group_relative_advantages",
     "grpo_loss",
     "has_spread",
@@ -33,6 +30,4 @@ __all__ = [
     "register_loss_type",
     "register_policy_term",
     "total_loss",
-    "truncated_log_probs",
-    "truncated_log_probs_from_hidden",
 ]
