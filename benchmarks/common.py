@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
 import statistics
 import subprocess
+import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
+from types import ModuleType
 
 import torch
 
-__all__ = ["environment", "summarize", "format_table", "write_json", "pin_threads", "child_env"]
+__all__ = ["environment", "summarize", "format_table", "write_json", "pin_threads", "child_env", "cpu_engines"]
 
 #: The folder that holds `benchmarks/`: the root of the checkout these benchmarks run from.
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,6 +40,17 @@ def child_env(**variables: str) -> dict[str, str]:
     if CHECKOUT not in path:
         path.append(CHECKOUT)
     return dict(os.environ, **variables, PYTHONPATH=os.pathsep.join(path))
+
+
+def cpu_engines() -> ModuleType:
+    """The CPU engine shims of the tests (`tests/cpu_engines.py`: sharded engines and vLLM's engine on CPU processes,
+    not in the wheel), loaded from this checkout, as `cpu_engines` (the name the tests import it by)."""
+    if "cpu_engines" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("cpu_engines", os.path.join(CHECKOUT, "tests", "cpu_engines.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["cpu_engines"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["cpu_engines"]
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:

@@ -22,7 +22,8 @@ are skipped with the reason).
   forward per side under `benchmarks.syncs.SyncCounter` (`torch.cuda.set_sync_debug_mode("warn")` on a GPU): the
   package's host synchronisations per chunk (target: at most one) and their sites.
 - `truncation`: `match_sampler_truncation`'s cost at the check model's 152K vocabulary: the public functions
-  `trl_grpo_ext.sampling.sampler_cuts.trainer_logps` (one padded forward without gradient, what TRL runs for the old
+  `trl_grpo_ext.extras.vllm.truncation_match.trainer_logps` (one padded forward without gradient, what TRL runs for
+  the old
   log-probs) and `trainer_truncated_logps` (the same forward with the truncated log-probs projected chunk by chunk,
   what `TruncationMatch.apply` computes) under `top_p=0.9`, on the `truncation` batch, under the trainer's autocast;
   the match over one forward, and its extra time per 1,000 completion positions, extrapolated to a 64 x 8,192
@@ -365,8 +366,8 @@ def section_truncation(ctx: Context, allotted: float, result: dict) -> dict:
         }
     )
     try:
-        from trl_grpo_ext.ops.sampler_cuts import SamplerCuts
-        from trl_grpo_ext.sampling.sampler_cuts import trainer_logps, trainer_truncated_logps
+        from trl_grpo_ext.extras.vllm.sampler_cuts import SamplerCuts
+        from trl_grpo_ext.extras.vllm.truncation_match import trainer_logps, trainer_truncated_logps
 
         cuts = SamplerCuts(top_p=0.9)
         calls = {

@@ -5,12 +5,11 @@ Sides, all on the same inputs (log-probs `(N, T)` near policy, a right-padded in
 - `seed000`: the source lesson's `compute_grpo_loss` (token-level mean over the batch), eager;
 - `trl_inline`: the same objective written the way TRL 1.16's `_compute_loss` writes it inline for
   `loss_type="grpo"` (multiply by the mask, per-sequence mean), eager;
-- `reference`, `fused`, `compiled`: DeepSeekMath's objective (`grpo_loss`'s row of `policy_objective`) with
-  `implementation=...` and `per_token=False`: the loss and its gradient, what the two baselines compute;
-- `fused+per_token`, `compiled+per_token`: `grpo_loss(..., implementation=...)`, which also returns the per-token
-  ratios, KL terms and clip masks (`per_token=True`);
-- `fused+statistics`, `compiled+statistics`: `policy_objective(..., per_token=False, ratio_statistics=True)`, the
-  loss with the ratios' statistics summed in the kernel: what the trainer asks for while it logs its diagnostics.
+- `reference`: DeepSeekMath's objective, `grpo_loss(..., implementation="reference")`, the formula with autograd: what
+  trains by default (it also returns the per-token ratios, KL terms and clip masks the diagnostics read);
+- `fused`, `compiled`: the same through the opt-in kernel (`implementation="fused"` or `"compiled"`);
+- `reference+diagnostics`: the formula and the ratio statistics the trainer computes beside it while it logs its
+  diagnostics (`diagnostics.histogram.ratio_sums`).
 
 Each repeat times every side once, in an order that alternates between repeats. On a CPU the timer is
 `time.perf_counter`; on a GPU, CUDA events. Extra peak memory is what the call allocates beyond its inputs, at its
@@ -25,21 +24,12 @@ import time
 
 import torch
 
-from trl_grpo_ext.ops import grpo_loss, policy_objective
+from trl_grpo_ext.diagnostics.histogram import ratio_sums
+from trl_grpo_ext.ops import grpo_loss
 
 from .common import child_env, format_table, summarize
 
-SIDES = (
-    "seed000",
-    "trl_inline",
-    "reference",
-    "fused",
-    "compiled",
-    "fused+per_token",
-    "compiled+per_token",
-    "fused+statistics",
-    "compiled+statistics",
-)
+SIDES = ("seed000", "trl_inline", "reference", "fused", "compiled", "reference+diagnostics")
 
 
 def seed000_loss(log_probs, old_log_probs, ref_log_probs, advantages, completion_mask, epsilon=0.2, beta=0.04):
@@ -96,22 +86,12 @@ def side_function(side: str, inputs: dict):
             loss = seed000_loss(logps, old, ref, advantages, float_mask)
         elif side == "trl_inline":
             loss = trl_inline_loss(logps, old, ref, advantages, float_mask)
-        elif side.endswith("+per_token"):
-            loss = grpo_loss(logps, old, ref, advantages, mask, implementation=side.removesuffix("+per_token")).loss
-        elif side.endswith("+statistics"):
-            implementation = side.removesuffix("+statistics")
-            loss = policy_objective(
-                logps,
-                old,
-                ref,
-                advantages,
-                mask,
-                implementation=implementation,
-                per_token=False,
-                ratio_statistics=True,
-            ).loss
+        elif side == "reference+diagnostics":
+            out = grpo_loss(logps, old, ref, advantages, mask)
+            ratio_sums(out.log_ratio, out.mask, torch.float64, out.ratio)
+            loss = out.loss
         else:
-            loss = policy_objective(logps, old, ref, advantages, mask, implementation=side, per_token=False).loss
+            loss = grpo_loss(logps, old, ref, advantages, mask, implementation=side).loss
         loss.backward()
 
     return run

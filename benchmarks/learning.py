@@ -112,7 +112,7 @@ def train_and_evaluate(
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-    from trl_grpo_ext.sampling.generation import SamplingSettings
+    from trl_grpo_ext.extras.generation import SamplingSettings
     from trl_grpo_ext.tools.recipes.data import load_recipe_dataset
     from trl_grpo_ext.tools.recipes.demo import demo_defaults
     from trl_grpo_ext.tools.recipes.rewards import exact_match

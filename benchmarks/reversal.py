@@ -14,8 +14,8 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from trl_grpo_ext.sampling.generation import SamplingSettings, generate_completions
-from trl_grpo_ext.sampling.heldout import call_metric
+from trl_grpo_ext.extras.generation import SamplingSettings, generate_completions
+from trl_grpo_ext.extras.heldout_scoring import call_metric
 
 __all__ = ["ALPHABET", "SEPARATOR", "make_splits", "sampled_accuracy", "sampled_reward_means", "warm_up"]
 

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from .common import CHECKOUT, child_env
+from .common import CHECKOUT, child_env, cpu_engines
 
 __all__ = ["ENGINES", "engine_proof", "local_weights", "run_sharded_checks"]
 
@@ -173,9 +173,7 @@ def _count_a_reward(completions, **kwargs) -> list[float]:
 
 def _worker(engine: str, run_dir: str, model_path: str) -> None:
     """One process of an engine's launch: a clean run, then one whose last process has a NaN loss in `NAN_STEP`."""
-    from trl_grpo_ext.testing import enable_sharded_engines_on_cpu
-
-    on_cpu = enable_sharded_engines_on_cpu() is not None  # without CUDA: the CPU smoke test
+    on_cpu = cpu_engines().enable_sharded_engines_on_cpu() is not None  # without CUDA: the CPU smoke test
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
 

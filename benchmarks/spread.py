@@ -125,7 +125,7 @@ def starting_difficulty(prompts: int = 500, generations: int = 8, seed: int = 0)
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_grpo_ext.sampling.generation import SamplingSettings, generate_completions
+    from trl_grpo_ext.extras.generation import SamplingSettings, generate_completions
     from trl_grpo_ext.tools.recipes.demo import DEMO_MODEL
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL, padding_side="left")

@@ -6,11 +6,9 @@ here at the moment it is issued, with the Python stack of its caller. On a CPU n
 is of the operations that would on a GPU, seen through a `TorchDispatchMode`: reads of tensor values on the host
 (`aten._local_scalar_dense`, i.e. `.item()`/`float()`/`bool()`), data-dependent shapes (`nonzero`,
 `masked_select`, boolean indexing) and tensors made from host data (`aten.lift_fresh`: `torch.tensor(...)`,
-`new_tensor`), with the package's CPU-only shortcuts, which read a maximum on the host where that is free
-(`ops.numerics.all_at_most`), switched to a GPU's path; `.tolist()` and `.numpy()`, which never reach the dispatcher
-for a CPU tensor, are counted where they are called. It misses `.cpu()` and `.to(device)`, and counts
-`torch.tensor(...)` calls that a GPU run would keep on the host or upload asynchronously (the packed forward's
-`upload`: its site says so).
+`new_tensor`); `.tolist()` and `.numpy()`, which never reach the dispatcher for a CPU tensor, are counted where they
+are called. It misses `.cpu()` and `.to(device)`, and counts `torch.tensor(...)` calls that a GPU run would keep on
+the host or upload asynchronously (the packed forward's `upload`: its site says so).
 
 Each event is attributed twice:
 
@@ -31,8 +29,6 @@ from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from trl_grpo_ext.ops.numerics import as_on_an_accelerator
 
 __all__ = ["SyncCounter"]
 
@@ -141,10 +137,7 @@ class SyncCounter:
             warnings.showwarning = showwarning
             torch.cuda.set_sync_debug_mode("warn")
             self._stack.append(lambda *exc: torch.cuda.set_sync_debug_mode(0))
-        else:  # what a GPU would synchronise: the package's CPU-only host reads take a GPU's path meanwhile
-            path = as_on_an_accelerator()
-            path.__enter__()
-            self._stack.append(path.__exit__)
+        else:  # what a GPU would synchronise
             mode = _HostReadMode(self)
             mode.__enter__()
             self._stack.append(mode.__exit__)

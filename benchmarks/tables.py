@@ -241,21 +241,40 @@ def provenance(payload: dict) -> str:
     return line
 
 
+#: divisor -> what `D` is, in the words of docs/objective.md's loss-type table (Markdown).
+DIVISOR_NOTES = {
+    "window_tokens": "`D` = completion tokens of the accumulation window",
+    "rows_times_max_length": "`D = N * max_completion_length`",
+}
+
+
+def loss_type_row(record, note: str = "") -> str:
+    """The row of a loss-type record (`trl_grpo_ext.ops.loss_types.LossType`) in docs/objective.md's table: its name
+    (with `note` after it, in brackets), policy term, aggregation (with what its divisor `D` is)."""
+    name = f"`{record.name}`" + (f" ({note})" if note else "")
+    aggregation = f"`{record.aggregation}`" + (f", {DIVISOR_NOTES[record.divisor]}" if record.divisor else "")
+    cells = [name, f"`{record.policy_term}`", aggregation]
+    for cell in cells:
+        if "|" in cell or "\n" in cell:
+            raise ValueError(f"loss type {record.name}: a table cell holds '|' or a line break: {cell!r}")
+    return f"| {' | '.join(cells)} |"
+
+
 def _loss_types() -> str:
     """docs/objective.md's loss-type table, from the built-in loss-type records (`trl_grpo_ext.ops.loss_types`), the
     defaults of `GRPOConfigExt` and of TRL's `GRPOConfig` named in their rows."""
     import trl
 
     from trl_grpo_ext import GRPOConfigExt
-    from trl_grpo_ext.ops.loss_types import BUILTIN_LOSS_TYPES, LOSS_TYPES, loss_type_table
+    from trl_grpo_ext.ops.loss_types import BUILTIN_LOSS_TYPES, LOSS_TYPES
 
     notes: dict[str, list[str]] = {}
     defaults = ((GRPOConfigExt.loss_type, "this package's default"), (trl.GRPOConfig.loss_type, "TRL's default"))
     for default, whose in defaults:
         notes.setdefault(default, []).append(whose)
-    return loss_type_table(
-        (LOSS_TYPES[name] for name in BUILTIN_LOSS_TYPES), {name: "; ".join(whose) for name, whose in notes.items()}
-    )
+    header = "| `loss_type` | policy term `P` | aggregation |\n| --- | --- | --- |\n"
+    rows = (loss_type_row(LOSS_TYPES[name], "; ".join(notes.get(name, []))) for name in BUILTIN_LOSS_TYPES)
+    return header + "".join(f"{row}\n" for row in rows)
 
 
 def record_tables() -> dict[str, Callable[[], str]]:

@@ -7,8 +7,8 @@ rate and temperature) for a few steps per sampling setting, generating with vLLM
     .venv-vllm/bin/python -m benchmarks truncation [--truncation-settings "top_p=1.0;top_p=0.8;top_k=3"]
         [--truncation-sides trl,ext] [--truncation-steps 8] [--truncation-mode sequence_mask]
 
-On a machine without GPUs it calls `trl_grpo_ext.testing.enable_vllm_on_cpu()`; all runs share one engine
-(`reuse_vllm_engine`: a colocated engine is built once per process), with the sampling settings per request.
+On a machine without GPUs it calls the tests' `enable_vllm_on_cpu()` (`tests/cpu_engines.py`); all runs share one
+engine (`reuse_vllm_engine`: a colocated engine is built once per process), with the sampling settings per request.
 
 vLLM reports log-probs of the distribution it sampled from, after truncation and renormalisation
 (`logprobs_mode="processed_logprobs"`). Stock TRL compares them with the trainer's whole-vocabulary log-probs: with
@@ -63,7 +63,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 
-from .common import CHECKOUT, child_env, format_table, summarize
+from .common import CHECKOUT, child_env, cpu_engines, format_table, summarize
 
 DEMO_MODEL = os.path.join(CHECKOUT, "trl_grpo_ext", "recipes", "tiny", "base_model")
 DEMO_TRAIN = os.path.join(CHECKOUT, "trl_grpo_ext", "recipes", "tiny", "data", "train.jsonl")
@@ -160,7 +160,7 @@ def train(side: str, setting: dict, steps: int, mode: str, output_dir: str) -> d
         processing_class=AutoTokenizer.from_pretrained(DEMO_MODEL),
     )
     trainer.token_ratios = []
-    match = getattr(trainer, "_truncation_match", None)
+    match = getattr(getattr(trainer, "_vllm_batches", None), "match", None)  # stock TRL's trainer has neither
     if match is not None:  # keep the truncated log-probs the correction was computed from
         apply = match.apply
 
@@ -189,13 +189,12 @@ def train(side: str, setting: dict, steps: int, mode: str, output_dir: str) -> d
 def run(settings: list[dict], sides: tuple[str, ...], steps: int, mode: str) -> dict:
     import torch
 
-    from trl_grpo_ext.testing import enable_vllm_on_cpu, reuse_vllm_engine
-
+    shims = cpu_engines()
     if not torch.cuda.is_available():
-        enable_vllm_on_cpu()
+        shims.enable_vllm_on_cpu()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     runs = []
-    with reuse_vllm_engine(), tempfile.TemporaryDirectory() as folder:
+    with shims.reuse_vllm_engine(), tempfile.TemporaryDirectory() as folder:
         for setting in settings:
             for side in sides:
                 runs.append(train(side, setting, steps, mode, os.path.join(folder, f"{side}-{len(runs)}")))
@@ -303,7 +302,7 @@ def projection_inputs(scenario: str, count: int, hidden_size: int, vocab: int, s
 
 def project(side: str, hidden, weight, targets):
     """The match's projection of `hidden` `(M, H)` as `side` runs it (module docstring)."""
-    from trl_grpo_ext.ops.sampler_cuts import SamplerCuts, truncated_log_probs_from_hidden
+    from trl_grpo_ext.extras.vllm.sampler_cuts import SamplerCuts, truncated_log_probs_from_hidden
 
     cuts = SamplerCuts(top_p=COST_TOP_P)
     if side == "before":
@@ -392,7 +391,7 @@ def run_cost(repeats: int = 3, quick: bool = False) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from trl_grpo_ext.ops.sampler_cuts import CHUNK_ELEMENTS, TOP_P_BOUNDS
+    from trl_grpo_ext.extras.vllm.sampler_cuts import CHUNK_ELEMENTS, TOP_P_BOUNDS
 
     config = QUICK_COST_MODEL if quick else COST_MODEL
     rows, prompt, width = (4, 8, 16) if quick else (8, 32, 128)

@@ -460,7 +460,7 @@ def assert_packed_is_padded(packed: list[dict], padded: list[dict]) -> None:
         assert a["forward/tokens_per_distinct"] == b["forward/tokens_per_distinct"]  # logged whichever ran
 
 
-# Held-out evaluation shared by tests/test_sampling_heldout.py and tests/launched.py's `heldout` phase: 11
+# Held-out evaluation shared by tests/test_extras_heldout.py and tests/launched.py's `heldout` phase: 11
 # prompts in chunks of 2 (6 chunks, 4 completions each): two processes get unequal shares.
 HELDOUT_PROMPTS = [
     f"{letters}=" for letters in ("abc", "hello", "xyz", "qq", "aaa", "bcd", "zz", "kite", "ab", "q", "a")

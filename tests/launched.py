@@ -25,7 +25,7 @@ The distributed run (tests/test_distributed.py under DDP, tests/test_sharded.py 
   with held-out evaluation before and after training; it ends accelerate's process group, so it must be the last
   phase.
 
-Dynamic sampling and row skipping (tests/test_sampling_distributed.py, DDP, FSDP2 and ZeRO-3):
+Dynamic sampling and row skipping (tests/test_extras_distributed.py, DDP, FSDP2 and ZeRO-3):
 
 - `dynamic`: dynamic sampling with groups that span both processes (3 rows per process and step, groups of 4) and a
   reward constant on a third of the prompts: the log history, every batch that trains (this process's rows, decoded),
@@ -34,8 +34,8 @@ Dynamic sampling and row skipping (tests/test_sampling_distributed.py, DDP, FSDP
   and with `skip_zero_advantage_rows`: rank 1 then leaves every row out; the log histories and forward row counts.
 - `disagree`: rank 1's keep/drop decisions differ from rank 0's: the error each process raised (must be last).
 
-Selective rollouts and dynamic sampling's round sizes (tests/test_sampling_selective.py,
-tests/test_sampling_dynamic_sizing.py), over 12 prompts (6 texts, 2 of them with a constant reward), each generation
+Selective rollouts and dynamic sampling's round sizes (tests/test_extras_selective.py,
+tests/test_extras_dynamic_sizing.py), over 12 prompts (6 texts, 2 of them with a constant reward), each generation
 used twice, beta=0. Each saves the log history, the rows each of TRL's generation calls got (`stock_rows`), the
 prompts each round of selective rollouts was decided for (`rounds`), every batch that trains (this process's rows,
 decoded, and advantages) and the engine:
@@ -56,7 +56,7 @@ The launch check (tests/test_guardrails_launch.py):
 
 One process (`python`, no launcher):
 
-- `checkpointed`: the crash and resume tests' run (tests/test_checkpointing.py, tests/test_sampling_dynamic.py), 8
+- `checkpointed`: the crash and resume tests' run (tests/test_checkpointing.py, tests/test_extras_dynamic.py), 8
   steps checkpointed every `--save_steps`, with `--lora` a LoRA adapter, with `--dynamic_sampling` dynamic sampling
   and a reward constant on a third of the prompts. `--kill_during_save_of STEP` makes the process SIGKILL itself while
   writing the checkpoint of that step (after the model, before the optimizer); `--resume` resumes the run in the
@@ -64,7 +64,7 @@ One process (`python`, no launcher):
 - `logger`: two steps (the second off-policy) reporting to the logger `--report_to` (tests/test_diagnostics.py); a
   process of its own because trackio fixes its local store (`TRACKIO_DIR`) when it is first imported (importing TRL's
   GRPO trainer does), and W&B keeps a run per process. The environment chooses each logger's offline store.
-- `alerts`: two steps that raise alarms, reporting to `--report_to` (tests/test_report_alerts.py), in a process of its
+- `alerts`: two steps that raise alarms, reporting to `--report_to` (tests/test_extras_alerts.py), in a process of its
   own for the same reasons: completions of one token are all truncated (alarm `truncation`) and a constant reward
   leaves no spread inside any group (alarm `zero_std`). Prints `ALARMS [<the episodes' alarms, sorted>]`.
 """
@@ -78,7 +78,7 @@ import traceback
 # `benchmarks` (below) is not installed: it is imported from this checkout, which a script's sys.path lacks.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trl_grpo_ext.testing import enable_sharded_engines_on_cpu
+from cpu_engines import enable_sharded_engines_on_cpu  # this script's folder is on sys.path
 
 # Before anything creates accelerate's state: an FSDP or DeepSpeed launch on CPU processes shards for real.
 ENGINE = enable_sharded_engines_on_cpu()
@@ -107,10 +107,10 @@ from benchmarks.sharded import engine_proof, local_weights  # noqa: E402
 from trl_grpo_ext import GRPOTrainerExt  # noqa: E402
 from trl_grpo_ext import trainer as trainer_module  # noqa: E402
 from trl_grpo_ext.checkpointing import STAGING_DIR  # noqa: E402
+from trl_grpo_ext.extras import plan as sampling_plan  # noqa: E402
+from trl_grpo_ext.extras.selective import SelectiveRollouts  # noqa: E402
 from trl_grpo_ext.guardrails import NonFiniteTrainingError  # noqa: E402
 from trl_grpo_ext.guardrails.launch import check_launch  # noqa: E402
-from trl_grpo_ext.sampling import plan as sampling_plan  # noqa: E402
-from trl_grpo_ext.sampling.selective import SelectiveRollouts  # noqa: E402
 
 PACKAGE_DIR = os.path.dirname(trl_grpo_ext.__file__)
 HARNESS_FILES = (__file__, helpers.__file__)
@@ -295,9 +295,11 @@ def run_train(output_dir, model_path, *, kill_during_save_of=None, resume=False,
     original_loss = trainer_module.policy_objective
 
     def recording_loss(*args, **kwargs):
-        out = original_loss(*args, **{**kwargs, "per_token": True})  # the trainer's statistics, and their tokens
+        out = original_loss(*args, **kwargs)  # the trainer's statistics, and their tokens
+        advantages = args[3].reshape(out.mask.shape[0], -1).expand(out.mask.shape)
         trainer.records["steps"].append(
-            {key: getattr(out, key) for key in ("ratio", "log_ratio", "per_token_kl", "mask", "advantages")}
+            {key: getattr(out, key) for key in ("ratio", "log_ratio", "per_token_kl", "mask")}
+            | {"advantages": torch.where(out.mask, advantages, 0.0)}
             | {"policy_loss": out.policy_loss, "kl_penalty": out.kl_penalty}
         )
         return out

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.reversal import ALPHABET, SEPARATOR, make_splits, sampled_accuracy, warm_up
-from trl_grpo_ext.sampling.generation import SamplingSettings, generate_completions
+from trl_grpo_ext.extras.generation import SamplingSettings, generate_completions
 from trl_grpo_ext.testing import build_char_tokenizer, build_tiny_model
 from trl_grpo_ext.tools.recipes.demo import DEMO_DIR
 
@@ -57,7 +57,7 @@ def test_warm_up_lowers_the_loss_and_stops_at_the_target():
     assert reached["steps"] == 10  # stops at the first measurement that meets the target
 
 
-def test_sampling_is_seeded_and_leaves_the_global_rng_alone():
+def test_extras_is_seeded_and_leaves_the_global_rng_alone():
     tokenizer = build_char_tokenizer(ALPHABET + SEPARATOR)
     model = build_tiny_model(tokenizer, hidden_size=32, seed=0)
     prompts = ["abc=", "hij=", "aaaa="]

@@ -39,7 +39,7 @@ def test_every_band_holds_a_real_share_of_the_training_prompts():
 def test_the_demo_model_finds_the_bands_as_easy_learnable_and_out_of_reach():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_grpo_ext.sampling.generation import SamplingSettings, generate_completions
+    from trl_grpo_ext.extras.generation import SamplingSettings, generate_completions
     from trl_grpo_ext.tools.recipes.demo import DEMO_MODEL
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL, padding_side="left")

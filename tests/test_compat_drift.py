@@ -137,7 +137,7 @@ def test_the_entropy_bonus_is_trl_s(tiny_model_path, tiny_tokenizer, prompt_data
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
 def test_the_sampler_mismatch_bounds_are_trl_s(mode, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
     """The entries `sampler_mismatch` calls outside the bounds are exactly those TRL's correction changed."""
-    from trl_grpo_ext.diagnostics.mismatch import sampler_mismatch
+    from trl_grpo_ext.extras.vllm.mismatch import sampler_mismatch
 
     captured = []
 

@@ -78,7 +78,7 @@ def test_a_kernel_asked_for_outside_its_domain_is_refused_in_one_sentence():
         GRPOConfigExt(output_dir="unused", loss_implementation="fused", top_entropy_quantile=0.5, use_cpu=True)
     assert str(refused.value).startswith(
         "loss_implementation='fused' cannot compute this objective: it takes no per-token weights (off-policy or "
-        "entropy masks, vLLM's correction). Use loss_implementation='auto'"
+        "entropy masks, vLLM's correction). Use loss_implementation='reference' (the default)."
     )
 
 

@@ -448,8 +448,8 @@ class TestGroupRelativeAdvantages:
 def test_no_spread_is_defined_once_as_trl_s_zero_test():
     """`has_spread`: finite and above TRL's `torch.isclose(std, 0)` tolerance; what dynamic sampling keeps
     (`sampling.plan.informative_groups`) and the diagnostics count (`reward_std/frac_zero_groups`) both read it."""
+    from trl_grpo_ext.extras.plan import informative_groups
     from trl_grpo_ext.ops import NO_SPREAD_STD, has_spread
-    from trl_grpo_ext.sampling.plan import informative_groups
 
     std = torch.tensor([0.0, NO_SPREAD_STD, 2 * NO_SPREAD_STD, 0.5, float("nan"), float("inf")])
     assert has_spread(std).tolist() == [False, False, True, True, False, False]

@@ -57,24 +57,31 @@ def test_a_taken_name_or_an_unknown_part_is_refused(toy_loss_type):
 
 
 def test_the_loss_type_table_has_a_row_per_record_with_its_term_aggregation_and_divisor():
+    """docs/objective.md's table, written by `python -m benchmarks tables` from the built-in records."""
+    from benchmarks import tables
+
     records = [loss_types.LOSS_TYPES[name] for name in loss_types.BUILTIN_LOSS_TYPES]
-    rows = loss_types.loss_type_table(records, {"grpo": "the default"}).splitlines()
+    rows = tables.render("loss-types").splitlines()
     assert rows[:2] == ["| `loss_type` | policy term `P` | aggregation |", "| --- | --- | --- |"]
     assert len(rows) == 2 + len(records)
     for row, record in zip(rows[2:], records, strict=True):
         name, term, aggregation = (cell.strip() for cell in row.strip("|").split("|"))
         assert name.split(" ")[0] == f"`{record.name}`" and term == f"`{record.policy_term}`"
         assert aggregation.split(",")[0] == f"`{record.aggregation}`"
-        assert (record.divisor is not None) == (loss_types.DIVISOR_NOTES.get(record.divisor, "-") in aggregation)
-    assert rows[2] == "| `grpo` (the default) | `clipped` | `sequence_mean` |"
-    assert set(loss_types.DIVISOR_NOTES) == set(loss_types.DIVISORS)
+        assert (record.divisor is not None) == (tables.DIVISOR_NOTES.get(record.divisor, "-") in aggregation)
+    assert rows[2] == "| `grpo` (this package's default) | `clipped` | `sequence_mean` |"
+    assert set(tables.DIVISOR_NOTES) == set(loss_types.DIVISORS)
 
 
 def test_a_registered_loss_type_is_not_built_in_but_has_its_row(toy_loss_type):
+    from benchmarks.tables import loss_type_row
+
     assert "toy" in loss_types.LOSS_TYPES and "toy" not in loss_types.BUILTIN_LOSS_TYPES
-    assert toy_loss_type.table_row() == "| `toy` | `toy_unclipped` | `sequence_mean` |"
+    assert loss_type_row(toy_loss_type) == "| `toy` | `toy_unclipped` | `sequence_mean` |"
 
 
 def test_a_loss_type_table_cell_that_would_break_the_row_is_refused():
+    from benchmarks.tables import loss_type_row
+
     with pytest.raises(ValueError, match="loss type grpo: a table cell"):
-        loss_types.LOSS_TYPES["grpo"].table_row("default | of TRL")
+        loss_type_row(loss_types.LOSS_TYPES["grpo"], "default | of TRL")

@@ -1,13 +1,22 @@
 """`policy_objective`: every TRL loss variant, with the numerics of `grpo_loss`."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from trl_grpo_ext import grpo_loss
-from trl_grpo_ext.ops import LOSS_TYPES, policy_objective
+from trl_grpo_ext.ops import LOSS_TYPES, ObjectiveOptions, policy_objective
 from trl_grpo_ext.ops.terms import AGGREGATIONS, POLICY_TERMS
+
+OPTION_FIELDS = {field.name for field in dataclasses.fields(ObjectiveOptions)}
+
+
+def objective(logps, *args, **kwargs):
+    """`policy_objective` with the loss type's options given by name among the other keyword arguments."""
+    options = ObjectiveOptions(**{name: kwargs.pop(name) for name in list(kwargs) if name in OPTION_FIELDS})
+    return policy_objective(logps, *args, options, **kwargs)
 
 
 def batch(num_rows=8, num_tokens=12, *, seed=0, spread=0.4):
@@ -35,7 +44,7 @@ def variant_kwargs(loss_type, rows, num_tokens=12):
 
 def run(logps, *args, **kwargs):
     leaf = logps.clone().requires_grad_(True)
-    out = policy_objective(leaf, *args, **kwargs)
+    out = objective(leaf, *args, **kwargs)
     out.loss.backward()
     return out, leaf.grad
 
@@ -56,7 +65,6 @@ def test_the_fused_kernel_computes_every_clipped_loss_type_as_the_reference(loss
     kwargs = dict(loss_type=loss_type, beta=0.04, epsilon_high=0.28, denominator=37.0, loss_scale=0.5)
     expected, expected_grad = run(logps, old, ref, advantages, mask, implementation="reference", **kwargs)
     out, grad = run(logps, old, ref, advantages, mask, implementation=implementation, **kwargs)
-    assert out.implementation == implementation and expected.implementation == "reference"
     for name in ("loss", "policy_loss", "kl", "ratio", "per_token_kl", "is_low_clipped", "is_high_clipped"):
         torch.testing.assert_close(getattr(out, name), getattr(expected, name), rtol=1e-5, atol=1e-7, msg=name)
     torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-8)
@@ -72,24 +80,31 @@ def test_the_fused_kernel_computes_every_clipped_loss_type_as_the_reference(loss
         (dict(use_bias_correction_kl=True), "multiplied by the ratio"),
     ],
 )
-def test_an_implementation_outside_its_domain_is_refused_and_auto_falls_back(options, reason):
+@pytest.mark.parametrize("implementation", ["fused", "compiled"])
+def test_the_kernel_outside_its_domain_is_refused_naming_the_reason_and_the_formula(options, reason, implementation):
     logps, old, ref, advantages, mask = batch(seed=4)
-    with pytest.raises(ValueError, match=reason):
-        policy_objective(logps, old, ref, advantages, mask, implementation="fused", **options)
-    assert policy_objective(logps, old, ref, advantages, mask, implementation="auto", **options).implementation == (
-        "reference"
-    )
-    assert policy_objective(logps, old, ref, advantages, mask, implementation="auto").implementation == "fused"
+    with pytest.raises(ValueError, match=f"{reason}.*Use implementation='reference'"):
+        objective(logps, old, ref, advantages, mask, implementation=implementation, **options)
+    objective(logps, old, ref, advantages, mask, implementation="reference", **options)  # the formula computes it
 
 
-def test_per_token_values_are_returned_only_when_asked_for():
+def test_the_removed_auto_implementation_is_refused_naming_the_formula():
+    logps, old, ref, advantages, mask = batch(seed=4)
+    with pytest.raises(ValueError, match="'auto'` was removed.*implementation='reference', is the default"):
+        policy_objective(logps, old, ref, advantages, mask, implementation="auto")
+
+
+def test_the_formula_is_the_default_and_returns_detached_per_token_values():
     logps, old, ref, advantages, mask = batch(seed=5)
-    for implementation in ("fused", "reference"):
-        lean = policy_objective(logps, old, ref, advantages, mask, implementation=implementation, per_token=False)
-        assert lean.ratio is None and lean.log_ratio is None and lean.is_region_clipped is None
-        full = policy_objective(logps, old, ref, advantages, mask, implementation=implementation)
-        torch.testing.assert_close(lean.loss, full.loss)
-        assert full.ratio.shape == logps.shape
+    leaf = logps.clone().requires_grad_(True)
+    out = policy_objective(leaf, old, ref, advantages, mask)
+    torch.testing.assert_close(out.loss, objective(logps, old, ref, advantages, mask, implementation="reference").loss)
+    for name in ("log_ratio", "ratio", "per_token_kl", "is_low_clipped", "is_high_clipped"):
+        value = getattr(out, name)
+        assert value.shape == logps.shape and not value.requires_grad, name
+        assert not value[~mask].any(), name  # 0 or False where masked
+    out.loss.backward()
+    assert torch.isfinite(leaf.grad).all()
 
 
 @pytest.mark.parametrize("beta", [0.04, 0.0])
@@ -98,7 +113,7 @@ def test_the_grpo_row_is_grpo_loss(beta):
     ref = ref if beta else None
     out, grad = run(logps, old, ref, advantages, mask, beta=beta, epsilon_high=0.28)
     leaf = logps.clone().requires_grad_(True)
-    expected = grpo_loss(leaf, old, ref, advantages, mask, beta=beta, epsilon_high=0.28, implementation="reference")
+    expected = grpo_loss(leaf, old, ref, advantages, mask, beta=beta, epsilon_high=0.28)
     expected.loss.backward()
     torch.testing.assert_close(out.loss, expected.loss)
     torch.testing.assert_close(grad, leaf.grad)
@@ -180,7 +195,7 @@ def test_values_at_masked_positions_change_nothing_and_extremes_stay_finite(loss
 
 def test_sequence_level_clip_indicators_count_rows():
     logps, old, ref, advantages, mask = batch(seed=4, spread=1.0)
-    out = policy_objective(logps, old, ref, advantages, mask, importance_sampling_level="sequence")
+    out = objective(logps, old, ref, advantages, mask, importance_sampling_level="sequence")
     assert torch.equal(out.clip_units_per_row, torch.ones(8, dtype=out.clip_units_per_row.dtype))
     assert set(out.low_clipped_per_row.tolist()) <= {0, 1} and set(out.high_clipped_per_row.tolist()) <= {0, 1}
     ratio = out.ratio
@@ -191,16 +206,16 @@ def test_sequence_level_clip_indicators_count_rows():
 
 def test_bias_corrected_kl_is_weighted_by_the_ratio():
     logps, old, ref, advantages, mask = batch(seed=5)
-    plain = policy_objective(logps, old, ref, advantages, mask)
-    corrected = policy_objective(logps, old, ref, advantages, mask, use_bias_correction_kl=True)
+    plain = objective(logps, old, ref, advantages, mask)
+    corrected = objective(logps, old, ref, advantages, mask, use_bias_correction_kl=True)
     torch.testing.assert_close(corrected.per_token_kl, plain.per_token_kl * plain.ratio)
 
 
 def test_delta_caps_the_unclipped_ratio():
     logps, old, ref, advantages, mask = batch(seed=6, spread=1.0)
     advantages = advantages.abs()  # positive advantages: the high side binds
-    free = policy_objective(logps, old, None, advantages, mask, beta=0.0, epsilon_high=10.0)
-    capped = policy_objective(logps, old, None, advantages, mask, beta=0.0, epsilon_high=10.0, delta=1.5)
+    free = objective(logps, old, None, advantages, mask, beta=0.0, epsilon_high=10.0)
+    capped = objective(logps, old, None, advantages, mask, beta=0.0, epsilon_high=10.0, delta=1.5)
     assert capped.loss > free.loss  # a smaller surrogate, a larger loss
 
 
@@ -218,7 +233,7 @@ def test_delta_caps_the_unclipped_ratio():
 def test_bad_arguments_are_refused_by_name(kwargs, message):
     logps, old, ref, advantages, mask = batch(seed=7)
     with pytest.raises(ValueError, match=message):
-        policy_objective(logps, old, ref, advantages, mask, **kwargs)
+        objective(logps, old, ref, advantages, mask, **kwargs)
 
 
 def test_total_loss_adds_the_entropy_bonus_and_the_router_loss_in_the_backward_loss_s_units():

@@ -350,7 +350,7 @@ def test_the_vllm_page_opens_with_the_demo_commands_that_the_config_names(monkey
     import re
     import shlex
 
-    from trl_grpo_ext.cpu_engines import VLLM_ON_CPU_ENV
+    from cpu_engines import VLLM_ON_CPU_ENV
 
     with open(os.path.join(REPO, "docs", "vllm.md")) as handle:
         page = handle.read()
@@ -371,18 +371,6 @@ def test_the_vllm_page_opens_with_the_demo_commands_that_the_config_names(monkey
     assert training_args.use_vllm and training_args.vllm_mode == "colocate"
 
 
-def test_the_recipe_applies_the_vllm_cpu_shim_only_when_asked(monkeypatch):
-    import trl_grpo_ext.cpu_engines
-
-    calls = []
-    monkeypatch.setattr(trl_grpo_ext.cpu_engines, "enable_vllm_on_cpu", lambda: calls.append("shim"))
-    monkeypatch.setattr(recipe, "main", lambda *args: calls.append("main"))
-    monkeypatch.delenv(trl_grpo_ext.cpu_engines.VLLM_ON_CPU_ENV, raising=False)
-    assert recipe.run(["--config", DEMO_CONFIG]) == 0 and calls == ["main"]
-    monkeypatch.setenv(trl_grpo_ext.cpu_engines.VLLM_ON_CPU_ENV, "1")
-    assert recipe.run(["--config", DEMO_CONFIG]) == 0 and calls == ["main", "shim", "main"]
-
-
 @pytest.mark.parametrize("accelerator", [False, True])
 def test_the_recipe_names_deepspeed_s_cpu_accelerator_where_there_is_no_other(monkeypatch, accelerator):
     """DeepSpeed, where installed, takes its CPU accelerator without warning that it found none: the recipe names it
@@ -394,19 +382,6 @@ def test_the_recipe_names_deepspeed_s_cpu_accelerator_where_there_is_no_other(mo
     assert os.environ.get("DS_ACCELERATOR") == (None if accelerator else "cpu")
     monkeypatch.setenv("DS_ACCELERATOR", "xpu")  # one set by hand is kept
     assert recipe.run(["--config", DEMO_CONFIG, "--use_cpu", "false"]) == 0 and os.environ["DS_ACCELERATOR"] == "xpu"
-
-
-@pytest.mark.parametrize("value", ["1", "true", "Yes"])
-def test_the_recipe_reads_both_cpu_shim_flags_one_way(monkeypatch, value):
-    import trl_grpo_ext.cpu_engines as cpu_engines
-
-    calls = []
-    monkeypatch.setattr(cpu_engines, "enable_sharded_engines_on_cpu", lambda: calls.append("engines"))
-    monkeypatch.setattr(cpu_engines, "enable_vllm_on_cpu", lambda: calls.append("vllm"))
-    monkeypatch.setattr(recipe, "main", lambda *args: calls.append("main"))
-    monkeypatch.setenv(cpu_engines.CPU_ENGINES_ENV, value)
-    monkeypatch.setenv(cpu_engines.VLLM_ON_CPU_ENV, value)
-    assert recipe.run(["--config", DEMO_CONFIG]) == 0 and calls == ["engines", "vllm", "main"]
 
 
 def test_eval_samples_0_switches_the_held_out_schedule_off_saying_so(monkeypatch, capsys):

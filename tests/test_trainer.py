@@ -34,8 +34,20 @@ RTOL, ATOL = 1e-5, 1e-6
 REUSED = {"num_iterations": 2, "gradient_accumulation_steps": 2}  # reused generations: ratios move and clip
 
 
-@pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
-def test_trains_step_for_step_like_stock_trl_grpo(use_lora, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path):
+@pytest.mark.parametrize(
+    "use_lora, implementation", [(False, None), (True, None), (False, "fused")], ids=["full", "lora", "full-fused"]
+)
+def test_trains_step_for_step_like_stock_trl_grpo(
+    use_lora, implementation, tiny_model_path, tiny_tokenizer, prompt_dataset, tmp_path, monkeypatch
+):
+    """With the default configuration the formula trains (the opt-in kernel is never called); with the kernel asked
+    for, it trains the same steps."""
+    from trl_grpo_ext.ops import objective
+
+    kernel_calls = []
+    kernel_loss = objective.kernel_loss
+    monkeypatch.setattr(objective, "kernel_loss", lambda *a, **k: kernel_calls.append(1) or kernel_loss(*a, **k))
+
     def lora():
         return tiny_lora() if use_lora else None
 
@@ -66,9 +78,11 @@ def test_trains_step_for_step_like_stock_trl_grpo(use_lora, tiny_model_path, tin
         config_cls=GRPOConfigExt,
         peft_config=lora(),
         learning_rate=learning_rate,
+        **({} if implementation is None else {"loss_implementation": implementation}),
         **REUSED,
     )
 
+    assert bool(kernel_calls) == (implementation is not None)
     assert len(stock) == len(ours) == 4
     compared = 0
     for step, (expected, got) in enumerate(zip(stock, ours, strict=True), start=1):
@@ -147,10 +161,15 @@ def test_lora_trains_only_adapters_and_uses_the_base_model_as_reference(
         torch.testing.assert_close(ref_logps[mask], expected[mask], rtol=1e-4, atol=1e-5)
 
 
+def test_the_formula_trains_by_default_and_the_removed_auto_is_refused_naming_it(tmp_path):
+    assert GRPOConfigExt(**tiny_grpo_args(tmp_path)).loss_implementation == "reference"
+    with pytest.raises(ValueError, match="`loss_implementation='auto'` was removed: the formula, "):
+        GRPOConfigExt(**tiny_grpo_args(tmp_path, loss_implementation="auto"))
+
+
 def test_the_fused_kernel_serves_every_clipped_objective_and_an_explicit_kernel_is_never_ignored(tmp_path):
     from trl_grpo_ext.config import fused_kernel_problems
 
-    assert GRPOConfigExt(**tiny_grpo_args(tmp_path)).loss_implementation == "auto"
     assert not fused_kernel_problems(GRPOConfigExt(**tiny_grpo_args(tmp_path)))
     assert not fused_kernel_problems(GRPOConfig(**tiny_grpo_args(tmp_path)))  # TRL's defaults: dapo, beta 0
     # The bias-correction flag has no effect without a KL term; reward scaling happens before the loss.

@@ -183,7 +183,7 @@ TRL_ATTRIBUTES = (
 )
 
 #: Attributes a `GRPOTrainer` has only with `use_vllm` (read or, `_last_loaded_step`, written by the held-out
-#: evaluation's weight sync): checked on a stock trainer with vLLM by `tests/test_sampling_heldout_vllm.py`.
+#: evaluation's weight sync): checked on a stock trainer with vLLM by `tests/test_extras_heldout_vllm.py`.
 TRL_VLLM_ATTRIBUTES = ("vllm_generation", "_last_loaded_step")
 
 #: Methods of TRL's vLLM backend (`trl.generation.vllm_generation.VLLMGeneration`) the package calls, with the
@@ -204,60 +204,60 @@ TRL_COPIES = (
         "tests/test_compat_drift.py::test_the_forwarded_model_inputs_are_trl_s",
     ),
     (
-        "trl_grpo_ext.forward.objective_inputs.entropy_bonus",
+        "trl_grpo_ext.batch.entropy_bonus",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._compute_loss (entropy bonus and adaptive entropy controller)",
         "tests/test_compat_drift.py::test_the_entropy_bonus_is_trl_s",
     ),
     (
-        "trl_grpo_ext.forward.objective_inputs._denominator",
+        "trl_grpo_ext.batch._denominator",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._compute_loss (the normalizer of dr_grpo, dapo, cispo, vespo)",
         "tests/test_trainer_loss_types.py (every loss type against stock GRPOTrainer)",
     ),
     (
-        "trl_grpo_ext.ops.correction.sampler_log_ratios",
+        "trl_grpo_ext.extras.vllm.correction.sampler_log_ratios",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (vLLM importance-sampling bounds)",
         "tests/test_compat_drift.py::test_the_sampler_mismatch_bounds_are_trl_s",
     ),
     (
-        "trl_grpo_ext.ops.correction.correction_ratio",
+        "trl_grpo_ext.extras.vllm.correction.correction_ratio",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (the importance-sampling weights of "
         "each vllm_importance_sampling_mode: truncated or masked at the bounds)",
-        "tests/test_sampling_sampler_cuts.py::test_the_correction_weights_and_their_metrics_are_trl_s",
+        "tests/test_extras_vllm_truncation_match.py::test_the_correction_weights_and_their_metrics_are_trl_s",
     ),
     (
-        "trl_grpo_ext.sampling.sampler_cuts.correction_metrics",
+        "trl_grpo_ext.extras.vllm.correction.correction_metrics",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (the logged "
         "sampling/sampling_logp_difference/* and sampling/importance_sampling_ratio/*)",
-        "tests/test_sampling_sampler_cuts.py::test_the_correction_weights_and_their_metrics_are_trl_s",
+        "tests/test_extras_vllm_truncation_match.py::test_the_correction_weights_and_their_metrics_are_trl_s",
     ),
     (
-        "trl_grpo_ext.sampling.sampler_cuts.trl_logit_transform",
+        "trl_grpo_ext.extras.vllm.truncation_match.trl_logit_transform",
         "trl/trainer/utils.py: add_fused_lm_head (the backbone it runs, the logit scale and soft cap it reads)",
-        "tests/test_sampling_sampler_cuts.py::test_the_trainer_pass_gives_trl_s_log_probs_with_scaled_and_capped_logits",
+        "tests/test_extras_vllm_truncation_match.py::test_the_trainer_pass_gives_trl_s_log_probs_with_scaled_and_capped_logits",
     ),
     (
-        "trl_grpo_ext.sampling.heldout.sync_vllm_weights",
+        "trl_grpo_ext.extras.heldout.sync_vllm_weights",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_single_turn (the weight sync when global_step differs "
         "from _last_loaded_step)",
-        "tests/test_sampling_heldout_vllm.py::test_the_weight_sync_check_is_trl_s",
+        "tests/test_extras_heldout_vllm.py::test_the_weight_sync_check_is_trl_s",
     ),
     (
-        "trl_grpo_ext.sampling.plan.trl_advantages",
+        "trl_grpo_ext.extras.plan.trl_advantages",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (advantages from the gathered "
         "rewards: group, batch or no scaling, sum_then_normalize or normalize_then_sum)",
-        "tests/test_sampling_plan.py::test_advantages_and_reward_metrics_of_a_batch_are_trl_s",
+        "tests/test_extras_plan.py::test_advantages_and_reward_metrics_of_a_batch_are_trl_s",
     ),
     (
-        "trl_grpo_ext.sampling.plan.trl_reward_metrics",
+        "trl_grpo_ext.extras.plan.trl_reward_metrics",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (reward, reward_std, "
         "frac_reward_zero_std, rewards/<name>/mean and std)",
-        "tests/test_sampling_plan.py::test_advantages_and_reward_metrics_of_a_batch_are_trl_s",
+        "tests/test_extras_plan.py::test_advantages_and_reward_metrics_of_a_batch_are_trl_s",
     ),
     (
-        "trl_grpo_ext.sampling.generation.sample_batch",
+        "trl_grpo_ext.extras.generation.sample_batch",
         "trl/trainer/grpo_trainer.py: GRPOTrainer._generate_and_score_completions (tokenise prompts, generate with "
         "the training sampling settings, decode)",
-        "tests/test_sampling_generation.py::test_sampling_settings_build_the_generation_config_trl_trains_with",
+        "tests/test_extras_generation.py::test_extras_settings_build_the_generation_config_trl_trains_with",
     ),
     (
         "trl_grpo_ext.tools.recipes.slurm.vllm_server_command",

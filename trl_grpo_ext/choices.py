@@ -5,7 +5,7 @@ from __future__ import annotations
 
 __all__ = ["CONSOLE_MODES", "NONFINITE_POLICIES"]
 
-#: `console`: what the console shows per log step (`report.console.ConsoleCallback`).
+#: `console`: what the console shows per log step (`extras.console.ConsoleCallback`).
 CONSOLE_MODES = ("compact", "raw")
 
 #: `nonfinite_policy`: what happens to an optimizer step whose gradient norm is not finite

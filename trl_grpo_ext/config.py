@@ -113,20 +113,20 @@ class GRPOConfigExt(GRPOConfig):
         default="compact",
         metadata={
             "help": "What the console shows per log step: 'compact' (a progress bar, unless disable_tqdm, and one "
-            "line of the key signals with the alarms that start: report.console.ConsoleCallback) or 'raw' "
+            "line of the key signals with the alarms that start: extras.console.ConsoleCallback) or 'raw' "
             "(transformers' dict of every logged value). Loggers of report_to get every value either way.",
             "choices": list(CONSOLE_MODES),
         },
     )
 
     loss_implementation: str = field(
-        default="auto",
+        default="reference",
         metadata={
-            "help": "How the objective is computed: 'fused' (its terms and analytic gradient, one saved buffer), "
-            "'reference' (the formula with autograd), 'compiled' (the fused kernel through torch.compile; falls "
-            "back to 'fused' if compiling fails), or 'auto' (the fused kernel wherever it applies: the clipped "
-            "surrogate with token-level ratios and no per-token weights, delta or bias-corrected KL; the reference "
-            "elsewhere). 'fused' or 'compiled' for an objective outside the kernel's domain is refused.",
+            "help": "How the objective is computed: 'reference' (the formula with autograd, what trains by default), "
+            "or the opt-in kernel of the clipped-surrogate loss types: 'fused' (its terms with their analytic "
+            "gradient, one saved buffer) or 'compiled' (the same through torch.compile; falls back to 'fused' if "
+            "compiling fails). Both are refused for an objective outside the kernel's domain (token-level ratios, "
+            "no per-token weights, delta or bias-corrected KL). 'auto' was removed.",
             "choices": list(IMPLEMENTATIONS),
         },
     )

@@ -12,14 +12,12 @@ from __future__ import annotations
 import math
 import numbers
 
-import torch
-
 from .choices import CONSOLE_MODES, NONFINITE_POLICIES
 from .guardrails.alarms import threshold_problems
-from .ops import IMPLEMENTATIONS, hyperparameter_problems
+from .ops import hyperparameter_problems
 from .ops.fused import domain_problems
 from .ops.loss_types import loss_type_record
-from .ops.validation import kernel_refusal
+from .ops.validation import implementation_problem, kernel_refusal
 
 __all__ = [
     "fused_kernel_problems",
@@ -65,14 +63,7 @@ def _token_weights_in_use(args) -> bool:
 def fused_kernel_problems(args) -> list[str]:
     """Why the fused kernel cannot compute the objective `args` configures, one reason each (empty: it can). Reads
     TRL's fields only: `args` may be a plain `trl.GRPOConfig`."""
-    return domain_problems(
-        policy_term=loss_type_record(args.loss_type).policy_term,
-        importance_sampling_level=args.importance_sampling_level,
-        delta=args.delta,
-        token_weights=torch.ones(()) if _token_weights_in_use(args) else None,
-        use_bias_correction_kl=args.use_bias_correction_kl,
-        beta=args.beta,
-    )
+    return domain_problems(args, _token_weights_in_use(args))
 
 
 def option_problems(options, *, only_after_trl: bool = False) -> list[str]:
@@ -98,8 +89,10 @@ def option_problems(options, *, only_after_trl: bool = False) -> list[str]:
         problems.append(wrong_kind)
     elif any(not 0.0 <= q <= 1.0 for q in quantiles):
         problems.append(f"`ratio_quantiles` must lie in [0, 1], got {[q for q in quantiles if not 0.0 <= q <= 1.0]}.")
+    implementation = implementation_problem(options.loss_implementation, "loss_implementation")
+    if implementation is not None:
+        problems.append(implementation)
     for name, choices in (
-        ("loss_implementation", IMPLEMENTATIONS),
         ("nonfinite_policy", NONFINITE_POLICIES),
         ("console", CONSOLE_MODES),
     ):

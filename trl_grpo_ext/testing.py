@@ -1,43 +1,16 @@
-"""What tests, the demo and CPU trials need, built locally (no Hub access):
-
-- tiny model and tokenizer builders: a causal LM and a character-level tokenizer;
-
-      from trl_grpo_ext.testing import build_char_tokenizer, build_tiny_model, save_tiny
-      path = save_tiny("/tmp/tiny")          # a folder that `from_pretrained` and TRL's trainers accept
-
-- `reuse_vllm_engine`, which lets trainers built one after another in a process share TRL's colocated engine (tests
-  and CPU trials);
-- the CPU shims of `cpu_engines`, for tests and benchmarks: `enable_sharded_engines_on_cpu` (FSDP2 and DeepSpeed ZeRO
-  on CPU processes) and `enable_vllm_on_cpu` (TRL's weight sync into vLLM's CPU engine).
-
-A GPU run never needs the CPU shims.
-"""
+"""Tiny model and tokenizer builders, built locally (no Hub access), for tests, the demo and CPU trials:
+`save_tiny(folder)` writes a model and tokenizer that `from_pretrained` and TRL's trainers accept."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import os
 import string
-from collections.abc import Iterator
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from .cpu_engines import VLLM_ON_CPU_ENV, enable_sharded_engines_on_cpu, enable_vllm_on_cpu, requested_engine
-
-__all__ = [
-    "DEFAULT_ALPHABET",
-    "VLLM_ON_CPU_ENV",
-    "build_char_tokenizer",
-    "build_tiny_model",
-    "enable_sharded_engines_on_cpu",
-    "enable_vllm_on_cpu",
-    "requested_engine",
-    "reuse_vllm_engine",
-    "save_tiny",
-]
+__all__ = ["DEFAULT_ALPHABET", "build_char_tokenizer", "build_tiny_model", "save_tiny"]
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 DEFAULT_ALPHABET = string.ascii_lowercase + string.digits + " =+-*/:.,?!"
@@ -157,72 +130,3 @@ def save_tiny(path: str | os.PathLike, alphabet: str = DEFAULT_ALPHABET, **model
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
-
-
-#: The engine that `reuse_vllm_engine` shares, with the settings it was built with: at most one per process.
-_SHARED_ENGINE: dict = {}
-_SHARING = "_trl_grpo_ext_shared_engine"
-
-
-@contextlib.contextmanager
-def reuse_vllm_engine(max_num_seqs: int = 256) -> Iterator[None]:
-    """Inside the block, TRL trainers in colocate mode (`use_vllm=True, vllm_mode="colocate"`) share one vLLM engine.
-
-    TRL builds a `vllm.LLM` in each trainer's constructor, and a colocated engine can be built only once per process
-    (a second one fails with `Default process group has not been initialized`). For tests and CPU trials that train
-    several runs in one process: the first trainer builds the engine, later ones get the same engine, and each pushes
-    its own weights into it at its first generation (TRL syncs before a trainer's first generation), so a run sees
-    the weights of its own policy only. Generation settings (temperature, `top_p`, ...) travel with each request and
-    may differ between trainers; engine settings may not, except the number of sequences per batch, up to
-    `max_num_seqs`. The engine outlives the block: a later block in the process shares it too.
-
-    Args:
-        max_num_seqs (`int`): the batch capacity the shared engine is built with (TRL asks for the trainer's batch
-            size); a larger request than this is refused.
-
-    Raises:
-        ImportError: vLLM is not installed.
-        RuntimeError: inside the block, a trainer asks for other engine settings than the shared engine's (they
-            are named), or TRL builds its engine somewhere this helper does not know (another TRL release).
-    """
-    try:
-        import vllm  # noqa: F401
-
-        generation = importlib.import_module("trl.generation.vllm_generation")
-    except ImportError as error:
-        raise ImportError("reuse_vllm_engine() needs vLLM and TRL's vLLM generation module.") from error
-    engine_class = getattr(generation, "LLM", None)
-    if engine_class is None:
-        raise RuntimeError(
-            "reuse_vllm_engine(): trl.generation.vllm_generation has no `LLM`: this TRL release builds its vLLM "
-            "engine elsewhere."
-        )
-    if getattr(engine_class, _SHARING, False):  # nested: the outer block already shares
-        yield
-        return
-
-    def shared_engine(**settings):
-        requested = settings.pop("max_num_seqs", None) or 0
-        if not _SHARED_ENGINE:
-            engine = engine_class(**settings, max_num_seqs=max(requested, max_num_seqs))
-            _SHARED_ENGINE.update(engine=engine, settings=settings, max_num_seqs=max(requested, max_num_seqs))
-        differing = sorted(
-            name
-            for name in settings.keys() | _SHARED_ENGINE["settings"].keys()
-            if settings.get(name) != _SHARED_ENGINE["settings"].get(name)
-        )
-        if requested > _SHARED_ENGINE["max_num_seqs"]:
-            differing.append(f"max_num_seqs ({requested} > {_SHARED_ENGINE['max_num_seqs']})")
-        if differing:
-            raise RuntimeError(
-                "reuse_vllm_engine(): this trainer asks for other vLLM engine settings than the engine this process "
-                f"shares ({', '.join(differing)}), and a second colocated engine cannot be built in the process."
-            )
-        return _SHARED_ENGINE["engine"]
-
-    setattr(shared_engine, _SHARING, True)
-    generation.LLM = shared_engine
-    try:
-        yield
-    finally:
-        generation.LLM = engine_class

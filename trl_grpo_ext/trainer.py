@@ -4,21 +4,21 @@ Generation, rewards, advantages, reference log-probs, PEFT and distributed train
 (and transformers `Trainer`) hook that the package overrides is overridden here, once (`_compat.OVERRIDDEN_HOOKS` pins
 their signatures against the installed TRL), and hands its concern to the helper that holds it:
 
-- `_compute_loss`: the objective (`forward.objective_inputs.gather_objective_inputs`, `ops.policy_objective`), row
-  skipping (`sampling.skipping`) and the per-micro-batch diagnostics sums (`diagnostics`);
+- `_compute_loss`: the objective (`batch.gather_objective_inputs`, `ops.policy_objective`), row skipping
+  (`extras.skipping`) and the per-micro-batch diagnostics sums (`diagnostics`);
 - `_get_per_token_logps_and_entropies`: every log-prob forward, padding-free (`forward.PackedLogProbs`);
-- `_generate_and_score_completions`: selective rollouts (`sampling.selective.SelectiveRollouts`), dynamic sampling
-  (`sampling.dynamic.DynamicSampler`), the per-group reward spread of the batch that trains, the sampler/trainer
-  mismatch with vLLM (`diagnostics.mismatch`);
-- `_calculate_rewards`: the rewards and completion lengths of the batch just scored;
+- `_generate_and_score_completions`: selective rollouts (`extras.selective`), dynamic sampling (`extras.dynamic`), the
+  per-group reward spread of the batch that trains, vLLM's truncation match and mismatch (`extras.vllm`);
+- `_calculate_rewards`: the rewards and completion lengths of the batch just scored (`ScoredBatch`);
 - `log`: the one gather of the diagnostics per log step;
 - `training_step`, `_get_grad_norm`: the non-finite guard's verdicts (`guardrails.nonfinite.NonFiniteEnforcer`);
 - `_save_checkpoint`, `_get_output_dir`, `_push_from_checkpoint`, `_load_optimizer_and_scheduler`: crash-safe
   checkpoints and exact resume (`checkpointing.Checkpoints`);
-- `evaluate`: held-out evaluation (`sampling.heldout.HeldoutEvaluator`);
+- `evaluate`: held-out evaluation (`extras.heldout`);
 - `create_model_card`: TRL's model card, with this package's sections and `report.png` added (`tools.card`).
 
-The state that a resumed run needs is registered by name with `Checkpoints.register`, once, here.
+The state that a resumed run needs is registered by name with `Checkpoints.register`, once, here. Each module of
+`extras/` is imported inside the `if` of the option that turns it on: a run loads only the extras it uses.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import inspect
 import os
-import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,29 +43,20 @@ from ._compat import (
     options_missing_from_trl,
     seed_before_model_init,
 )
+from .batch import entropy_bonus, gather_objective_inputs, policy_logps_and_entropies
 from .checkpointing import Checkpoints
 from .config import GRPOConfigExt, config_problems, option
 from .diagnostics import DiagnosticsAccumulator
 from .diagnostics.loggers import write_histograms
-from .diagnostics.mismatch import sampler_mismatch
 from .forward import FORWARD_METRICS, PackedLogProbs, forward_counts
 from .forward.layout import upload
-from .forward.objective_inputs import entropy_bonus, gather_objective_inputs, policy_logps_and_entropies
 from .guardrails.anomaly import AlarmSettings, AnomalyMonitor
 from .guardrails.launch import check_launch, check_train_dataset
 from .guardrails.nonfinite import NonFiniteEnforcer, NonFiniteGuard
 from .guardrails.reward_errors import guard_reward_funcs, reward_kwarg_names
-from .metrics import KL, LOSS, NONFINITE_SKIPPED_STEPS, SKIPPED_ROWS_FRACTION, VESPO_PHI_SEQ_MEAN
+from .metrics import HELDOUT_PREFIX, KL, LOSS, NONFINITE_SKIPPED_STEPS, SKIPPED_ROWS_FRACTION, VESPO_PHI_SEQ_MEAN
 from .ops import LOSS_TYPES, policy_objective, total_loss
 from .ops.validation import raise_problems
-from .report.alerts import TrackerAlerts
-from .report.console import ConsoleCallback
-from .sampling.dynamic import DynamicSampler, ScoredBatch
-from .sampling.generation import eos_token_ids
-from .sampling.heldout import HeldoutEvaluator
-from .sampling.sampler_cuts import TruncationMatch, trainer_logps, truncation_warning
-from .sampling.selective import SelectiveRollouts, selective_options
-from .sampling.skipping import row_skipping
 
 # The hooks overridden below are those of the TRL and transformers releases `_compat` names.
 check_trl_version(trl.__version__)
@@ -75,6 +66,29 @@ ignore_renamed_checkpointing_warnings()
 __all__ = ["GRPOTrainerExt"]
 
 _TRL_PARAMETERS = list(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # without `self`
+
+
+@dataclass
+class ScoredBatch:
+    """The rewards of one generation batch, as `_calculate_rewards` saw them.
+
+    Attributes:
+        rewards_per_func (`torch.Tensor` of shape `(N, F)`): every process's rows, NaN where a function did not score.
+        lengths (`torch.Tensor` of shape `(n,)`): this process's completion lengths, rows `first_row ..` of them.
+        first_row (`int`): the global row of this process's first completion.
+    """
+
+    rewards_per_func: torch.Tensor
+    lengths: torch.Tensor
+    first_row: int
+
+
+class _RowsToScore(list):
+    """This process's rows of a generation batch, handed to TRL's `_generate_and_score_completions`, which passes this
+    very list to `_calculate_rewards`: the one way back for what the reward call scored, which TRL's method does not
+    return (a trainer attribute set by one hook for another to read would outlive the call)."""
+
+    scored: ScoredBatch | None = None
 
 
 class GRPOTrainerExt(GRPOTrainer):
@@ -94,7 +108,7 @@ class GRPOTrainerExt(GRPOTrainer):
     training report. The console shows a progress bar and one line of key signals per log step (`console`), and each
     alarm also reaches trackio and W&B as an alert where `report_to` names them. With `heldout_metrics=[...]` (and
     `heldout_dataset`, or `eval_dataset`) it evaluates held-out prompts with k sampled completions each,
-    independently of the reward (`sampling.heldout`). Opt-in (`GRPOConfigExt`): `dynamic_sampling` replaces the
+    independently of the reward (`extras.heldout`). Opt-in (`GRPOConfigExt`): `dynamic_sampling` replaces the
     groups without reward spread by informative ones generated for fresh prompts, `selective_rollouts` skips before
     generation the prompts predicted to give no reward spread, and `skip_zero_advantage_rows` leaves the rows that
     cannot move the loss out of the training forward, exactly.
@@ -148,9 +162,13 @@ class GRPOTrainerExt(GRPOTrainer):
         )
         check_trl_surface(args)  # TRL's hooks, methods and attributes relied on, against the installed TRL
         check_train_dataset(kwargs.get("train_dataset"), kwargs.get("environment_factory"))
-        heldout = HeldoutEvaluator(args, heldout_metrics, heldout_dataset, kwargs.get("eval_dataset"))
-        if heldout.stands_in_for_eval_dataset:
-            kwargs["eval_dataset"] = heldout.dataset
+        heldout = None
+        if _asks_for_heldout(args, heldout_metrics):
+            from .extras.heldout import HeldoutEvaluator
+
+            heldout = HeldoutEvaluator(args, heldout_metrics, heldout_dataset, kwargs.get("eval_dataset"))
+            if heldout.stands_in_for_eval_dataset:
+                kwargs["eval_dataset"] = heldout.dataset
         seed_before_model_init(args)
         # For the model card, as given: PEFT writes the modules that `target_modules="all-linear"` matched into it.
         self._peft_config = copy.deepcopy(kwargs.get("peft_config"))
@@ -166,15 +184,17 @@ class GRPOTrainerExt(GRPOTrainer):
             option(args, "padding_free_row_tokens"),
             option(args, "shared_prompt_forward"),
         )
-        self._row_skipping = row_skipping(self, option(args, "skip_zero_advantage_rows"))
+        self._row_skipping = None
+        if option(args, "skip_zero_advantage_rows"):
+            from .extras.skipping import row_skipping
+
+            self._row_skipping = row_skipping(self)  # None, with a warning, where skipping would change the gradient
         self._diagnostics = {mode: self._build_diagnostics(mode) for mode in ("train", "eval")}
-        if truncation_warning(args):
-            warnings.warn(truncation_warning(args), UserWarning, stacklevel=2)
-        self._truncation_match = TruncationMatch.for_trainer(self)  # None unless vLLM truncates and the option is on
-        self._scored: ScoredBatch | None = None  # what `_calculate_rewards` hands `_generate_and_score`
-        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        # What ends a completion that was not cut at max_completion_length (TRL's `completions/clipped_ratio`).
-        self._completion_ends = {*eos_token_ids(self.model, tokenizer), tokenizer.pad_token_id}
+        self._vllm_batches = None
+        if self.use_vllm:
+            from .extras.vllm.mismatch import VllmBatches
+
+            self._vllm_batches = VllmBatches(self, measure=option(args, "log_sampler_mismatch"))
 
         self._checkpoints = Checkpoints(self)
         self._nonfinite_guard = NonFiniteGuard(option(args, "nonfinite_policy"), option(args, "max_nonfinite_skips"))
@@ -182,10 +202,14 @@ class GRPOTrainerExt(GRPOTrainer):
         self._nonfinite_steps = NonFiniteEnforcer(self, self._nonfinite_guard, self._checkpoints)
         self._selective, self._dynamic_sampler = None, None
         if option(args, "selective_rollouts"):
+            from .extras.selective import SelectiveRollouts, selective_options
+
             self._selective = SelectiveRollouts(self, **selective_options(args))
             self._checkpoints.register("selective_rollouts", self._selective, rewind=True)
             self._checkpoints.register("prompt_stream", self._selective.stream, rewind=True)
         if option(args, "dynamic_sampling"):
+            from .extras.dynamic import DynamicSampler
+
             rounds, margin = option(args, "dynamic_sampling_max_rounds"), option(args, "dynamic_sampling_round_margin")
             sampler = DynamicSampler(self, rounds, margin=margin, selective=self._selective)
             if self._selective is None:  # else the stream is the one selective rollouts registered
@@ -193,13 +217,18 @@ class GRPOTrainerExt(GRPOTrainer):
             self._checkpoints.register("dynamic_sampling", sampler.keep_rate, rewind=True)
             self._dynamic_sampler = sampler
         self._heldout = heldout
-        heldout.attach(self)
+        if heldout is not None:
+            heldout.attach(self)
         self.add_callback(AlarmSettings.from_config(args))  # kept in the trainer state, for `report`
         if option(args, "warn_on_anomalies"):
             # First in line, so that the loggers and the console after it see the `alarms/<name>` counts it adds.
             self.callback_handler.callbacks.insert(0, AnomalyMonitor.from_config(args))
+            from .extras.alerts import TrackerAlerts
+
             TrackerAlerts.install(self)  # each alarm as a trackio / W&B alert, where report_to names them
         if option(args, "console") == "compact":
+            from .extras.console import ConsoleCallback
+
             ConsoleCallback.install(self)
 
     def _build_diagnostics(self, mode: str) -> DiagnosticsAccumulator:
@@ -228,7 +257,7 @@ class GRPOTrainerExt(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         # What TRL's padded layout forwards for the whole micro-batch (forward/*), whatever rows are skipped.
         counts = forward_counts(inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_mask"])
-        selection = None  # with skip_zero_advantage_rows: only the rows that can move the loss (sampling.skipping)
+        selection = None  # with skip_zero_advantage_rows: only the rows that can move the loss (extras.skipping)
         if mode == "train" and self._row_skipping is not None:
             inputs, selection = self._row_skipping.select(inputs)
         logps, entropies, aux_loss = policy_logps_and_entropies(self, model, inputs)
@@ -240,22 +269,12 @@ class GRPOTrainerExt(GRPOTrainer):
             objective.ref_logps,
             objective.advantages,
             objective.mask,
-            loss_type=self.loss_type,
-            importance_sampling_level=self.importance_sampling_level,
-            epsilon=self.epsilon_low,
-            epsilon_high=self.epsilon_high,
-            delta=self.args.delta,
-            beta=self.beta,
-            use_bias_correction_kl=self.args.use_bias_correction_kl,
-            sapo_temperature_pos=self.args.sapo_temperature_pos,
-            sapo_temperature_neg=self.args.sapo_temperature_neg,
+            objective.options,
             sequence_weights=objective.sequence_weights,
             token_weights=objective.token_weights,
             denominator=objective.denominator,
             loss_scale=objective.loss_scale,
             implementation=self._loss_implementation,
-            per_token=False,
-            ratio_statistics=self._diagnostics[mode].ratio_stats,
             **({} if selection is None else selection.policy_options()),
         )
         extras = {}
@@ -332,8 +351,8 @@ class GRPOTrainerExt(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         mode = "train" if self.model.training else "eval"
-        match = self._truncation_match
-        mark = match.mark(mode) if match is not None else None
+        vllm_batches = self._vllm_batches
+        mark = vllm_batches.mark(mode) if vllm_batches is not None else None
         if self._dynamic_sampler is not None and mode == "train":
             output, scored = self._dynamic_sampler.generate(inputs, self._generate_and_score)
         elif self._selective is not None and mode == "train":
@@ -341,43 +360,32 @@ class GRPOTrainerExt(GRPOTrainer):
         else:
             output, scored = self._generate_and_score(inputs)
         self._add_reward_spread(scored, mode)
-        measured = self._diagnostics[mode].sampler_mismatch and output.get("sampling_per_token_logps") is not None
-        # With vLLM's cuts matched: the correction's weights and TRL's metrics of them, from truncated log-probs
-        logps = match.apply(output, mode, mark, for_metrics=measured) if match is not None else None
-        if measured:
-            # TRL computes the trainer's log-probs at generation only for the correction (or misaligned steps)
-            if logps is None and "old_per_token_logps" not in output:
-                logps = trainer_logps(self, output)
-            mismatch = sampler_mismatch(
-                output,
-                self.vllm_importance_sampling_mode,
-                self.vllm_importance_sampling_clip_min,
-                self.vllm_importance_sampling_clip_max,
-                trainer_logps=logps,
-            )
-            self._diagnostics[mode].add_sampler_mismatch(mismatch)
+        if vllm_batches is not None:  # after the rounds of dynamic sampling: the batch that trains
+            mismatch = vllm_batches.finish(output, mode, mark)
+            if mismatch is not None:
+                self._diagnostics[mode].add_sampler_mismatch(mismatch)
         return output
 
     def _generate_and_score(self, inputs: list[dict]) -> tuple[dict, ScoredBatch]:
         """TRL's generation and scoring of one generation batch (`inputs`: this process's rows), and what its reward
-        call scored: the one hand-off of a batch's rewards (`_calculate_rewards` is called inside TRL's method)."""
-        self._scored = None
-        output = super()._generate_and_score_completions(inputs)
-        scored, self._scored = self._scored, None
-        if scored is None:
-            raise RuntimeError("TRL's _generate_and_score_completions returned without calling _calculate_rewards.")
-        return output, scored
+        call scored."""
+        rows = _RowsToScore(inputs)
+        output = super()._generate_and_score_completions(rows)
+        if rows.scored is None:
+            raise RuntimeError(
+                "TRL's _generate_and_score_completions returned without passing the rows it was given to "
+                "_calculate_rewards: this TRL release scores a batch in a way GRPOTrainerExt does not know."
+            )
+        return output, rows.scored
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        # This process's completion lengths are the rows of its slice (TRL's `process_slice`) of the rewards.
-        device = rewards_per_func.device
-        ends = self._completion_ends
-        # Uploaded without waiting for the device (from host lists: a blocking copy otherwise).
-        lengths = upload([len(ids) for ids in completion_ids_list], device)
-        truncated = upload([not ids or ids[-1] not in ends for ids in completion_ids_list], device, torch.bool)
-        first_row = self.accelerator.process_index * len(prompts)
-        self._scored = ScoredBatch(rewards_per_func, lengths, first_row, truncated)
+        if isinstance(inputs, _RowsToScore):
+            # Uploaded without waiting for the device (from a host list: a blocking copy otherwise). This process's
+            # completions are the rows of its slice (TRL's `process_slice`) of the gathered rewards.
+            lengths = upload([len(ids) for ids in completion_ids_list], rewards_per_func.device)
+            first_row = self.accelerator.process_index * len(prompts)
+            inputs.scored = ScoredBatch(rewards_per_func, lengths, first_row)
         return rewards_per_func
 
     def _add_reward_spread(self, scored: ScoredBatch, mode: str) -> None:
@@ -444,6 +452,8 @@ class GRPOTrainerExt(GRPOTrainer):
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """`Trainer.evaluate`, with the held-out metrics among the returned (and logged) metrics."""
+        if self._heldout is None:
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
         return self._heldout.evaluate(super().evaluate, eval_dataset, ignore_keys, metric_key_prefix)
 
     def evaluate_heldout(self, log: bool = True) -> dict[str, float]:
@@ -456,6 +466,8 @@ class GRPOTrainerExt(GRPOTrainer):
             `dict`: `heldout/<metric>/mean@<n>`, `heldout/<metric>/pass@<k>` and `heldout/<metric>/scored@<n>` (the
             number of completions scored), the same on every process.
         """
+        if self._heldout is None:
+            raise ValueError("evaluate_heldout() needs heldout_metrics=[...] given to the trainer.")
         return self._heldout.run(log)
 
     def create_model_card(
@@ -472,3 +484,10 @@ class GRPOTrainerExt(GRPOTrainer):
             from .tools.card import add_to_model_card  # the tools load when a card is written, not with the trainer
 
             add_to_model_card(self, dataset_name, peft_config=self._peft_config, card_metrics=self.card_metrics)
+
+
+def _asks_for_heldout(args, metrics) -> bool:
+    """Whether the run asks for held-out evaluation: metrics given, a schedule, or a best-model metric it would log
+    (the held-out evaluator refuses the last two without metrics)."""
+    best = (getattr(args, "metric_for_best_model", None) or "").removeprefix("eval_")
+    return metrics is not None or bool(option(args, "heldout_every_steps")) or best.startswith(HELDOUT_PREFIX)

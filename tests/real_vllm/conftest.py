@@ -3,7 +3,7 @@
 Left out of the default run (`--ignore=tests/real_vllm` in pyproject's addopts; `pytest tests/real_vllm` collects it)
 and marked `vllm`. TRL's colocate engine runs in the calling process
 (`distributed_executor_backend="external_launcher"`) and can be built once per process, so the tests in this process
-share one engine (`shared_engine`, through `trl_grpo_ext.testing.reuse_vllm_engine`); each trainer pushes its own
+share one engine (`shared_engine`, through `cpu_engines.reuse_vllm_engine`); each trainer pushes its own
 weights into it at its first generation. The tests that need an engine of their own (a kill and resume, a run without
 the shim, an engine vLLM spawns) run scripts in subprocesses. Starting an engine takes 15-130 s here.
 """
@@ -33,7 +33,7 @@ def vllm_environment(library_temporary_files):
 @pytest.fixture(scope="session")
 def shared_engine():
     """The shim on, and every colocate trainer built in this process on one engine (built by the first)."""
-    from trl_grpo_ext.testing import enable_vllm_on_cpu, reuse_vllm_engine
+    from cpu_engines import enable_vllm_on_cpu, reuse_vllm_engine
 
     enable_vllm_on_cpu()
     with reuse_vllm_engine():

@@ -7,11 +7,11 @@
 expected to fail at the first weight sync.
 
 `spawned`: a plain `vllm.LLM`, whose engine vLLM spawns in processes of its own, with `enable_vllm_on_cpu()` called
-only here, under the `__main__` guard (the spawned processes never run it themselves: only the package's vLLM plugin
-can carry the shim there). Writes to `<output_json>` what the engine's worker holds (the element count of each
-weight); then loads perturbed weights (Gaussian noise of each tensor's spread added) into the engine, and writes the
-log-probs of its greedy completion as the engine gives them and as transformers (float32) gives them with the
-perturbed and with the original weights.
+only here, under the `__main__` guard (the spawned processes never run it themselves: only a vLLM plugin, the tests'
+own in tests/vllm_plugin/, can carry the shim there). Writes to `<output_json>` what the engine's worker holds (the
+element count of each weight); then loads perturbed weights (Gaussian noise of each tensor's spread added) into the
+engine, and writes the log-probs of its greedy completion as the engine gives them and as transformers (float32) gives
+them with the perturbed and with the original weights.
 """
 
 import json
@@ -66,10 +66,9 @@ def trl_without_shim(output_dir: str) -> None:
 
 def spawned(output_json: str) -> None:
     import torch
+    from cpu_engines import enable_vllm_on_cpu
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from trl_grpo_ext.testing import enable_vllm_on_cpu
 
     enable_vllm_on_cpu()
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # functions and tensors to the worker (collective_rpc)

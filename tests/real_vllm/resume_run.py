@@ -37,11 +37,11 @@ def main() -> None:
     cli = parser.parse_args()
 
     import torch
+    from cpu_engines import enable_vllm_on_cpu
     from datasets import load_dataset
     from transformers import AutoTokenizer
 
     from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-    from trl_grpo_ext.testing import enable_vllm_on_cpu
 
     enable_vllm_on_cpu()
     torch.set_num_threads(1)

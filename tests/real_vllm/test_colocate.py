@@ -54,11 +54,11 @@ class FirstGradient(TrainerCallback):
 @pytest.fixture(autouse=True)
 def restore_engine_generate():
     """Each trainer of `recording` wraps the shared engine's `generate`; the next test finds it as it was."""
-    from trl_grpo_ext import testing
+    import cpu_engines
 
-    engine = testing._SHARED_ENGINE.get("engine")
+    engine = cpu_engines._SHARED_ENGINE.get("engine")
     yield
-    engine = engine or testing._SHARED_ENGINE.get("engine")
+    engine = engine or cpu_engines._SHARED_ENGINE.get("engine")
     if engine is not None:
         engine.__dict__.pop("generate", None)
 
@@ -349,7 +349,7 @@ def test_dynamic_sampling_generates_its_extra_rounds_with_one_sync_per_step(
 def test_skipping_zero_advantage_rows_changes_nothing_under_vllm(reversal_dataset, demo_tokenizer, tmp_path):
     # Bit-exact batches need a forward whose rows do not depend on which other rows it carries: TRL's padded layout.
     # Packed (the default), skipping changes which completions share a packed row, so the summation order and the
-    # weights' last bits; tests/test_sampling_skipping.py holds the packed case to TRL's losses and gradient norms.
+    # weights' last bits; tests/test_extras_skipping.py holds the packed case to TRL's losses and gradient norms.
     config = vllm_args(tmp_path, beta=0.0, loss_type="grpo", padding_free=False)
     skipping = train(
         GRPOTrainerExt,

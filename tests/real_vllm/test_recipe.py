@@ -1,13 +1,13 @@
 """The demo recipe with generation through vLLM (`recipes/tiny/config_demo_vllm.yaml`), on the CPU engine with the
-shim that the recipe applies under `TRL_GRPO_EXT_VLLM_ON_CPU=1`, in a process of its own (its own engine)."""
+shim that the tests' vLLM plugin applies under `TRL_GRPO_EXT_VLLM_ON_CPU=1` (the recipe knows nothing of it), in a
+process of its own (its own engine)."""
 
 import json
 import os
 
 import pytest
+from cpu_engines import VLLM_ON_CPU_ENV
 from vllm_helpers import REPO, run_script
-
-from trl_grpo_ext.testing import VLLM_ON_CPU_ENV
 
 
 @pytest.mark.slow

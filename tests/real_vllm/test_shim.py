@@ -1,15 +1,16 @@
-"""`enable_vllm_on_cpu`: vLLM's CPU engine keeps the weights that a sync writes, in its own process and in those
-vLLM spawns; without it TRL's colocate training fails at the first sync."""
+"""`enable_vllm_on_cpu` (`tests/cpu_engines.py`): vLLM's CPU engine keeps the weights that a sync writes, in its own
+process and, through the tests' plugin (`tests/vllm_plugin/`), in those vLLM spawns; without it TRL's colocate training
+fails at the first sync. The package itself registers no vLLM plugin."""
 
 import importlib
 import json
 import sys
 
+import cpu_engines
 import pytest
 import torch
+from cpu_engines import VLLM_ON_CPU_ENV, enable_vllm_on_cpu, reuse_vllm_engine
 from vllm_helpers import run_script
-
-from trl_grpo_ext.testing import VLLM_ON_CPU_ENV, enable_vllm_on_cpu, reuse_vllm_engine
 
 GEMM_UTILS = "vllm.model_executor.layers.utils"
 
@@ -67,15 +68,13 @@ def test_without_vllm_the_error_says_what_to_install(monkeypatch):
 
 def test_sharing_refuses_other_engine_settings_by_name(shared_engine, monkeypatch):
     generation = importlib.import_module("trl.generation.vllm_generation")
-    from trl_grpo_ext import testing
-
-    monkeypatch.setitem(testing._SHARED_ENGINE, "settings", {"model": "a", "seed": 0})
-    monkeypatch.setitem(testing._SHARED_ENGINE, "max_num_seqs", 8)
-    monkeypatch.setitem(testing._SHARED_ENGINE, "engine", object())
+    monkeypatch.setitem(cpu_engines._SHARED_ENGINE, "settings", {"model": "a", "seed": 0})
+    monkeypatch.setitem(cpu_engines._SHARED_ENGINE, "max_num_seqs", 8)
+    monkeypatch.setitem(cpu_engines._SHARED_ENGINE, "engine", object())
     with reuse_vllm_engine():  # nested in the session's: the same sharing
         with pytest.raises(RuntimeError, match=r"\(seed, max_num_seqs \(16 > 8\)\)"):
             generation.LLM(model="a", seed=1, max_num_seqs=16)
-        assert generation.LLM(model="a", seed=0, max_num_seqs=4) is testing._SHARED_ENGINE["engine"]
+        assert generation.LLM(model="a", seed=0, max_num_seqs=4) is cpu_engines._SHARED_ENGINE["engine"]
 
 
 def _cpu_has_avx512() -> bool:

@@ -23,7 +23,7 @@ from vllm_helpers import (
 )
 
 from trl_grpo_ext import GRPOConfigExt, GRPOTrainerExt
-from trl_grpo_ext.ops.sampler_cuts import SamplerCuts, truncated_log_probs
+from trl_grpo_ext.extras.vllm.sampler_cuts import SamplerCuts, truncated_log_probs
 
 KEPT_MASS = "sampling/truncation/kept_mass"
 
@@ -238,7 +238,7 @@ def test_the_trainer_s_truncated_log_probs_are_a_plain_forward_cut_by_hand(runs,
 
 def test_with_a_plain_trl_config_a_truncated_run_is_stock_trl_s(runs):
     stock, ours = runs["stock-top_k"], runs["plain-top_k"]
-    assert ours._truncation_match is None
+    assert ours._vllm_batches.match is None
     assert_same_batches(ours, stock)
     for theirs, mine in zip(stock.batches, ours.batches, strict=True):
         assert torch.equal(mine["importance_sampling_ratio"], theirs["importance_sampling_ratio"])

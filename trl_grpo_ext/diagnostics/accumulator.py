@@ -1,19 +1,8 @@
-"""`DiagnosticsAccumulator`: the running sums of the diagnostics between two log steps, packed and read by name.
-
-Everything is accumulated on the device, with no host synchronisation per micro-batch. At a log step each process
-packs its sums into one vector and a single `gather` brings all of them to every process; the statistics are read
-off the pooled sums. The vector has these parts, each a `FieldLayout`:
-
-- one `STEP_LAYOUT` row per micro-batch: the sums behind TRL's own metrics (kl, entropy, clip ratios), which TRL
-  averages per micro-batch over the log window itself;
-- one window row (`DiagnosticsAccumulator.window_layout`): the importance-ratio histogram of the loss's tokens
-  (`LogRatioHistogram`), the loss terms in the units of the backward loss, and the optimizer steps they span;
-- with the ratio statistics, the length/reward correlation's three sums (`rewards.LENGTH_LAYOUT`);
-- with vLLM, one mismatch row: the histogram of the raw sampler/trainer ratios, how many lie outside the
-  correction's bounds, the sums behind the sampler/trainer k3 KL and behind the effective sample size of the
-  weights TRL's correction applies (`MISMATCH_SUMS`).
-
-Its size depends on the number of micro-batches since the last log, never on the batch size or sequence length.
+"""`DiagnosticsAccumulator`: the running sums of the diagnostics between two log steps, on the device (no host
+synchronisation per micro-batch), gathered once per log step as one vector: a `step_layout` row per micro-batch (the
+sums behind TRL's own metrics, which TRL averages per micro-batch), then a `window_layout` row merged over them (the
+loss's ratio statistics and terms, the length/reward sums, the sampler/trainer mismatch). Its size depends on the
+number of micro-batches since the last log, never on the batch size or sequence length.
 """
 
 from __future__ import annotations
@@ -38,38 +27,36 @@ from ..metrics import (
 )
 from ..ops.loss_types import CLIP_METRICS
 from ..ops.numerics import kl_estimator
-from .histogram import LogRatioHistogram, quantile_metric_name
-from .layout import FieldLayout
+from .fields import FieldLayout
+from .histogram import RATIO_FIELDS, quantile_metric_name, ratio_sums, summarize_ratios
 from .rewards import (
-    LENGTH_LAYOUT,
+    LENGTH_FIELDS,
     group_reward_stds,
     length_moments,
     summarize_length_correlation,
     summarize_reward_spread,
 )
 
-__all__ = ["LOSS_TERMS", "STEP_LAYOUT", "DiagnosticsAccumulator", "DiagnosticsSummary"]
+__all__ = ["LOSS_TERMS", "DiagnosticsAccumulator", "DiagnosticsSummary"]
 
 # The terms of the loss, each in the units of the logged `loss` (they add up to it): logged as `loss/<term>`.
 LOSS_TERMS = ("policy", "kl_penalty", "entropy_bonus", "router")
-STEP_LAYOUT = FieldLayout(
-    [
-        (KL, "sum"),
-        (ENTROPY, "sum"),
-        ("low", "sum"),
-        ("high", "sum"),
-        ("region", "sum"),
-        ("tokens", "sum"),
-        ("clip_units", "sum"),
-        ("low_min", "min"),  # the lowest per-row low-clip fraction
-        ("high_max", "max"),  # the highest per-row high-clip fraction
-        ("carriers", "sum"),  # processes whose micro-batch only carried the graph (every row skipped)
-    ]
-)
-MISMATCH_PREFIX = IMPORTANCE_SAMPLING_RATIO_RAW
-# Beside the raw ratios' histogram: the units outside the bounds; sum of exp(d) - d - 1 over the tokens the sampler
-# scored and their number (d = trainer_logp - sampler_logp); the units, sum and sum of squares of the weights the
-# correction applies (none when it is off).
+STEP_FIELDS = [
+    (KL, "sum"),
+    (ENTROPY, "sum"),
+    ("low", "sum"),
+    ("high", "sum"),
+    ("region", "sum"),
+    ("tokens", "sum"),
+    ("clip_units", "sum"),
+    ("low_min", "min"),  # the lowest per-row low-clip fraction
+    ("high_max", "max"),  # the highest per-row high-clip fraction
+    ("carriers", "sum"),  # processes whose micro-batch only carried the graph (every row skipped)
+]
+MISMATCH = IMPORTANCE_SAMPLING_RATIO_RAW
+# Beside the raw ratios' statistics: the units outside the bounds; the sum of exp(d) - d - 1 over the tokens the
+# sampler scored and their number (d = trainer_logp - sampler_logp); the units, sum and sum of squares of the weights
+# the correction applies (none when it is off).
 MISMATCH_SUMS = ("outside", "k3_sum", "k3_tokens", "applied_units", "applied_sum", "applied_square_sum")
 
 
@@ -89,6 +76,14 @@ class DiagnosticsSummary:
     histograms: dict[str, tuple] = field(default_factory=dict)
 
 
+def _prefixed(fields: list[tuple], prefix: str) -> list[tuple]:
+    return [(prefix + name, *rest) for name, *rest in fields]
+
+
+def _accumulation_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+
+
 class DiagnosticsAccumulator:
     """Running sums of the diagnostics of one mode (train or eval) between two log steps.
 
@@ -99,11 +94,9 @@ class DiagnosticsAccumulator:
         histograms (`bool`): build the histograms for loggers that draw them.
         clip_metrics (`str`): one of `ops.loss_types.CLIP_METRICS`: which clip metrics the loss type has.
         loss_terms (`tuple[str, ...]`): the terms of `LOSS_TERMS` to report as `loss/<term>`.
-        extra_metrics (`tuple[str, ...]`): names of further per-micro-batch metrics, each added as a `(sum, count)`
-            pair by `add_loss_step` and reported as the pooled sum over the pooled count (like TRL's own).
-        sampler_mismatch (`bool`): also pool the sampler/trainer mismatch of `add_sampler_mismatch` (vLLM),
-            reported as `sampling/importance_sampling_ratio_raw/*`, `sampling/sampler_k3_kl` and, with the
-            correction on, `sampling/importance_sampling_ratio/ess`.
+        extra_metrics (`tuple[str, ...]`): further per-micro-batch metrics, each added as a `(sum, count)` pair by
+            `add_loss_step` and reported as the pooled sum over the pooled count (like TRL's own).
+        sampler_mismatch (`bool`): also pool the sampler/trainer mismatch of `add_sampler_mismatch` (vLLM).
     """
 
     def __init__(
@@ -130,11 +123,14 @@ class DiagnosticsAccumulator:
         self.extra_metrics = tuple(extra_metrics)
         self.sampler_mismatch = sampler_mismatch
         extras = [(f"{name}/{part}", "sum") for name in self.extra_metrics for part in ("sum", "count")]
-        self.step_layout = FieldLayout([*STEP_LAYOUT.fields(), *extras])
-        histogram = LogRatioHistogram.layout
-        terms = [(term, "sum") for term in LOSS_TERMS]
-        self.window_layout = FieldLayout([*histogram.fields(RATIO_PREFIX), *terms, ("optimizer_steps", "sum")])
-        self.mismatch_layout = FieldLayout([*histogram.fields(), *((name, "sum") for name in MISMATCH_SUMS)])
+        self.step_layout = FieldLayout([*STEP_FIELDS, *extras])
+        window = []
+        if ratio_stats:
+            window += [*_prefixed(RATIO_FIELDS, RATIO_PREFIX), *((term, "sum") for term in LOSS_TERMS)]
+            window += [("optimizer_steps", "sum"), *LENGTH_FIELDS]
+        if sampler_mismatch:
+            window += [*_prefixed(RATIO_FIELDS, f"{MISMATCH}/"), *((name, "sum") for name in MISMATCH_SUMS)]
+        self.window_layout = FieldLayout(window)
         self.reset()
 
     def reset(self) -> None:
@@ -142,12 +138,9 @@ class DiagnosticsAccumulator:
         self._window: torch.Tensor | None = None
         self._group_stds: list[torch.Tensor] = []
         self._unscored: list[torch.Tensor] = []  # [unscored, total] per generation batch
-        self._lengths: torch.Tensor | None = None  # this process's [sum l*R, sum l^2, sum R^2], centred in groups
-        self._mismatch: torch.Tensor | None = None
 
-    @staticmethod
-    def _accumulator_dtype(device: torch.device) -> torch.dtype:
-        return torch.float32 if device.type == "mps" else torch.float64
+    def _add_to_window(self, values: dict[str, torch.Tensor]) -> None:
+        self._window = self.window_layout.add(self._window, values)
 
     def add_loss_step(
         self,
@@ -161,33 +154,28 @@ class DiagnosticsAccumulator:
         """Add one micro-batch. Device ops only: no `.item()`, no boolean indexing.
 
         Args:
-            out (`GRPOLossOutput`): what `ops.policy_objective` returned for the micro-batch; when `ratio_stats` is
-                on, with `ratio_statistics=True` (or `per_token=True`: the statistics are then computed here).
+            out (`GRPOLossOutput`): what `ops.policy_objective` returned for the micro-batch.
             entropies (`torch.Tensor` of shape `(N, T)`, *optional*): per-token entropies of the policy.
-            loss_terms (`dict[str, torch.Tensor]`, *optional*): 0-dim values of the loss terms in the units of the
-                backward loss (summed over an optimizer step's micro-batches, they give that step's logged loss);
+            loss_terms (`dict[str, torch.Tensor]`, *optional*): 0-dim loss terms in the units of the backward loss;
                 default: `out.policy_loss` and `out.kl_penalty`.
             extras (`dict[str, tuple]`, *optional*): `(sum, count)` of each of `extra_metrics`.
             optimizer_step (`bool`): whether this micro-batch ends an optimizer step (in evaluation: every batch).
-            carrier (`bool`): every row of the micro-batch was skipped (`sampling.skipping`): its one row only carries
-                the graph. Where every process's micro-batch is a carrier, no entropy is logged for it (TRL's mean over
-                micro-batches would take a 0 from it); its clip counts still count (zeros, exactly).
+            carrier (`bool`): every row was skipped, the one left only carries the graph: no entropy is logged for
+                it where every process's micro-batch is one (TRL's mean would take a 0 from it).
         """
-        mask = out.mask
-        device = mask.device
-        dtype = self._accumulator_dtype(device)
-        tokens = out.tokens_per_row.to(dtype)
+        mask, device = out.mask, out.mask.device
+        dtype = _accumulation_dtype(device)
         units = out.clip_units_per_row.to(dtype)
         low, high = out.low_clipped_per_row.to(dtype), out.high_clipped_per_row.to(dtype)
         with_units = units > 0
         nan = torch.full((), math.nan, dtype=dtype, device=device)  # a fill, not a host-to-device copy
         values = {
-            KL: out.kl_per_row.to(dtype).sum(),
+            KL: out.per_token_kl.to(dtype).sum(),
             ENTROPY: torch.where(mask, entropies.detach(), 0).to(dtype).sum() if entropies is not None else nan,
             "low": low.sum(),
             "high": high.sum(),
             "region": (low + high).sum(),  # a token cannot be both: low needs A < 0, high A > 0
-            "tokens": tokens.sum(),
+            "tokens": mask.sum().to(dtype),
             "clip_units": units.sum(),
             "low_min": torch.where(with_units, low / units.clamp(min=1), math.inf).min(),
             "high_max": torch.where(with_units, high / units.clamp(min=1), -math.inf).max(),
@@ -202,29 +190,17 @@ class DiagnosticsAccumulator:
         self._steps.append(self.step_layout.pack(values))
         if not self.ratio_stats:
             return
-
-        if out.ratio_statistics is not None:  # summed by the loss where it computed the ratios
-            histogram = LogRatioHistogram.pack(out.ratio_statistics, dtype)
-        else:
-            histogram = LogRatioHistogram.measure(out.log_ratio, mask, dtype, ratio=out.ratio)
-        if loss_terms is None:
-            loss_terms = {"policy": out.policy_loss, "kl_penalty": out.kl_penalty}
-        zero = torch.zeros((), dtype=dtype, device=device)
-        window = torch.cat(
-            [
-                histogram,
-                torch.stack([loss_terms.get(term, zero).detach().to(dtype).reshape(()) for term in LOSS_TERMS]),
-                torch.full((1,), float(optimizer_step), dtype=dtype, device=device),
-            ]
-        )
-        self._window = window if self._window is None else self.window_layout.merge(self._window, window)
+        # The ratio statistics, beside the loss, from the log ratios it computed
+        window = {
+            RATIO_PREFIX + name: value for name, value in ratio_sums(out.log_ratio, mask, dtype, out.ratio).items()
+        }
+        terms = {"policy": out.policy_loss, "kl_penalty": out.kl_penalty} if loss_terms is None else loss_terms
+        window.update({term: value.detach().to(dtype) for term, value in terms.items()})
+        window["optimizer_steps"] = torch.full((), float(optimizer_step), dtype=dtype, device=device)
+        self._add_to_window(window)
 
     def add_rewards(
-        self,
-        rewards: torch.Tensor,
-        num_generations: int,
-        lengths: torch.Tensor | None = None,
-        first_row: int = 0,
+        self, rewards: torch.Tensor, num_generations: int, lengths: torch.Tensor | None = None, first_row: int = 0
     ) -> None:
         """Add the rewards of one generation batch, already gathered from every process. Device ops only.
 
@@ -232,62 +208,48 @@ class DiagnosticsAccumulator:
             rewards (`torch.Tensor` of shape `(N,)`): total reward per completion, NaN for unscored ones, ordered
                 group-contiguously.
             num_generations (`int`): the group size G.
-            lengths (`torch.Tensor` of shape `(n,)`, *optional*): completion lengths (tokens) of this process's
-                completions, rows `first_row` to `first_row + n - 1` of `rewards` (TRL's process slice): for the
-                correlation of length and reward inside groups, pooled over processes by the log step's gather.
+            lengths (`torch.Tensor` of shape `(n,)`, *optional*): this process's completion lengths, rows
+                `first_row` to `first_row + n - 1` of `rewards` (TRL's process slice), for the length/reward sums.
             first_row (`int`): see `lengths`.
         """
         if not self.ratio_stats:
             return
-        dtype = self._accumulator_dtype(rewards.device)
-        grouped = rewards.detach().to(dtype).reshape(-1, num_generations)
+        grouped = rewards.detach().to(_accumulation_dtype(rewards.device)).reshape(-1, num_generations)
         scored = ~torch.isnan(grouped)
         std = group_reward_stds(grouped, scored)
         self._group_stds.append(std)
         total = torch.full((), scored.numel(), dtype=torch.int64, device=scored.device)
         self._unscored.append(torch.stack([(~scored).sum(), total]))
         if lengths is not None:
-            moments = length_moments(grouped.flatten(), std, lengths, first_row, num_generations)
-            self._lengths = moments if self._lengths is None else self._lengths + moments
+            self._add_to_window(length_moments(grouped.flatten(), std, lengths, first_row, num_generations))
 
     def add_sampler_mismatch(self, mismatch) -> None:
         """Add the sampler/trainer mismatch of one generation batch. Device ops only.
 
         Args:
-            mismatch (`diagnostics.mismatch.SamplerMismatch`): its `log_ratio`, `units` and `outside` (`(N, T)`, or
+            mismatch (`extras.vllm.mismatch.SamplerMismatch`): its `log_ratio`, `units` and `outside` (`(N, T)`, or
                 `(N, 1)` per sequence), `token_log_ratio` and `scored` (`(N, T)`) and `applied` (the correction's
                 weights, or `None`).
         """
         if not self.sampler_mismatch:
             return
-        log_ratio, units = mismatch.log_ratio, mismatch.units
-        dtype = self._accumulator_dtype(log_ratio.device)
-        scored = mismatch.scored
+        units, scored = mismatch.units, mismatch.scored
+        dtype = _accumulation_dtype(units.device)
         k3 = torch.where(scored, kl_estimator(mismatch.token_log_ratio.to(dtype)), 0.0)
         sums = {"outside": (mismatch.outside & units).sum(), "k3_sum": k3.sum(), "k3_tokens": scored.sum()}
-        zero = torch.zeros((), dtype=dtype, device=log_ratio.device)
         if mismatch.applied is not None:
             applied = torch.where(units, mismatch.applied.to(dtype), 0.0)
             sums.update(applied_units=units.sum(), applied_sum=applied.sum(), applied_square_sum=applied.pow(2).sum())
-        values = torch.stack([sums.get(name, zero).to(dtype) for name in MISMATCH_SUMS])
-        segment = torch.cat([LogRatioHistogram.measure(log_ratio, units, dtype), values])
-        self._mismatch = segment if self._mismatch is None else self.mismatch_layout.merge(self._mismatch, segment)
+        window = {f"{MISMATCH}/{name}": value for name, value in ratio_sums(mismatch.log_ratio, units, dtype).items()}
+        self._add_to_window(window | {name: value.to(dtype) for name, value in sums.items()})
 
     def pack(self) -> torch.Tensor | None:
         """This process's sums as one 1-dim vector (what the log step gathers), or `None` if nothing was added."""
         if not self._steps:
             return None
-        parts = [torch.cat(self._steps)]
-        if self._window is not None:
-            parts.append(self._window)
-        if self.ratio_stats:  # fixed size, zeros when no lengths were added since the last log
-            parts.append(self._lengths if self._lengths is not None else parts[0].new_zeros(LENGTH_LAYOUT.width))
-        if self.sampler_mismatch:  # fixed size, an empty histogram when nothing was generated since the last log
-            if self._mismatch is None:
-                empty = LogRatioHistogram.empty(parts[0].device, parts[0].dtype)
-                self._mismatch = torch.cat([empty, empty.new_zeros(len(MISMATCH_SUMS))])
-            parts.append(self._mismatch)
-        return torch.cat(parts)
+        steps = torch.cat(self._steps)
+        window = self._window if self._window is not None else self.window_layout.identity(steps.device, steps.dtype)
+        return torch.cat([steps, window])
 
     def summarize(self, gathered: torch.Tensor | None) -> DiagnosticsSummary:
         """Read the statistics off the gathered sums of all processes and reset.
@@ -297,28 +259,26 @@ class DiagnosticsAccumulator:
                 process, `None` when no micro-batch was added since the last log (reward statistics only).
         """
         summary = DiagnosticsSummary()
+        window = None
         if gathered is not None:
             gathered = gathered.to(torch.float64).cpu()
             steps_width = len(self._steps) * self.step_layout.width
             steps = gathered[:, :steps_width].reshape(gathered.shape[0], len(self._steps), -1)
             self._summarize_trl_metrics(self.step_layout.unpack(self.step_layout.reduce(steps)), summary)
-            rest = gathered[:, steps_width:]
-            if self._window is not None:
-                window = self.window_layout.unpack(self.window_layout.reduce(rest[:, : self.window_layout.width]))
-                self._summarize_ratio_and_loss(window, summary)
-                rest = rest[:, self.window_layout.width :]
+            window = self.window_layout.unpack(self.window_layout.reduce(gathered[:, steps_width:]))
             if self.ratio_stats:
-                summarize_length_correlation(LENGTH_LAYOUT.reduce(rest[:, : LENGTH_LAYOUT.width]), summary.scalars)
-                rest = rest[:, LENGTH_LAYOUT.width :]
+                self._summarize_ratio_and_loss(window, summary)
             if self.sampler_mismatch:
-                self._summarize_mismatch(self.mismatch_layout.unpack(self.mismatch_layout.reduce(rest)), summary)
+                self._summarize_mismatch(window, summary)
+        elif self._window is not None:  # no loss step since the last log: this process's own sums
+            window = self.window_layout.unpack(self._window.to(torch.float64).cpu())
+        if self.ratio_stats and window is not None:
+            summarize_length_correlation(window, summary.scalars)
         if self._group_stds:
             group_stds = torch.cat(self._group_stds).to(torch.float64).cpu()
             summarize_reward_spread(group_stds, summary.scalars, summary.histograms if self.histograms else None)
             unscored, total = torch.stack(self._unscored).sum(dim=0).tolist()
             summary.scalars[FRAC_REWARD_UNSCORED] = unscored / total
-        if gathered is None and self._lengths is not None:  # nothing gathered (no loss step): this process's own
-            summarize_length_correlation(self._lengths.to(torch.float64).cpu(), summary.scalars)
         self.reset()
         return summary
 
@@ -332,8 +292,8 @@ class DiagnosticsAccumulator:
         if self.clip_metrics == "clip_ratio":
             for metric, name in (("low_mean", "low"), ("high_mean", "high"), ("region_mean", "region")):
                 summary.per_step[f"{CLIP_RATIO_PREFIX}{metric}"] = (steps[name] / units).tolist()
-            for metric, name in (("low_min", "low_min"), ("high_max", "high_max")):
-                summary.per_step[f"{CLIP_RATIO_PREFIX}{metric}"] = torch.where(
+            for name in ("low_min", "high_max"):
+                summary.per_step[f"{CLIP_RATIO_PREFIX}{name}"] = torch.where(
                     torch.isinf(steps[name]), math.nan, steps[name]
                 ).tolist()
         elif self.clip_metrics == "cispo":
@@ -342,53 +302,47 @@ class DiagnosticsAccumulator:
             counted = steps[f"{name}/count"] > 0  # a carrier micro-batch adds (0, 0)
             summary.per_step[name] = (steps[f"{name}/sum"] / steps[f"{name}/count"])[counted].tolist()
 
+    def _ratios(self, window: dict[str, torch.Tensor], prefix: str, summary: DiagnosticsSummary) -> dict | None:
+        """The ratio statistics under `prefix`, with their mean, extremes, quantiles and histogram reported there."""
+        values = {name.removeprefix(prefix): value for name, value in window.items() if name.startswith(prefix)}
+        ratio = summarize_ratios(values, self.quantiles, histogram=self.histograms)
+        if ratio is None:
+            return None
+        for name in ("mean", "min", "max"):
+            summary.scalars[prefix + name] = ratio[name]
+        for quantile, value in zip(self.quantiles, ratio["quantiles"], strict=True):
+            summary.scalars[quantile_metric_name(quantile).replace(RATIO_PREFIX, prefix)] = value
+        if self.histograms:
+            summary.histograms[prefix.removesuffix("/")] = ratio["histogram"]
+        return ratio
+
     def _summarize_ratio_and_loss(self, window: dict[str, torch.Tensor], summary: DiagnosticsSummary) -> None:
         # Trainer logs the mean over optimizer steps of each step's summed micro-batch losses: so are the terms.
         optimizer_steps = max(window["optimizer_steps"].item(), 1.0)
         for term in self.loss_terms:
             summary.scalars[f"{LOSS_PREFIX}{term}"] = window[term].item() / optimizer_steps
-        ratio = LogRatioHistogram.summarize(
-            {
-                name.removeprefix(RATIO_PREFIX): value
-                for name, value in window.items()
-                if name.startswith(RATIO_PREFIX)
-            },
-            self.quantiles,
-            histogram=self.histograms,
-        )
+        ratio = self._ratios(window, RATIO_PREFIX, summary)
+        if ratio is not None:
+            summary.scalars[f"{RATIO_PREFIX}std"] = ratio["std"]
+            if ratio["nan_count"] > 0:
+                summary.scalars[RATIO_NAN_COUNT] = ratio["nan_count"]
+
+    def _summarize_mismatch(self, window: dict[str, torch.Tensor], summary: DiagnosticsSummary) -> None:
+        ratio = self._ratios(window, f"{MISMATCH}/", summary)
         if ratio is None:
             return
-        for name in ("mean", "std", "min", "max"):
-            summary.scalars[f"{RATIO_PREFIX}{name}"] = ratio[name]
-        for quantile, value in zip(self.quantiles, ratio["quantiles"], strict=True):
-            summary.scalars[quantile_metric_name(quantile)] = value
-        if ratio["nan_count"] > 0:
-            summary.scalars[RATIO_NAN_COUNT] = ratio["nan_count"]
-        if self.histograms:
-            summary.histograms["ratio"] = ratio["histogram"]
-
-    def _summarize_mismatch(self, mismatch: dict[str, torch.Tensor], summary: DiagnosticsSummary) -> None:
-        ratio = LogRatioHistogram.summarize(mismatch, self.quantiles, histogram=self.histograms)
-        if ratio is None or ratio["units"] == 0:
-            return
-        summary.scalars[f"{MISMATCH_PREFIX}/mean"] = ratio["mean"]
-        summary.scalars[f"{MISMATCH_PREFIX}/min"] = ratio["min"]
-        summary.scalars[f"{MISMATCH_PREFIX}/max"] = ratio["max"]
-        summary.scalars[f"{MISMATCH_PREFIX}/outside_fraction"] = mismatch["outside"].item() / ratio["units"]
-        for quantile, value in zip(self.quantiles, ratio["quantiles"], strict=True):
-            summary.scalars[quantile_metric_name(quantile).replace(RATIO_PREFIX, f"{MISMATCH_PREFIX}/")] = value
+        units = ratio["units"]
+        summary.scalars[f"{MISMATCH}/outside_fraction"] = window["outside"].item() / units
         # Effective sample size over the number of units, (sum w)^2 / (N sum w^2), in (0, 1]: 1 when every weight is
-        # equal, 1/N when one weight carries all. The raw ratios' sums are those of the histogram (kept as r - 1).
-        units, deviation, squares = ratio["units"], mismatch["deviation_sum"].item(), mismatch["square_sum"].item()
-        summary.scalars[f"{MISMATCH_PREFIX}/ess"] = _ess(units, units + deviation, units + 2 * deviation + squares)
-        if mismatch["applied_units"].item() > 0:
+        # equal, 1/N when one weight carries all. The raw ratios' sums are kept as sums of r - 1.
+        deviation, squares = window[f"{MISMATCH}/deviation_sum"].item(), window[f"{MISMATCH}/square_sum"].item()
+        summary.scalars[f"{MISMATCH}/ess"] = _ess(units, units + deviation, units + 2 * deviation + squares)
+        if window["applied_units"].item() > 0:
             summary.scalars[IMPORTANCE_SAMPLING_RATIO_ESS] = _ess(
-                mismatch["applied_units"].item(), mismatch["applied_sum"].item(), mismatch["applied_square_sum"].item()
+                window["applied_units"].item(), window["applied_sum"].item(), window["applied_square_sum"].item()
             )
-        if mismatch["k3_tokens"].item() > 0:
-            summary.scalars[SAMPLER_K3_KL] = mismatch["k3_sum"].item() / mismatch["k3_tokens"].item()
-        if self.histograms:
-            summary.histograms[MISMATCH_PREFIX] = ratio["histogram"]
+        if window["k3_tokens"].item() > 0:
+            summary.scalars[SAMPLER_K3_KL] = window["k3_sum"].item() / window["k3_tokens"].item()
 
 
 def _ess(units: float, weight_sum: float, square_sum: float) -> float:

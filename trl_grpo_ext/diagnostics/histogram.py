@@ -1,55 +1,163 @@
-"""The log-ratio histogram: one type for the importance ratio of the loss and for the sampler/trainer mismatch.
+"""The ratio statistics, computed beside the loss from the log ratios it returns: the count, the sums of `r - 1` and
+of its square (exact for ratios near 1), the extremes and an exact histogram of `x = log r`, all sums that merge.
 
-The sums and the bins are those of `ops.ratio_statistics` (where the loss kernel adds them up while it computes the
-ratios): ratios are binned by their logarithm, uniform bins `2**-12` wide for |log r| < 0.5 (ratios in
-[0.61, 1.65]), geometric bins (each about 7.9% of |log r| wider than the one before, their edges on the float32 grid
-of 10 mantissa bits) out to |log r| = 64, one bin each for what lies beyond, one for log ratios of 0 (on-policy tokens,
-so that a quantile among them reads exactly 1; it also holds the float32 denormals below `2**-136`, whose ratio is 1
-too) and one for NaN. A reported quantile lies between the sample's order statistics at that rank, widened by the
-width of the bins they fall in: within 2.5e-4 relative to the true value when those order statistics lie in the core
-bins (ratios in [0.61, 1.65]); a quantile whose neighbouring order statistic falls in a tail bin is only as precise
-as that bin (7.9% of |log r|, e.g. about 4e-2 in log space at |log r| = 0.5). Minimum and maximum are exact.
+Bins of `x`, ascending: `x < -64`; 64 geometric bins to -0.5; 4096 uniform bins `2**-12` wide over [-0.5, 0.5), with
+`x == 0` in a bin of its own; 64 geometric bins to 64; `x >= 64`; NaN. Their precision: docs/diagnostics.md
+("Quantile resolution").
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
-import numpy as np
 import torch
 
 from ..metrics import RATIO_PREFIX
 from ..ops.numerics import EXP_LINEAR_ABOVE, exp_linear_above, log_of_exp_linear_above
-from ..ops.ratio_statistics import (
-    CORE_BIN_WIDTH,
-    CORE_LOG_RATIO,
-    NUM_BINS,
-    TAIL_LOG_RATIO,
-    RatioStatistics,
-    log_ratio_bin_bounds,
-    log_ratio_bins,
-    ratio_statistics,
-)
-from .layout import FieldLayout
 
 __all__ = [
     "CORE_BIN_WIDTH",
     "CORE_LOG_RATIO",
     "NUM_BINS",
+    "RATIO_FIELDS",
     "TAIL_LOG_RATIO",
-    "LogRatioHistogram",
     "histogram_quantiles",
     "log_ratio_bin_bounds",
     "log_ratio_bins",
     "quantile_metric_name",
+    "ratio_sums",
+    "summarize_ratios",
+]
+
+CORE_LOG_RATIO = 0.5
+CORE_BIN_WIDTH = 2.0**-12
+TAIL_LOG_RATIO = 64.0
+TAIL_BINS = 64
+_CORE_BINS = round(2 * CORE_LOG_RATIO / CORE_BIN_WIDTH)
+_TAIL_OCTAVES = math.log2(TAIL_LOG_RATIO / CORE_LOG_RATIO)
+
+
+@functools.lru_cache(maxsize=8)
+def _edges(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The inner bin edges, ascending, float32 (so that a float32 log ratio and its bin's bounds compare exactly),
+    made on `device` (a copy from the host would wait for it)."""
+    octaves = torch.arange(1, TAIL_BINS + 1, dtype=torch.float64, device=device) / TAIL_BINS
+    tail = CORE_LOG_RATIO * (TAIL_LOG_RATIO / CORE_LOG_RATIO) ** octaves  # 0.5 * 1.079, ..., 64
+    core = torch.arange(-(_CORE_BINS // 2), _CORE_BINS // 2 + 1, device=device) * CORE_BIN_WIDTH
+    return torch.cat([-tail.flip(0), core, tail]).float()
+
+
+ZERO_BIN = TAIL_BINS + _CORE_BINS // 2 + 1  # the bin of [0, 2**-12) between the edges: x == 0 only
+NUM_BINS = len(_edges()) + 3  # the edges' bins, the x == 0 bin, NaN
+#: The fields of a set of ratios' statistics, with the reductions that merge them (`fields.FieldLayout`).
+RATIO_FIELDS = [
+    ("units", "sum"),
+    ("deviation_sum", "sum"),
+    ("square_sum", "sum"),
+    ("min", "min"),
+    ("max", "max"),
+    ("counts", "sum", NUM_BINS),
 ]
 
 
-def quantile_metric_name(quantile: float) -> str:
-    """`0.05 -> "ratio/p05"`, `0.5 -> "ratio/p50"`, `0.999 -> "ratio/p99.9"`."""
-    percent = round(quantile * 100, 6)
-    text = f"{percent:02.0f}" if percent == int(percent) else f"{percent:g}"
-    return f"{RATIO_PREFIX}p{text}"
+def log_ratio_bins(log_ratio: torch.Tensor) -> torch.Tensor:
+    """The bin of each log ratio, int64, same shape. Device operations only.
+
+    The bin is computed from the value (a floor of `x / 2**-12` in the core, of the log of `|x|` in the tails), then
+    moved one bin where that rounded across an edge, so that every value lies within its bin's bounds: what a binary
+    search over the edges (`torch.bucketize`) gives, at a fraction of its cost on a CPU.
+    """
+    x = log_ratio if log_ratio.dtype == torch.float64 else log_ratio.float()
+    finite = torch.nan_to_num(x, nan=0.0, posinf=2 * TAIL_LOG_RATIO, neginf=-2 * TAIL_LOG_RATIO)
+    magnitude = finite.abs()
+    tail = torch.log2(magnitude.clamp(min=CORE_LOG_RATIO) / CORE_LOG_RATIO) * (TAIL_BINS / _TAIL_OCTAVES)
+    tail = tail.floor_().clamp_(max=TAIL_BINS)  # 0 .. 63 in the tails, 64 beyond them
+    core = torch.floor(finite / CORE_BIN_WIDTH) + ZERO_BIN
+    edge_bins = torch.where(finite > 0, ZERO_BIN + _CORE_BINS // 2 + tail, TAIL_BINS - tail)
+    bins = torch.where(magnitude < CORE_LOG_RATIO, core, edge_bins).long().clamp_(0, NUM_BINS - 3)
+    lower, upper = _edge_bounds(x.device, x.dtype)
+    bins = bins - (finite < lower[bins]).long() + (finite >= upper[bins]).long()
+    return torch.where(torch.isnan(x), NUM_BINS - 1, bins + (x > 0))
+
+
+@functools.lru_cache(maxsize=8)
+def _edge_bounds(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    """`(lower, upper)` of the bins between the edges, before the `x == 0` bin is set apart, on `device`."""
+    edges, infinite = _edges(device).to(dtype), torch.full((1,), math.inf, dtype=dtype, device=device)
+    return torch.cat([-infinite, edges]), torch.cat([edges, infinite])
+
+
+@functools.lru_cache(maxsize=1)
+def log_ratio_bin_bounds() -> tuple[torch.Tensor, torch.Tensor]:
+    """`(lower, upper)` bounds of every bin but the NaN one, float64: `lower <= x < upper` (the `x == 0` bin:
+    `[0, 0]`); the outer ones are infinite."""
+    zero = torch.zeros(1, dtype=torch.float64)
+    lower, upper = _edge_bounds(dtype=torch.float64)
+    return torch.cat([lower[:ZERO_BIN], zero, lower[ZERO_BIN:]]), torch.cat([upper[:ZERO_BIN], zero, upper[ZERO_BIN:]])
+
+
+def ratio_sums(log_ratio: torch.Tensor, units: torch.Tensor, dtype: torch.dtype, ratio=None) -> dict:
+    """The `RATIO_FIELDS` of one batch of ratios, in `dtype`. Device operations only.
+
+    Args:
+        log_ratio (`torch.Tensor` of any shape): the log ratios; any values where `units` is False.
+        units (`torch.Tensor`, bool, same shape): the entries that count.
+        dtype (`torch.dtype`): the accumulation dtype.
+        ratio (`torch.Tensor`, same shape, *optional*): `exp_linear_above(log_ratio)` where already computed.
+    """
+    ratio = exp_linear_above(log_ratio.to(dtype)) if ratio is None else ratio.to(dtype)
+    deviation = torch.where(units, ratio - 1.0, 0.0)
+    bins = torch.where(units, log_ratio_bins(log_ratio), NUM_BINS).flatten()  # one bin past the last: dropped
+    counts = torch.zeros(NUM_BINS + 1, dtype=dtype, device=bins.device)
+    counts.index_add_(0, bins, torch.ones((), dtype=dtype, device=bins.device).expand(bins.shape))
+    return {
+        "units": units.sum().to(dtype),
+        "deviation_sum": deviation.sum(),
+        "square_sum": (deviation * deviation).sum(),
+        "min": torch.where(units, ratio, math.inf).amin(),
+        "max": torch.where(units, ratio, -math.inf).amax(),
+        "counts": counts[:NUM_BINS],
+    }
+
+
+def summarize_ratios(values: dict[str, torch.Tensor], quantiles: list[float], histogram: bool) -> dict | None:
+    """The statistics of merged `RATIO_FIELDS` values, `None` when no ratio counted.
+
+    Returns:
+        `dict` with `mean`, `std`, `min`, `max`, `quantiles` (one value per quantile), `nan_count`, `units` and, when
+        asked, `histogram`: `(bucket upper limits, counts, min, max, number, sum, sum of squares)`.
+    """
+    counts = values["counts"].to(torch.float64).cpu()
+    total = counts[:-1].sum().item()  # without the NaN bin
+    if total == 0:
+        return None
+    deviation_sum, square_sum = values["deviation_sum"].item(), values["square_sum"].item()
+    minimum, maximum = values["min"].item(), values["max"].item()
+    variance = (square_sum - deviation_sum**2 / total) / (total - 1) if total > 1 else 0.0
+    lower, upper = log_ratio_bin_bounds()
+    log_extremes = log_of_exp_linear_above(minimum), log_of_exp_linear_above(maximum)
+    log_quantiles = torch.tensor(histogram_quantiles(counts[:-1], lower, upper, quantiles, *log_extremes))
+    ratios = exp_linear_above(log_quantiles.double()).clamp(minimum, maximum).tolist()
+    result = {
+        "units": values["units"].item(),
+        "mean": 1.0 + deviation_sum / total,
+        "std": math.sqrt(max(variance, 0.0)),
+        "min": minimum,
+        "max": maximum,
+        "quantiles": [_exact_extremes(value, q, minimum, maximum) for value, q in zip(ratios, quantiles, strict=True)],
+        "nan_count": counts[-1].item(),
+    }
+    if histogram:
+        squares = total + 2.0 * deviation_sum + square_sum
+        buckets = _ratio_buckets(counts[:-1], upper, minimum, maximum)
+        result["histogram"] = (*buckets, minimum, maximum, total, total + deviation_sum, squares)
+    return result
+
+
+def _exact_extremes(value: float, quantile: float, minimum: float, maximum: float) -> float:
+    """The 0 and 1 quantiles are the extremes, not their logarithms' exponential (one rounding away)."""
+    return minimum if quantile <= 0 else maximum if quantile >= 1 else value
 
 
 def histogram_quantiles(
@@ -60,7 +168,8 @@ def histogram_quantiles(
     minimum: float,
     maximum: float,
 ) -> list[float]:
-    """Quantiles of the values behind a histogram, as `torch.quantile` (linear interpolation) would give them.
+    """Quantiles of the values behind a histogram: each at its rank `q * (n - 1)` among the values in order (as
+    `torch.quantile`), the values inside a bin taken as evenly spread over it.
 
     Args:
         counts (`torch.Tensor` of shape `(K,)`): counts per bin, bins in ascending order.
@@ -69,141 +178,38 @@ def histogram_quantiles(
         minimum, maximum (`float`): the exact extremes of the values, which bound the outer bins.
 
     Returns:
-        `list[float]`: one value per quantile. The values inside a bin are taken as evenly spread over it, so each
-        result is within one bin width of the sample's order statistics at that rank; the 0 and 1 quantiles are
-        exactly `minimum` and `maximum`.
+        `list[float]`: one value per quantile, within the bin of the order statistic below its rank; the 0 and 1
+        quantiles are `minimum` and `maximum`.
     """
-    counts = counts.to(torch.float64).cpu().numpy()
-    lower, upper = lower.cpu().numpy(), upper.cpu().numpy()
-    total = int(counts.sum())
+    counts = counts.to(torch.float64).cpu()
+    total = counts.sum().item()
     if total == 0:
         return [math.nan] * len(quantiles)
-    cumulative = counts.cumsum()
-
-    def value_at_rank(rank: int) -> float:
-        if rank <= 0:
-            return minimum
-        if rank >= total - 1:
-            return maximum
-        index = int(np.searchsorted(cumulative, rank, side="right"))
-        before = float(cumulative[index - 1]) if index > 0 else 0.0
-        low = min(max(float(lower[index]), minimum), maximum)
-        high = max(min(float(upper[index]), maximum), low)
-        position = (rank - before + 0.5) / float(counts[index])
-        return low + position * (high - low)
-
-    results = []
-    for quantile in quantiles:
-        position = quantile * (total - 1)
-        below = math.floor(position)
-        fraction = position - below
-        value = value_at_rank(below)
-        if fraction > 0:
-            value += fraction * (value_at_rank(below + 1) - value)
-        results.append(value)
-    return results
+    ranks = torch.tensor(quantiles, dtype=torch.float64) * (total - 1)
+    cumulative = counts.cumsum(0)
+    index = torch.searchsorted(cumulative, ranks, right=True).clamp(max=counts.numel() - 1)
+    low = lower.cpu()[index].clamp(minimum, maximum)
+    high = torch.maximum(upper.cpu()[index].clamp(max=maximum), low)
+    position = ((ranks - cumulative[index] + counts[index] + 0.5) / counts[index]).clamp(max=1.0)
+    values = torch.where(ranks >= total - 1, maximum, low + position * (high - low))
+    return torch.where(ranks <= 0, minimum, values).tolist()
 
 
-def _ratio_histogram(counts: torch.Tensor, upper_log_edges: torch.Tensor, minimum: float, maximum: float) -> tuple:
-    """(bucket upper limits in ratio units, counts, minimum, maximum): at most 64 buckets over the occupied bins."""
-    counts_array = counts.numpy()
-    occupied = np.flatnonzero(counts_array)
-    first, last = int(occupied[0]), int(occupied[-1])
+def _ratio_buckets(counts: torch.Tensor, upper_log_edges: torch.Tensor, minimum: float, maximum: float) -> tuple:
+    """`(bucket upper limits in ratio units, counts)`: at most 64 buckets over the occupied bins."""
+    occupied = counts.nonzero().flatten()
+    first, last = occupied[0].item(), occupied[-1].item()
     group = max(1, math.ceil((last - first + 1) / 64))
-    starts = np.arange(first, last + 1, group)
-    bucket_counts = np.add.reduceat(counts_array[first : last + 1], starts - first)
-    ends = np.minimum(starts + group, last + 1) - 1
-    log_limits = np.minimum(upper_log_edges.numpy()[ends], EXP_LINEAR_ABOVE)  # ratios beyond e^20 end at the max
-    bucket_limits = np.minimum(np.exp(log_limits), maximum)
-    bucket_limits[-1] = maximum
-    return bucket_limits.tolist(), bucket_counts.tolist(), minimum, maximum
+    span = counts[first : last + 1]
+    bucket_counts = torch.nn.functional.pad(span, (0, -span.numel() % group)).reshape(-1, group).sum(dim=1)
+    ends = (torch.arange(first, last + 1, group) + group - 1).clamp(max=last)
+    limits = exp_linear_above(upper_log_edges[ends].clamp(max=EXP_LINEAR_ABOVE)).clamp(max=maximum)
+    limits[-1] = maximum  # ratios beyond e^20 end at the maximum
+    return limits.tolist(), bucket_counts.tolist()
 
 
-def _ratio_of_log(log_value: float) -> float:
-    """Inverse of `log_of_exp_linear_above`: the ratio whose (linearly continued) logarithm is `log_value`."""
-    return math.exp(min(log_value, EXP_LINEAR_ABOVE)) * (1.0 + max(log_value - EXP_LINEAR_ABOVE, 0.0))
-
-
-class LogRatioHistogram:
-    """The distribution of a set of importance ratios, as sums on the device that merge by field.
-
-    `measure` turns one batch of log ratios into a packed vector of `layout`; vectors of several micro-batches merge
-    (`layout.merge`) and those of every process reduce (`layout.reduce`); `summarize` reads the statistics off the
-    result. The moments are kept as sums of `r - 1`, which stay exact for ratios near 1.
-    """
-
-    layout = FieldLayout(
-        [
-            ("units", "sum"),
-            ("deviation_sum", "sum"),
-            ("square_sum", "sum"),
-            ("min", "min"),
-            ("max", "max"),
-            ("counts", "sum", NUM_BINS),
-        ]
-    )
-
-    @classmethod
-    def measure(
-        cls, log_ratio: torch.Tensor, units: torch.Tensor, dtype: torch.dtype, ratio: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """One batch as a packed vector. Device ops only.
-
-        Args:
-            log_ratio (`torch.Tensor` of any shape): the log ratios.
-            units (`torch.Tensor`, bool, same shape): the entries that count.
-            dtype: the accumulation dtype.
-            ratio (`torch.Tensor`, same shape, *optional*): `exp_linear_above(log_ratio)` where already computed.
-        """
-        if ratio is None:
-            log_ratio = log_ratio.to(dtype)
-            ratio = exp_linear_above(log_ratio)
-        # What `ratio_statistics` expects where an entry does not count: log ratio 0, ratio 1.
-        log_ratio, ratio = torch.where(units, log_ratio, 0.0), torch.where(units, ratio, 1.0)
-        return cls.pack(ratio_statistics(log_ratio, ratio, units.to(ratio.dtype)), dtype)
-
-    @classmethod
-    def pack(cls, statistics: RatioStatistics, dtype: torch.dtype) -> torch.Tensor:
-        """`RatioStatistics` (of the loss kernel, or of `measure`) as a packed vector in `dtype`."""
-        return cls.layout.pack({name: value.to(dtype) for name, value in statistics._asdict().items()})
-
-    @classmethod
-    def empty(cls, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """The packed vector of no ratios at all (merges with any other as if absent)."""
-        return cls.measure(torch.zeros(1, device=device), torch.zeros(1, dtype=torch.bool, device=device), dtype)
-
-    @staticmethod
-    def summarize(values: dict[str, torch.Tensor], quantiles: list[float], histogram: bool) -> dict | None:
-        """The statistics of reduced `values` (`layout.unpack` of a reduced vector), `None` when no ratio counted.
-
-        Returns:
-            `dict` with `mean`, `std`, `min`, `max`, `quantiles` (one value per quantile), `nan_count`, `units` and,
-            when asked, `histogram`: `(bucket upper limits, counts, min, max, number, sum, sum of squares)`.
-        """
-        counts = values["counts"].to(torch.float64).cpu()
-        finite_counts = counts[:-1]  # without the NaN bin
-        total = finite_counts.sum().item()
-        if total == 0:
-            return None
-        deviation_sum, square_sum = values["deviation_sum"].item(), values["square_sum"].item()
-        minimum, maximum = values["min"].item(), values["max"].item()
-        mean_deviation = deviation_sum / total
-        variance = (square_sum - total * mean_deviation**2) / (total - 1) if total > 1 else 0.0
-        lower, upper = log_ratio_bin_bounds()
-        log_min, log_max = log_of_exp_linear_above(minimum), log_of_exp_linear_above(maximum)
-        log_quantiles = histogram_quantiles(finite_counts, lower, upper, quantiles, log_min, log_max)
-        result = {
-            "units": values["units"].item(),
-            "mean": 1.0 + mean_deviation,
-            "std": math.sqrt(max(variance, 0.0)),
-            "min": minimum,
-            "max": maximum,
-            "quantiles": [min(max(_ratio_of_log(value), minimum), maximum) for value in log_quantiles],
-            "nan_count": counts[-1].item(),
-        }
-        if histogram:
-            ratio_sum = total + deviation_sum
-            ratio_squares = total + 2.0 * deviation_sum + square_sum
-            result["histogram"] = (*_ratio_histogram(finite_counts, upper, minimum, maximum), total, ratio_sum)
-            result["histogram"] += (ratio_squares,)
-        return result
+def quantile_metric_name(quantile: float) -> str:
+    """`0.05 -> "ratio/p05"`, `0.5 -> "ratio/p50"`, `0.999 -> "ratio/p99.9"`."""
+    percent = round(quantile * 100, 6)
+    text = f"{percent:02.0f}" if percent == int(percent) else f"{percent:g}"
+    return f"{RATIO_PREFIX}p{text}"

@@ -1,10 +1,8 @@
-"""Sending the diagnostics' histograms to the loggers that draw them: TensorBoard, trackio and Weights & Biases.
+"""The diagnostics' histograms to the loggers that draw them: TensorBoard, trackio and Weights & Biases.
 
-Scalars travel through `Trainer.log` to every logger named in `report_to`. Histograms have no such common path (a
-non-scalar value in `logs` would also land in `trainer_state.json` and in every other logger), so they are written
-here, after the scalars of the same log step, to each of these loggers whose callback the trainer holds and whose run
-is open, under the tags of the callback's scalars (`train/ratio/histogram`, `eval/reward_std/group/histogram`).
-Other loggers get the scalars only.
+Histograms have no common path through `Trainer.log` (a non-scalar value in `logs` would land in
+`trainer_state.json` and every other logger): they are written here, after the scalars of the same log step, under
+the tags of the callback's scalars (`train/ratio/histogram`). Other loggers get the scalars only.
 """
 
 from __future__ import annotations
@@ -46,17 +44,12 @@ def _write_trackio(histograms: dict[str, tuple], mode: str, step: int) -> int:
     run = trackio.context_vars.current_run.get()
     if run is None:
         return 0
-    # transformers' callback logs the scalars without a step, so trackio numbers them itself; the histograms take the
-    # step of the scalars just logged (a later step would leave a gap in every curve). `train/global_step` is the
-    # optimizer step, as in the callback's scalars (trackio can plot against it).
+    # transformers' callback logs the scalars without a step, so trackio numbers them itself: the histograms take the
+    # step of the scalars just logged (a later one would leave a gap in every curve).
     next_step = getattr(run, "_next_step", None)
     trackio_step = next_step - 1 if isinstance(next_step, int) and next_step > 0 else None
-    metrics = {
-        f"{mode}/{name}/histogram": trackio.Histogram(np_histogram=histogram_edges(histogram))
-        for name, histogram in histograms.items()
-    }
-    trackio.log({**metrics, "train/global_step": step}, step=trackio_step)
-    return len(metrics)
+    trackio.log(_tracker_histograms(trackio.Histogram, histograms, mode, step), step=trackio_step)
+    return len(histograms)
 
 
 def _write_wandb(histograms: dict[str, tuple], mode: str, step: int) -> int:
@@ -64,13 +57,18 @@ def _write_wandb(histograms: dict[str, tuple], mode: str, step: int) -> int:
 
     if wandb.run is None:
         return 0
+    wandb.log(_tracker_histograms(wandb.Histogram, histograms, mode, step))
+    return len(histograms)
+
+
+def _tracker_histograms(histogram_type, histograms: dict[str, tuple], mode: str, step: int) -> dict:
+    """trackio's or W&B's histograms, with `train/global_step` (the optimizer step, which transformers' callbacks
+    plot every metric against)."""
     metrics = {
-        f"{mode}/{name}/histogram": wandb.Histogram(np_histogram=histogram_edges(histogram))
+        f"{mode}/{name}/histogram": histogram_type(np_histogram=histogram_edges(histogram))
         for name, histogram in histograms.items()
     }
-    # transformers' callback plots every metric against `train/global_step` (`define_metric(..., step_metric=...)`).
-    wandb.log({**metrics, "train/global_step": step})
-    return len(metrics)
+    return {**metrics, "train/global_step": step}
 
 
 def write_histograms(callback_handler: CallbackHandler, histograms: dict[str, tuple], mode: str, step: int) -> int:

@@ -1,7 +1,7 @@
 """The reward statistics of the diagnostics: the reward spread inside groups and the length/reward correlation.
 
 `DiagnosticsAccumulator.add_rewards` keeps each group's reward std and this process's centred length/reward sums
-(`LENGTH_LAYOUT`) on the device; at a log step these functions read the reported scalars and histogram off them.
+(`LENGTH_FIELDS`) on the device; at a log step these functions read the reported scalars and histogram off them.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from ..metrics import (
     REWARD_STD_GROUP_MIN,
 )
 from ..ops.advantages import has_spread
-from .layout import FieldLayout
 
 __all__ = [
-    "LENGTH_LAYOUT",
+    "LENGTH_FIELDS",
     "group_reward_stds",
     "length_moments",
     "summarize_length_correlation",
@@ -31,7 +30,7 @@ __all__ = [
 ]
 
 # The length/reward correlation inside groups: this process's centred sums since the last log (`length_moments`).
-LENGTH_LAYOUT = FieldLayout([("length_reward", "sum"), ("length_squares", "sum"), ("reward_squares", "sum")])
+LENGTH_FIELDS = [("length_reward", "sum"), ("length_squares", "sum"), ("reward_squares", "sum")]
 
 
 def group_reward_stds(grouped: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
@@ -49,14 +48,13 @@ def group_reward_stds(grouped: torch.Tensor, scored: torch.Tensor) -> torch.Tens
 
 def length_moments(
     rewards: torch.Tensor, group_stds: torch.Tensor, lengths: torch.Tensor, first_row: int, num_generations: int
-) -> torch.Tensor:
-    """This process's `LENGTH_LAYOUT` sums for one generation batch. Device ops only.
+) -> dict[str, torch.Tensor]:
+    """This process's `LENGTH_FIELDS` sums for one generation batch, by name. Device ops only.
 
     Its rows `first_row ..` of the batch are centred on the means of their group's rows held here (all of the group
-    unless the group spans processes) and summed: `[sum l_c * R_c, sum l_c^2, sum R_c^2]`. Rows that no function
-    scored are left out, and so are groups without reward spread (TRL's zero std: within 1e-8 of 0): their
-    advantages are 0, they push no length either way, and their length spread would pull the correlation towards 0
-    by the share of such groups (rounding noise in equal rewards adds nothing either).
+    unless the group spans processes) and summed: `sum l_c * R_c`, `sum l_c^2`, `sum R_c^2`. Rows that no function
+    scored are left out, and so are groups without reward spread (their advantages are 0: they push no length either
+    way, and their length spread would pull the correlation towards 0).
 
     Args:
         rewards (`torch.Tensor` of shape `(N,)`): the whole batch's total rewards, NaN for unscored rows.
@@ -81,19 +79,21 @@ def length_moments(
     counted = scored & varies
     length_centred = torch.where(counted, length - length_mean[local], 0.0)
     reward_centred = torch.where(counted, reward - reward_mean[local], 0.0)
-    return torch.stack(
-        [(length_centred * reward_centred).sum(), length_centred.pow(2).sum(), reward_centred.pow(2).sum()]
-    )
+    return {
+        "length_reward": (length_centred * reward_centred).sum(),
+        "length_squares": length_centred.pow(2).sum(),
+        "reward_squares": reward_centred.pow(2).sum(),
+    }
 
 
-def summarize_length_correlation(moments: torch.Tensor, scalars: dict[str, float]) -> None:
+def summarize_length_correlation(sums: dict[str, torch.Tensor], scalars: dict[str, float]) -> None:
     """Report the length/reward correlation inside groups, unless lengths or rewards have no spread.
 
     Args:
-        moments (`torch.Tensor` of shape `(3,)`): the `LENGTH_LAYOUT` sums, pooled over processes.
+        sums (`dict[str, torch.Tensor]`): the `LENGTH_FIELDS` sums (0-dim), pooled over processes.
         scalars (`dict[str, float]`): the log step's scalars, to add to.
     """
-    cross, length_squares, reward_squares = LENGTH_LAYOUT.unpack(moments).values()
+    cross, length_squares, reward_squares = (sums[name] for name, _ in LENGTH_FIELDS)
     if length_squares.item() > 0 and reward_squares.item() > 0:
         # r = sum (l - l_g)(R - R_g) / sqrt(sum (l - l_g)^2 * sum (R - R_g)^2), pooled over groups and processes
         correlation = cross / (length_squares * reward_squares).sqrt()

@@ -1,6 +1,5 @@
 """The log-prob forward of every step: rows packed without padding (`logprobs`), the layout and the token counts of
-the waste it removes (`layout`); from the forward's log-probs and TRL's state to the objective's inputs
-(`objective_inputs`)."""
+the waste it removes (`layout`)."""
 
 from .layout import (
     FORWARD_METRICS,

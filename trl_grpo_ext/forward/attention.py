@@ -1,30 +1,17 @@
-"""How a packed row's attention keeps its sequences apart, for each attention implementation.
+"""How a packed row's attention keeps its sequences apart, per attention implementation (`attention_kind`):
 
-A packed row holds several sequences (and, with shared prompts, a prompt followed by several completions that each
-continue it). Each token must attend exactly to what it attends to in TRL's padded row: the earlier tokens of its own
-sequence, and for a completion of a shared prompt, the prompt and its own earlier tokens. How that is told to the
-model depends on its attention implementation (`attention_kind`):
+- `VARLEN` (flash-attention 2/3/4, hub kernels; sdpa on a CUDA device in half precision, through PyTorch's varlen
+  flash kernel): explicit sequence boundaries over the flattened `(B * L)` tokens (transformers infers them from
+  `position_ids` only for one row); a completion of a shared prompt is a query segment whose keys are the prompt's and
+  its own, gathered per branch, aligned bottom-right. No mask.
+- `FLEX`: a block mask (`PackedLayout.block_mask`).
+- `DENSE` (sdpa, eager): transformers' packed-sequence mask from `position_ids`, or a 4-D mask for shared prompts.
+- `None` (unknown): `position_ids` only, no sharing; the self-check decides.
 
-- `VARLEN` (flash-attention 2, 3, 4 and hub kernels, which transformers runs through `flash_attention_forward`):
-  the sequence boundaries are given explicitly, as transformers' varlen keywords (`cu_seq_lens_q`, `cu_seq_lens_k`,
-  `max_length_q`, `max_length_k`) over the flattened `(B * L)` tokens, so that any number of packed rows is exact
-  (transformers infers them from `position_ids` only for a batch of one row). A completion of a shared prompt is a
-  query segment of its own whose keys are the prompt's and its own, gathered once per branch (`PackedAttention`):
-  fewer queries than keys, which flash-attention aligns bottom-right (the last query sees every key). No mask.
-  sdpa on a CUDA device in half precision takes the same route through PyTorch's own varlen flash kernel
-  (`torch.nn.attention.varlen.varlen_attn`, `torch_varlen_attention`): what sdpa itself runs without a mask, on
-  each sequence alone.
-- `FLEX` (flex attention): a block mask built from each token's unit and branch (`PackedLayout.block_mask`).
-- `DENSE` (sdpa, eager): transformers' packed-sequence mask, which it derives from `position_ids`, or, for shared
-  prompts, a 4-D boolean mask `(B, 1, L, L)` (`PackedLayout.attention`); its attention costs the square of a row's
-  length, hence rows no longer than TRL's padded ones by default (`logprobs.default_row_tokens`).
-- `None` (an implementation this module does not know): `position_ids` only, no sharing; the self-check decides.
-
-The varlen route goes through transformers' attention interface: `install_packed_attention` registers, under the
-model's own implementation name, a function that wraps the registered one (`packed_attention`). It changes nothing
-for a call without the `packed_attention` keyword, which only `PackedLogProbs` passes, through the model's forward
-keywords, as transformers passes its own varlen keywords down to every attention layer (and again when gradient
-checkpointing recomputes a layer).
+The varlen route is a function registered under the model's own implementation name that wraps the registered one
+(`install_packed_attention`); it changes nothing for a call without the `packed_attention` keyword, which only the
+packed forward passes, and which transformers hands to every attention layer (again when gradient checkpointing
+recomputes one).
 """
 
 from __future__ import annotations

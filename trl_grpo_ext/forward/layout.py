@@ -1,34 +1,7 @@
-"""Where the tokens of a log-prob forward go: TRL's padded layout, counted, and the packed layout that replaces it.
-
-TRL's `_get_per_token_logps_and_entropies` forwards `input_ids` of shape `(N, P + C)`: each row a prompt left-padded
-to the longest prompt `P`, then its completion right-padded to the longest completion `C`, and each of a prompt's
-`num_generations` rows repeats its prompt. For row `i` with `p_i` prompt and `c_i` completion tokens:
-
-    forwarded  = N * (P + C)
-    padding    = forwarded - sum_i (p_i + c_i)
-    repeated   = sum_i p_i * [an earlier row of the chunk has the same prompt]
-    distinct   = sum_i (p_i + c_i) - repeated
-
-`forward_counts` computes these on the device (no host synchronisation: they are logged as `forward/*` for every
-run, whatever the options). `pack_rows` builds the padding-free layout: each row's real tokens `[s_i, e_i)` (a
-contiguous span of the padded row) laid end to end in as few packed rows as `row_tokens` allows, `position_ids`
-restarting at 0 for each sequence, so that transformers' attention keeps the sequences apart (the packed-sequence
-mask it derives from `position_ids` for sdpa, eager and flex attention, varlen kernels for flash-attention).
-
-The logit that scores completion token `j` of row `i` (padded column `P + j`) is the one at the token before it,
-padded column `P + j - 1`, packed position `o_i + P + j - 1 - s_i` in packed row `r_i`: `PackedLayout.keep` marks
-these positions, in the order of the flattened `(i, j)` pairs of the completion tokens.
-
-With `shared_prompts`, the rows whose prompt tokens are equal (`prompt_leaders`) share one copy of the prompt. A
-prompt of `p` tokens and its completions `c_1, c_2, ...` are laid out as one unit:
-
-    prompt[0 : p-1] | prompt[p-1] c_1 | prompt[p-1] c_2 | ...        positions 0 .. p-2 | p-1 .. p-1+|c_k| per branch
-
-each branch attending to the shared part and to itself only (`PackedLayout.attention`, a 4-D mask), so that every
-branch token sees exactly what it sees in its padded row, at the same relative positions. The prompt's last token is
-repeated once per branch (one token per completion): its logit scores the branch's first completion token, and each
-branch is scored as in the padding-free layout. Gradients reach the shared prompt tokens once, summed over the
-branches, as the padded rows' copies of them would sum.
+"""Where the tokens of a log-prob forward go: TRL's padded layout, counted (`forward_counts`), and the packed layout
+that replaces it (`pack_rows`). TRL forwards `(N, P + C)` rows, prompts left-padded, completions right-padded, a
+prompt repeated for each of its completions; the packed layout lays each row's real tokens end to end, `position_ids`
+restarting per sequence, a shared prompt once for its completions (docs/performance.md, "The packed layout").
 """
 
 from __future__ import annotations
@@ -385,24 +358,11 @@ def pack_rows(
     attention_weight: float = 0.0,
     anchor_position: int | None = None,
 ) -> PackedLayout:
-    """Lay padded rows end to end (module docstring) in units, placed in packed rows of at most `row_tokens` tokens
-    (`None`: one packed row) by `place_units`; a unit longer than that gets a row of its own. Rows must pack
-    (`unpackable_reason` is `None`).
-
-    Without `shared_prompts` a unit is one row's real tokens. With it, a unit is a prompt's tokens but its last, then
-    one branch per completion of that prompt (its rows found by `RowSpan.leader`): the prompt's last token and the
-    completion; a prompt whose completions are not placed together (a row too short for all of them, or a row's
-    room filled with some of them) has further units, each with the prompt again.
-
-    The tail of a packed row (after its last unit) is a sequence of its own, attending to nothing real, its positions
-    restarting at 0 (and again after each `P + C` tokens, so that they stay among the positions the padded forward
-    uses). With `anchor_position`, the last row's tail ends at that position (one more column where no row has a
-    tail), so that a model whose rotary embeddings depend on the forward's largest position sees the padded forward's
-    (`attention.length_dependent_rope`).
-
-    Built from per-piece arrays (a piece: a prompt, a branch or a sequence, copied in one span), on the host with
-    `spans`, then expanded per token on the device: no host synchronisation besides `row_spans` (not even that when
-    `spans` are given), and one asynchronous upload.
+    """Lay padded rows end to end in units (one row's real tokens; with `shared_prompts`, a prompt but its last token,
+    then per completion of it that token and the completion), placed in packed rows of at most `row_tokens` tokens
+    (`None`: one row) by `place_units`; a prompt whose completions do not fit together has further units, each with
+    the prompt again. Rows must pack (`unpackable_reason` is `None`). No host synchronisation besides `row_spans` (none
+    when `spans` are given), one asynchronous upload.
 
     Args:
         input_ids (`torch.Tensor` of shape `(N, P + C)`), attention_mask (`torch.Tensor` of shape `(N, P + C)`):

@@ -1,39 +1,13 @@
-"""Padding-free log-probs (`GRPOConfigExt.padding_free`): TRL's log-prob forward without its padding.
+"""Padding-free log-probs (`GRPOConfigExt.padding_free`): every log-prob forward of a step (policy, old policy,
+reference) as TRL runs it, on packed rows without padding (`layout.pack_rows`), prompts shared where
+`shared_prompt_forward` allows (`shared_fallback_reason`), each attention implementation told how to keep the packed
+sequences apart (`attention`), through TRL's fused LM head, the values put back in TRL's `(N, C)` layout.
 
-`GRPOTrainerExt._get_per_token_logps_and_entropies` hands every log-prob forward of a step here (the policy's with
-gradient, the old policy's, the reference's, LoRA's adapters-disabled reference included). Each of TRL's chunks
-(`batch_size` rows) is packed (`layout.pack_rows`: real tokens only, `position_ids` restarting per sequence) and run
-through the model as TRL runs it, with TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`: temperature, logit
-scale and soft cap, FSDP's sharded head, the router loss), scoring exactly the completion tokens; the per-token
-values are put back in TRL's `(N, C)` layout, zero where the completion mask is 0, as TRL's own are. The result is
-TRL's to rounding: the same tokens, each sequence attending to itself only (`attention`: explicit sequence
-boundaries for varlen kernels, a block mask for flex attention, a packed-sequence or 4-D mask for sdpa and eager), at
-the same relative positions (rotary embeddings see only differences of positions, so the left padding TRL adds
-changes nothing there; a model whose rotary embeddings depend on the forward's largest position sees the padded
-forward's, `attention.length_dependent_rope`).
-
-With `shared_prompt_forward` the rows of a chunk that share a prompt forward it once (`layout.pack_rows`), each
-completion attending to the prompt and to itself. Where the model's attention cannot be told so exactly
-(`shared_fallback_reason`) the chunk packs without sharing, with one line saying why.
-
-Rows. With varlen kernels and flex attention a sequence's attention costs it alone, so a chunk is one packed row.
-sdpa and eager attend over the whole row through a dense mask (`(B, L, L)` scores, and a mask materialised per layer
-on a GPU), so their rows are no longer than TRL's padded ones (`default_row_tokens`), unless a longer row's attention
-stays a small part of a token's cost at masked attention's speed (`MASKED_ATTENTION_COST`; short sequences).
-`padding_free_row_tokens` sets another budget; `layout.place_units` chooses the rows within it.
-
-Never silently wrong. The first forward of a run is checked against TRL's padded one on the policy (`SelfCheck`): a
-few rows, truncated, packed in the training layout (two packed rows or more, several sequences in each, prompts
-shared as training shares them), compared at the precision the forward computes in, against the noise of the padded
-forward itself. A model whose attention ignores `position_ids`, the packed-sequence boundaries or the shared-prompt
-mask (remote code, an attention implementation this package does not know, learned absolute positions) differs, and
-the run falls back to TRL's padded forward, or packs without sharing, with one warning naming the difference. What
-cannot pack falls back with one line saying why (`run_fallback_reason`, `layout.unpackable_reason`):
-vision-language inputs, `use_liger_kernel`, an integer `pad_to_multiple_of` (padded shapes asked for), TRL before
-1.15 (no fused LM head), a row whose mask has a gap.
-
-The router loss (Mixture-of-Experts) counts every token of the forward, so a forward that computes it is one packed
-row without a tail; where that row is longer than the dense-mask budget, that forward runs padded.
+Never silently wrong: the first forward of a run is checked against TRL's padded one (`SelfCheck`), and what cannot
+pack falls back to TRL's padded forward with one line saying why (`run_fallback_reason`, `layout.unpackable_reason`).
+Rows: one per chunk where attention runs within sequences, no longer than TRL's padded ones under a dense mask unless
+their attention is a small part of the cost (`default_row_tokens`). The router loss counts every forwarded token: a
+forward that computes it is one packed row without a tail, or padded. docs/performance.md, "The log-prob forward".
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """The objective as pure tensor code (torch only: nothing here imports TRL or transformers).
 
-- `objective`: `grpo_loss` (DeepSeekMath's GRPO objective), `policy_objective` (every TRL loss type) and
-  `total_loss` (the entropy bonus and the router loss added to it);
-- `terms`: the catalogue of policy terms and aggregations, each written once;
-- `loss_types`: one record per loss type, with its formula text; `register_loss_type` adds one's own;
-- `fused`: the fused (and compiled) kernel of the clipped-surrogate rows;
-- `numerics`: the exponential continued linearly above a threshold, the `exp(d) - d - 1` estimator;
-- `correction`: vLLM's importance-sampling correction as TRL builds it (raw log ratios, bounds, weights);
-- `ratio_statistics`: the importance ratios' count, moments, extremes and log-ratio histogram, as sums that merge;
-- `sampler_cuts`: the trainer's log-probs under a sampler's top_k/top_p/min_p cuts, renormalised over the kept tokens;
-- `validation`: the checks on inputs and hyper-parameters;
+- `objective`: `grpo_loss` (DeepSeekMath's GRPO objective), `policy_objective` (every TRL loss type, the formula that
+  trains) and `total_loss` (the entropy bonus and the router loss added to it);
+- `terms`: the policy terms and aggregations, each written once; `loss_types`: one record per loss type;
+- `fused`: the opt-in kernel of the clipped-surrogate rows (analytic gradient, eager or compiled);
+- `numerics`: the exponentials continued linearly above a threshold; `validation`: the checks of the inputs;
 - `advantages`: group-relative advantages.
 """
 
 from .advantages import NO_SPREAD_STD, group_relative_advantages, has_spread
 from .loss_types import LOSS_TYPES, LossType, register_loss_type, register_policy_term
 from .numerics import EXP_LINEAR_ABOVE
-from .objective import IMPLEMENTATIONS, GRPOLossOutput, grpo_loss, policy_objective, total_loss
-from .sampler_cuts import SamplerCuts, TruncatedLogProbs, truncated_log_probs, truncated_log_probs_from_hidden
+from .objective import IMPLEMENTATIONS, GRPOLossOutput, ObjectiveOptions, grpo_loss, policy_objective, total_loss
 from .validation import hyperparameter_problems
 
 __all__ = [
@@ -27,8 +21,7 @@ __all__ = [
     "NO_SPREAD_STD",
     "GRPOLossOutput",
     "LossType",
-    "SamplerCuts",
-    "TruncatedLogProbs",
+    "ObjectiveOptions",
     "group_relative_advantages",
     "grpo_loss",
     "has_spread",
@@ -37,6 +30,4 @@ __all__ = [
     "register_loss_type",
     "register_policy_term",
     "total_loss",
-    "truncated_log_probs",
-    "truncated_log_probs_from_hidden",
 ]

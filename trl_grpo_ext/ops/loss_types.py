@@ -1,32 +1,15 @@
-"""One record per TRL `loss_type`: everything the objective, the trainer and the diagnostics need to know of it.
+"""One record per TRL `loss_type`: its policy term and aggregation (`terms.py`), the divisor the trainer computes,
+its clip metrics, and its formula as text for the model card. The table of the records, with what "window" and
+"micro-batch" normalisation mean: docs/objective.md ("Every TRL loss type").
 
-| loss_type | policy term | aggregation | divisor `D` | normalised over | clip metrics |
-| --- | --- | --- | --- | --- | --- |
-| grpo | clipped | sequence_mean | | micro-batch | clip_ratio |
-| bnpo | clipped | token_mean | | micro-batch | clip_ratio |
-| dr_grpo | clipped | sum_over_denominator | N * max_completion_length | micro-batch | clip_ratio |
-| dapo | clipped | sum_over_denominator | completion tokens of the window | window | clip_ratio |
-| luspo | clipped | sequence_sum | | micro-batch | clip_ratio |
-| cispo | cispo | sum_over_denominator | completion tokens of the window | window | cispo |
-| sapo | sapo | sequence_mean | | micro-batch | none |
-| vespo | vespo | sum_over_denominator | completion tokens of the window | window | none |
-
-"window": the divisor already counts every completion token of the gradient-accumulation window, so the micro-batch
-loss is final as it is; "micro-batch": the loss is a per-micro-batch mean, divided by the accumulation steps before
-backward (as TRL 1.16's `GRPOTrainer._compute_loss` does for each loss type).
-
-Each record also holds its formula as text (`policy_formula`, `aggregation_formula`), which the model card prints,
-and the clipping fields its term uses. A loss type of one's own is registered in one place, `register_loss_type`
-(with `register_policy_term` for a new per-token term); `loss_type="<its name>"` then trains with `GRPOTrainerExt`, is
-logged by the diagnostics and described by the card like the built-in ones.
-
-`loss_type_table` writes the table of docs/objective.md ("Every TRL loss type") from the records; `python -m
-benchmarks tables` puts it there, listing the built-in ones (`BUILTIN_LOSS_TYPES`) and not the registered ones.
+A loss type of one's own is registered in one place, `register_loss_type` (with `register_policy_term` for a new
+per-token term); `loss_type="<its name>"` then trains with `GRPOTrainerExt`, is logged by the diagnostics and
+described by the card like the built-in ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .terms import AGGREGATIONS, POLICY_TERMS
@@ -40,7 +23,6 @@ __all__ = [
     "TERM_FORMULAS",
     "LossType",
     "loss_type_record",
-    "loss_type_table",
     "register_loss_type",
     "register_policy_term",
     "vllm_correction_line",
@@ -127,11 +109,6 @@ DIVISOR_FORMULAS = {
     "rows_times_max_length": "D = G * max_completion_length",
     "token_mean": "T = sum_i |o_i| over the micro-batch",
 }
-#: divisor -> what `D` is, in the words of docs/objective.md's loss-type table (Markdown).
-DIVISOR_NOTES = {
-    "window_tokens": "`D` = completion tokens of the accumulation window",
-    "rows_times_max_length": "`D = N * max_completion_length`",
-}
 
 
 @dataclass(frozen=True)
@@ -196,17 +173,6 @@ class LossType:
         """Whether the loss is divided by a count of the whole accumulation window (then not again by its steps)."""
         return self.divisor == "window_tokens"
 
-    def table_row(self, note: str = "") -> str:
-        """Its row of the loss-type table: name (with `note` after it, in brackets), policy term, aggregation (with
-        what its divisor `D` is)."""
-        name = f"`{self.name}`" + (f" ({note})" if note else "")
-        aggregation = f"`{self.aggregation}`" + (f", {DIVISOR_NOTES[self.divisor]}" if self.divisor else "")
-        cells = [name, f"`{self.policy_term}`", aggregation]
-        for cell in cells:
-            if "|" in cell or "\n" in cell:
-                raise ValueError(f"loss type {self.name}: a table cell holds '|' or a line break: {cell!r}")
-        return f"| {' | '.join(cells)} |"
-
 
 LOSS_TYPES: dict[str, LossType] = {
     record.name: record
@@ -231,22 +197,6 @@ LOSS_TYPES: dict[str, LossType] = {
 }
 #: The loss types this package defines (TRL's), in their order; `register_loss_type` adds to `LOSS_TYPES` only.
 BUILTIN_LOSS_TYPES: tuple[str, ...] = tuple(LOSS_TYPES)
-
-
-def loss_type_table(records: Iterable[LossType], notes: Mapping[str, str] | None = None) -> str:
-    """The loss-type table of docs/objective.md ("Every TRL loss type"), one row per record in their order.
-
-    Args:
-        records (`Iterable[LossType]`): the rows.
-        notes (`Mapping[str, str]`, *optional*): loss type -> words in brackets after its name (whose default it is).
-
-    Returns:
-        `str`: Markdown, a line per row; `python -m benchmarks tables` writes it there and `--check` fails when the
-        page's differs.
-    """
-    notes = notes or {}
-    header = "| `loss_type` | policy term `P` | aggregation |\n| --- | --- | --- |\n"
-    return header + "".join(f"{record.table_row(notes.get(record.name, ''))}\n" for record in records)
 
 
 def loss_type_record(name: str) -> LossType:

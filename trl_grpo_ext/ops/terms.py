@@ -1,30 +1,9 @@
-"""The catalogue of the objective's pieces: per-token policy terms and aggregations, each written once, picked by name.
+"""The catalogue of the objective's pieces, each written once and picked by name: per-token policy terms `P`
+(minimised; `-S` of the objective) and aggregations `sum_i c_i * sum_t L_it`, written as their row weights `c_i`.
 
-A loss type (`loss_types.py`) is one policy term and one aggregation. With `r` the importance weight, `A` the
-advantage and `logp` the policy's log-probability of a completion token:
-
-| policy term | per-token loss `P` (minimised) |
-| --- | --- |
-| clipped | `-min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)` (PPO's clipped surrogate, `-S` of the objective) |
-| cispo | `-sg(min(r, eps_high)) * A * logp` |
-| sapo | `-(4 / tau) * sigmoid(tau * (r - 1)) * A` |
-| vespo | `-sg(phi_i) * A * logp` |
-
-An aggregation turns per-token losses `L` (0 at masked positions) into the micro-batch loss
-`sum_i c_i * sum_t L_it`, and is written as its row weights `c_i`:
-
-| aggregation | `c_i` | |
-| --- | --- | --- |
-| sequence_mean | `1 / (N * |o_i|)` | DeepSeekMath's `(1/G) sum_i (1/|o_i|) sum_t` |
-| token_mean | `1 / sum_j |o_j|` | every token of the micro-batch alike |
-| sum_over_denominator | `1 / D` | `D` fixed by the caller |
-| sequence_sum | `1 / N` | longer completions weigh more |
-
-A row without completion tokens adds 0 and, in `sequence_mean`, still counts in `N`.
-
-`N` and `sum_j |o_j|` are those of the whole micro-batch. A caller that passes only some of its rows (the others add
-exactly 0: zero-advantage rows without a KL term, see `trl_grpo_ext.sampling.skipping`) gives them as `batch_rows` and
-`batch_tokens`, so that each row passed keeps the weight it has in the whole micro-batch.
+A loss type (`loss_types.py`) is one of each; their formulas side by side: docs/objective.md ("Every TRL loss type").
+`N` and `sum_j |o_j|` are those of the whole micro-batch: a caller that passes only some of its rows (the others add
+exactly 0) gives them as `batch_rows` and `batch_tokens`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The checks on the objective's inputs and hyper-parameters, in one place.
-
-`policy_objective` (and so `grpo_loss`) validates its arguments here once, whichever implementation then computes
-the loss; `GRPOConfigExt` and `GRPOTrainerExt` check a configuration with `hyperparameter_problems` before any
-model is loaded.
-"""
+"""The checks on the objective's inputs and hyper-parameters, in one place: `policy_objective` (and so `grpo_loss`)
+and the configuration's checks call these, before any implementation computes anything."""
 
 from __future__ import annotations
 
@@ -12,7 +8,19 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ValidatedInputs", "hyperparameter_problems", "kernel_refusal", "raise_problems", "validate_inputs"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "ValidatedInputs",
+    "hyperparameter_problems",
+    "implementation_problem",
+    "kernel_refusal",
+    "raise_problems",
+    "validate_inputs",
+]
+
+#: How the objective is computed: the formula with autograd (the default), or the opt-in kernel of `fused.py`, eager
+#: or through `torch.compile`.
+IMPLEMENTATIONS = ("reference", "fused", "compiled")
 
 
 def raise_problems(problems: list[str]) -> None:
@@ -72,32 +80,15 @@ class ValidatedInputs:
     dtype: torch.dtype
 
 
-def _check_tensor(name: str, tensor, shape: torch.Size, device: torch.device) -> None:
+def _checked(name: str, tensor, device: torch.device, shapes: list[tuple], expected: str) -> torch.Tensor:
+    """`tensor`, if it is a tensor of one of `shapes` on `device`; else a `ValueError` naming `name`."""
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"`{name}` must be a torch.Tensor, got {type(tensor).__name__}.")
-    if tensor.shape != shape:
-        raise ValueError(f"`{name}` has shape {tuple(tensor.shape)}, expected {tuple(shape)} (the shape of `logps`).")
+    if tuple(tensor.shape) not in shapes:
+        raise ValueError(f"`{name}` has shape {tuple(tensor.shape)}, expected {expected}.")
     if tensor.device != device:
         raise ValueError(f"`{name}` is on {tensor.device}, but `logps` is on {device}; move it to the same device.")
-
-
-def _advantages_2d(advantages, shape: torch.Size, device: torch.device) -> torch.Tensor:
-    """`advantages` as `(N, 1)` or `(N, T)`."""
-    if not isinstance(advantages, torch.Tensor):
-        raise ValueError(f"`advantages` must be a torch.Tensor, got {type(advantages).__name__}.")
-    if advantages.device != device:
-        raise ValueError(
-            f"`advantages` is on {advantages.device}, but `logps` is on {device}; move it to the same device."
-        )
-    num_rows, num_tokens = shape
-    if advantages.shape == (num_rows,):
-        return advantages.unsqueeze(-1)
-    if advantages.shape in ((num_rows, 1), (num_rows, num_tokens)):
-        return advantages
-    raise ValueError(
-        f"`advantages` has shape {tuple(advantages.shape)}; expected ({num_rows},), ({num_rows}, 1) or "
-        f"({num_rows}, {num_tokens}) for `logps` of shape {tuple(shape)}."
-    )
+    return tensor
 
 
 def validate_inputs(
@@ -108,8 +99,7 @@ def validate_inputs(
     Args:
         logps, old_logps, ref_logps, advantages, completion_mask: as `policy_objective` takes them.
         beta (`float`): the KL coefficient (`ref_logps=None` is allowed only when it is 0).
-        optional (`dict[str, torch.Tensor | None]`, *optional*): further per-row or per-token tensors (weights) that
-            must be on the device of `logps` and have `N` rows.
+        optional (`dict[str, torch.Tensor | None]`, *optional*): further weights, `(N, 1)` or `(N, T)`.
 
     Returns:
         [`ValidatedInputs`].
@@ -121,44 +111,49 @@ def validate_inputs(
         raise ValueError(f"`logps` must be a floating-point tensor, got {logps.dtype}.")
     if logps.numel() == 0:
         raise ValueError(f"`logps` is empty (shape {tuple(logps.shape)}): a batch needs at least one row and token.")
-    shape, device = logps.shape, logps.device
-    _check_tensor("completion_mask", completion_mask, shape, device)
+    (rows, tokens), device = logps.shape, logps.device
+    same = ([(rows, tokens)], f"{(rows, tokens)} (the shape of `logps`)")
+    mask = _checked("completion_mask", completion_mask, device, *same)
     if old_logps is not None:
-        _check_tensor("old_logps", old_logps, shape, device)
+        _checked("old_logps", old_logps, device, *same)
     if ref_logps is None and beta > 0:
         raise ValueError(f"`ref_logps` is None but `beta` is {beta}; pass reference log-probs or set beta=0.")
     if ref_logps is not None:
-        _check_tensor("ref_logps", ref_logps, shape, device)
-    advantages = _advantages_2d(advantages, shape, device)
+        _checked("ref_logps", ref_logps, device, *same)
+    per_row = [(rows, 1), (rows, tokens)]
+    expected = f"({rows},), ({rows}, 1) or ({rows}, {tokens}) for `logps` of shape {(rows, tokens)}"
+    advantages = _checked("advantages", advantages, device, [(rows,), *per_row], expected)
     for name, tensor in (optional or {}).items():
-        if tensor is None:
-            continue
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or tensor.shape[0] != shape[0]:
-            got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ValueError(f"`{name}` must be a ({shape[0]}, 1) or ({shape[0]}, {shape[1]}) tensor, got {got}.")
-        if tensor.device != device:
-            raise ValueError(
-                f"`{name}` is on {tensor.device}, but `logps` is on {device}; move it to the same device."
-            )
-    mask = completion_mask if completion_mask.dtype == torch.bool else completion_mask != 0
+        if tensor is not None:
+            _checked(name, tensor, device, per_row, f"({rows}, 1) or ({rows}, {tokens})")
     return ValidatedInputs(
         logps=logps,
         old_logps=None if old_logps is None else old_logps.detach(),
         ref_logps=None if ref_logps is None else ref_logps.detach(),
-        advantages=advantages.detach(),
-        mask=mask,
+        advantages=advantages.detach().reshape(rows, -1),
+        mask=mask if mask.dtype == torch.bool else mask != 0,
         dtype=torch.promote_types(logps.dtype, torch.float32),
     )
 
 
-def kernel_refusal(implementation: str, problems: list[str], argument: str = "implementation") -> str:
-    """The error for a fused or compiled kernel asked for outside its domain (`problems`: `fused.domain_problems`).
+def implementation_problem(implementation, argument: str = "implementation") -> str | None:
+    """The sentence that refuses a value that is not one of `IMPLEMENTATIONS` (naming the argument as the caller
+    calls it: `"loss_implementation"` in a config), `None` for a valid one."""
+    if implementation == "auto":  # a removed value: it meant the fused kernel wherever the kernel applied
+        return (
+            f"`{argument}='auto'` was removed: the formula, {argument}='reference', is the default; "
+            f"{argument}='fused' or 'compiled' asks for the opt-in kernel."
+        )
+    if implementation not in IMPLEMENTATIONS:
+        return f"`{argument}` must be one of {IMPLEMENTATIONS}, got {implementation!r}."
+    return None
 
-    Args:
-        argument (`str`): the name the caller gave the choice (`"loss_implementation"` in a config).
-    """
+
+def kernel_refusal(implementation: str, problems: list[str], argument: str = "implementation") -> str:
+    """The error for the fused or compiled kernel asked for outside its domain (`problems`: `fused.domain_problems`),
+    naming the argument as the caller calls it."""
     return (
         f"{argument}={implementation!r} cannot compute this objective: "
         + "; ".join(problems)
-        + f". Use {argument}='auto' (the kernel wherever it applies) or 'reference'."
+        + f". Use {argument}='reference' (the default)."
     )

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 from transformers import TrainerCallback
 
-from ... import cpu_engines
 from ...config_checks import reward_weights_problem
 from ...metrics import HELDOUT_PREFIX, LOSS
 from .arguments import (
@@ -303,10 +302,6 @@ def run(
         optional_tensorboard: run without TensorBoard where it is missing (the demo), saying so.
         new_folder_per_run: write into a fresh folder when `output_dir` holds an earlier run (the demo).
     """
-    if cpu_engines.env_flag(cpu_engines.CPU_ENGINES_ENV):  # a sharded engine on CPU processes (docs/sharded.md)
-        cpu_engines.enable_sharded_engines_on_cpu()  # before the training arguments create accelerate's state
-    if cpu_engines.env_flag(cpu_engines.VLLM_ON_CPU_ENV):  # vLLM's CPU engine (docs/vllm.md)
-        cpu_engines.enable_vllm_on_cpu()  # before the trainer builds its colocate engine
     try:
         script_args, training_args, model_args = parse_args(argv, prog, **parse_kwargs)
         name_deepspeed_cpu_accelerator(training_args)
