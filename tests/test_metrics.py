@@ -16,7 +16,9 @@ NOT_METRIC_NAMES = {
     ("tools.report.figure", "reward"): "a panel's title and axis label",
     ("tools.report.figure", "entropy"): "a panel's title",
     ("tools.report.figure", "loss"): "a panel's axis label",
-    ("ops.objective", "kl"): "the per-row sums' field, in the ops layer, which imports nothing of the package",
+    ("extras.console", "reward"): "a label on the console's line",
+    ("extras.console", "kl"): "a label on the console's line",
+    ("extras.console", "entropy"): "a label on the console's line",
     ("ops.loss_types", "vespo/phi_seq_mean"): "VESPO's record, in the ops layer, which imports nothing of the package",
 }
 #: Modules that do not read their metric names from `metrics` yet (their literals are not checked).
