@@ -272,9 +272,9 @@ print(*sorted(name for name in sys.modules if name.startswith("trl_grpo_ext.")))
 """
 
 
-def test_the_trainer_loads_no_module_of_the_tools():
-    """The command, the report, the model card and the recipes load when they run (a card when it is written), never
-    with `import trl_grpo_ext.trainer`."""
+def test_the_trainer_loads_no_module_of_the_tools_or_the_extras():
+    """The command, the report, the model card and the recipes load when they run (a card when it is written), an
+    extra when its option is on, never with `import trl_grpo_ext.trainer`."""
     import subprocess
     import sys
 
@@ -282,7 +282,7 @@ def test_the_trainer_loads_no_module_of_the_tools():
     assert result.returncode == 0, result.stderr
     loaded = result.stdout.split()
     assert "trl_grpo_ext.trainer" in loaded
-    assert not [name for name in loaded if name.startswith("trl_grpo_ext.tools")], loaded
+    assert not [name for name in loaded if name.startswith(("trl_grpo_ext.tools", "trl_grpo_ext.extras"))], loaded
 
 
 def test_the_tools_name_no_file_of_the_checkout_that_the_wheel_leaves_out():
