@@ -487,7 +487,7 @@ ROUND_PHASES = {
         SELECTIVE,
         per_device_train_batch_size=16,
         max_steps=12,
-        selective_rollouts_exploration_step=0.1,
+        selective_rollouts_exploration_schedule=[0.05, 1.0, 0.1],
         selective_rollouts_target_zero_spread=0.1,
     ),
     "sizing-checkpointed": dict(per_device_train_batch_size=16, max_steps=12, dynamic_sampling=True),

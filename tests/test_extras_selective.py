@@ -89,8 +89,7 @@ def test_a_prompt_flat_at_its_last_visit_is_never_generated_again_without_explor
         reward=spread_except_constant,
         selective_rollouts=True,
         selective_rollouts_exploration=0.0,
-        selective_rollouts_exploration_min=0.0,
-        selective_rollouts_exploration_max=0.0,
+        selective_rollouts_exploration_schedule=[0.0, 0.0, 0.01],
         max_steps=24,  # 12 generation batches of 2 prompts: 24 visits of 12 prompts
     )
     rows = trainer.args.generation_batch_size
@@ -120,8 +119,7 @@ def test_explored_predictions_are_scored_and_the_exploration_probability_follows
         reward=spread_except_constant,
         selective_rollouts=True,
         selective_rollouts_exploration=0.9,
-        selective_rollouts_exploration_min=0.8,
-        selective_rollouts_exploration_step=0.05,
+        selective_rollouts_exploration_schedule=[0.8, 1.0, 0.05],
         selective_rollouts_target_zero_spread=0.3,
         max_steps=24,
     )
@@ -161,7 +159,9 @@ def test_never_skipping_changes_nothing_and_reward_functions_get_the_columns_the
         trainer_name = [name]
         options = dict(dynamic_sampling=dynamic, **selective)
         if selective:
-            options.update(selective_rollouts_exploration=1.0, selective_rollouts_exploration_min=1.0)
+            options.update(
+                selective_rollouts_exploration=1.0, selective_rollouts_exploration_schedule=[1.0, 1.0, 0.01]
+            )
         trainer, recorder = run(
             tiny_model_path, tiny_tokenizer, tmp_path / name, dataset=dataset, reward=recording_reward, **options
         )
@@ -223,7 +223,7 @@ def test_remove_unused_columns_keeps_the_index(tiny_model_path, tiny_tokenizer, 
         reward=spread_except_constant,
         selective_rollouts=True,
         selective_rollouts_exploration=0.0,
-        selective_rollouts_exploration_min=0.0,
+        selective_rollouts_exploration_schedule=[0.0, 1.0, 0.01],
         remove_unused_columns=True,
         max_steps=16,
     )
@@ -235,13 +235,17 @@ def test_configuration_errors_name_the_option(tiny_model_path, tiny_tokenizer, t
     cases = {
         "selective_rollouts_history": dict(selective_rollouts_history=0),
         "selective_rollouts_target_zero_spread": dict(selective_rollouts_target_zero_spread=1.5),
-        "must not exceed": dict(selective_rollouts_exploration_min=0.9, selective_rollouts_exploration_max=0.5),
+        "0 <= min <= max <= 1": dict(selective_rollouts_exploration_schedule=[0.9, 0.5, 0.01]),
         "selective_rollouts_exploration`": dict(selective_rollouts_exploration=0.01),
-        "selective_rollouts_exploration_step": dict(selective_rollouts_exploration_step=-0.1),
+        "step must be >= 0": dict(selective_rollouts_exploration_schedule=[0.05, 1.0, -0.1]),
+        "three numbers": dict(selective_rollouts_exploration_schedule=[0.05, 1.0]),
     }
     for name, options in cases.items():
         with pytest.raises(ValueError, match=name):
             GRPOConfigExt(**tiny_grpo_args(tmp_path, selective_rollouts=True, **options))
+    for name in ("min", "max", "step"):  # the fields folded into the schedule are refused naming it
+        with pytest.raises(ValueError, match=f"the {name} of selective_rollouts_exploration_schedule"):
+            GRPOConfigExt(**tiny_grpo_args(tmp_path, **{f"selective_rollouts_exploration_{name}": 0.5}))
     iterable = epochs_dataset().to_iterable_dataset()
     with pytest.raises(ValueError, match="map-style"):
         make_trainer(tmp_path, tiny_model_path, tiny_tokenizer, iterable, selective_rollouts=True)

@@ -55,7 +55,7 @@ class GRPOConfigExt(GRPOConfig):
 
     def __new__(cls, *args, **kwargs):
         # A removed field is refused naming what replaced it, where the dataclass would only call it unexpected.
-        problems = [removed_field_problem(name, value) for name, value in kwargs.items() if name in RENAMED]
+        problems = [problem for name, value in kwargs.items() if (problem := removed_field_problem(name, value))]
         if problems:
             raise ValueError(" ".join(problems))
         return super().__new__(cls)
@@ -239,22 +239,15 @@ class GRPOConfigExt(GRPOConfig):
         default=0.5,
         metadata={
             "help": "With selective_rollouts, the initial exploration probability p: a prompt predicted flat is "
-            "generated for anyway with probability p ** (streak - history + 1) (within the bounds below)."
+            "generated for anyway with probability p ** (streak - history + 1) (within the schedule's bounds)."
         },
     )
-    selective_rollouts_exploration_min: float = field(
-        default=0.05,
-        metadata={"help": "With selective_rollouts, the lowest exploration probability (in [0, 1])."},
-    )
-    selective_rollouts_exploration_max: float = field(
-        default=1.0,
-        metadata={"help": "With selective_rollouts, the highest exploration probability (in [min, 1])."},
-    )
-    selective_rollouts_exploration_step: float = field(
-        default=0.01,
+    selective_rollouts_exploration_schedule: list[float] = field(
+        default_factory=lambda: [0.05, 1.0, 0.01],
         metadata={
-            "help": "With selective_rollouts, how far the exploration probability moves after each generation batch "
-            "(>= 0; 0 keeps it fixed)."
+            "help": "With selective_rollouts, the exploration probability's lowest and highest values and how far it "
+            "moves after each generation batch: [min, max, step] with 0 <= min <= max <= 1 and step >= 0 (0 keeps "
+            "it fixed)."
         },
     )
 
@@ -436,9 +429,18 @@ _DEFAULTS = {
 TRL_BEHAVIOUR = {"match_sampler_truncation": False, "padding_free": False, "shared_prompt_forward": False}
 
 
+#: The selective rollouts' exploration fields folded into `selective_rollouts_exploration_schedule`: their place there.
+FOLDED_FIELDS = {f"selective_rollouts_exploration_{part}": part for part in ("min", "max", "step")}
+
+
 def removed_field_problem(name: str, value=None) -> str | None:
-    """The sentence that refuses a field this release removed (an alarm threshold's `warn_*` field), naming the
-    setting that replaced it; `None` for any other name."""
+    """The sentence that refuses a field this release removed (an alarm threshold's `warn_*` field, a bound of the
+    selective rollouts' exploration), naming the setting that replaced it; `None` for any other name."""
+    if name in FOLDED_FIELDS:
+        return (
+            f"`{name}` was removed: it is the {FOLDED_FIELDS[name]} of selective_rollouts_exploration_schedule = "
+            "[min, max, step]; set that instead."
+        )
     alarm = RENAMED.get(name)
     if alarm is None:
         return None

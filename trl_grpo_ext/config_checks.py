@@ -154,29 +154,32 @@ def reward_weights_problem(weights, reward_func_names: list[str]) -> str | None:
 
 def _selective_rollouts_problems(options) -> list[str]:
     problems = []
-    for name in (
-        "selective_rollouts_target_zero_spread",
-        "selective_rollouts_exploration_min",
-        "selective_rollouts_exploration_max",
+    spread = options.selective_rollouts_target_zero_spread
+    if not 0.0 <= spread <= 1.0:
+        problems.append(f"`selective_rollouts_target_zero_spread` must lie in [0, 1], got {spread}.")
+    schedule = options.selective_rollouts_exploration_schedule
+    if (
+        not isinstance(schedule, (list, tuple))
+        or len(schedule) != 3
+        or not all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in schedule)
     ):
-        value = getattr(options, name)
-        if not 0.0 <= value <= 1.0:
-            problems.append(f"`{name}` must lie in [0, 1], got {value}.")
-    low, high = options.selective_rollouts_exploration_min, options.selective_rollouts_exploration_max
+        return problems + [
+            f"`selective_rollouts_exploration_schedule` must be three numbers [min, max, step], got {schedule!r}."
+        ]
+    low, high, step = schedule
     initial = options.selective_rollouts_exploration
-    if low > high:
+    if not 0.0 <= low <= high <= 1.0:
         problems.append(
-            f"`selective_rollouts_exploration_min` ({low}) must not exceed `selective_rollouts_exploration_max` "
-            f"({high})."
+            f"`selective_rollouts_exploration_schedule`'s bounds must satisfy 0 <= min <= max <= 1, got [{low}, "
+            f"{high}]."
         )
     elif not low <= initial <= high:
         problems.append(
-            f"`selective_rollouts_exploration` must lie in [selective_rollouts_exploration_min, "
-            f"selective_rollouts_exploration_max] = [{low}, {high}], got {initial}."
+            f"`selective_rollouts_exploration` must lie in selective_rollouts_exploration_schedule's [min, max] = "
+            f"[{low}, {high}], got {initial}."
         )
-    step = options.selective_rollouts_exploration_step
     if not step >= 0:
-        problems.append(f"`selective_rollouts_exploration_step` must be >= 0, got {step}.")
+        problems.append(f"`selective_rollouts_exploration_schedule`'s step must be >= 0, got {step}.")
     return problems
 
 

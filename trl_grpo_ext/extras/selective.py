@@ -37,8 +37,11 @@ INDEX_COLUMN = "_trl_grpo_ext_prompt_index"
 
 def selective_options(args) -> dict:
     """`SelectiveRollouts`' options from the configuration's `selective_rollouts_*` fields."""
-    names = ("history", "target_zero_spread", "exploration", "exploration_min", "exploration_max", "exploration_step")
-    return {name: option(args, f"selective_rollouts_{name}") for name in names}
+    options = {
+        name: option(args, f"selective_rollouts_{name}") for name in ("history", "target_zero_spread", "exploration")
+    }
+    low, high, step = option(args, "selective_rollouts_exploration_schedule")
+    return {**options, "exploration_min": low, "exploration_max": high, "exploration_step": step}
 
 
 def strip_index(rows: list[dict]) -> list[dict]:
