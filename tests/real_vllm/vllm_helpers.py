@@ -13,8 +13,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 if os.path.join(REPO, "tests") not in sys.path:  # the scripts of this folder import `cpu_engines` from tests/
     sys.path.append(os.path.join(REPO, "tests"))
-DEMO_MODEL = os.path.join(REPO, "trl_grpo_ext", "recipes", "tiny", "base_model")
-DEMO_TRAIN = os.path.join(REPO, "trl_grpo_ext", "recipes", "tiny", "data", "train.jsonl")
+DEMO_MODEL = os.path.join(REPO, "trl_grpo_ext", "tools", "recipes", "tiny", "base_model")
+DEMO_TRAIN = os.path.join(REPO, "trl_grpo_ext", "tools", "recipes", "tiny", "data", "train.jsonl")
 DISTRIBUTED_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
