@@ -65,8 +65,8 @@ from contextlib import contextmanager
 
 from .common import CHECKOUT, child_env, cpu_engines, format_table, summarize
 
-DEMO_MODEL = os.path.join(CHECKOUT, "trl_grpo_ext", "recipes", "tiny", "base_model")
-DEMO_TRAIN = os.path.join(CHECKOUT, "trl_grpo_ext", "recipes", "tiny", "data", "train.jsonl")
+DEMO_MODEL = os.path.join(CHECKOUT, "trl_grpo_ext", "tools", "recipes", "tiny", "base_model")
+DEMO_TRAIN = os.path.join(CHECKOUT, "trl_grpo_ext", "tools", "recipes", "tiny", "data", "train.jsonl")
 SIDES = {
     "trl": "stock trl.GRPOTrainer, trl.GRPOConfig",
     "ext": "GRPOTrainerExt, GRPOConfigExt",
